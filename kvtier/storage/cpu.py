@@ -1,0 +1,168 @@
+"""The local CPU tier: chunks kept in one host memory pool (pinned when a GPU is present).
+
+The tier owns the pool it allocates chunk buffers from, so it can make room: when an
+allocation fails it evicts, in policy order, stored objects that nobody is using, until
+the allocation fits or nothing more can go.
+
+NOTE: an object is evictable only while the tier holds the sole reference and it is not
+pinned. A reader holds a reference (``get`` returns one) and a writer pins; neither can
+lose its object underneath it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.keys import CacheKey
+from kvtier.memory import HostMemoryPool, MemoryObj
+from kvtier.metrics import Counter, Stats
+from kvtier.storage.policy import make_policy
+
+logger = logging.getLogger(__name__)
+
+
+class LocalCPUTier:
+    """Capacity-bounded chunk store in host memory.
+
+    Args:
+        capacity_bytes: size of the pool.
+        policy: eviction policy name (LRU | LFU | FIFO | MRU).
+        alignment: buffer alignment in bytes.
+        pin_memory: pin the pool (None: when a GPU is present).
+        stats: where evictions and allocation failures are counted.
+    """
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: str = "LRU",
+        *,
+        alignment: int = 256,
+        pin_memory: bool | None = None,
+        stats: Stats | None = None,
+    ):
+        self.pool = HostMemoryPool(capacity_bytes, alignment=alignment, pin_memory=pin_memory)
+        self.policy = make_policy(policy)
+        self.stats = stats or Stats()
+        self._objects: dict[CacheKey, MemoryObj] = {}
+        self._lock = threading.RLock()
+
+    # -- allocation ------------------------------------------------------------------
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A buffer for a new chunk, evicting idle objects if needed.
+
+        Returns None (counted as an allocation failure) when even after evicting every
+        evictable object there is no room; the caller skips the store.
+        """
+        with self._lock:
+            obj = self.pool.allocate(shape, dtype)
+            while obj is None and self._evict_one():
+                obj = self.pool.allocate(shape, dtype)
+            if obj is None:
+                self.stats.inc(Counter.ALLOC_FAILURES)
+            return obj
+
+    def _evict_one(self) -> bool:
+        for key in self.policy.candidates():
+            obj = self._objects[key]
+            if obj.ref_count == 1 and not obj.is_pinned:
+                break
+        else:
+            return False
+        self._drop(key)
+        self.stats.inc(Counter.EVICTIONS)
+        return True
+
+    def _drop(self, key: CacheKey) -> None:
+        obj = self._objects.pop(key)
+        self.policy.remove(key)
+        obj.ref_down()
+
+    # -- contents --------------------------------------------------------------------
+
+    def put(self, key: CacheKey, obj: MemoryObj) -> bool:
+        """Keep ``obj`` under ``key`` (the tier takes its own reference).
+
+        Returns False, keeping the existing object, when the key is already stored.
+        """
+        with self._lock:
+            if key in self._objects:
+                self.policy.touch(key)
+                return False
+            obj.ref_up()
+            self._objects[key] = obj
+            self.policy.add(key)
+            return True
+
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        """The object under ``key`` with a reference taken for the caller (who must
+        ``ref_down`` it), or None."""
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                return None
+            obj.ref_up()
+            self.policy.touch(key)
+            return obj
+
+    def contains(self, key: CacheKey) -> bool:
+        with self._lock:
+            return key in self._objects
+
+    def prefix_length(self, keys: Sequence[CacheKey]) -> int:
+        """How many of ``keys``, from the first, are stored."""
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._objects:
+                    return i
+            return len(keys)
+
+    def remove(self, key: CacheKey) -> bool:
+        """Forget ``key``; its memory returns to the pool once no reader holds it."""
+        with self._lock:
+            if key not in self._objects:
+                return False
+            self._drop(key)
+            return True
+
+    def pin(self, key: CacheKey) -> bool:
+        """Protect ``key`` from eviction until ``unpin``. False if not stored."""
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                return False
+            obj.pin()
+            return True
+
+    def unpin(self, key: CacheKey) -> None:
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is not None:
+                obj.unpin()
+
+    def keys(self) -> list[CacheKey]:
+        with self._lock:
+            return list(self._objects)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.pool.used_bytes()
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._objects):
+                self._drop(key)
+
+    def close(self) -> None:
+        self.clear()
+        self.pool.close()

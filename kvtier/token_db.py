@@ -1,0 +1,197 @@
+"""Tokens → chunks → chained chunk hashes → keys.
+
+A prompt of N tokens is cut into ``chunk_size`` chunks; chunk ``i`` covers tokens
+``[i * chunk_size, min((i + 1) * chunk_size, N))``::
+
+    tokens  |<---- chunk 0 ---->|<---- chunk 1 ---->|<- partial ->|
+    hash         h_0 = H(root)      h_1 = H(h_0)       h_2 = H(h_1)
+    mask    |F F F F F F F F F F|T T T T T T T T T T|T T T T T T T|
+             already cached:        processed
+
+A partial last chunk is produced only when asked (``save_unfull_chunk`` for stores).
+A store mask marks an already-cached prefix (False) that is skipped; it must cover whole
+chunks, since a chunk is the unit of storage. Hashes always chain from the first token,
+whatever is skipped.
+
+Extra keys follow vLLM's ``generate_block_hash_extra_keys`` exactly (LoRA, multimodal
+items overlapping the chunk, the cache salt on the first chunk), so with
+``chunk_size == block_size`` and ``sha256_cbor`` a chunk hash equals vLLM's block hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.hashing import ChunkHasher, ExtraKeys, TokenIds
+from kvtier.keys import CacheKey
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalSpan:
+    """A multimodal item's placeholder tokens: ``[offset, offset + length)``."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestExtras:
+    """What, besides the tokens, must separate one request's cache from another's.
+
+    Attributes:
+        lora_name / lora_path: the LoRA adapter, if any (both go into the hash).
+        mm: multimodal items, sorted by offset.
+        cache_salt: a tenant's salt; it enters the first chunk's hash and, through the
+            chain, every later one.
+    """
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    mm: tuple[MultiModalSpan, ...] = ()
+    cache_salt: str | None = None
+
+    def chunk_extra_keys(self, start: int, end: int) -> ExtraKeys:
+        """The extra keys of the chunk ``[start, end)``, tagged as vLLM tags them."""
+        keys: list[Any] = []
+        if self.lora_name:
+            keys.append(("lora", self.lora_name, self.lora_path))
+        for item in self.mm:
+            if item.offset >= end:
+                break
+            if start < item.offset + item.length:
+                keys.append(("mm", item.identifier, item.offset - start))
+        if start == 0 and self.cache_salt:
+            keys.append(("cache_salt", self.cache_salt))
+        return tuple(keys) if keys else None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of a prompt: tokens ``[start, end)`` and the key it is stored under."""
+
+    index: int
+    start: int
+    end: int
+    key: CacheKey
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def _as_int64_array(tokens: TokenIds) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {tuple(array.shape)}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+class ChunkedTokenDatabase:
+    """Cuts token sequences into chunks and names each chunk with a storage key.
+
+    Args:
+        chunk_size: tokens per chunk.
+        hasher: the chained hash (algorithm + seed).
+        key_template: a key whose model/world/rank/dtype/tags every chunk key shares
+            (its ``chunk_hash`` is replaced per chunk).
+    """
+
+    def __init__(self, chunk_size: int, hasher: ChunkHasher, key_template: CacheKey):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self.hasher = hasher
+        self.key_template = key_template
+
+    def _key(self, chunk_hash: bytes) -> CacheKey:
+        t = self.key_template
+        return CacheKey(t.model_name, t.world_size, t.rank, t.kv_dtype, chunk_hash, None, t.tags)
+
+    def chunk_bounds(self, num_tokens: int, include_partial: bool) -> list[tuple[int, int]]:
+        """``[start, end)`` of each chunk of a ``num_tokens`` prompt."""
+        cs = self.chunk_size
+        full = num_tokens // cs
+        bounds = [(i * cs, (i + 1) * cs) for i in range(full)]
+        if include_partial and num_tokens % cs:
+            bounds.append((full * cs, num_tokens))
+        return bounds
+
+    def chunk_hashes(
+        self,
+        tokens: TokenIds,
+        extras: RequestExtras | None = None,
+        *,
+        include_partial: bool = False,
+    ) -> list[bytes]:
+        """The chained hash of every (full, plus optionally the partial) chunk."""
+        array = _as_int64_array(tokens)
+        bounds = self.chunk_bounds(len(array), include_partial)
+        if self.hasher.algorithm == "sha256_cbor":
+            as_list = array.tolist()  # CBOR hashes Python ints; convert once
+            pieces: Sequence[TokenIds] = [as_list[s:e] for s, e in bounds]
+        else:
+            pieces = [array[s:e] for s, e in bounds]
+        chunk_extras = None
+        if extras is not None:
+            chunk_extras = [extras.chunk_extra_keys(s, e) for s, e in bounds]
+        return self.hasher.chain(pieces, chunk_extras)
+
+    def chunks(
+        self,
+        tokens: TokenIds,
+        mask: torch.Tensor | np.ndarray | Sequence[bool] | None = None,
+        extras: RequestExtras | None = None,
+        *,
+        include_partial: bool = False,
+    ) -> list[Chunk]:
+        """The chunks of ``tokens`` to process, with their keys.
+
+        Args:
+            tokens: the prompt's token ids.
+            mask: optional booleans, one per token: False for an already-cached prefix
+                to skip, True for tokens to process. Must be ``F…F T…T`` with the
+                False run a multiple of ``chunk_size``.
+            extras: LoRA / multimodal / cache-salt keys of the request.
+            include_partial: also return the partial last chunk.
+
+        Raises:
+            ValueError: a mask of the wrong length, not of the form ``F…F T…T``, or
+                whose skipped prefix is not whole chunks.
+        """
+        num_tokens = len(tokens)
+        skip = self.masked_prefix(mask, num_tokens)
+        hashes = self.chunk_hashes(tokens, extras, include_partial=include_partial)
+        bounds = self.chunk_bounds(num_tokens, include_partial)
+        return [
+            Chunk(i, s, e, self._key(h))
+            for i, ((s, e), h) in enumerate(zip(bounds, hashes, strict=True))
+            if s >= skip
+        ]
+
+    def masked_prefix(self, mask, num_tokens: int) -> int:
+        """Length of the mask's False prefix (0 without a mask), validated."""
+        if mask is None:
+            return 0
+        m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
+        m = m.astype(bool, copy=False)
+        if m.shape != (num_tokens,):
+            raise ValueError(f"mask has shape {tuple(m.shape)}, expected ({num_tokens},)")
+        skip = int(np.argmax(m)) if m.any() else num_tokens
+        if not m[skip:].all():
+            raise ValueError("mask must be a False prefix followed by True only (F…F T…T)")
+        if skip % self.chunk_size and skip != num_tokens:
+            raise ValueError(
+                f"mask skips {skip} tokens, which is not a multiple of chunk_size="
+                f"{self.chunk_size}: a chunk is stored or skipped whole"
+            )
+        return skip

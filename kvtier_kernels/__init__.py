@@ -1,0 +1,21 @@
+"""kvtier_kernels: device ops for kvtier (Triton kernels, torch references, layouts, registry).
+
+Importing this package registers every op's torch reference and never imports ``triton``
+or touches a GPU driver; Triton kernels are loaded on first use through the registry.
+"""
+
+from kvtier_kernels import registry
+from kvtier_kernels.layouts import KV_2LTD, LAYOUTS, KVLayout, LayoutError, PagedKV, get_layout
+from kvtier_kernels.paged_copy import gather, scatter
+
+__all__ = [
+    "KV_2LTD",
+    "LAYOUTS",
+    "KVLayout",
+    "LayoutError",
+    "PagedKV",
+    "gather",
+    "get_layout",
+    "registry",
+    "scatter",
+]

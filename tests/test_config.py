@@ -1,0 +1,751 @@
+"""Tests for kvtier.config: sources and precedence, parsing, errors, LMCache compatibility."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.config import (
+    CONFIG_KEYS,
+    LMCACHE_ALIASES,
+    LMCACHE_NO_EFFECT_KEYS,
+    LMCACHE_PLANNED_KEYS,
+    LMCACHE_UNSUPPORTED_KEYS,
+    RESERVED_ENV_VARS,
+    ConfigError,
+    KVTierConfig,
+    _is_switched_off,
+    config_reference_markdown,
+    lmcache_reference_markdown,
+    load_config,
+)
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+# A realistic LMCache v1 YAML for a CPU-offload deployment: shared keys, an alias, no-effect
+# operational knobs, and unsupported / not-yet-supported features left switched off.
+LMCACHE_YAML = """\
+# LMCache config
+chunk_size: 512
+local_cpu: true
+max_local_cache_size: 20   # old LMCache name of max_local_cpu_size
+cache_policy: lru
+save_unfull_chunk: true
+local_disk: null
+max_local_disk_size: 0
+remote_url: null
+remote_serde: "naive"
+use_layerwise: false
+save_decode_cache: false
+blocking_timeout_secs: 10
+enable_blending: false
+blend_special_str: " # # "
+enable_p2p: false
+enable_controller: false
+enable_pd: false
+pd_role: null
+nixl_buffer_size: null
+lmcache_instance_id: "lmcache_default_instance"
+py_enable_gc: true
+numa_mode: null
+internal_api_server_enabled: false
+internal_api_server_port_start: 6999
+extra_config:
+  some_plugin_option: 1
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "kvtier.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def problems_of(excinfo: pytest.ExceptionInfo[ConfigError]) -> list[str]:
+    return excinfo.value.problems
+
+
+def assert_one_problem_mentions(error: ConfigError, *fragments: str) -> None:
+    """Exactly one problem, and it names every fragment (key, value, origin, allowed...)."""
+    assert len(error.problems) == 1, error.problems
+    missing = [f for f in fragments if f not in error.problems[0]]
+    assert not missing, f"problem {error.problems[0]!r} does not mention {missing}"
+
+
+# --------------------------------------------------------------------------------------
+# Defaults and the config object
+# --------------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    cfg = load_config(env={})
+    assert cfg == KVTierConfig()
+    assert cfg.to_dict() == {
+        "chunk_size": 256,
+        "local_cpu": True,
+        "max_local_cpu_size": 5.0,
+        "cache_policy": "LRU",
+        "hash_algorithm": "sha256_cbor",
+        "hash_seed": "vllm-none-hash",
+        "save_unfull_chunk": False,
+        "kernel_backend": "auto",
+        "model_name": None,
+        "pool_alignment": 256,
+    }
+    assert cfg.max_local_cpu_bytes == 5 * 2**30
+    assert cfg.ignored_lmcache_keys == ()
+    assert set(cfg.sources.values()) == {"default"}
+
+
+def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_CHUNK_SIZE", "128")
+    assert load_config().chunk_size == 128
+
+
+def test_every_spec_default_is_valid_and_matches_its_field() -> None:
+    defaults = KVTierConfig()
+    for name, spec in CONFIG_KEYS.items():
+        assert spec.name == name
+        assert spec.env_var == "KVTIER_" + name.upper()
+        assert getattr(defaults, name) == spec.default
+        assert spec.help
+
+
+def test_config_is_frozen_and_direct_construction_validates() -> None:
+    cfg = KVTierConfig(chunk_size=16, cache_policy="mru")
+    assert cfg.cache_policy == "MRU"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.chunk_size = 32  # type: ignore[misc]
+    with pytest.raises(ConfigError) as excinfo:
+        KVTierConfig(chunk_size=0)
+    assert_one_problem_mentions(excinfo.value, "chunk_size", "0", "1 to 1048576")
+    with pytest.raises(ConfigError):
+        dataclasses.replace(cfg, pool_alignment=3)
+    assert dataclasses.replace(cfg, chunk_size=64).chunk_size == 64
+
+
+def test_config_and_error_pickle() -> None:
+    cfg = load_config(overrides={"chunk_size": 16, "model_name": "m"}, env={})
+    clone = pickle.loads(pickle.dumps(cfg))
+    assert clone == cfg
+    assert clone.sources == cfg.sources
+    error = ConfigError(["a", "b"])
+    assert pickle.loads(pickle.dumps(error)).problems == ["a", "b"]
+
+
+def test_max_local_cpu_bytes_uses_binary_gigabytes() -> None:
+    assert KVTierConfig(max_local_cpu_size=0.5).max_local_cpu_bytes == 2**29
+    assert KVTierConfig(max_local_cpu_size=2).max_local_cpu_bytes == 2 * 2**30
+
+
+# --------------------------------------------------------------------------------------
+# Precedence and sources
+# --------------------------------------------------------------------------------------
+
+
+def test_precedence_override_env_file_default(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "chunk_size: 128\ncache_policy: LFU\nlocal_cpu: false\nkernel_backend: torch\n",
+    )
+    env = {"KVTIER_CHUNK_SIZE": "64", "KVTIER_CACHE_POLICY": "FIFO", "KVTIER_LOCAL_CPU": "1"}
+    overrides = {"chunk_size": 32, "config_file": str(path)}
+    cfg = load_config(overrides=overrides, env=env)
+
+    assert cfg.chunk_size == 32  # override beats env and file
+    assert cfg.cache_policy == "FIFO"  # env beats file
+    assert cfg.local_cpu is True  # env beats file
+    assert cfg.kernel_backend == "torch"  # file beats default
+    assert cfg.hash_algorithm == "sha256_cbor"  # default
+    assert cfg.source_of("chunk_size") == "override"
+    assert cfg.source_of("cache_policy") == "env var KVTIER_CACHE_POLICY"
+    assert cfg.source_of("kernel_backend") == f"file {path}"
+    assert cfg.source_of("hash_algorithm") == "default"
+
+
+def test_config_file_argument(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 16\n")
+    assert load_config(config_file=path, env={}).chunk_size == 16
+    assert load_config(config_file=str(path), env={}).chunk_size == 16
+
+
+def test_config_file_in_overrides(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 16\n")
+    cfg = load_config(overrides={"config_file": str(path)}, env={})
+    assert cfg.chunk_size == 16
+    assert "config_file" not in cfg.to_dict()
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 16\n")
+    cfg = load_config(env={"KVTIER_CONFIG_FILE": str(path)})
+    assert cfg.chunk_size == 16
+    assert cfg.source_of("chunk_size") == f"file {path}"
+    # An empty KVTIER_CONFIG_FILE means no file.
+    assert load_config(env={"KVTIER_CONFIG_FILE": ""}).chunk_size == 256
+
+
+def test_config_file_choice_order(tmp_path: Path) -> None:
+    from_argument = write(tmp_path, "chunk_size: 1\n", "argument.yaml")
+    from_overrides = write(tmp_path, "chunk_size: 2\n", "overrides.yaml")
+    from_env = write(tmp_path, "chunk_size: 3\n", "env.yaml")
+    env = {"KVTIER_CONFIG_FILE": str(from_env)}
+    overrides = {"config_file": str(from_overrides)}
+    assert load_config(overrides, config_file=from_argument, env=env).chunk_size == 1
+    assert load_config(overrides, env=env).chunk_size == 2
+    assert load_config(env=env).chunk_size == 3
+
+
+def test_config_file_of_wrong_type_in_overrides() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"config_file": 3}, env={})
+    assert_one_problem_mentions(excinfo.value, "config_file", "3", "override", "file path")
+
+
+def test_describe_reports_values_and_sources(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "max_local_cache_size: 2\nhash_algorithm: xxh3_128\npy_enable_gc: true\n"
+    )
+    cfg = load_config(
+        overrides={"model_name": "llama"},
+        config_file=path,
+        env={"KVTIER_CHUNK_SIZE": "64"},
+    )
+    rows = {line.split()[0]: line for line in cfg.describe().splitlines()}
+    assert rows["model_name"].split()[1:] == ["'llama'", "override"]
+    assert rows["chunk_size"].split()[1:] == ["64", "env", "var", "KVTIER_CHUNK_SIZE"]
+    assert rows["hash_algorithm"].endswith(f"file {path}")
+    assert rows["max_local_cpu_size"].endswith(f"file {path} (as max_local_cache_size)")
+    assert rows["pool_alignment"].split()[1:] == ["256", "default"]
+    assert "ignored LMCache keys: py_enable_gc" in cfg.describe()
+
+
+def test_source_of_a_directly_built_config() -> None:
+    cfg = KVTierConfig(chunk_size=16)
+    assert cfg.source_of("chunk_size") == "argument"
+    assert cfg.source_of("local_cpu") == "default"
+    with pytest.raises(KeyError):
+        cfg.source_of("chunk_sise")
+
+
+# --------------------------------------------------------------------------------------
+# Environment variables
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("On", True),
+        ("false", False), ("False", False), ("0", False), ("no", False), ("OFF", False),
+        (" yes ", True),
+    ],
+)  # fmt: skip
+def test_env_bools(text: str, expected: bool) -> None:
+    assert load_config(env={"KVTIER_SAVE_UNFULL_CHUNK": text}).save_unfull_chunk is expected
+
+
+def test_env_numbers_and_strings() -> None:
+    cfg = load_config(
+        env={
+            "KVTIER_CHUNK_SIZE": "512",
+            "KVTIER_MAX_LOCAL_CPU_SIZE": "2.5",
+            "KVTIER_POOL_ALIGNMENT": " 64 ",
+            "KVTIER_HASH_SEED": "42",
+            "KVTIER_KERNEL_BACKEND": "Interpret",
+            "KVTIER_MODEL_NAME": "meta-llama/Llama-3-8B",
+        }
+    )
+    assert cfg.chunk_size == 512
+    assert cfg.max_local_cpu_size == 2.5
+    assert cfg.pool_alignment == 64
+    assert cfg.hash_seed == "42"
+    assert cfg.kernel_backend == "interpret"
+    assert cfg.model_name == "meta-llama/Llama-3-8B"
+
+
+def test_env_int_for_float_key() -> None:
+    cfg = load_config(env={"KVTIER_MAX_LOCAL_CPU_SIZE": "8"})
+    assert cfg.max_local_cpu_size == 8.0
+    assert isinstance(cfg.max_local_cpu_size, float)
+
+
+def test_env_empty_string_is_null_for_nullable_key() -> None:
+    assert load_config(env={"KVTIER_MODEL_NAME": ""}).model_name is None
+
+
+@pytest.mark.parametrize(
+    ("var", "text", "allowed"),
+    [
+        ("KVTIER_LOCAL_CPU", "maybe", "true/false, 1/0, yes/no, on/off"),
+        ("KVTIER_CHUNK_SIZE", "abc", "an integer from 1 to 1048576"),
+        ("KVTIER_CHUNK_SIZE", "1.5", "an integer from 1 to 1048576"),
+        ("KVTIER_CHUNK_SIZE", "0", "an integer from 1 to 1048576"),
+        ("KVTIER_MAX_LOCAL_CPU_SIZE", "5GB", "a finite number > 0"),
+        ("KVTIER_MAX_LOCAL_CPU_SIZE", "nan", "a finite number > 0"),
+        ("KVTIER_CACHE_POLICY", "ARC", "one of LRU, LFU, FIFO, MRU"),
+        ("KVTIER_CHUNK_SIZE", "", "an integer from 1 to 1048576"),
+    ],
+)
+def test_env_bad_values_name_var_value_and_allowed(var: str, text: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={var: text})
+    key = var.removeprefix("KVTIER_").lower()
+    assert_one_problem_mentions(excinfo.value, key, repr(text), f"env var {var}", allowed)
+
+
+def test_unknown_env_var_is_an_error_with_suggestion() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"KVTIER_CHUNK_SISE": "16"})
+    assert_one_problem_mentions(
+        excinfo.value, "KVTIER_CHUNK_SISE", "did you mean 'KVTIER_CHUNK_SIZE'?"
+    )
+
+
+def test_reserved_and_foreign_env_vars_are_not_keys() -> None:
+    assert {"KVTIER_CONFIG_FILE", "KVTIER_LOG_LEVEL"} <= RESERVED_ENV_VARS
+    env = {
+        "KVTIER_LOG_LEVEL": "debug",
+        "KVTIER_CONFIG_FILE": "",
+        "LMCACHE_CHUNK_SIZE": "16",  # LMCache's env vars are not read
+        "kvtier_chunk_size": "16",  # names are case-sensitive
+        "PATH": "/usr/bin",
+    }
+    assert load_config(env=env) == KVTierConfig()
+
+
+@given(st.integers(min_value=1, max_value=1 << 20))
+def test_env_int_round_trips(chunk_size: int) -> None:
+    assert load_config(env={"KVTIER_CHUNK_SIZE": str(chunk_size)}).chunk_size == chunk_size
+
+
+# --------------------------------------------------------------------------------------
+# Types, ranges, choices
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed", "got"),
+    [
+        ("chunk_size", True, "an integer from 1 to 1048576", "bool"),
+        ("chunk_size", "256", "an integer from 1 to 1048576", "str"),
+        ("chunk_size", 256.0, "an integer from 1 to 1048576", "float"),
+        ("max_local_cpu_size", "5", "a finite number > 0", "str"),
+        ("max_local_cpu_size", False, "a finite number > 0", "bool"),
+        ("local_cpu", 1, "a boolean", "int"),
+        ("local_cpu", "true", "a boolean", "str"),
+        ("cache_policy", 3, "one of LRU, LFU, FIFO, MRU", "int"),
+        ("hash_seed", True, "a string", "bool"),
+        ("hash_seed", 1.5, "a string", "float"),
+        ("model_name", 7, "a non-empty string, or null", "int"),
+        ("chunk_size", None, "an integer from 1 to 1048576", "null"),
+    ],
+)
+def test_wrong_types_name_key_value_and_allowed(
+    key: str, value: object, allowed: str, got: str
+) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={key: value}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, f"{key}: {value!r} from override", allowed, f"(got {got})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("chunk_size", 0, "an integer from 1 to 1048576"),
+        ("chunk_size", -256, "an integer from 1 to 1048576"),
+        ("chunk_size", (1 << 20) + 1, "an integer from 1 to 1048576"),
+        ("max_local_cpu_size", 0, "a finite number > 0"),
+        ("max_local_cpu_size", -1.0, "a finite number > 0"),
+        ("max_local_cpu_size", float("inf"), "a finite number > 0"),
+        ("pool_alignment", 0, "a power of two from 1 to 4096"),
+        ("pool_alignment", 3, "a power of two from 1 to 4096"),
+        ("pool_alignment", 8192, "a power of two from 1 to 4096"),
+        ("model_name", "", "a non-empty string"),
+    ],
+)
+def test_out_of_range(key: str, value: object, allowed: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={key: value}, env={})
+    assert_one_problem_mentions(excinfo.value, key, repr(value), "override", allowed)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("cache_policy", "ARC", "one of LRU, LFU, FIFO, MRU"),
+        ("hash_algorithm", "md5", "one of sha256_cbor, xxh3_128"),
+        ("kernel_backend", "cuda", "one of auto, triton, interpret, torch"),
+    ],
+)
+def test_invalid_choice_names_allowed_values(key: str, value: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={key: value}, env={})
+    assert_one_problem_mentions(excinfo.value, key, repr(value), allowed)
+
+
+@pytest.mark.parametrize("spelling", ["lfu", "LFU", "Lfu", " lfu "])
+def test_cache_policy_is_case_insensitive(spelling: str) -> None:
+    assert load_config(overrides={"cache_policy": spelling}, env={}).cache_policy == "LFU"
+
+
+def test_accepted_conversions() -> None:
+    cfg = load_config(
+        overrides={
+            "max_local_cpu_size": 3,
+            "hash_seed": 0,
+            "kernel_backend": "TRITON",
+            "hash_algorithm": "XXH3_128",
+            "pool_alignment": 1,
+            "model_name": None,
+        },
+        env={},
+    )
+    assert cfg.max_local_cpu_size == 3.0 and isinstance(cfg.max_local_cpu_size, float)
+    assert cfg.hash_seed == "0"
+    assert cfg.kernel_backend == "triton"
+    assert cfg.hash_algorithm == "xxh3_128"
+    assert cfg.pool_alignment == 1
+    assert cfg.model_name is None
+
+
+def test_yaml_values_are_strict(tmp_path: Path) -> None:
+    path = write(tmp_path, 'chunk_size: "256"\nhash_seed: 1234\n')
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, "chunk_size", "'256'", f"file {path}", "(got str)")
+
+
+# --------------------------------------------------------------------------------------
+# Unknown keys and collected errors
+# --------------------------------------------------------------------------------------
+
+
+def test_unknown_override_key_suggests_the_right_one() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"chunk_sise": 16}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, "unknown key 'chunk_sise'", "override", "did you mean 'chunk_size'?"
+    )
+
+
+def test_unknown_file_key_suggests_over_lmcache_names_too(tmp_path: Path) -> None:
+    path = write(tmp_path, "enable_blendin: false\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(
+        excinfo.value, "'enable_blendin'", f"file {path}", "did you mean 'enable_blending'?"
+    )
+
+
+def test_unknown_key_without_close_match_has_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"zzzzzz": 1}, env={})
+    assert "did you mean" not in excinfo.value.problems[0]
+
+
+def test_lmcache_names_are_case_sensitive() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"Chunk_Size": 16}, env={})
+    assert_one_problem_mentions(excinfo.value, "'Chunk_Size'", "did you mean 'chunk_size'?")
+
+
+def test_all_problems_are_reported_together(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 0\nenable_pd: true\nkernel_backend: cuda\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(
+            overrides={"chunk_sise": 1, "pool_alignment": 3},
+            config_file=path,
+            env={"KVTIER_LOCAL_CPU": "maybe", "KVTIER_BOGUS": "1"},
+        )
+    problems = problems_of(excinfo)
+    assert len(problems) == 7, problems
+    message = str(excinfo.value)
+    assert message.startswith("invalid kvtier configuration (7 problems):")
+    for fragment in [
+        "chunk_size: 0",
+        "'enable_pd'",
+        "kernel_backend: 'cuda'",
+        "chunk_sise",
+        "pool_alignment: 3",
+        "KVTIER_LOCAL_CPU",
+        "KVTIER_BOGUS",
+    ]:
+        assert fragment in message
+    assert isinstance(excinfo.value, ValueError)
+
+
+def test_same_key_twice_under_two_names() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"max_local_cpu_size": 1, "max_local_cache_size": 2}, env={})
+    assert_one_problem_mentions(excinfo.value, "max_local_cpu_size", "'max_local_cache_size'")
+
+
+def test_non_string_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "1: 2\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, "key 1", str(path))
+
+
+# --------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, str(path), "does not exist")
+
+
+def test_missing_file_from_env_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"KVTIER_CONFIG_FILE": str(path)})
+    assert_one_problem_mentions(excinfo.value, str(path))
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=tmp_path, env={})
+    assert_one_problem_mentions(excinfo.value, str(tmp_path), "cannot be read")
+
+
+def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: [256\nlocal_cpu: true\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, str(path), "not valid YAML")
+
+
+@pytest.mark.parametrize("text", ["- chunk_size\n- 256\n", "just a string\n", "42\n"])
+def test_non_mapping_yaml_names_the_file(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, str(path), "mapping")
+
+
+def test_empty_file_means_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, "# nothing here\n")
+    assert load_config(config_file=path, env={}) == KVTierConfig()
+
+
+def test_config_file_inside_a_file_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "config_file: other.yaml\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, "'config_file'", str(path))
+
+
+def test_file_errors_are_collected_with_others(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"chunk_size": 0}, config_file=tmp_path / "nope.yaml", env={})
+    assert len(problems_of(excinfo)) == 2
+
+
+# --------------------------------------------------------------------------------------
+# LMCache compatibility
+# --------------------------------------------------------------------------------------
+
+
+def test_lmcache_yaml_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path, LMCACHE_YAML, "lmcache.yaml")
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(config_file=path, env={})
+    assert cfg.chunk_size == 512
+    assert cfg.local_cpu is True
+    assert cfg.max_local_cpu_size == 20.0
+    assert cfg.max_local_cpu_bytes == 20 * 2**30
+    assert cfg.cache_policy == "LRU"
+    assert cfg.save_unfull_chunk is True
+    assert cfg.source_of("max_local_cpu_size") == f"file {path} (as max_local_cache_size)"
+
+    ignored = (
+        "extra_config",
+        "internal_api_server_enabled",
+        "internal_api_server_port_start",
+        "lmcache_instance_id",
+        "numa_mode",
+        "py_enable_gc",
+    )
+    assert cfg.ignored_lmcache_keys == ignored
+    warnings = [r for r in caplog.records if r.name == "kvtier.config"]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+    assert all(name in warnings[0].getMessage() for name in ignored)
+
+
+def test_lmcache_keys_in_overrides(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(
+            overrides={"max_local_cache_size": 1, "py_enable_gc": False, "enable_p2p": False},
+            env={},
+        )
+    assert cfg.max_local_cpu_size == 1.0
+    assert cfg.ignored_lmcache_keys == ("py_enable_gc",)
+    assert len(caplog.records) == 1
+
+
+def test_no_warning_without_ignored_keys(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        load_config(overrides={"enable_blending": False, "remote_url": None}, env={})
+    assert caplog.records == []
+
+
+def test_ignored_keys_from_several_sources_warn_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, "numa_mode: auto\npy_enable_gc: true\n")
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(overrides={"py_enable_gc": False}, config_file=path, env={})
+    assert cfg.ignored_lmcache_keys == ("numa_mode", "py_enable_gc")
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "feature"),
+    [
+        ("enable_blending", True, "CacheBlend"),
+        ("blend_recompute_ratios", [0.15], "CacheBlend"),
+        ("enable_p2p", True, "P2P"),
+        ("enable_controller", True, "controller"),
+        ("enable_pd", True, "PD disaggregation"),
+        ("pd_role", "sender", "PD disaggregation"),
+        ("nixl_backends", ["UCX"], "NIXL"),
+        ("nixl_peer_host", "10.0.0.1", "NIXL"),
+        ("gds_path", "/mnt/gds", "GPUDirect Storage"),
+        ("weka_path", "/mnt/weka", "Weka"),
+        ("external_lookup_client", "mooncakestore://x", "external lookup"),
+        ("blend_special_str", "<sep>", "CacheBlend"),
+        ("mp_port", 1234, "multi-process"),
+    ],
+)
+def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, feature: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={key: value}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, f"LMCache key '{key}' is not supported by kvtier", feature, repr(value)
+    )
+    assert "not supported yet" not in excinfo.value.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("local_disk", "file:///tmp/lmcache/"),
+        ("max_local_disk_size", 10),
+        ("remote_url", "redis://localhost:6379"),
+        ("remote_serde", "cachegen"),
+        ("use_layerwise", True),
+        ("save_decode_cache", True),
+        ("enable_async_loading", True),
+        ("blocking_timeout_secs", 30),
+        ("min_retrieve_tokens", 256),
+    ],
+)
+def test_planned_lmcache_key_is_not_supported_yet(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={key: value}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, f"LMCache key '{key}' is not supported yet by kvtier", repr(value)
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("enable_blending", False),
+        ("blend_check_layers", []),
+        ("blend_special_str", " # # "),
+        ("blend_special_str", ""),
+        ("pd_role", None),
+        ("pd_buffer_size", 0),
+        ("remote_serde", "naive"),
+        ("remote_url", ""),
+        ("max_local_disk_size", 0.0),
+        ("blocking_timeout_secs", 10),
+        ("use_gds", True),
+        ("nixl_enable_gc", True),
+        ("nixl_buffer_device", None),
+        ("extra_config", {}),
+    ],
+)
+def test_switched_off_lmcache_keys_are_accepted(key: str, value: object) -> None:
+    assert load_config(overrides={key: value}, env={}).chunk_size == 256
+
+
+def test_switched_off_compares_bools_to_bools() -> None:
+    assert not _is_switched_off(True, 1)  # True == 1, but true is not an LMCache default of 1
+    assert not _is_switched_off(1, True)
+    assert _is_switched_off(True, True)
+    assert _is_switched_off(0.0, 5.0)
+    assert not _is_switched_off([0], None)
+
+
+def test_lmcache_tables_are_disjoint_and_cover_aliases() -> None:
+    tables = [
+        set(CONFIG_KEYS),
+        set(LMCACHE_ALIASES),
+        set(LMCACHE_NO_EFFECT_KEYS),
+        set(LMCACHE_UNSUPPORTED_KEYS),
+        set(LMCACHE_PLANNED_KEYS),
+    ]
+    for i, first in enumerate(tables):
+        for second in tables[i + 1 :]:
+            assert not first & second, first & second
+    assert LMCACHE_ALIASES == {"max_local_cache_size": "max_local_cpu_size"}
+
+
+# --------------------------------------------------------------------------------------
+# Round trips and docs
+# --------------------------------------------------------------------------------------
+
+
+def test_to_dict_round_trips(tmp_path: Path) -> None:
+    path = write(tmp_path, "cache_policy: mru\nhash_seed: 7\nmodel_name: m\n")
+    cfg = load_config(
+        overrides={"chunk_size": 64}, config_file=path, env={"KVTIER_LOCAL_CPU": "off"}
+    )
+    as_dict = cfg.to_dict()
+    assert json.loads(json.dumps(as_dict)) == as_dict
+    assert set(as_dict) == set(CONFIG_KEYS)
+    assert load_config(overrides=as_dict, env={}) == cfg
+    assert KVTierConfig.from_dict(as_dict) == cfg
+    assert KVTierConfig(**as_dict) == cfg
+
+
+def test_from_dict_accepts_lmcache_names_and_ignores_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_CHUNK_SIZE", "8")
+    cfg = KVTierConfig.from_dict({"max_local_cache_size": 4, "numa_mode": None})
+    assert cfg.chunk_size == 256
+    assert cfg.max_local_cpu_size == 4.0
+    assert cfg.ignored_lmcache_keys == ("numa_mode",)
+
+
+def _generated_block(doc: str, name: str) -> str:
+    match = re.search(
+        rf"<!-- BEGIN GENERATED: {name} -->\n(.*?)<!-- END GENERATED: {name} -->", doc, re.S
+    )
+    assert match, f"docs/configuration.md has no generated block {name!r}"
+    return match.group(1)
+
+
+def test_docs_are_in_sync_with_the_registry() -> None:
+    doc = DOC.read_text()
+    hint = "regenerate with kvtier.config.config_reference_markdown()"
+    assert _generated_block(doc, "config_reference_markdown") == config_reference_markdown(), hint
+    hint = "regenerate with kvtier.config.lmcache_reference_markdown()"
+    assert _generated_block(doc, "lmcache_reference_markdown") == lmcache_reference_markdown(), hint

@@ -1,0 +1,101 @@
+"""Chained chunk hashes: vLLM compatibility, determinism across processes, separation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.hashing import HASH_ALGORITHMS, ChunkHasher
+
+# Golden values computed with vLLM 0.32's own code:
+#   init_none_hash(sha256_cbor); hash_block_tokens(sha256_cbor, parent, tokens, extra)
+VLLM_NONE_HASH = "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+VLLM_BLOCK_0 = "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749"
+VLLM_BLOCK_1_WITH_EXTRA = "e5fad6a42ee967f5016f0b34a82fe97a47379048f8b997d6ac84b1c69e2cdffb"
+
+
+def test_sha256_cbor_matches_vllm_golden_values():
+    hasher = ChunkHasher("sha256_cbor", "vllm-none-hash")
+    assert hasher.root().hex() == VLLM_NONE_HASH
+    h0 = hasher.hash_chunk(hasher.root(), list(range(16)))
+    assert h0.hex() == VLLM_BLOCK_0
+    extra = (("lora", "my-lora", "/adapters/a"), ("cache_salt", "tenant-1"))
+    h1 = hasher.hash_chunk(h0, list(range(16, 32)), extra)
+    assert h1.hex() == VLLM_BLOCK_1_WITH_EXTRA
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_token_container_types_hash_the_same(algorithm):
+    hasher = ChunkHasher(algorithm)
+    tokens = [5, 17, 2**31 - 1, 0, 42]
+    expected = hasher.hash_chunk(hasher.root(), tokens)
+    for form in (
+        tuple(tokens),
+        np.array(tokens, dtype=np.int32),
+        np.array(tokens, dtype=np.int64),
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor(tokens, dtype=torch.int32),
+    ):
+        assert hasher.hash_chunk(hasher.root(), form) == expected, type(form)
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_chain_separates_prefix_seed_extra_and_order(algorithm):
+    hasher = ChunkHasher(algorithm)
+    a, b = list(range(8)), list(range(8, 16))
+    ha = hasher.chain([a, b])
+    assert len(ha) == 2 and len(set(ha)) == 2
+    assert len(ha[0]) == hasher.digest_size
+    # same second chunk after a different first chunk -> different hash
+    assert hasher.chain([b, b])[1] != ha[1]
+    # a different seed changes everything
+    other_seed = ChunkHasher(algorithm, "another-seed").chain([a, b])
+    assert set(other_seed).isdisjoint(ha)
+    # extra keys separate caches
+    assert hasher.chain([a, b], [(("lora", "x", None),), None])[0] != ha[0]
+    # the algorithms differ from each other
+    other = next(x for x in HASH_ALGORITHMS if x != algorithm)
+    assert ChunkHasher(other).chain([a, b]) != ha
+
+
+def test_unknown_algorithm_names_choices():
+    with pytest.raises(ValueError, match=r"md5.*sha256_cbor, xxh3_128"):
+        ChunkHasher("md5")
+
+
+def test_chain_rejects_mismatched_extras():
+    with pytest.raises(ValueError, match="2 extra keys for 1 chunks"):
+        ChunkHasher().chain([[1, 2]], [None, None])
+
+
+_CHILD = """
+import sys
+from kvtier.hashing import ChunkHasher
+tokens = list(range(1000, 1000 + 1024))
+for algo in ("sha256_cbor", "xxh3_128"):
+    chunks = [tokens[i:i + 256] for i in range(0, 1024, 256)]
+    print(algo, ",".join(h.hex() for h in ChunkHasher(algo, "seed-x").chain(chunks)))
+"""
+
+
+def test_hashes_identical_across_processes_with_different_pythonhashseed():
+    outputs = set()
+    for seed in ("0", "1", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        outputs.add(out)
+    assert len(outputs) == 1, outputs
+    lines = next(iter(outputs)).strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["sha256_cbor", "xxh3_128"]
+    # and the in-process result is the same
+    tokens = list(range(1000, 1000 + 1024))
+    chunks = [tokens[i : i + 256] for i in range(0, 1024, 256)]
+    here = ",".join(h.hex() for h in ChunkHasher("sha256_cbor", "seed-x").chain(chunks))
+    assert lines[0].split()[1] == here

@@ -1,0 +1,75 @@
+"""Storage keys: canonical string form round-trips exactly."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.keys import CacheKey, KeyFormatError
+
+
+def test_string_form_is_stable_and_readable():
+    key = CacheKey("meta-llama/Llama-3-8B", 2, 1, "bfloat16", bytes.fromhex("00ff10"))
+    assert key.to_string() == "kvtier1@meta-llama%2FLlama-3-8B@2@1@bfloat16@00ff10"
+    assert "/" not in key.to_string()
+    assert CacheKey.from_string(key.to_string()) == key
+
+
+names = st.text(min_size=1, max_size=40)
+
+
+@given(
+    model=names,
+    world=st.integers(1, 64),
+    data=st.data(),
+    dtype=st.sampled_from(["bfloat16", "float16", "float8_e4m3fn", "weird@dtype/x"]),
+    digest=st.binary(min_size=1, max_size=32),
+    layer=st.none() | st.integers(0, 200),
+    tags=st.lists(st.tuples(names, st.text(max_size=20)), max_size=3, unique_by=lambda t: t[0]),
+)
+def test_round_trip(model, world, data, dtype, digest, layer, tags):
+    rank = data.draw(st.integers(0, world - 1))
+    key = CacheKey(model, world, rank, dtype, digest, layer, tuple(tags))
+    text = key.to_string()
+    assert "/" not in text
+    assert CacheKey.from_string(text) == key
+    assert CacheKey.from_string(text).to_string() == text
+
+
+def test_layerwise_variant():
+    key = CacheKey("m", 1, 0, "float16", b"\x01\x02")
+    layered = key.with_layer(7)
+    assert layered.to_string().endswith("@L7")
+    assert layered != key and layered.chunk_key() == key
+    assert CacheKey.from_string(layered.to_string()).layer == 7
+
+
+def test_tags_are_canonically_ordered():
+    a = CacheKey("m", 1, 0, "float16", b"\x01", tags=(("b", "2"), ("a", "1")))
+    b = CacheKey("m", 1, 0, "float16", b"\x01", tags=(("a", "1"), ("b", "2")))
+    assert a == b and a.to_string() == b.to_string()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "lmcache@m@1@0@h@bf16",
+        "kvtier1@m@1@0@bfloat16",
+        "kvtier1@m@x@0@bf16@00",
+        "kvtier1@m@1@0@bf16@zz",
+        "kvtier1@m@1@5@bf16@00",
+        "kvtier1@m@1@0@bf16@00@junk",
+    ],
+)
+def test_malformed_strings_raise(text):
+    with pytest.raises(KeyFormatError):
+        CacheKey.from_string(text)
+
+
+def test_invalid_fields_raise():
+    with pytest.raises(ValueError, match="rank=2"):
+        CacheKey("m", 2, 2, "bf16", b"\x00")
+    with pytest.raises(ValueError, match="model_name"):
+        CacheKey("", 1, 0, "bf16", b"\x00")

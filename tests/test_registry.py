@@ -1,0 +1,155 @@
+"""The op registry: lazy loading, backend resolution, error messages."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvtier_kernels import paged_copy, registry
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_names = itertools.count()
+
+
+def fresh_op() -> str:
+    """A name no other test registered (the registry is process-global)."""
+    return f"test_op_{next(_names)}"
+
+
+def test_paged_copy_ops_are_registered() -> None:
+    assert {"paged_gather", "paged_scatter"} <= set(registry.ops())
+    assert "torch" in registry.backends_for("paged_gather")
+    assert registry.get("paged_gather", "torch") is paged_copy.gather_reference
+    assert (
+        registry.get("paged_scatter", "auto", torch.device("cpu")) is paged_copy.scatter_reference
+    )
+
+
+def test_lazy_loader_runs_once_on_first_get() -> None:
+    op, calls = fresh_op(), []
+
+    def impl() -> str:
+        return "ran"
+
+    def loader():
+        calls.append(1)
+        return impl
+
+    registry.register(op, "torch", loader=loader)
+    assert calls == []
+    assert registry.backends_for(op) == ["torch"]  # listing does not load
+    assert registry.get(op, "torch") is impl
+    assert registry.get(op) is impl
+    assert calls == [1]
+
+
+def test_failing_loader_raises_and_is_retried() -> None:
+    op, calls = fresh_op(), []
+
+    def loader():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ImportError("triton too old")
+        return print
+
+    registry.register(op, "torch", loader=loader)
+    with pytest.raises(ImportError, match="triton too old"):
+        registry.get(op, "torch")
+    assert registry.get(op, "torch") is print
+    assert len(calls) == 2
+
+
+def test_loader_must_return_a_callable() -> None:
+    op = fresh_op()
+    registry.register(op, "torch", loader=lambda: 42)
+    with pytest.raises(TypeError, match=rf"loader for \('{op}', 'torch'\) returned 42"):
+        registry.get(op, "torch")
+
+
+def test_auto_resolution() -> None:
+    assert registry.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert registry.resolve_backend("auto", None) == "torch"
+    assert registry.resolve_backend("torch", "cuda") == "torch"
+    # A CUDA device object needs no GPU; auto picks triton when triton is installed.
+    expected = "triton" if HAS_TRITON else "torch"
+    assert registry.resolve_backend("auto", torch.device("cuda", 0)) == expected
+    if HAS_TRITON:
+        assert registry.resolve_backend("interpret", "cpu") == "interpret"
+
+
+def test_auto_falls_back_to_torch_when_op_has_no_triton_kernel() -> None:
+    op = fresh_op()
+    registry.register(op, "torch", print)
+    assert registry.get(op, "auto", torch.device("cuda")) is print
+    if HAS_TRITON:
+        with pytest.raises(
+            ValueError, match=rf"op '{op}' has no 'triton' implementation; it has: \['torch'\]"
+        ):
+            registry.get(op, "triton", torch.device("cuda"))
+
+
+def test_triton_on_cpu_suggests_interpret_or_torch() -> None:
+    with pytest.raises(ValueError, match=r"cannot run on device 'cpu'.*'interpret'.*'torch'"):
+        registry.resolve_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'interpret'"):
+        registry.get("paged_gather", "triton", torch.device("cpu"))
+
+
+def test_unknown_names_are_listed() -> None:
+    with pytest.raises(KeyError, match=r"unknown kernel op 'no_such_op'.*paged_gather"):
+        registry.get("no_such_op")
+    with pytest.raises(KeyError, match="paged_scatter"):
+        registry.backends_for("no_such_op")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown kernel backend 'gpu'; choose one of \('auto', 'torch', 'triton', 'interpret'\)",
+    ):
+        registry.get("paged_gather", "gpu")
+    op = fresh_op()
+    registry.register(op, "interpret", print)
+    with pytest.raises(
+        ValueError, match=rf"op '{op}' has no 'torch' implementation; it has: \['interpret'\]"
+    ):
+        registry.get(op, "torch")
+
+
+def test_register_validates() -> None:
+    op = fresh_op()
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        registry.register(op, "cuda", print)
+    with pytest.raises(ValueError, match="exactly one of fn and loader"):
+        registry.register(op, "torch")
+    with pytest.raises(ValueError, match="exactly one of fn and loader"):
+        registry.register(op, "torch", print, loader=lambda: print)
+    registry.register(op, "torch", print)
+    with pytest.raises(ValueError, match=rf"op '{op}' already has a 'torch' implementation"):
+        registry.register(op, "torch", repr)
+    registry.register(op, "torch", repr, replace=True)
+    assert registry.get(op, "torch") is repr
+    assert op in registry.ops()
+
+
+def test_available_backends_does_not_initialise_cuda() -> None:
+    status = registry.available_backends()
+    assert set(status) == set(registry.BACKENDS)
+    assert status["torch"] == "available"
+    if not torch.cuda.is_available():
+        assert status["triton"].startswith("no GPU")
+    assert not torch.cuda.is_initialized()
+
+
+def test_import_does_not_import_triton_or_kvtier() -> None:
+    code = (
+        "import sys, kvtier_kernels\n"
+        "from kvtier_kernels import registry\n"
+        "registry.available_backends()\n"
+        "registry.get('paged_gather', 'auto', None)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'kvtier', 'vllm'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
