@@ -101,9 +101,10 @@ def engine_setup():
     config = load_config({"max_local_cpu_size": 64 * NBYTES / 2**30})
     engine = CacheEngine(config, EngineMetadata("bench"), paged)
     tokens = torch.arange(num_tokens)
-    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(2))[
-        :num_tokens
-    ]
+    # a random block table, as a serving engine hands out blocks; slots within a block are
+    # consecutive
+    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2))
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
     yield engine, tokens, slots, buffer
     engine.close()
 
@@ -130,7 +131,7 @@ def test_engine_retrieve(benchmark, record, engine_setup, raw_copy_gbps):
     engine, tokens, slots, _ = engine_setup
     engine.storage.clear()
     engine.store(tokens, slot_mapping=slots)
-    target = slots.flip(0)  # load into other pages
+    target = slots.roll(len(slots) // 2)  # load into other pages than the source
 
     result = benchmark(lambda: engine.retrieve(tokens, slot_mapping=target))
     assert result == len(tokens)

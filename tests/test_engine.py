@@ -1,0 +1,245 @@
+"""The cache engine end to end on the CPU: store → evict → retrieve, bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.config import load_config
+from kvtier.engine import CacheEngine, EngineMetadata
+from kvtier.metrics import Counter
+from kvtier.token_db import RequestExtras
+from kvtier_kernels import PagedKV
+
+
+def make_engine(
+    layout="vllm_cpu",
+    *,
+    num_layers=3,
+    num_blocks=64,
+    block_size=4,
+    num_heads=2,
+    head_size=8,
+    dtype=torch.bfloat16,
+    seed=0,
+    **overrides,
+) -> CacheEngine:
+    config = load_config({"chunk_size": 8, "max_local_cpu_size": 0.01, **overrides}, env={})
+    paged = PagedKV.empty(
+        layout,
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_heads=num_heads,
+        head_size=head_size,
+        dtype=dtype,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in paged.tensors:
+        tensor.copy_(torch.randn(tensor.shape, generator=gen).to(dtype))
+    return CacheEngine(config, EngineMetadata("test-model"), paged)
+
+
+def kv_at(engine: CacheEngine, slots: torch.Tensor) -> torch.Tensor:
+    """[layers, kv, tokens, heads, head_size] of the given slots, as raw bits."""
+    paged = engine.connector.paged
+    blocks, offsets = slots // paged.block_size, slots % paged.block_size
+    rows = torch.stack([paged.layer_view(i)[:, blocks, offsets] for i in range(paged.num_layers)])
+    return (
+        rows.view(torch.uint8)
+        if rows.dtype.itemsize == 1
+        else rows.view(torch.int16 if rows.dtype.itemsize == 2 else torch.int32)
+    )
+
+
+def assert_kv_equal(engine, got_slots, want: torch.Tensor, what: str) -> None:
+    got = kv_at(engine, got_slots)
+    if not torch.equal(got, want):
+        idx = (got != want).nonzero()[0].tolist()
+        layer, plane, token, head, dim = idx
+        raise AssertionError(
+            f"{what}: first mismatch at layer {layer}, {'KV'[plane] if plane < 2 else plane}, "
+            f"token {token} (slot {int(got_slots[token])}), head {head}, dim {dim}"
+        )
+
+
+@pytest.mark.parametrize(
+    "layout", ["vllm_cpu", "vllm_nhd", "flash_nhd", "flashinfer_hnd", "mla", "cross_layer"]
+)
+@pytest.mark.parametrize("num_tokens", [8, 29, 40])
+def test_store_evict_retrieve_bit_exact(layout, num_tokens):
+    mla = layout == "mla"
+    engine = make_engine(layout, num_heads=1 if mla else 2, head_size=576 if mla else 8)
+    tokens = torch.arange(100, 100 + num_tokens)
+    src = torch.randperm(engine.connector.paged.num_slots)[:num_tokens]
+    reference = kv_at(engine, src)
+    result = engine.store(tokens, slot_mapping=src)
+    full = num_tokens // 8 * 8
+    assert (result.stored_chunks, result.stored_tokens) == (num_tokens // 8, full)
+    assert result.stored_bytes == reference[:, :, :full].numel() * 2  # bf16
+    # the engine forgets: overwrite the source pages
+    for t in engine.connector.paged.tensors:
+        t.zero_()
+    dst = torch.randperm(engine.connector.paged.num_slots)[:num_tokens]
+    assert engine.lookup(tokens) == full
+    assert engine.retrieve(tokens, slot_mapping=dst) == full
+    assert_kv_equal(engine, dst[:full], reference[:, :, :full], "retrieved prefix")
+    # tokens of the partial last chunk were not touched
+    assert bool((kv_at(engine, dst[full:]) == 0).all())
+
+
+def test_evicted_middle_chunk_stops_retrieval_there():
+    engine = make_engine()
+    tokens = torch.arange(40)
+    src = torch.arange(40)
+    reference = kv_at(engine, src)
+    engine.store(tokens, slot_mapping=src)
+    chunks = engine.token_db.chunks(tokens)
+    assert engine.storage.remove(chunks[2].key)
+    dst = torch.arange(100, 140)
+    before = kv_at(engine, dst)
+    assert engine.lookup(tokens) == 16
+    assert engine.retrieve(tokens, slot_mapping=dst) == 16
+    assert_kv_equal(engine, dst[:16], reference[:, :, :16], "prefix before the gap")
+    assert torch.equal(kv_at(engine, dst[16:]), before[:, :, 16:]), "wrote past the missing chunk"
+    snap = engine.stats.snapshot()
+    assert snap[Counter.HIT_TOKENS] == 16 and snap[Counter.REQUESTED_TOKENS] == 40
+    assert snap["retrieve_hit_ratio"] == pytest.approx(0.4)
+
+
+def test_store_skips_existing_and_masked_chunks():
+    engine = make_engine()
+    tokens = torch.arange(32)
+    assert engine.store(tokens[:16], slot_mapping=torch.arange(16)).stored_chunks == 2
+    result = engine.store(tokens, slot_mapping=torch.arange(32))
+    assert (result.stored_chunks, result.skipped_existing) == (2, 2)
+    other = torch.arange(1000, 1032)
+    mask = torch.tensor([False] * 8 + [True] * 24)
+    result = engine.store(other, mask, slot_mapping=torch.arange(32))
+    assert result.stored_chunks == 3 and engine.lookup(other) == 0  # chunk 0 was never stored
+
+
+def test_retrieve_with_mask_leaves_engine_prefix_alone():
+    engine = make_engine()
+    tokens, src = torch.arange(24), torch.arange(24)
+    reference = kv_at(engine, src)
+    engine.store(tokens, slot_mapping=src)
+    dst = torch.arange(200, 224)
+    before = kv_at(engine, dst)
+    mask = torch.tensor([False] * 8 + [True] * 16)
+    assert engine.retrieve(tokens, mask, slot_mapping=dst) == 24
+    assert torch.equal(kv_at(engine, dst[:8]), before[:, :, :8])
+    assert_kv_equal(engine, dst[8:], reference[:, :, 8:], "unmasked part")
+
+
+def test_negative_slots():
+    engine = make_engine()
+    tokens = torch.arange(24)
+    src = torch.arange(24)
+    reference = kv_at(engine, src)
+    bad = src.clone()
+    bad[12] = -1  # a token whose KV is not in the cache: its chunk and later ones are not stored
+    assert engine.store(tokens, slot_mapping=bad).stored_chunks == 1
+    engine.store(tokens, slot_mapping=src)
+    dst = torch.arange(200, 224)
+    dst[3] = -1  # skip writing one token on load
+    before = kv_at(engine, torch.tensor([0]))
+    assert engine.retrieve(tokens, slot_mapping=dst) == 24
+    keep = dst >= 0
+    assert_kv_equal(engine, dst[keep], reference[:, :, keep], "loaded tokens")
+    assert torch.equal(kv_at(engine, torch.tensor([0])), before)
+
+
+def test_partial_last_chunk_when_configured():
+    engine = make_engine(save_unfull_chunk=True)
+    tokens, src = torch.arange(29), torch.arange(29)
+    reference = kv_at(engine, src)
+    assert engine.store(tokens, slot_mapping=src).stored_tokens == 29
+    dst = torch.arange(100, 129)
+    assert engine.lookup(tokens) == 29
+    assert engine.retrieve(tokens, slot_mapping=dst) == 29
+    assert_kv_equal(engine, dst, reference, "with partial chunk")
+    # a longer prompt does not reuse the partial chunk as if it were full
+    longer = torch.arange(32)
+    assert engine.lookup(longer) == 24
+
+
+def test_exhausted_memory_skips_store_and_keeps_prefix():
+    # room for 3 chunks only; a 6-chunk prompt keeps its first 3 (its own prefix is pinned
+    # while it is stored, so it cannot evict itself)
+    chunk_bytes = 2 * 3 * 8 * 16 * 2  # kv * layers * tokens * hidden * bf16
+    engine = make_engine(max_local_cpu_size=3 * chunk_bytes / 2**30)
+    result = engine.store(torch.arange(48), slot_mapping=torch.arange(48))
+    assert (result.stored_chunks, result.skipped_no_memory) == (3, 3)
+    assert engine.lookup(torch.arange(48)) == 24
+    assert engine.stats.get(Counter.STORE_SKIPPED_NO_MEMORY) == 3
+    # a later prompt evicts the older chunks instead of failing
+    assert engine.store(torch.arange(500, 516), slot_mapping=torch.arange(16)).stored_chunks == 2
+    assert engine.stats.get(Counter.EVICTIONS) == 2
+
+
+def test_extras_and_model_separate_caches():
+    engine = make_engine()
+    tokens, src = torch.arange(16), torch.arange(16)
+    engine.store(tokens, slot_mapping=src, extras=RequestExtras(cache_salt="a"))
+    assert engine.lookup(tokens) == 0
+    assert engine.lookup(tokens, extras=RequestExtras(cache_salt="b")) == 0
+    assert engine.lookup(tokens, extras=RequestExtras(cache_salt="a")) == 16
+
+
+def test_stats_count_what_happened():
+    engine = make_engine()
+    engine.store(torch.arange(20), slot_mapping=torch.arange(20))  # 2 chunks
+    engine.retrieve(torch.arange(20), slot_mapping=torch.arange(50, 70))
+    snap = engine.stats.snapshot()
+    chunk_bytes = 2 * 3 * 8 * 16 * 2  # kv * layers * tokens * hidden * bf16
+    assert snap[Counter.STORED_CHUNKS] == 2
+    assert snap[Counter.STORED_BYTES] == 2 * chunk_bytes
+    assert snap[Counter.LOADED_BYTES] == 2 * chunk_bytes
+    assert snap[Counter.HIT_TOKENS] == 16
+    assert snap["store_gbps"] > 0 and snap["load_gbps"] > 0
+
+
+def test_errors_name_the_problem():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="slot_mapping has shape"):
+        engine.store(torch.arange(16), slot_mapping=torch.arange(8))
+    unbound = CacheEngine(load_config(env={}), EngineMetadata("m"))
+    with pytest.raises(RuntimeError, match="KV dtype"):
+        unbound.lookup(torch.arange(8))
+    with pytest.raises(ValueError, match=r"differs from metadata\.kv_dtype"):
+        CacheEngine(
+            load_config(env={}), EngineMetadata("m", kv_dtype="float16"), engine.connector.paged
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_tokens=st.integers(0, 60),
+    chunk_size=st.sampled_from([1, 4, 8, 16]),
+    removed=st.none() | st.integers(0, 20),
+    partial=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_retrieve_returns_longest_stored_prefix(
+    num_tokens, chunk_size, removed, partial, seed
+):
+    engine = make_engine(chunk_size=chunk_size, save_unfull_chunk=partial, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (num_tokens,), generator=gen)
+    num_slots = engine.connector.paged.num_slots
+    src = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    reference = kv_at(engine, src)
+    engine.store(tokens, slot_mapping=src)
+    chunks = engine.token_db.chunks(tokens, include_partial=partial)
+    expected = chunks[-1].end if chunks else 0
+    if removed is not None and removed < len(chunks):
+        engine.storage.remove(chunks[removed].key)
+        expected = chunks[removed].start
+    dst = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    assert engine.lookup(tokens) == expected
+    assert engine.retrieve(tokens, slot_mapping=dst) == expected
+    assert_kv_equal(engine, dst[:expected], reference[:, :, :expected], "property")
+    engine.close()
