@@ -17,18 +17,42 @@ layout descriptor accepts. Bytes moved per direction:
 The chunk buffer may live on another device than the cache (e.g. pinned CPU memory for a
 GPU cache); its last dim must be contiguous (stride 1).
 
-Sections: torch reference (the definition of correct) -> Triton kernels (see below) ->
-launchers -> registration.
+Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
+``triton`` runs ``_gather_kernel`` / ``_scatter_kernel`` compiled, on CUDA/ROCm caches, with
+the chunk on the same GPU or in pinned host memory (read or written over the bus);
+``interpret`` runs the same kernels under Triton's interpreter on CPU tensors. One launch
+covers every selected layer: grid ``(token tiles x row blocks, len(layers), KV)``, each
+program moving a ``BLOCK_T x BLOCK_R`` tile of integer words (see "Triton kernels").
+
+Sections: torch reference (the definition of correct) -> Triton kernels -> launchers
+(public, then Triton) -> registration.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtier_kernels import registry
 from kvtier_kernels.layouts import PagedKV
 
-__all__ = ["gather", "gather_reference", "scatter", "scatter_reference"]
+__all__ = [
+    "LaunchConfig",
+    "gather",
+    "gather_reference",
+    "gather_triton",
+    "launch_config",
+    "scatter",
+    "scatter_reference",
+    "scatter_triton",
+]
 
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 
@@ -147,12 +171,116 @@ def scatter_reference(
 # ---------------------------------------------------------------------------------------
 # Triton kernels
 #
-# NOTE: not written yet. The Triton gather/scatter kernels (`_gather_kernel`,
-# `_scatter_kernel`, one layer or all layers through `PagedKV.layer_base_pointers()`) go
-# here, registered below for the "triton" and "interpret" backends with lazy loaders so
-# that importing this module never imports triton. Until then only "torch" is registered
-# and `backend="auto"` falls back to it.
+# Grid: (token tiles x row blocks, len(layers), KV). Program (p0, j, plane) moves the tile
+# chunk[plane, j, tile * BLOCK_T : +BLOCK_T, row_block * BLOCK_R : +BLOCK_R] (in words) to or
+# from cache layer layers[j], plane `plane`. A row is the H * D values of one token, moved as
+# `row_words` integer words (int8..int64, the widest that every stride, the head size and
+# every base address allow); head h, word d of a row sits at h * s_head + d * s_dim in the
+# cache and at h * head_words + d in the chunk.
+#
+# `layer_bases` is an int64 table of the byte address of each selected layer's canonical
+# view (`PagedKV.layer_base_pointers()`), cast in the kernel to a pointer to the word type:
+# one launch covers every layer whether the layers are views of one buffer (vLLM) or
+# separate allocations. The interpreter follows those raw addresses too (CPU tensors).
+#
+# NOTE: `tl` is bound to `triton.language` by `_decorate()` on first use, so that importing
+# this module never imports triton. The kernels call only Triton builtins.
 # ---------------------------------------------------------------------------------------
+
+tl: Any = None
+
+
+def _gather_kernel(
+    layer_bases,  # [len(layers)] int64: byte address of each layer's canonical view
+    slot_mapping,  # [T] int64 or int32; negative = skip
+    chunk,  # [KV, len(layers), T, row_words] integer words, last dim dense
+    s_kv,  # cache canonical strides, in words
+    s_block,
+    s_slot,
+    s_head,
+    s_dim,
+    c_kv,  # chunk strides, in words
+    c_layer,
+    c_token,
+    num_tokens,
+    block_size,
+    head_words,
+    row_words,
+    row_blocks,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile_and_row_block = tl.program_id(0)
+    j = tl.program_id(1)
+    plane = tl.program_id(2).to(tl.int64)
+    tile = tile_and_row_block // row_blocks
+    row_block = tile_and_row_block - tile * row_blocks
+
+    tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    slots = tl.load(slot_mapping + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    # Skipped tokens get an empty row: the skip folds into the bound, not into `mask & cond`.
+    row_limit = tl.where(slots >= 0, row_words, 0)
+    cols = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = cols[None, :] < row_limit[:, None]
+
+    slots = tl.maximum(slots, 0)
+    blocks = slots // block_size
+    offsets = slots - blocks * block_size
+    heads = cols // head_words
+    dims = cols - heads * head_words
+    cache_rows = plane * s_kv + blocks * s_block + offsets * s_slot
+    cache_cols = heads.to(tl.int64) * s_head + dims.to(tl.int64) * s_dim
+    chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
+
+    cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
+    rows = tl.load(cache + cache_rows[:, None] + cache_cols[None, :], mask=mask)
+    tl.store(chunk + chunk_rows[:, None] + cols[None, :], rows, mask=mask)
+
+
+def _scatter_kernel(
+    layer_bases,  # [len(layers)] int64: byte address of each layer's canonical view
+    slot_mapping,  # [T] int64 or int32; negative = skip
+    chunk,  # [KV, len(layers), T, row_words] integer words, last dim dense
+    s_kv,  # cache canonical strides, in words
+    s_block,
+    s_slot,
+    s_head,
+    s_dim,
+    c_kv,  # chunk strides, in words
+    c_layer,
+    c_token,
+    num_tokens,
+    block_size,
+    head_words,
+    row_words,
+    row_blocks,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile_and_row_block = tl.program_id(0)
+    j = tl.program_id(1)
+    plane = tl.program_id(2).to(tl.int64)
+    tile = tile_and_row_block // row_blocks
+    row_block = tile_and_row_block - tile * row_blocks
+
+    tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    slots = tl.load(slot_mapping + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    row_limit = tl.where(slots >= 0, row_words, 0)
+    cols = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = cols[None, :] < row_limit[:, None]
+
+    slots = tl.maximum(slots, 0)
+    blocks = slots // block_size
+    offsets = slots - blocks * block_size
+    heads = cols // head_words
+    dims = cols - heads * head_words
+    cache_rows = plane * s_kv + blocks * s_block + offsets * s_slot
+    cache_cols = heads.to(tl.int64) * s_head + dims.to(tl.int64) * s_dim
+    chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
+
+    cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
+    rows = tl.load(chunk + chunk_rows[:, None] + cols[None, :], mask=mask)
+    tl.store(cache + cache_rows[:, None] + cache_cols[None, :], rows, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------
@@ -265,8 +393,312 @@ def scatter(
 
 
 # ---------------------------------------------------------------------------------------
+# Triton launchers
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Launch parameters of one paged-copy kernel launch.
+
+    Attributes:
+        block_tokens: tokens per program (``BLOCK_T``), a power of two.
+        block_row: row words per program (``BLOCK_R``), a power of two; rows longer than
+            this are split over several programs.
+        num_warps: warps per program, one of 1, 2, 4, 8, 16.
+    """
+
+    block_tokens: int
+    block_row: int
+    num_warps: int
+
+
+_GPU_TILE_BYTES = 8192  # bytes per program on a GPU: 256 threads x 32 B at 8 warps
+_INTERPRETER_TILE_BYTES = 1 << 16  # the interpreter pays ~1 ms per program: fewer, bigger ones
+
+
+def launch_config(
+    op: str, row_elems: int, dtype: torch.dtype, device: torch.device
+) -> LaunchConfig:
+    """Launch parameters for ``op`` moving rows of ``row_elems`` elements of ``dtype``.
+
+    This is the hook a tuning step fills from per-device JSON files; for now it holds the
+    built-in heuristic. The launchers call it with the row in *words*: ``row_elems`` is the
+    number of integer words per token row and ``dtype`` the word type (``torch.int64``
+    for a bf16 row of 128 x 8 heads: 256 words). ``op`` is ``"paged_gather"`` or
+    ``"paged_scatter"``; ``device`` is the cache's device (CPU means the interpreter).
+
+    The heuristic gives each program one tile of about 8 KiB (a whole row when it fits,
+    several tokens when rows are short), with one warp per KiB; under the interpreter,
+    where each program costs about a millisecond, tiles of up to 64 KiB.
+    """
+    del op  # both directions move the same tiles
+    itemsize = dtype.itemsize
+    tile_bytes = _GPU_TILE_BYTES if device.type == "cuda" else _INTERPRETER_TILE_BYTES
+    block_row = min(_next_power_of_2(row_elems), max(1, tile_bytes // itemsize))
+    block_tokens = max(1, min(64, tile_bytes // (block_row * itemsize)))
+    num_warps = max(1, min(8, block_tokens * block_row * itemsize // 1024))
+    return LaunchConfig(block_tokens, block_row, _next_power_of_2(num_warps))
+
+
+def _next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+_kernels: dict[tuple[str, bool], Any] = {}
+_kernels_lock = threading.Lock()
+
+
+def _kernel(op: str, interpret: bool) -> Any:
+    """The decorated kernel of ``op``, compiled or interpreted; decorated on first use."""
+    key = (op, interpret)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        with _kernels_lock:
+            kernel = _kernels.get(key)
+            if kernel is None:
+                from kvtier_kernels import _triton_compat
+
+                global tl
+                tl = _triton_compat.language()
+                fn = _gather_kernel if op == "paged_gather" else _scatter_kernel
+                decorate = (
+                    _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
+                )
+                kernel = _kernels[key] = decorate(fn)
+    return kernel
+
+
+_WORD_BYTES = (8, 4, 2, 1)
+_WORD_OF_BYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerTable:
+    bases: torch.Tensor  # [len(layers)] int64 byte addresses, on the cache's device
+    alignment: int  # largest word size (8, 4, 2, 1) that divides every address
+
+
+_tables: OrderedDict[tuple, _LayerTable] = OrderedDict()
+_tables_lock = threading.Lock()
+_MAX_TABLES = 64
+
+
+def _layer_table(paged: PagedKV, layers: range) -> _LayerTable:
+    """The base-address table of ``layers``, cached per (addresses, strides, dtype, layers).
+
+    The key holds every tensor's address, shape, strides and dtype (strides count
+    elements), so a cached table is right by construction; building one costs a canonical view per layer and a host-to-device
+    copy, which a serving engine should not pay per chunk.
+    """
+    key = (
+        paged.layout.name,
+        paged.dtype,
+        paged.device,
+        tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in paged.tensors),
+        (layers.start, layers.stop, layers.step),
+    )
+    with _tables_lock:
+        table = _tables.get(key)
+        if table is not None:
+            _tables.move_to_end(key)
+            return table
+    every_layer = paged.layer_base_pointers()
+    bases = every_layer[list(layers)]
+    alignment = next(w for w in _WORD_BYTES if all(int(b) % w == 0 for b in bases.tolist()))
+    table = _LayerTable(bases.to(paged.device), alignment)
+    with _tables_lock:
+        _tables[key] = table
+        while len(_tables) > _MAX_TABLES:
+            _tables.popitem(last=False)
+    return table
+
+
+def _word_view(
+    paged: PagedKV, chunk: torch.Tensor, alignment: int
+) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """Pick the widest integer word both sides allow; return (chunk as words, cache
+    canonical strides in words, word bytes)."""
+    view = paged.layer_view(0)
+    itemsize = paged.dtype.itemsize
+    # Strides of size-1 dims are never multiplied by a non-zero index: drop them.
+    strides = [s if n > 1 else 0 for n, s in zip(view.shape, view.stride(), strict=True)]
+    s_dim = strides[4]
+    for word_bytes in _WORD_BYTES:
+        if word_bytes < itemsize:
+            break
+        ratio = word_bytes // itemsize
+        if word_bytes > alignment or (paged.head_size * itemsize) % word_bytes:
+            continue
+        if ratio > 1 and s_dim != 1:
+            continue
+        if any((s * itemsize) % word_bytes for s in strides[:4]):
+            continue
+        try:
+            words = chunk.view(_WORD_OF_BYTES[word_bytes])
+        except RuntimeError:  # a chunk stride or offset not divisible at this width
+            continue
+        if words.data_ptr() % word_bytes:
+            continue
+        cache_strides = (
+            *(s * itemsize // word_bytes for s in strides[:4]),
+            1 if ratio > 1 else s_dim,
+        )
+        return words, cache_strides, word_bytes
+    raise AssertionError(f"no integer word view of {paged.dtype}")
+
+
+def _check_placement(paged: PagedKV, chunk: torch.Tensor, chunk_name: str, interpret: bool) -> None:
+    """Raise ValueError when the kernel could not reach the cache or the chunk."""
+    if interpret:
+        for name, device in (("the cache", paged.device), (chunk_name, chunk.device)):
+            if device.type != "cpu":
+                raise ValueError(
+                    f"kernel backend 'interpret' runs on CPU tensors; {name} is on {device} "
+                    "(use 'triton' for GPU tensors)"
+                )
+        return
+    if paged.device.type != "cuda":
+        raise ValueError(
+            f"kernel backend 'triton' needs a CUDA/ROCm cache; the cache is on {paged.device} "
+            "(use 'interpret' or 'torch')"
+        )
+    if chunk.device.type == "cpu":
+        if not chunk.is_pinned():
+            raise ValueError(
+                f"{chunk_name} is in pageable CPU memory, which a GPU kernel cannot reach: "
+                "allocate it with pin_memory=True, or use backend 'torch'"
+            )
+    elif chunk.device != paged.device:
+        raise ValueError(
+            f"{chunk_name} is on {chunk.device} but the cache is on {paged.device}: the chunk "
+            "must be on the cache's GPU or in pinned CPU memory"
+        )
+
+
+def _launch_paged_copy(
+    op: str,
+    paged: PagedKV,
+    slot_mapping: torch.Tensor,  # [T] int64 (int32 accepted); negative = skip
+    chunk: torch.Tensor,  # [KV, len(layers), T, H * D]
+    layers: range | None,
+    interpret: bool | None,
+) -> None:
+    # validate: argument shapes, dtypes and slot range are checked by gather()/scatter();
+    # here only where the tensors live, which decides what the kernel can reach.
+    layers = range(paged.num_layers) if layers is None else layers
+    interpret = paged.device.type == "cpu" if interpret is None else interpret
+    chunk_name = "out" if op == "paged_gather" else "src"
+    _check_placement(paged, chunk, chunk_name, interpret)
+    if len(layers) > 65535:
+        raise ValueError(f"at most 65535 layers per launch (grid dim 1); got {len(layers)}")
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0 or len(layers) == 0:
+        return
+
+    # allocate: nothing big; the cached address table and, if needed, the slots on device.
+    table = _layer_table(paged, layers)
+    words, cache_strides, word_bytes = _word_view(paged, chunk, table.alignment)
+    slots = slot_mapping.to(paged.device, non_blocking=True)
+    head_words = paged.head_size * paged.dtype.itemsize // word_bytes
+    row_words = paged.num_heads * head_words
+    config = launch_config(op, row_words, _WORD_OF_BYTES[word_bytes], paged.device)
+    _check_config(config)
+    block_tokens = min(config.block_tokens, _next_power_of_2(num_tokens))
+
+    # grid: (token tiles x row blocks, layers, kv planes); dims 1 and 2 are capped at 65535
+    row_blocks = -(-row_words // config.block_row)
+    token_tiles = -(-num_tokens // block_tokens)
+    grid = (token_tiles * row_blocks, len(layers), paged.kv_planes)
+
+    # launch
+    kernel = _kernel(op, interpret)
+    device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(paged.device)
+    with device_guard:
+        if not interpret:
+            table.bases.record_stream(torch.cuda.current_stream(paged.device))
+        kernel[grid](
+            table.bases,  # [len(layers)] int64
+            slots,  # [T]
+            words,  # [KV, len(layers), T, row_words]
+            *cache_strides,
+            *words.stride()[:3],
+            num_tokens,
+            paged.block_size,
+            head_words,
+            row_words,
+            row_blocks,
+            BLOCK_T=block_tokens,
+            BLOCK_R=config.block_row,
+            num_warps=config.num_warps,
+        )
+
+
+def _check_config(config: LaunchConfig) -> None:
+    for name in ("block_tokens", "block_row"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch_config: {name} must be a power of two; got {value}")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"launch_config: num_warps must be 1, 2, 4, 8 or 16; got {config.num_warps}"
+        )
+
+
+def gather_triton(
+    paged: PagedKV,
+    slot_mapping: torch.Tensor,  # [T] int64 (int32 accepted); negative = skip
+    out: torch.Tensor,  # [KV, len(layers), T, H * D], same dtype as the cache
+    layers: range | None = None,
+    *,
+    interpret: bool | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`gather_reference`: one launch for every layer; returns ``out``.
+
+    ``out`` may sit in pinned CPU memory for a GPU cache (the kernel writes it over the
+    bus). Like ``copy_(non_blocking=True)`` the launch is asynchronous: synchronize the
+    current stream before reading a host ``out``. ``interpret`` picks Triton's interpreter
+    (CPU tensors) or the compiled kernel (GPU tensors); None picks by the cache's device.
+    Arguments are assumed valid (:func:`gather` validates them).
+
+    Raises:
+        ValueError: the tensors are where this backend cannot reach them (a GPU cache with
+            a pageable CPU ``out``, a GPU tensor for the interpreter, ...).
+    """
+    _launch_paged_copy("paged_gather", paged, slot_mapping, out, layers, interpret)
+    return out
+
+
+def scatter_triton(
+    paged: PagedKV,
+    slot_mapping: torch.Tensor,  # [T] int64 (int32 accepted); negative = skip
+    src: torch.Tensor,  # [KV, len(layers), T, H * D], same dtype as the cache
+    layers: range | None = None,
+    *,
+    interpret: bool | None = None,
+) -> None:
+    """Triton version of :func:`scatter_reference`; same arguments as :func:`gather_triton`."""
+    _launch_paged_copy("paged_scatter", paged, slot_mapping, src, layers, interpret)
+
+
+def _triton_loader(op: str, interpret: bool) -> Callable[[], Callable]:
+    """A registry loader: decorates the kernel (importing triton) and returns the launcher."""
+    launcher = gather_triton if op == "paged_gather" else scatter_triton
+
+    def load() -> Callable:
+        _kernel(op, interpret)
+        return functools.partial(launcher, interpret=interpret)
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------
 # registration
 # ---------------------------------------------------------------------------------------
 
 registry.register("paged_gather", "torch", gather_reference)
 registry.register("paged_scatter", "torch", scatter_reference)
+for _op in ("paged_gather", "paged_scatter"):
+    registry.register(_op, "triton", loader=_triton_loader(_op, interpret=False))
+    registry.register(_op, "interpret", loader=_triton_loader(_op, interpret=True))

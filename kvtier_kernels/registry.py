@@ -4,8 +4,8 @@ Backends:
 
 - ``torch``: the reference implementation; always present and the definition of correct.
 - ``triton``: the Triton kernel, for tensors on a GPU Triton can drive (CUDA or ROCm).
-- ``interpret``: the same Triton kernel run by Triton's interpreter (``TRITON_INTERPRET``),
-  for testing on CPU tensors.
+- ``interpret``: the same Triton kernel run by Triton's interpreter on CPU tensors, for
+  testing; it needs no ``TRITON_INTERPRET`` in the environment (see ``_triton_compat``).
 
 Implementations may be registered eagerly (``fn``) or lazily (``loader``): a loader is
 called once, on the first :func:`get` that needs it, and returns the callable. Triton

@@ -93,25 +93,24 @@ class LFUPolicy(EvictionPolicy):
         self._freq[key] = 1
         self._buckets[1][key] = None
 
+    def _unlink(self, key: Hashable) -> int | None:
+        """Take ``key`` out of its bucket; returns its frequency (None if absent)."""
+        freq = self._freq.pop(key, None)
+        if freq is not None:
+            bucket = self._buckets[freq]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[freq]
+        return freq
+
     def touch(self, key: Hashable) -> None:
-        freq = self._freq.get(key)
-        if freq is None:
-            return
-        bucket = self._buckets[freq]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[freq]
-        self._freq[key] = freq + 1
-        self._buckets[freq + 1][key] = None
+        freq = self._unlink(key)
+        if freq is not None:
+            self._freq[key] = freq + 1
+            self._buckets[freq + 1][key] = None
 
     def remove(self, key: Hashable) -> None:
-        freq = self._freq.pop(key, None)
-        if freq is None:
-            return
-        bucket = self._buckets[freq]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[freq]
+        self._unlink(key)
 
     def candidates(self) -> Iterator[Hashable]:
         for freq in sorted(self._buckets):
