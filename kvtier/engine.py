@@ -172,10 +172,12 @@ class CacheEngine:
         chunks = self._chunks(tokens, mask, extras)
         slots = self._slots(slot_mapping, chunks[-1].end if chunks else 0)
         held: list[MemoryObj] = []
+        pinned_existing: list[CacheKey] = []
         try:
             for chunk in chunks:
                 if self.storage.contains(chunk.key):
                     result.skipped_existing += 1
+                    pinned_existing += self.storage.pin([chunk.key])
                     continue
                 chunk_slots = slots[chunk.start : chunk.end]
                 if bool((chunk_slots < 0).any()):
@@ -190,8 +192,9 @@ class CacheEngine:
                         if c.index >= chunk.index and not self.storage.contains(c.key)
                     )
                     break
-                # NOTE: chunks of this request stay pinned until the call ends, so a prompt
-                # larger than the tier cannot evict its own prefix while being stored.
+                # NOTE: chunks of this request (new and already stored) stay pinned until
+                # the call ends, so a prompt larger than the tier cannot evict its own
+                # prefix while being stored.
                 obj.pin()
                 held.append(obj)
                 connector.from_engine(obj.tensor, chunk_slots)
@@ -203,6 +206,7 @@ class CacheEngine:
             for obj in held:
                 obj.unpin()
                 obj.ref_down()
+            self.storage.unpin(pinned_existing)
         result.seconds = time.perf_counter() - start_time
         s = self.stats
         s.inc(Counter.STORE_REQUESTS)

@@ -260,3 +260,14 @@ def test_engine_through_triton_interpreter_matches_torch(layout):
         assert engine.retrieve(tokens, slot_mapping=dst) == 16
     assert torch.equal(kv_at(torch_engine, dst), kv_at(triton_engine, dst))
     assert bool((kv_at(triton_engine, dst) != 0).any())
+
+
+def test_store_does_not_evict_its_own_already_stored_prefix():
+    chunk_bytes = 2 * 3 * 8 * 16 * 2
+    engine = make_engine(max_local_cpu_size=3 * chunk_bytes / 2**30)
+    tokens = torch.arange(48)
+    assert engine.store(tokens[:8], slot_mapping=torch.arange(8)).stored_chunks == 1
+    # chunk 0 is the least recently used object, but this prompt needs it as its prefix
+    result = engine.store(tokens, slot_mapping=torch.arange(48))
+    assert (result.skipped_existing, result.stored_chunks, result.skipped_no_memory) == (1, 2, 3)
+    assert engine.lookup(tokens) == 24
