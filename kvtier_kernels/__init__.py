@@ -7,6 +7,7 @@ or touches a GPU driver; Triton kernels are loaded on first use through the regi
 from kvtier_kernels import registry
 from kvtier_kernels.layouts import KV_2LTD, LAYOUTS, KVLayout, LayoutError, PagedKV, get_layout
 from kvtier_kernels.paged_copy import gather, scatter
+from kvtier_kernels.rope import rerotate
 
 __all__ = [
     "KV_2LTD",
@@ -17,5 +18,6 @@ __all__ = [
     "gather",
     "get_layout",
     "registry",
+    "rerotate",
     "scatter",
 ]

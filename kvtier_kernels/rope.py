@@ -1,0 +1,512 @@
+"""RoPE re-rotation of cached K: move keys stored at ``old_positions`` to ``new_positions``.
+
+RoPE rotations compose, ``R(new) = R(new - old) R(old)``, so keys cached after RoPE at the
+positions they were stored at are moved to new positions by rotating each pair of dims by
+``delta = new_pos - old_pos`` (non-prefix reuse: blending, position shifts)::
+
+    k                                   [num_layers, T, H * D]  (K plane chunk[0] of KV_2LTD)
+    pair i of head h, token t           (x1, x2) = dims (i, i + R/2)   NeoX
+                                                 = dims (2i, 2i + 1)   GPT-J
+    angle = float32(delta[t]) * inv_freq[i]           inv_freq[i] = base ** (-2i / R)
+    (x1, x2) <- (x1 cos - x2 sin, x2 cos + x1 sin)     fp32 math, one rounding per value
+
+``R = rotary_dim`` (<= ``head_size``, even): with partial rotary only the first ``R`` dims
+of each head rotate and the rest are left untouched. ``inv_freq`` may be passed instead of
+``base`` (scaled variants such as llama3 or YaRN, where the caller computes it).
+
+``k`` is rotated in place. It may be a non-contiguous view (a layer subset or token slice
+of a chunk) but its last dim must be dense (stride 1). Bytes moved:
+``num_layers * T * H * R * itemsize`` read plus the same written (positions and
+``inv_freq`` are negligible).
+
+Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
+``triton`` runs ``_rerotate_kernel`` compiled, on CUDA/ROCm tensors; ``interpret`` runs the
+same kernel under Triton's interpreter on CPU tensors. One launch covers every layer and
+head: grid ``(token tiles x pair blocks, num_layers, num_heads)``.
+
+Sections: torch reference (the definition of correct) -> Triton kernel -> launchers
+(public, then Triton) -> registration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier_kernels import registry
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "LaunchConfig",
+    "launch_config",
+    "rerotate",
+    "rerotate_reference",
+    "rerotate_triton",
+    "rope_inv_freq",
+]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rope_inv_freq(
+    rotary_dim: int, base: float = 10000.0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The standard RoPE frequencies ``base ** (-2i / rotary_dim)``, fp32 ``[rotary_dim // 2]``.
+
+    Computed on the CPU in fp32, as HF transformers and vLLM compute theirs, then moved to
+    ``device``: the same bits whatever device the keys live on.
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    return inv_freq if device is None else inv_freq.to(device)
+
+
+# ---------------------------------------------------------------------------------------
+# torch reference
+# ---------------------------------------------------------------------------------------
+
+
+def rerotate_reference(
+    k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
+    old_positions: torch.Tensor,  # [T] int64
+    new_positions: torch.Tensor,  # [T] int64
+    *,
+    head_size: int,
+    rotary_dim: int | None = None,
+    base: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,  # [rotary_dim // 2] fp32; overrides base
+    is_neox_style: bool = True,
+) -> torch.Tensor:
+    """Rotate ``k`` in place from ``old_positions`` to ``new_positions``; return ``k``.
+
+    Each pair rotates by ``(new - old) * inv_freq`` in fp32 and is rounded once to ``k``'s
+    dtype. ``rotary_dim`` defaults to ``head_size``; dims past it are left untouched.
+    Arguments are assumed valid (:func:`rerotate` validates them).
+    """
+    rotary_dim = head_size if rotary_dim is None else rotary_dim
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(rotary_dim, base)
+    half = rotary_dim // 2
+    delta = new_positions.to(k.device, torch.int64) - old_positions.to(k.device, torch.int64)
+    angle = delta.to(torch.float32)[:, None] * inv_freq.to(k.device, torch.float32)[None, :]
+    cos = angle.cos()[None, :, None, :]  # [1, T, 1, R/2]
+    sin = angle.sin()[None, :, None, :]
+
+    heads = k.unflatten(-1, (k.shape[-1] // head_size, head_size))  # [L, T, H, D], a view
+    rotary = heads[..., :rotary_dim]
+    if is_neox_style:
+        x1, x2 = rotary[..., :half], rotary[..., half:]
+    else:
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
+    # NOTE: both rotated halves are computed before either is written (for fp32, ``f1`` and
+    # ``f2`` are views of ``k``, not copies).
+    f1, f2 = x1.to(torch.float32), x2.to(torch.float32)
+    rotated1 = f1 * cos - f2 * sin
+    rotated2 = f2 * cos + f1 * sin
+    x1.copy_(rotated1)
+    x2.copy_(rotated2)
+    return k
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernel
+#
+# Grid: (token tiles x pair blocks, num_layers, num_heads). Program (p0, layer, head)
+# rotates the BLOCK_T x BLOCK_P tile of pairs (tokens tile * BLOCK_T : +BLOCK_T, pairs
+# pair_block * BLOCK_P : +BLOCK_P) of one head of one layer. Pair i is dims (i, i + R/2)
+# (NeoX) or (2i, 2i + 1) (GPT-J) of the head: both elements of a pair belong to the same
+# program, which loads both before it stores either, so rotating in place has no
+# read-after-write hazard.
+#
+# NOTE: `tl` is bound to `triton.language` by `_kernel()` on first use, so that importing
+# this module never imports triton. The kernel calls only Triton builtins (tl.cos and
+# tl.sin included; no libdevice).
+# ---------------------------------------------------------------------------------------
+
+tl: Any = None
+
+
+def _rerotate_kernel(
+    k,  # [num_layers, T, H * D], rotated in place
+    old_positions,  # [T] int64
+    new_positions,  # [T] int64
+    inv_freq,  # [R / 2] fp32
+    s_layer,  # k strides, in elements
+    s_token,
+    s_dim,
+    num_tokens,
+    head_size,
+    half_rotary,
+    pair_blocks,
+    IS_NEOX: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    tile_and_pair_block = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2).to(tl.int64)
+    tile = tile_and_pair_block // pair_blocks
+    pair_block = tile_and_pair_block - tile * pair_blocks
+
+    tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    token_in = tokens < num_tokens
+    pair_in = pairs < half_rotary
+    mask = token_in[:, None] & pair_in[None, :]
+
+    old = tl.load(old_positions + tokens, mask=token_in, other=0)
+    new = tl.load(new_positions + tokens, mask=token_in, other=0)
+    freq = tl.load(inv_freq + pairs, mask=pair_in, other=0.0)
+    angle = (new - old).to(tl.float32)[:, None] * freq[None, :]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+
+    if IS_NEOX:
+        first = pairs
+        second = pairs + half_rotary
+    else:
+        first = 2 * pairs
+        second = first + 1
+    rows = layer * s_layer + tokens.to(tl.int64) * s_token + head * head_size * s_dim
+    x1_ptrs = k + rows[:, None] + first.to(tl.int64)[None, :] * s_dim
+    x2_ptrs = k + rows[:, None] + second.to(tl.int64)[None, :] * s_dim
+    x1 = tl.load(x1_ptrs, mask=mask).to(tl.float32)
+    x2 = tl.load(x2_ptrs, mask=mask).to(tl.float32)
+    tl.store(x1_ptrs, (x1 * cos - x2 * sin).to(k.dtype.element_ty), mask=mask)
+    tl.store(x2_ptrs, (x2 * cos + x1 * sin).to(k.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------
+
+
+def _check_positions(name: str, positions: Any, num_tokens: int) -> None:
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"{name} must be a 1-D int64 (or int32) tensor [num_tokens]; "
+            f"got shape {tuple(positions.shape)} dtype {positions.dtype}"
+        )
+    if positions.numel() != num_tokens:
+        raise ValueError(
+            f"{name} must have one position per token of k: shape ({num_tokens},); "
+            f"got {tuple(positions.shape)}"
+        )
+
+
+def _validate(
+    k: Any,
+    old_positions: Any,
+    new_positions: Any,
+    head_size: Any,
+    rotary_dim: Any,
+    base: Any,
+    inv_freq: Any,
+) -> int:
+    """Check the arguments of :func:`rerotate`; return the rotary dim to use."""
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+    if k.dim() != 3:
+        raise ValueError(
+            "k must be 3-D [num_layers, num_tokens, num_heads * head_size] (the K plane "
+            f"chunk[0] of a KV_2LTD chunk); got shape {tuple(k.shape)}"
+        )
+    if k.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"k has dtype {k.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
+        raise ValueError(f"head_size must be a positive int; got {head_size!r}")
+    if k.shape[-1] % head_size:
+        raise ValueError(
+            f"k's last dim {k.shape[-1]} must be num_heads * head_size: it is not divisible "
+            f"by head_size={head_size} (k shape {tuple(k.shape)})"
+        )
+    if k.shape[-1] > 1 and k.stride(-1) != 1:
+        raise ValueError(
+            f"k must be contiguous in its last dim (stride 1); got strides {k.stride()}"
+        )
+
+    rotary_dim = head_size if rotary_dim is None else rotary_dim
+    if (
+        isinstance(rotary_dim, bool)
+        or not isinstance(rotary_dim, int)
+        or rotary_dim <= 0
+        or rotary_dim % 2
+        or rotary_dim > head_size
+    ):
+        raise ValueError(
+            f"rotary_dim must be a positive even int <= head_size={head_size}; got {rotary_dim!r}"
+        )
+
+    _check_positions("old_positions", old_positions, k.shape[1])
+    _check_positions("new_positions", new_positions, k.shape[1])
+
+    if inv_freq is None:
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
+            raise ValueError(f"base must be a positive number; got {base!r}")
+    else:
+        if not isinstance(inv_freq, torch.Tensor):
+            raise TypeError(f"inv_freq must be a torch.Tensor, got {type(inv_freq).__name__}")
+        if inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
+            raise ValueError(
+                f"inv_freq must be a 1-D float tensor [rotary_dim // 2] = ({rotary_dim // 2},); "
+                f"got shape {tuple(inv_freq.shape)} dtype {inv_freq.dtype}"
+            )
+    return rotary_dim
+
+
+def rerotate(
+    k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
+    old_positions: torch.Tensor,  # [T] int64
+    new_positions: torch.Tensor,  # [T] int64
+    *,
+    head_size: int,
+    rotary_dim: int | None = None,
+    base: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,  # [rotary_dim // 2] fp32; overrides base
+    is_neox_style: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Re-rotate cached keys in place from ``old_positions`` to ``new_positions``.
+
+    Args:
+        k: keys after RoPE, ``[num_layers, num_tokens, num_heads * head_size]`` (the K plane
+            ``chunk[0]`` of a ``KV_2LTD`` chunk, or any view of one), bf16/fp16/fp32, last
+            dim contiguous. Rotated in place.
+        old_positions, new_positions: ``[num_tokens]`` int64 (int32 accepted): the position
+            each token was rotated for, and the one it should be rotated for.
+        head_size: dims per head.
+        rotary_dim: leading dims of each head that RoPE rotates (even, <= ``head_size``;
+            default ``head_size``); the rest are left untouched.
+        base: RoPE theta; frequencies ``base ** (-2i / rotary_dim)`` (:func:`rope_inv_freq`).
+        inv_freq: explicit frequencies ``[rotary_dim // 2]``, used instead of ``base`` (for
+            scaled variants: llama3, YaRN, ...); converted to fp32.
+        is_neox_style: NeoX pairing (dim ``i`` with ``i + rotary_dim / 2``) if True, else
+            GPT-J pairing (dims ``2i`` and ``2i + 1``).
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"interpret"`` (see registry).
+
+    Returns:
+        ``k``.
+
+    Raises:
+        TypeError / ValueError: a wrong argument type, shape, dtype or stride (the message
+            names the argument and the expected shape), or a backend that cannot run on
+            ``k``'s device.
+    """
+    rotary_dim = _validate(k, old_positions, new_positions, head_size, rotary_dim, base, inv_freq)
+    impl = registry.get("rope_rerotate", backend, k.device)
+    return impl(
+        k,
+        old_positions,
+        new_positions,
+        head_size=head_size,
+        rotary_dim=rotary_dim,
+        base=base,
+        inv_freq=inv_freq,
+        is_neox_style=is_neox_style,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Triton launchers
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Launch parameters of one re-rotation launch.
+
+    Attributes:
+        block_tokens: tokens per program (``BLOCK_T``), a power of two.
+        block_pairs: rotary pairs per program (``BLOCK_P``), a power of two; heads with more
+            pairs are split over several programs.
+        num_warps: warps per program, one of 1, 2, 4, 8, 16.
+    """
+
+    block_tokens: int
+    block_pairs: int
+    num_warps: int
+
+
+_GPU_TILE_PAIRS = 1024  # pairs per program on a GPU: 8 KiB of fp32 math at 4 warps
+_INTERPRETER_TILE_PAIRS = 1 << 14  # the interpreter pays ~1 ms per program: fewer, bigger ones
+
+
+def launch_config(
+    half_rotary: int, num_tokens: int, dtype: torch.dtype, device: torch.device
+) -> LaunchConfig:
+    """Launch parameters for rotating ``half_rotary`` pairs per head of ``num_tokens`` tokens.
+
+    This is the hook a tuning step fills from per-device JSON files; for now it holds the
+    built-in heuristic: a whole head's pairs per program when they fit (up to 128), and
+    enough tokens for about 1024 pairs per program (16 Ki under the interpreter, where each
+    program costs about a millisecond).
+    """
+    del dtype  # the math is fp32 whatever the storage dtype
+    tile_pairs = _GPU_TILE_PAIRS if device.type == "cuda" else _INTERPRETER_TILE_PAIRS
+    block_pairs = min(_next_power_of_2(half_rotary), 128)
+    block_tokens = min(_next_power_of_2(num_tokens), max(1, tile_pairs // block_pairs))
+    num_warps = max(1, min(8, block_tokens * block_pairs // 256))
+    return LaunchConfig(block_tokens, block_pairs, _next_power_of_2(num_warps))
+
+
+def _next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _check_config(config: LaunchConfig) -> None:
+    for name in ("block_tokens", "block_pairs"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch_config: {name} must be a power of two; got {value}")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"launch_config: num_warps must be 1, 2, 4, 8 or 16; got {config.num_warps}"
+        )
+
+
+_kernels: dict[bool, Any] = {}
+_kernels_lock = threading.Lock()
+
+
+def _kernel(interpret: bool) -> Any:
+    """The decorated kernel, compiled or interpreted; decorated on first use."""
+    kernel = _kernels.get(interpret)
+    if kernel is None:
+        with _kernels_lock:
+            kernel = _kernels.get(interpret)
+            if kernel is None:
+                from kvtier_kernels import _triton_compat
+
+                global tl
+                tl = _triton_compat.language()
+                decorate = (
+                    _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
+                )
+                kernel = _kernels[interpret] = decorate(_rerotate_kernel)
+    return kernel
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """:func:`rope_inv_freq` on ``device``, built once per (rotary_dim, base, device)."""
+    return rope_inv_freq(rotary_dim, base, device)
+
+
+def _check_placement(k: torch.Tensor, interpret: bool) -> None:
+    """Raise ValueError when the kernel could not reach ``k``."""
+    if interpret and k.device.type != "cpu":
+        raise ValueError(
+            f"kernel backend 'interpret' runs on CPU tensors; k is on {k.device} "
+            "(use 'triton' for GPU tensors)"
+        )
+    if not interpret and k.device.type != "cuda":
+        raise ValueError(
+            f"kernel backend 'triton' needs k on a CUDA/ROCm GPU; k is on {k.device} "
+            "(use 'interpret' or 'torch')"
+        )
+
+
+def rerotate_triton(
+    k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
+    old_positions: torch.Tensor,  # [T] int64
+    new_positions: torch.Tensor,  # [T] int64
+    *,
+    head_size: int,
+    rotary_dim: int | None = None,
+    base: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,  # [rotary_dim // 2] fp32; overrides base
+    is_neox_style: bool = True,
+    interpret: bool | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`rerotate_reference`: one launch for every layer and head.
+
+    Returns ``k``. The launch is asynchronous on the current stream. ``interpret`` picks
+    Triton's interpreter (CPU tensors) or the compiled kernel (GPU tensors); None picks by
+    ``k``'s device. Arguments are assumed valid (:func:`rerotate` validates them).
+
+    Raises:
+        ValueError: ``k`` is where this backend cannot reach it, or more than 65535 layers
+            or heads (grid dims 1 and 2).
+    """
+    # validate: shapes and dtypes are checked by rerotate(); here what the kernel can reach.
+    interpret = k.device.type == "cpu" if interpret is None else interpret
+    _check_placement(k, interpret)
+    rotary_dim = head_size if rotary_dim is None else rotary_dim
+    num_layers, num_tokens, width = k.shape
+    num_heads = width // head_size
+    for name, size in (("layers", num_layers), ("heads", num_heads)):
+        if size > 65535:
+            raise ValueError(f"at most 65535 {name} per launch (a grid dim); got {size}")
+    if k.numel() == 0:
+        return k
+
+    # allocate: nothing big; positions and frequencies on k's device, if not already there.
+    old = old_positions.to(k.device, torch.int64, non_blocking=True)
+    new = new_positions.to(k.device, torch.int64, non_blocking=True)
+    if inv_freq is None:
+        freqs = _cached_inv_freq(rotary_dim, float(base), k.device)
+    else:
+        freqs = inv_freq.to(k.device, torch.float32, non_blocking=True)
+    half_rotary = rotary_dim // 2
+    config = launch_config(half_rotary, num_tokens, k.dtype, k.device)
+    _check_config(config)
+
+    # grid: (token tiles x pair blocks, layers, heads)
+    pair_blocks = -(-half_rotary // config.block_pairs)
+    token_tiles = -(-num_tokens // config.block_tokens)
+    grid = (token_tiles * pair_blocks, num_layers, num_heads)
+
+    # launch
+    kernel = _kernel(interpret)
+    device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(k.device)
+    with device_guard:
+        if not interpret:
+            freqs.record_stream(torch.cuda.current_stream(k.device))
+        kernel[grid](
+            k,  # [num_layers, T, H * D]
+            old,  # [T] int64
+            new,  # [T] int64
+            freqs,  # [R / 2] fp32
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            num_tokens,
+            head_size,
+            half_rotary,
+            pair_blocks,
+            IS_NEOX=bool(is_neox_style),
+            BLOCK_T=config.block_tokens,
+            BLOCK_P=config.block_pairs,
+            num_warps=config.num_warps,
+        )
+    return k
+
+
+def _triton_loader(interpret: bool) -> Callable[[], Callable]:
+    """A registry loader: decorates the kernel (importing triton) and returns the launcher."""
+
+    def load() -> Callable:
+        _kernel(interpret)
+        return functools.partial(rerotate_triton, interpret=interpret)
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------
+
+registry.register("rope_rerotate", "torch", rerotate_reference)
+registry.register("rope_rerotate", "triton", loader=_triton_loader(interpret=False))
+registry.register("rope_rerotate", "interpret", loader=_triton_loader(interpret=True))
