@@ -31,16 +31,20 @@ Sections: torch reference (the definition of correct) -> Triton kernels -> launc
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier_kernels import registry
+from kvtier_kernels._launch import (
+    LazyKernel,
+    check_launch_config,
+    next_power_of_2,
+    triton_loader,
+)
 from kvtier_kernels.layouts import PagedKV
 
 __all__ = [
@@ -183,7 +187,7 @@ def scatter_reference(
 # one launch covers every layer whether the layers are views of one buffer (vLLM) or
 # separate allocations. The interpreter follows those raw addresses too (CPU tensors).
 #
-# NOTE: `tl` is bound to `triton.language` by `_decorate()` on first use, so that importing
+# NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that importing
 # this module never imports triton. The kernels call only Triton builtins.
 # ---------------------------------------------------------------------------------------
 
@@ -435,39 +439,21 @@ def launch_config(
     del op  # both directions move the same tiles
     itemsize = dtype.itemsize
     tile_bytes = _GPU_TILE_BYTES if device.type == "cuda" else _INTERPRETER_TILE_BYTES
-    block_row = min(_next_power_of_2(row_elems), max(1, tile_bytes // itemsize))
+    block_row = min(next_power_of_2(row_elems), max(1, tile_bytes // itemsize))
     block_tokens = max(1, min(64, tile_bytes // (block_row * itemsize)))
     num_warps = max(1, min(8, block_tokens * block_row * itemsize // 1024))
-    return LaunchConfig(block_tokens, block_row, _next_power_of_2(num_warps))
+    return LaunchConfig(block_tokens, block_row, next_power_of_2(num_warps))
 
 
-def _next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-_kernels: dict[tuple[str, bool], Any] = {}
-_kernels_lock = threading.Lock()
+_KERNELS = {
+    "paged_gather": LazyKernel(_gather_kernel),
+    "paged_scatter": LazyKernel(_scatter_kernel),
+}
 
 
 def _kernel(op: str, interpret: bool) -> Any:
     """The decorated kernel of ``op``, compiled or interpreted; decorated on first use."""
-    key = (op, interpret)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        with _kernels_lock:
-            kernel = _kernels.get(key)
-            if kernel is None:
-                from kvtier_kernels import _triton_compat
-
-                global tl
-                tl = _triton_compat.language()
-                fn = _gather_kernel if op == "paged_gather" else _scatter_kernel
-                decorate = (
-                    _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
-                )
-                kernel = _kernels[key] = decorate(fn)
-    return kernel
+    return _KERNELS[op].get(interpret)
 
 
 _WORD_BYTES = (8, 4, 2, 1)
@@ -604,8 +590,8 @@ def _launch_paged_copy(
     head_words = paged.head_size * paged.dtype.itemsize // word_bytes
     row_words = paged.num_heads * head_words
     config = launch_config(op, row_words, _WORD_OF_BYTES[word_bytes], paged.device)
-    _check_config(config)
-    block_tokens = min(config.block_tokens, _next_power_of_2(num_tokens))
+    check_launch_config(config, ("block_tokens", "block_row"))
+    block_tokens = min(config.block_tokens, next_power_of_2(num_tokens))
 
     # grid: (token tiles x row blocks, layers, kv planes); dims 1 and 2 are capped at 65535
     row_blocks = -(-row_words // config.block_row)
@@ -632,17 +618,6 @@ def _launch_paged_copy(
             BLOCK_T=block_tokens,
             BLOCK_R=config.block_row,
             num_warps=config.num_warps,
-        )
-
-
-def _check_config(config: LaunchConfig) -> None:
-    for name in ("block_tokens", "block_row"):
-        value = getattr(config, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"launch_config: {name} must be a power of two; got {value}")
-    if config.num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(
-            f"launch_config: num_warps must be 1, 2, 4, 8 or 16; got {config.num_warps}"
         )
 
 
@@ -682,23 +657,12 @@ def scatter_triton(
     _launch_paged_copy("paged_scatter", paged, slot_mapping, src, layers, interpret)
 
 
-def _triton_loader(op: str, interpret: bool) -> Callable[[], Callable]:
-    """A registry loader: decorates the kernel (importing triton) and returns the launcher."""
-    launcher = gather_triton if op == "paged_gather" else scatter_triton
-
-    def load() -> Callable:
-        _kernel(op, interpret)
-        return functools.partial(launcher, interpret=interpret)
-
-    return load
-
-
 # ---------------------------------------------------------------------------------------
 # registration
 # ---------------------------------------------------------------------------------------
 
 registry.register("paged_gather", "torch", gather_reference)
 registry.register("paged_scatter", "torch", scatter_reference)
-for _op in ("paged_gather", "paged_scatter"):
-    registry.register(_op, "triton", loader=_triton_loader(_op, interpret=False))
-    registry.register(_op, "interpret", loader=_triton_loader(_op, interpret=True))
+for _op, _launcher in (("paged_gather", gather_triton), ("paged_scatter", scatter_triton)):
+    registry.register(_op, "triton", loader=triton_loader(_KERNELS[_op], _launcher, False))
+    registry.register(_op, "interpret", loader=triton_loader(_KERNELS[_op], _launcher, True))

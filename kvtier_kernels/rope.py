@@ -32,14 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier_kernels import registry
+from kvtier_kernels._launch import (
+    LazyKernel,
+    check_launch_config,
+    next_power_of_2,
+    triton_loader,
+)
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -124,7 +128,7 @@ def rerotate_reference(
 # program, which loads both before it stores either, so rotating in place has no
 # read-after-write hazard.
 #
-# NOTE: `tl` is bound to `triton.language` by `_kernel()` on first use, so that importing
+# NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that importing
 # this module never imports triton. The kernel calls only Triton builtins (tl.cos and
 # tl.sin included; no libdevice).
 # ---------------------------------------------------------------------------------------
@@ -353,48 +357,18 @@ def launch_config(
     """
     del dtype  # the math is fp32 whatever the storage dtype
     tile_pairs = _GPU_TILE_PAIRS if device.type == "cuda" else _INTERPRETER_TILE_PAIRS
-    block_pairs = min(_next_power_of_2(half_rotary), 128)
-    block_tokens = min(_next_power_of_2(num_tokens), max(1, tile_pairs // block_pairs))
+    block_pairs = min(next_power_of_2(half_rotary), 128)
+    block_tokens = min(next_power_of_2(num_tokens), max(1, tile_pairs // block_pairs))
     num_warps = max(1, min(8, block_tokens * block_pairs // 256))
-    return LaunchConfig(block_tokens, block_pairs, _next_power_of_2(num_warps))
+    return LaunchConfig(block_tokens, block_pairs, next_power_of_2(num_warps))
 
 
-def _next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _check_config(config: LaunchConfig) -> None:
-    for name in ("block_tokens", "block_pairs"):
-        value = getattr(config, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"launch_config: {name} must be a power of two; got {value}")
-    if config.num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(
-            f"launch_config: num_warps must be 1, 2, 4, 8 or 16; got {config.num_warps}"
-        )
-
-
-_kernels: dict[bool, Any] = {}
-_kernels_lock = threading.Lock()
+_KERNEL = LazyKernel(_rerotate_kernel)
 
 
 def _kernel(interpret: bool) -> Any:
     """The decorated kernel, compiled or interpreted; decorated on first use."""
-    kernel = _kernels.get(interpret)
-    if kernel is None:
-        with _kernels_lock:
-            kernel = _kernels.get(interpret)
-            if kernel is None:
-                from kvtier_kernels import _triton_compat
-
-                global tl
-                tl = _triton_compat.language()
-                decorate = (
-                    _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
-                )
-                kernel = _kernels[interpret] = decorate(_rerotate_kernel)
-    return kernel
+    return _KERNEL.get(interpret)
 
 
 @functools.lru_cache(maxsize=64)
@@ -460,7 +434,7 @@ def rerotate_triton(
         freqs = inv_freq.to(k.device, torch.float32, non_blocking=True)
     half_rotary = rotary_dim // 2
     config = launch_config(half_rotary, num_tokens, k.dtype, k.device)
-    _check_config(config)
+    check_launch_config(config, ("block_tokens", "block_pairs"))
 
     # grid: (token tiles x pair blocks, layers, heads)
     pair_blocks = -(-half_rotary // config.block_pairs)
@@ -493,20 +467,12 @@ def rerotate_triton(
     return k
 
 
-def _triton_loader(interpret: bool) -> Callable[[], Callable]:
-    """A registry loader: decorates the kernel (importing triton) and returns the launcher."""
-
-    def load() -> Callable:
-        _kernel(interpret)
-        return functools.partial(rerotate_triton, interpret=interpret)
-
-    return load
-
-
 # ---------------------------------------------------------------------------------------
 # registration
 # ---------------------------------------------------------------------------------------
 
 registry.register("rope_rerotate", "torch", rerotate_reference)
-registry.register("rope_rerotate", "triton", loader=_triton_loader(interpret=False))
-registry.register("rope_rerotate", "interpret", loader=_triton_loader(interpret=True))
+registry.register("rope_rerotate", "triton", loader=triton_loader(_KERNEL, rerotate_triton, False))
+registry.register(
+    "rope_rerotate", "interpret", loader=triton_loader(_KERNEL, rerotate_triton, True)
+)

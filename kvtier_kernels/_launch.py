@@ -1,0 +1,76 @@
+"""What every Triton op file shares to launch its kernels, without importing triton.
+
+- :class:`LazyKernel`: a kernel written as a plain function, decorated (compiled or
+  interpreted) on first use, so importing ``kvtier_kernels`` never imports triton;
+- :func:`triton_loader`: the registry loader that decorates the kernel and returns the
+  launcher bound to one backend;
+- :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def check_launch_config(config: Any, block_fields: Sequence[str]) -> None:
+    """Raise ValueError unless ``block_fields`` of ``config`` are powers of two and its
+    ``num_warps`` is one of 1, 2, 4, 8, 16."""
+    for name in block_fields:
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch_config: {name} must be a power of two; got {value}")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"launch_config: num_warps must be 1, 2, 4, 8 or 16; got {config.num_warps}"
+        )
+
+
+class LazyKernel:
+    """A Triton kernel kept as a plain function until first use.
+
+    The kernel's module declares ``tl: Any = None``; :meth:`get` binds it to
+    ``triton.language`` in that module's globals, then decorates the function once per mode
+    (compiled for GPUs, interpreted for CPU tensors) and caches the result.
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self._decorated: dict[bool, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, interpret: bool) -> Any:
+        """The decorated kernel: interpreted when ``interpret``, else compiled."""
+        kernel = self._decorated.get(interpret)
+        if kernel is None:
+            with self._lock:
+                kernel = self._decorated.get(interpret)
+                if kernel is None:
+                    from kvtier_kernels import _triton_compat
+
+                    self.fn.__globals__["tl"] = _triton_compat.language()
+                    decorate = (
+                        _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
+                    )
+                    kernel = self._decorated[interpret] = decorate(self.fn)
+        return kernel
+
+
+def triton_loader(
+    kernel: LazyKernel, launcher: Callable, interpret: bool
+) -> Callable[[], Callable]:
+    """A registry loader: decorates ``kernel`` (importing triton) and returns ``launcher``
+    bound to ``interpret``."""
+
+    def load() -> Callable:
+        kernel.get(interpret)
+        return functools.partial(launcher, interpret=interpret)
+
+    return load
