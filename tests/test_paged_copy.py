@@ -8,6 +8,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_helpers import (
+    assert_cache_equal,
+    assert_chunk_equal,
+    bits,
+    clone_cache,
+    fill_random_,
+    make_slots,
+)
 
 from kvtier_kernels import paged_copy
 from kvtier_kernels.layouts import LAYOUTS, PagedKV
@@ -23,21 +31,6 @@ if hasattr(torch, "float8_e4m3fn"):
 # (layout, num_heads, head_size): odd head sizes included (80; MLA 576).
 SHAPES = [(name, 2, 80) for name in sorted(LAYOUTS) if name != "mla"]
 SHAPES += [("flash_hnd", 3, 64), ("vllm_cpu", 1, 8), ("mla", 1, 576), ("mla", 1, 80)]
-
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-storage integer view of ``t`` (compares NaN / fp8 payloads exactly)."""
-    return t.view(_INT[t.element_size()])
-
-
-def fill_random_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill ``t`` (any strides) with random bit patterns, NaNs and all."""
-    raw = bits(t)
-    info = torch.iinfo(raw.dtype)
-    raw.copy_(torch.randint(info.min, info.max, raw.shape, generator=gen, dtype=torch.int64))
-    return t
 
 
 def make_cache(
@@ -57,19 +50,6 @@ def make_cache(
     for t in paged.tensors:
         fill_random_(t, gen)
     return paged
-
-
-def clone_cache(paged: PagedKV) -> PagedKV:
-    """An independent copy with the same layout and strides."""
-    return PagedKV(paged.layout, [t.clone() for t in paged.tensors])
-
-
-def make_slots(num_slots: int, num_tokens: int, pad_every: int | None, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
-    if pad_every:
-        slots[::pad_every] = -1
-    return slots
 
 
 def loop_gather(paged: PagedKV, slots: torch.Tensor, out: torch.Tensor, layers: range) -> None:
@@ -94,37 +74,6 @@ def loop_scatter(paged: PagedKV, slots: torch.Tensor, src: torch.Tensor, layers:
             block, offset = divmod(slot, paged.block_size)
             for plane in range(paged.kv_planes):
                 view[plane, block, offset] = bits(src)[plane, j, t].view(paged.num_heads, -1)
-
-
-def assert_chunk_equal(
-    actual: torch.Tensor, expected: torch.Tensor, paged: PagedKV, slots: torch.Tensor, layers: range
-) -> None:
-    """Bit-compare two KV_2LTD chunks; on mismatch name (layer, plane, token, slot, block, head)."""
-    diff = bits(actual) != bits(expected)
-    if not diff.any():
-        return
-    plane, j, token, col = (int(i) for i in diff.nonzero()[0])
-    slot = int(slots[token])
-    block, offset = divmod(slot, paged.block_size) if slot >= 0 else (None, None)
-    raise AssertionError(
-        f"chunk mismatch at layer {layers[j]} (chunk index {j}), kv plane {plane}, token {token}, "
-        f"slot {slot} (block {block}, offset {offset}), head {col // paged.head_size}, "
-        f"dim {col % paged.head_size}: got {actual[plane, j, token, col]!r}, "
-        f"expected {expected[plane, j, token, col]!r}; {int(diff.sum())} elements differ"
-    )
-
-
-def assert_cache_equal(actual: PagedKV, expected: PagedKV) -> None:
-    """Bit-compare two caches; on mismatch name (layer, plane, slot, block, head)."""
-    for layer in range(actual.num_layers):
-        diff = bits(actual.layer_view(layer)) != bits(expected.layer_view(layer))
-        if diff.any():
-            plane, block, offset, head, dim = (int(i) for i in diff.nonzero()[0])
-            raise AssertionError(
-                f"cache mismatch at layer {layer}, kv plane {plane}, "
-                f"slot {block * actual.block_size + offset} (block {block}, offset {offset}), "
-                f"head {head}, dim {dim}; {int(diff.sum())} elements differ in this layer"
-            )
 
 
 def empty_chunk(paged: PagedKV, num_tokens: int, num_layers: int, seed: int) -> torch.Tensor:

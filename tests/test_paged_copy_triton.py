@@ -20,6 +20,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_helpers import (
+    assert_cache_equal,
+    assert_chunk_equal,
+    bits,
+    clone_cache,
+    fill_random_,
+    make_slots,
+)
 
 from kvtier_kernels import paged_copy, registry
 from kvtier_kernels.layouts import LAYOUTS, PagedKV, get_layout
@@ -49,7 +57,6 @@ if hasattr(torch, "float8_e4m3fn"):
 SHAPES = [(name, 2, 80) for name in sorted(LAYOUTS) if name != "mla"]
 SHAPES += [("mla", 1, 576), ("flash_hnd", 3, 64), ("vllm_cpu", 1, 8)]
 
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 has_gpu = torch.cuda.is_available()
 
@@ -59,19 +66,6 @@ tl: Any = None  # triton.language, bound by the compat test (importing this file
 # ---------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-storage integer view of ``t``: compares fp8 and NaN payloads exactly."""
-    return t.view(_INT[t.element_size()])
-
-
-def fill_random_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill ``t`` (any strides) with random bit patterns, NaNs and all."""
-    raw = bits(t)
-    info = torch.iinfo(raw.dtype)
-    raw.copy_(torch.randint(info.min, info.max, raw.shape, generator=gen, dtype=torch.int64))
-    return t
 
 
 def make_cache(
@@ -103,56 +97,11 @@ def make_cache(
     return paged
 
 
-def clone_cache(paged: PagedKV) -> PagedKV:
-    """An independent copy with the same layout and strides."""
-    return PagedKV(paged.layout, [t.clone() for t in paged.tensors])
-
-
-def make_slots(num_slots: int, num_tokens: int, pad_every: int | None, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
-    if pad_every:
-        slots[::pad_every] = -1
-    return slots
-
-
 def random_chunk(
     paged: PagedKV, num_tokens: int, num_layers: int, seed: int, device: str = "cpu"
 ) -> torch.Tensor:
     out = torch.empty(paged.chunk_shape(num_tokens, num_layers), dtype=paged.dtype)
     return fill_random_(out, torch.Generator().manual_seed(seed)).to(device)
-
-
-def assert_chunk_equal(
-    actual: torch.Tensor, expected: torch.Tensor, paged: PagedKV, slots: torch.Tensor, layers: range
-) -> None:
-    """Bit-compare two KV_2LTD chunks; on mismatch name (layer, plane, token, slot, head)."""
-    diff = bits(actual.cpu()) != bits(expected.cpu())
-    if not diff.any():
-        return
-    plane, j, token, col = (int(i) for i in diff.nonzero()[0])
-    slot = int(slots[token])
-    block, offset = divmod(slot, paged.block_size) if slot >= 0 else (None, None)
-    raise AssertionError(
-        f"chunk mismatch at layer {layers[j]} (chunk index {j}), kv plane {plane}, "
-        f"token {token}, slot {slot} (block {block}, offset {offset}), "
-        f"head {col // paged.head_size}, dim {col % paged.head_size}; "
-        f"{int(diff.sum())} elements differ"
-    )
-
-
-def assert_cache_equal(actual: PagedKV, expected: PagedKV) -> None:
-    """Bit-compare two caches; on mismatch name (layer, plane, slot, block, head)."""
-    for layer in range(actual.num_layers):
-        got, want = actual.layer_view(layer).cpu(), expected.layer_view(layer).cpu()
-        diff = bits(got) != bits(want)
-        if diff.any():
-            plane, block, offset, head, dim = (int(i) for i in diff.nonzero()[0])
-            raise AssertionError(
-                f"cache mismatch at layer {layer}, kv plane {plane}, "
-                f"slot {block * actual.block_size + offset} (block {block}, offset {offset}), "
-                f"head {head}, dim {dim}; {int(diff.sum())} elements differ in this layer"
-            )
 
 
 def check_gather(
