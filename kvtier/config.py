@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from kvtier_kernels.layouts import LAYOUTS
+
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "KVTIER_"
@@ -70,7 +72,6 @@ LMCACHE_NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "audit_actual_remove",
         "audit_actual_remote_url",
         "pre_caching_hash_algorithm",
-        "lookup_timeout_ms",
         "pin_timeout_sec",
         "pin_check_interval_sec",
         "use_gpu_connector_v3",
@@ -187,9 +188,6 @@ LMCACHE_PLANNED_KEYS: dict[str, tuple[str, Any]] = {
     "local_disk_path_sharding": ("the local disk tier", "by_gpu"),
     "remote_url": ("the remote tier", None),
     "remote_serde": ("the remote tier", "naive"),
-    "use_layerwise": ("layer-wise transfer", False),
-    "save_decode_cache": ("saving decode-phase KV", False),
-    "enable_async_loading": ("asynchronous loading", False),
     "blocking_timeout_secs": ("blocking retrieval timeouts", 10),
     "min_retrieve_tokens": ("a minimum retrieve length", 0),
 }
@@ -384,6 +382,49 @@ class KVTierConfig:
         "Byte alignment of buffers in the CPU memory pool.",
         check=lambda v: _is_power_of_two(v) and v <= 4096,
         allowed="a power of two from 1 to 4096",
+    )
+    verify_checksums: bool = _key(
+        True,
+        bool,
+        "Checksum every stored chunk (xxh3-64) and verify it before the chunk is loaded "
+        "into the engine; a mismatch is a miss, never wrong KV.",
+    )
+    kv_layout: str | None = _key(
+        None,
+        str,
+        "vLLM connector: the engine's KV layout (a kvtier_kernels layout name); null "
+        "detects it from vLLM's attention backend and the tensors.",
+        choices=tuple(LAYOUTS),
+        nullable=True,
+    )
+    use_layerwise: bool = _key(
+        False,
+        bool,
+        "vLLM connector: move KV one layer at a time (loads finish just before each "
+        "layer's attention, saves start right after it) instead of all layers per step.",
+        lmcache_names=("use_layerwise",),
+    )
+    enable_async_loading: bool = _key(
+        False,
+        bool,
+        "vLLM connector: load hits in the background while the scheduler runs other "
+        "requests; the request is scheduled once its KV is in place.",
+        lmcache_names=("enable_async_loading",),
+    )
+    save_decode_cache: bool = _key(
+        False,
+        bool,
+        "vLLM connector: also store chunks filled by generated (decode-phase) tokens.",
+        lmcache_names=("save_decode_cache",),
+    )
+    lookup_timeout_ms: int = _key(
+        2000,
+        int,
+        "vLLM connector: how long the scheduler waits for the worker ranks to answer a "
+        "lookup; a slower or failed answer is a miss.",
+        check=lambda v: 1 <= v <= 600_000,
+        allowed="an integer from 1 to 600000 (milliseconds)",
+        lmcache_names=("lookup_timeout_ms",),
     )
 
     # Not keys: what load_config saw. ``sources`` maps a key to where its value came from.

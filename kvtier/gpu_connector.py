@@ -34,15 +34,21 @@ class PagedKVConnector:
         """Shape of the chunk buffer that holds ``num_tokens`` tokens of every layer."""
         return self.paged.chunk_shape(num_tokens)
 
-    def from_engine(self, chunk: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def from_engine(
+        self, chunk: torch.Tensor, slot_mapping: torch.Tensor, layers: range | None = None
+    ) -> None:
         """Gather the KV of ``slot_mapping``'s slots into ``chunk``.
 
         Args:
-            chunk: ``[kv_planes, num_layers, T, hidden]`` buffer to fill.
+            chunk: ``[kv_planes, len(layers), T, hidden]`` buffer to fill.
             slot_mapping: ``[T]`` engine slots, one per token, all >= 0.
+            layers: the engine layers ``chunk``'s layer dim holds (default: all).
         """
-        gather(self.paged, slot_mapping, chunk, backend=self.backend)
+        gather(self.paged, slot_mapping, chunk, layers, backend=self.backend)
 
-    def to_engine(self, chunk: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter ``chunk`` into the engine's slots (negative slots are skipped)."""
-        scatter(self.paged, slot_mapping, chunk, backend=self.backend)
+    def to_engine(
+        self, chunk: torch.Tensor, slot_mapping: torch.Tensor, layers: range | None = None
+    ) -> None:
+        """Scatter ``chunk`` (layers ``layers``, default all) into the engine's slots;
+        negative slots are skipped."""
+        scatter(self.paged, slot_mapping, chunk, layers, backend=self.backend)

@@ -31,6 +31,7 @@ class Counter:
     LOOKUP_REQUESTS = "lookup_requests"
     LOOKUP_TOKENS = "lookup_tokens"
     LOOKUP_HIT_TOKENS = "lookup_hit_tokens"
+    CORRUPT_CHUNKS = "corrupt_chunks_rejected"
     EVICTIONS = "evictions"
     ALLOC_FAILURES = "allocation_failures"
 

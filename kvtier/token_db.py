@@ -113,9 +113,34 @@ class ChunkedTokenDatabase:
         self.hasher = hasher
         self.key_template = key_template
 
-    def _key(self, chunk_hash: bytes) -> CacheKey:
+    def key(self, chunk_hash: bytes) -> CacheKey:
+        """The storage key of the chunk whose chained hash is ``chunk_hash``."""
         t = self.key_template
         return CacheKey(t.model_name, t.world_size, t.rank, t.kv_dtype, chunk_hash, None, t.tags)
+
+    def chunks_from_hashes(
+        self, first_index: int, hashes: Sequence[bytes], num_tokens: int
+    ) -> list[Chunk]:
+        """Chunks ``first_index, first_index + 1, ...`` named by hashes computed elsewhere
+        (e.g. by vLLM's scheduler process, which holds the tokens).
+
+        Chunk ``i`` covers ``[i * chunk_size, min((i + 1) * chunk_size, num_tokens))``.
+
+        Raises:
+            ValueError: the hashes do not fit in ``num_tokens`` tokens (a chunk would be
+                empty or the last one would extend past ``num_tokens``).
+        """
+        cs = self.chunk_size
+        last = first_index + len(hashes)
+        if first_index < 0 or (hashes and not (last - 1) * cs < num_tokens <= last * cs):
+            raise ValueError(
+                f"{len(hashes)} chunk hashes from chunk {first_index} do not cover "
+                f"{num_tokens} tokens with chunk_size={cs}"
+            )
+        return [
+            Chunk(i, i * cs, min((i + 1) * cs, num_tokens), self.key(h))
+            for i, h in enumerate(hashes, start=first_index)
+        ]
 
     def chunk_bounds(self, num_tokens: int, include_partial: bool) -> list[tuple[int, int]]:
         """``[start, end)`` of each chunk of a ``num_tokens`` prompt."""
@@ -173,7 +198,7 @@ class ChunkedTokenDatabase:
         hashes = self.chunk_hashes(tokens, extras, include_partial=include_partial)
         bounds = self.chunk_bounds(num_tokens, include_partial)
         return [
-            Chunk(i, s, e, self._key(h))
+            Chunk(i, s, e, self.key(h))
             for i, ((s, e), h) in enumerate(zip(bounds, hashes, strict=True))
             if s >= skip
         ]

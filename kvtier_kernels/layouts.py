@@ -23,8 +23,10 @@ name               engine tensor (per layer)   where K and V sit                
 ``flashinfer_hnd`` ``[NB, 2, H, BS, D]``       plane 0 / 1 of dim 1                            FlashInfer HND
 ``mla``            ``[NB, BS, D]``             one latent plane (KV = 1, H = 1)                MLA (DeepSeek) backends
 ``cross_layer``    ``[NB, L, 2, BS, H, D]``    plane 0 / 1 of dim 2; one tensor, all layers    cross-layer block layout
-``vllm_cpu``       ``[NB, H, BS, 2*D]``        per (block, head): BS rows of K, then BS rows   vLLM 0.32+ CPU backend
-                   contiguous (LBHNC)          of V (``.view(NB, H, 2*BS, D).chunk(2, 2)``)    (LBHNC)
+``vllm_cpu``       ``[NB, H, BS, 2*D]``        per (block, head): a K region of BS * D, then   vLLM 0.32+ CPU backend
+                   contiguous (LBHNC)          a V region (``.view(NB, H, 2*BS, D).chunk``);   (LBHNC)
+                                               inside a region the CPU kernels' own tiling
+                                               (``token_major=False``: whole blocks only)
 ``vllm_nhd``       ``[NB, H, BS, 2*D]`` view   per (block, token, head): ``[..., :D]`` is K,   vLLM 0.32+ FlashAttention
                    of ``[NB, BS, H, 2*D]``     ``[..., D:]`` is V                              (default LBNHC)
 ``vllm_hnd``       ``[NB, H, BS, 2*D]``        per (block, head, token): ``[..., :D]`` is K,   vLLM 0.32+ FlashAttention
@@ -88,6 +90,10 @@ class KVLayout:
             permuted view; ``None`` means the same as ``dims``. It only guides
             :meth:`empty`; :meth:`canonical_view` always reads the tensor's real strides.
         used_by: who hands out tensors in this layout (documentation).
+        token_major: whether the ``BS`` rows of a block are really tokens. False when the
+            engine's kernels arrange each (block, head) region their own way (vLLM's CPU
+            backend: an ISA-specific tiling, e.g. K transposed to ``[D, BS]``): copies are
+            then exact only for whole blocks, and a row is not one token's K or V.
     """
 
     name: str
@@ -95,6 +101,7 @@ class KVLayout:
     packed_kv: PackedKV | None = None
     storage: str | None = None
     used_by: str = ""
+    token_major: bool = True
 
     def __post_init__(self) -> None:
         axes = self.axes
@@ -281,6 +288,7 @@ _LAYOUT_LIST = (
         "NB H BS 2D",
         packed_kv="rows",
         used_by="vLLM 0.32+ CPU attention backend (LBHNC)",
+        token_major=False,
     ),
     KVLayout(
         "vllm_nhd",

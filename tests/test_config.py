@@ -99,6 +99,12 @@ def test_defaults() -> None:
         "kernel_backend": "auto",
         "model_name": None,
         "pool_alignment": 256,
+        "verify_checksums": True,
+        "kv_layout": None,
+        "use_layerwise": False,
+        "enable_async_loading": False,
+        "save_decode_cache": False,
+        "lookup_timeout_ms": 2000,
     }
     assert cfg.max_local_cpu_bytes == 5 * 2**30
     assert cfg.ignored_lmcache_keys == ()
@@ -649,9 +655,6 @@ def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, fe
         ("max_local_disk_size", 10),
         ("remote_url", "redis://localhost:6379"),
         ("remote_serde", "cachegen"),
-        ("use_layerwise", True),
-        ("save_decode_cache", True),
-        ("enable_async_loading", True),
         ("blocking_timeout_secs", 30),
         ("min_retrieve_tokens", 256),
     ],
@@ -685,6 +688,23 @@ def test_planned_lmcache_key_is_not_supported_yet(key: str, value: object) -> No
 )
 def test_switched_off_lmcache_keys_are_accepted(key: str, value: object) -> None:
     assert load_config(overrides={key: value}, env={}).chunk_size == 256
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("use_layerwise", True), ("save_decode_cache", True), ("enable_async_loading", True)],
+)
+def test_lmcache_connector_mode_keys_are_real_keys(key: str, value: object) -> None:
+    config = load_config(overrides={key: value}, env={})
+    assert getattr(config, key) is value
+    assert config.ignored_lmcache_keys == ()
+
+
+def test_lookup_timeout_is_validated() -> None:
+    assert load_config(overrides={"lookup_timeout_ms": 50}, env={}).lookup_timeout_ms == 50
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"lookup_timeout_ms": 0}, env={})
+    assert_one_problem_mentions(excinfo.value, "lookup_timeout_ms", "600000")
 
 
 def test_switched_off_compares_bools_to_bools() -> None:

@@ -1,0 +1,1 @@
+"""Integrations of kvtier into serving engines (``kvtier.integration.vllm``)."""

@@ -1,0 +1,369 @@
+"""Scheduler side of the vLLM connector: which token ranges to load and to save.
+
+It runs in vLLM's engine-core process, which holds the tokens but not the KV. Per live
+request it keeps one ``RequestTracker``::
+
+    token   0            vllm_cached     load_end                       computed   num_tokens
+            |== in vLLM ==|== loaded from kvtier ==|== computed by vLLM ==|...........|
+            |============ held by kvtier (lookup hit) ==========|
+            |============ in kvtier ==========================|== stored as it is computed ==>
+                                                        saved_upto ^   (whole chunks)
+
+* ``vllm_cached``: what vLLM's own prefix cache already had (``num_computed_tokens``
+  handed to ``get_num_new_matched_tokens``); never loaded again.
+* ``[vllm_cached, load_end)``: loaded from kvtier. ``load_end`` is the lookup hit, cut to
+  ``num_tokens - 1`` when the whole sequence hit (vLLM must compute the last token to
+  sample the next one).
+* ``saved_upto``: tokens ``[0, saved_upto)`` are in kvtier (hit or stored by this
+  request). Each step, chunks that became complete (their KV was computed in this step or
+  earlier) are sent to the workers to store; with ``save_unfull_chunk`` the partial last
+  chunk of the prompt too; with ``save_decode_cache`` chunks of generated tokens too.
+
+Chunk hashes are computed here (the workers receive hashes, not tokens) and cached per
+request, so a long prompt is hashed once, not once per step.
+
+Everything here duck-types vLLM's objects (``Request``, ``SchedulerOutput``); nothing
+imports vLLM, so the logic is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.hashing import ChunkHasher
+from kvtier.token_db import MultiModalSpan, RequestExtras
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Load chunks ``first_chunk ...`` into the request's blocks.
+
+    Tokens ``[start, end)`` are written; the chunks cover ``[first_chunk * chunk_size,
+    chunks_end)`` (their tokens outside ``[start, end)`` are skipped). An empty ``hashes``
+    list loads nothing (an async load cancelled before it was sent): the worker only
+    reports it finished.
+    """
+
+    req_id: str
+    first_chunk: int
+    hashes: list[bytes]
+    chunks_end: int
+    start: int
+    end: int
+    block_ids: list[int]
+    is_async: bool = False
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Store chunks ``first_chunk ...`` (tokens up to ``chunks_end``) from the request's
+    blocks."""
+
+    req_id: str
+    first_chunk: int
+    hashes: list[bytes]
+    chunks_end: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the workers do in one engine step (the connector metadata's payload)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+def request_extras(request: Any) -> RequestExtras | None:
+    """What separates this request's cache besides its tokens: LoRA, multimodal items,
+    the cache salt (read off a vLLM ``Request``)."""
+    lora = getattr(request, "lora_request", None)
+    mm = []
+    for feature in getattr(request, "mm_features", None) or ():
+        position = getattr(feature, "mm_position", None)
+        identifier = getattr(feature, "identifier", None)
+        if position is not None and identifier is not None:
+            mm.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
+    salt = getattr(request, "cache_salt", None)
+    if lora is None and not mm and not salt:
+        return None
+    return RequestExtras(
+        lora_name=getattr(lora, "lora_name", None),
+        lora_path=getattr(lora, "lora_path", None),
+        mm=tuple(sorted(mm, key=lambda item: item.offset)),
+        cache_salt=salt,
+    )
+
+
+class ChunkHashes:
+    """The chained chunk hashes of one request, extended as its tokens become known."""
+
+    def __init__(self, hasher: ChunkHasher, chunk_size: int, extras: RequestExtras | None):
+        self.hasher = hasher
+        self.chunk_size = chunk_size
+        self.extras = extras
+        self.full: list[bytes] = []
+
+    def _extra(self, start: int, end: int):
+        return self.extras.chunk_extra_keys(start, end) if self.extras else None
+
+    def upto(self, tokens: Sequence[int], num_tokens: int, *, partial: bool) -> list[bytes]:
+        """Hashes of the chunks of ``tokens[:num_tokens]``: every full chunk, plus the
+        partial last one when ``partial``."""
+        cs = self.chunk_size
+        while len(self.full) < num_tokens // cs:
+            i = len(self.full)
+            parent = self.full[-1] if self.full else self.hasher.root()
+            piece = list(tokens[i * cs : (i + 1) * cs])
+            self.full.append(
+                self.hasher.hash_chunk(parent, piece, self._extra(i * cs, (i + 1) * cs))
+            )
+        hashes = self.full[: num_tokens // cs]
+        if partial and num_tokens % cs:
+            start = num_tokens // cs * cs
+            parent = hashes[-1] if hashes else self.hasher.root()
+            piece = list(tokens[start:num_tokens])
+            hashes = [
+                *hashes,
+                self.hasher.hash_chunk(parent, piece, self._extra(start, num_tokens)),
+            ]
+        return hashes
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    """The token ranges of one live request (see the module docstring)."""
+
+    req_id: str
+    request: Any  # vLLM's Request: read for its token ids only
+    hashes: ChunkHashes
+    block_ids: list[int] = field(default_factory=list)
+    vllm_cached: int = 0
+    saved_upto: int = 0
+    load: LoadSpec | None = None  # planned, not yet sent to the workers
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self.request.all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+
+class SchedulerSide:
+    """Plans loads and saves for vLLM's scheduler.
+
+    Args:
+        config: kvtier's config (chunk size, hashing, modes).
+        lookup: asks the workers how many leading chunk hashes they all hold; returns 0
+            on any failure or timeout (never raises, never blocks past its timeout).
+        can_load / can_save: the ``kv_role`` (consumer loads, producer saves).
+        block_size: vLLM's block size.
+        whole_blocks: the engine's layout is not token-major inside a block (vLLM's CPU
+            backend), so only whole blocks are loaded and partial chunks are not saved.
+    """
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        lookup: Callable[[list[bytes]], int],
+        *,
+        can_load: bool = True,
+        can_save: bool = True,
+        block_size: int = 1,
+        whole_blocks: bool = False,
+    ):
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
+        self.lookup = lookup
+        self.can_load = can_load
+        self.can_save = can_save
+        self.block_size = block_size
+        self.whole_blocks = whole_blocks
+        self.save_partial = config.save_unfull_chunk and not whole_blocks
+        if whole_blocks and config.chunk_size % block_size:
+            raise ValueError(
+                f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
+                f"{block_size}: this engine's KV layout can only be copied in whole blocks"
+            )
+        if config.save_unfull_chunk and whole_blocks:
+            logger.warning(
+                "kvtier: save_unfull_chunk has no effect with this engine's KV layout "
+                "(copied in whole blocks only)"
+            )
+        self.trackers: dict[str, RequestTracker] = {}
+        self._hash_cache: dict[str, ChunkHashes] = {}
+        self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (vllm_cached, load_end)
+        self._cancelled_async: list[LoadSpec] = []
+        self.lookup_tokens = 0
+        self.lookup_hit_tokens = 0
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _hashes(self, request: Any) -> ChunkHashes:
+        req_id = request.request_id
+        hashes = self._hash_cache.get(req_id)
+        if hashes is None:
+            hashes = ChunkHashes(self.hasher, self.chunk_size, request_extras(request))
+            self._hash_cache[req_id] = hashes
+        return hashes
+
+    def _tracker(self, request: Any) -> RequestTracker:
+        tracker = self.trackers.get(request.request_id)
+        if tracker is None:
+            tracker = RequestTracker(request.request_id, request, self._hashes(request))
+            self.trackers[request.request_id] = tracker
+        return tracker
+
+    def _bounds(self, first_chunk: int, hashes: list[bytes], end: int) -> int:
+        """End token of the last of ``hashes`` (chunks from ``first_chunk``)."""
+        return min((first_chunk + len(hashes)) * self.chunk_size, end)
+
+    # -- vLLM hooks ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvtier can load (chunk-aligned,
+        never the whole sequence). Calling it again for the same request is harmless."""
+        self._hits.pop(request.request_id, None)
+        if not self.can_load:
+            return 0, False
+        tokens = request.all_token_ids
+        num_tokens = len(tokens)
+        hashes = self._hashes(request).upto(tokens, num_tokens, partial=self.save_partial)
+        if self._bounds(0, hashes, num_tokens) <= num_computed_tokens:
+            return 0, False  # nothing kvtier could hold goes past vLLM's own hit
+        hits = self.lookup(hashes)
+        hit_tokens = self._bounds(0, hashes[:hits], num_tokens)
+        self.lookup_tokens += num_tokens
+        self.lookup_hit_tokens += hit_tokens
+        load_end = min(hit_tokens, num_tokens - 1)
+        if self.whole_blocks:
+            load_end = load_end // self.block_size * self.block_size
+        if load_end <= num_computed_tokens:
+            return 0, False
+        self._hits[request.request_id] = (num_computed_tokens, load_end)
+        return load_end - num_computed_tokens, self.config.enable_async_loading
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Record the request's blocks and, when vLLM accepted a hit, plan its load."""
+        tracker = self._tracker(request)
+        tracker.block_ids = list(block_ids)
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        vllm_cached, load_end = hit
+        start = vllm_cached
+        end = min(load_end, start + num_external_tokens)
+        first = start // self.chunk_size
+        hashes = self._hashes(request).upto(
+            tracker.tokens, len(tracker.tokens), partial=self.save_partial
+        )
+        last = -(-end // self.chunk_size)  # chunks needed to cover [start, end)
+        hashes = hashes[first:last]
+        tracker.vllm_cached = vllm_cached
+        tracker.saved_upto = max(tracker.saved_upto, end // self.chunk_size * self.chunk_size)
+        tracker.load = LoadSpec(
+            req_id=tracker.req_id,
+            first_chunk=first,
+            hashes=hashes,
+            chunks_end=self._bounds(first, hashes, len(tracker.tokens)),
+            start=start,
+            end=end,
+            block_ids=tracker.block_ids,
+            is_async=self.config.enable_async_loading,
+        )
+
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        """Loads and saves for this step (resets what was planned)."""
+        plan = StepPlan(loads=self._cancelled_async)
+        self._cancelled_async = []
+        scheduled = scheduler_output.num_scheduled_tokens
+
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = self.trackers.get(new.req_id)
+            if tracker is None:
+                continue
+            tracker.block_ids = list(new.block_ids[0])
+            self._take_sync_load(tracker, plan)
+            self._plan_save(tracker, new.num_computed_tokens + scheduled.get(new.req_id, 0), plan)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self.trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracker.block_ids.extend(new_blocks[0])
+            self._take_sync_load(tracker, plan)
+            computed_end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._plan_save(tracker, computed_end, plan)
+
+        # Async loads go out as soon as their blocks exist; the request itself is not
+        # scheduled until the workers report the load finished.
+        for tracker in self.trackers.values():
+            if tracker.load is not None and tracker.load.is_async:
+                tracker.load.block_ids = list(tracker.block_ids)
+                plan.loads.append(tracker.load)
+                tracker.load = None
+        return plan
+
+    def _take_sync_load(self, tracker: RequestTracker, plan: StepPlan) -> None:
+        load = tracker.load
+        if load is None or load.is_async:
+            return
+        load.block_ids = list(tracker.block_ids)
+        plan.loads.append(load)
+        tracker.load = None
+
+    def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
+        if not self.can_save:
+            return
+        cs = self.chunk_size
+        num_prompt = tracker.num_prompt_tokens
+        limit = len(tracker.tokens) if self.config.save_decode_cache else num_prompt
+        end = min(computed_end, limit)
+        partial = self.save_partial and end == num_prompt and end % cs != 0
+        save_end = end if partial else end // cs * cs
+        if save_end <= tracker.saved_upto:
+            return
+        first = tracker.saved_upto // cs
+        hashes = tracker.hashes.upto(tracker.tokens, save_end, partial=partial)[first:]
+        plan.saves.append(
+            SaveSpec(tracker.req_id, first, hashes, save_end, list(tracker.block_ids))
+        )
+        tracker.saved_upto = save_end
+
+    def on_preempted(self, req_ids: set[str] | None) -> None:
+        """A preempted request lost its blocks: drop any load planned into them."""
+        for req_id in req_ids or ():
+            tracker = self.trackers.get(req_id)
+            if tracker is not None and tracker.load is not None and not tracker.load.is_async:
+                tracker.load = None
+
+    def request_finished(self, request: Any) -> None:
+        """Forget the request. An async load planned but never sent is sent empty, so the
+        workers report it finished and vLLM frees the blocks it holds for it."""
+        req_id = request.request_id
+        tracker = self.trackers.pop(req_id, None)
+        self._hash_cache.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        if tracker is not None and tracker.load is not None and tracker.load.is_async:
+            load = tracker.load
+            load.hashes, load.end, load.chunks_end = [], load.start, load.start
+            self._cancelled_async.append(load)

@@ -1,0 +1,328 @@
+"""Worker side of the vLLM connector: moves KV between vLLM's paged cache and kvtier.
+
+It runs in each vLLM worker process (one per tensor/pipeline-parallel rank), owns that
+rank's ``CacheEngine`` (tiers + kernels) and serves the scheduler's lookups over a local
+RPC socket. Per engine step it executes the ``StepPlan`` the scheduler side built:
+
+    start_load_kv       sync loads: fetch + verify chunks, then scatter (all layers now,
+                        or one layer per ``wait_for_layer_load`` when layer-wise)
+                        async loads: handed to a background thread, reported through
+                        ``get_finished`` once written
+    save_kv_layer       layer-wise only: copy this layer of the chunks to save
+    wait_for_save       copy (or finish copying) the chunks to save and publish them
+
+NOTE: a chunk that cannot be loaded (evicted since the lookup, corrupt, wrong shape) is
+never written into vLLM's cache; the blocks it should have filled are reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTransfer
+from kvtier.integration.vllm.rpc import RpcServer
+from kvtier.integration.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
+from kvtier.metrics import Stats
+from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
+
+logger = logging.getLogger(__name__)
+
+# vLLM attention backend -> how its per-layer tensor [NB, H, BS, 2 * D] holds K and V.
+_HALVES_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA")
+_CPU_BACKENDS = ("CPU_ATTN",)
+
+
+def detect_paged_kv(
+    kv_caches: dict[str, torch.Tensor], backend: str | None, forced_layout: str | None = None
+) -> PagedKV:
+    """Describe vLLM's KV tensors as a ``PagedKV``.
+
+    Args:
+        kv_caches: layer name -> that layer's KV tensor, in model order.
+        backend: vLLM's attention backend name (``AttentionBackend.get_name()``).
+        forced_layout: a layout name from ``kvtier_kernels.LAYOUTS`` that overrides
+            detection (``kv_layout`` in the config).
+
+    Raises:
+        LayoutError: a backend or tensor shape kvtier does not know how to read; the
+            message names the backend, the shape and strides, and the ``kv_layout`` key.
+    """
+    tensors = list(kv_caches.values())
+    if not tensors:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    first = tensors[0]
+    described = (
+        f"attention backend {backend!r}, per-layer tensor shape {tuple(first.shape)} "
+        f"strides {first.stride()} dtype {first.dtype}"
+    )
+    if forced_layout is not None:
+        name = forced_layout
+    elif backend in _CPU_BACKENDS:
+        name = "vllm_cpu"
+    elif backend in _HALVES_BACKENDS and first.dim() == 4:
+        # [NB, H, BS, 2D] view; NHD storage (LBNHC) has heads inside tokens.
+        name = "vllm_nhd" if first.stride(1) < first.stride(2) else "vllm_hnd"
+    else:
+        raise LayoutError(
+            f"kvtier cannot read the KV cache of {described}: supported backends are "
+            f"{', '.join(_CPU_BACKENDS + _HALVES_BACKENDS)}; set kv_layout to one of "
+            f"{', '.join(LAYOUTS)} if you know the layout"
+        )
+    if name == "vllm_cpu" and not first.is_contiguous():
+        raise LayoutError(f"vllm_cpu layout needs contiguous per-layer tensors; got {described}")
+    try:
+        return PagedKV(name, tensors)
+    except LayoutError as error:
+        raise LayoutError(f"{described} does not fit layout {name!r}: {error}") from None
+
+
+def slot_mapping(
+    block_ids: list[int], block_size: int, num_tokens: int, start: int = 0, end: int | None = None
+) -> torch.Tensor:
+    """``[num_tokens]`` int64 slots of a request's tokens; tokens outside ``[start, end)``
+    or beyond its blocks get -1 (skipped)."""
+    end = num_tokens if end is None else end
+    positions = torch.arange(num_tokens, dtype=torch.int64)
+    blocks = torch.tensor(block_ids or [0], dtype=torch.int64)
+    block_index = positions // block_size
+    valid = (positions >= start) & (positions < end) & (block_index < len(block_ids))
+    slots = blocks[block_index.clamp(max=len(blocks) - 1)] * block_size + positions % block_size
+    return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
+class WorkerSide:
+    """One rank's half of the connector.
+
+    Args:
+        config: kvtier's config.
+        metadata: model name and rank (part of every key).
+        endpoint: where to serve the scheduler's lookups (None: do not serve).
+    """
+
+    def __init__(self, config: KVTierConfig, metadata: EngineMetadata, endpoint: str | None):
+        self.config = config
+        self.metadata = metadata
+        self.endpoint = endpoint
+        self.stats = Stats()
+        self.engine: CacheEngine | None = None
+        self.layer_index: dict[str, int] = {}
+        self.block_size = 0
+        self._server: RpcServer | None = None
+        self._plan = StepPlan()
+        self._layer_loads: list[tuple[LoadSpec, RetrieveTransfer]] = []
+        self._layer_saves: list[StoreTransfer] = []
+        self._saved_layers: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._async = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._async_futures: dict[str, Future[set[int]]] = {}
+        # NOTE: one lock orders the engine's users (forward thread, async loader, lookup
+        # server); the tiers lock internally, this keeps transfers from interleaving.
+        self._lock = threading.RLock()
+
+    # -- set-up ----------------------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        backend: str | None,
+        tags: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """Describe vLLM's KV tensors, build this rank's cache engine, serve lookups.
+
+        ``tags`` join every key (e.g. the CPU backend's instruction set, which decides
+        how bytes sit inside a block), so chunks from incompatible engines never mix.
+        """
+        paged = detect_paged_kv(kv_caches, backend, self.config.kv_layout)
+        if tags:
+            self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.block_size = paged.block_size
+        self.engine = CacheEngine(self.config, self.metadata, paged, stats=self.stats)
+        logger.info(
+            "kvtier: %d layers, layout %s, %d blocks of %d tokens, %d KV heads x %d, %s",
+            paged.num_layers,
+            paged.layout.name,
+            paged.num_blocks,
+            paged.block_size,
+            paged.num_heads,
+            paged.head_size,
+            paged.dtype,
+        )
+        if self.endpoint is not None:
+            self._server = RpcServer(
+                self.endpoint, {
+                    "lookup": self._serve_lookup,
+                    "clear": self._serve_clear,
+                    "stats": lambda args: self.stats.snapshot(),
+                }
+            )
+            self._server.start()
+
+    def _require_engine(self) -> CacheEngine:
+        if self.engine is None:
+            raise RuntimeError("kvtier: register_kv_caches has not been called")
+        return self.engine
+
+    def _serve_lookup(self, args: dict) -> dict:
+        engine = self._require_engine()
+        keys = [engine.token_db.key(h) for h in args["hashes"]]
+        return {"hits": engine.storage.lookup_prefix(keys)}
+
+    def _serve_clear(self, args: dict) -> dict:
+        with self._lock:
+            self._require_engine().storage.clear()
+        return {}
+
+    # -- loads -----------------------------------------------------------------------
+
+    def _chunks(self, spec: LoadSpec | SaveSpec):
+        engine = self._require_engine()
+        return engine.token_db.chunks_from_hashes(spec.first_chunk, spec.hashes, spec.chunks_end)
+
+    def _failed_blocks(self, load: LoadSpec, loaded_end: int) -> set[int]:
+        """Blocks of ``[start, end)`` that the loaded run ``[.., loaded_end)`` did not fill."""
+        first_bad = max(loaded_end, load.start)
+        if first_bad >= load.end:
+            return set()
+        bs = self.block_size
+        return set(load.block_ids[first_bad // bs : -(-load.end // bs)])
+
+    def _begin_load(self, load: LoadSpec) -> tuple[RetrieveTransfer, set[int]]:
+        engine = self._require_engine()
+        slots = slot_mapping(load.block_ids, self.block_size, load.chunks_end, load.start, load.end)
+        transfer = engine.begin_retrieve(self._chunks(load), slots)
+        return transfer, self._failed_blocks(load, transfer.end)
+
+    def _load_now(self, load: LoadSpec) -> set[int]:
+        if not load.hashes:
+            return set()
+        with self._lock:
+            transfer, failed = self._begin_load(load)
+            try:
+                transfer.scatter()
+            finally:
+                transfer.close()
+        if failed:
+            logger.warning(
+                "kvtier: request %s: %d blocks could not be loaded; vLLM recomputes them",
+                load.req_id,
+                len(failed),
+            )
+        return failed
+
+    def start_load(self, plan: StepPlan) -> None:
+        """Run (or start) this step's loads; bound before the forward pass."""
+        self._plan = plan
+        for load in plan.loads:
+            if load.is_async:
+                self._async_futures[load.req_id] = self._async.submit(self._load_now, load)
+            elif self.config.use_layerwise and load.hashes:
+                with self._lock:
+                    transfer, failed = self._begin_load(load)
+                self._load_errors |= failed
+                self._layer_loads.append((load, transfer))
+            else:
+                self._load_errors |= self._load_now(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise: write this layer of the step's loads before its attention runs."""
+        if not self._layer_loads:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        with self._lock:
+            for _, transfer in self._layer_loads:
+                transfer.scatter(layer)
+            if layer == len(self.layer_index) - 1:
+                self._finish_layer_loads()
+
+    def _finish_layer_loads(self) -> None:
+        for _, transfer in self._layer_loads:
+            transfer.close()
+        self._layer_loads = []
+
+    def get_finished(self) -> set[str]:
+        """Async loads that completed (written, or failed with their blocks reported)."""
+        done = {req_id for req_id, future in self._async_futures.items() if future.done()}
+        for req_id in done:
+            future = self._async_futures.pop(req_id)
+            try:
+                self._load_errors |= future.result()
+            except Exception:
+                logger.exception("kvtier: async load of request %s failed", req_id)
+                self._load_errors |= set()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------
+
+    def _save_slots(self, save: SaveSpec) -> torch.Tensor:
+        return slot_mapping(save.block_ids, self.block_size, save.chunks_end)
+
+    def save_layer(self, layer_name: str) -> None:
+        """Layer-wise: copy this layer of the step's saves (its attention just ran)."""
+        if not self.config.use_layerwise or not self._plan.saves:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        with self._lock:
+            if not self._layer_saves and not self._saved_layers:
+                engine = self._require_engine()
+                self._layer_saves = [
+                    engine.begin_store(self._chunks(save), self._save_slots(save))
+                    for save in self._plan.saves
+                ]
+            for transfer in self._layer_saves:
+                transfer.gather(layer)
+            self._saved_layers.add(layer)
+
+    def wait_for_save(self) -> None:
+        """Publish this step's saves (every layer's KV is computed by now)."""
+        with self._lock:
+            if self._layer_loads:  # a layer-wise load some layer never waited for
+                for layer in range(len(self.layer_index)):
+                    for _, transfer in self._layer_loads:
+                        transfer.scatter(layer)
+                self._finish_layer_loads()
+            engine = self._require_engine() if self._plan.saves else None
+            if self._layer_saves:
+                missing = set(range(len(self.layer_index))) - self._saved_layers
+                for transfer in self._layer_saves:
+                    for layer in sorted(missing):
+                        transfer.gather(layer)
+                    transfer.commit()
+            elif engine is not None:
+                for save in self._plan.saves:
+                    engine.store_chunks(self._chunks(save), self._save_slots(save))
+            self._layer_saves = []
+            self._saved_layers = set()
+            self._plan = StepPlan()
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Finish in-flight loads, stop serving lookups, release the tiers (idempotent)."""
+        self._async.shutdown(wait=True)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with self._lock:
+            for transfer in self._layer_saves:
+                transfer.abort()
+            self._layer_saves = []
+            self._finish_layer_loads()
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
