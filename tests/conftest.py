@@ -1,0 +1,45 @@
+"""Session-wide fixtures: the tiny local model and the no-connector reference outputs
+shared by the real-engine (``vllm``) test modules."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_engines import generate, make_llm, prompts_of, shutdown
+from vllm_models import make_tiny_llama
+
+CHUNK = 64
+BLOCK = 32
+# Shorter than a chunk, exactly one chunk, exact multiple, ragged, ragged.
+LENGTHS = [40, 64, 128, 300, 200]
+
+
+@pytest.fixture(scope="session")
+def model_a(tmp_path_factory):
+    """GQA Llama: 8 query heads, 2 KV heads, head size 32, 2 layers."""
+    pytest.importorskip("vllm")
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "llama-a")
+
+
+@pytest.fixture(scope="session")
+def prompts_a() -> list[list[int]]:
+    return prompts_of(LENGTHS, seed=1)
+
+
+@pytest.fixture(scope="session")
+def shared_prefix_prompts() -> list[list[int]]:
+    """Two prompts sharing a 192-token prefix (three chunks)."""
+    base, tail_a, tail_b = prompts_of([192, 20, 77], seed=2)
+    return [base + tail_a, base + tail_b]
+
+
+@pytest.fixture(scope="session")
+def reference_a(model_a, prompts_a, shared_prefix_prompts):
+    """Greedy outputs of model A with no connector at all."""
+    llm = make_llm(model_a, block_size=BLOCK)
+    try:
+        return {
+            "single": generate(llm, prompts_a),
+            "shared": generate(llm, shared_prefix_prompts),
+        }
+    finally:
+        shutdown(llm)

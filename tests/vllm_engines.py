@@ -1,0 +1,108 @@
+"""Shared helpers for the real-engine tests (marked ``vllm``).
+
+Engines are expensive (~25 s to start on a 2-core CPU), so each test module starts few
+and shares them through module-scoped fixtures. Prompts are token ids (no tokenizer);
+decoding is greedy. The tiny models are float32 so that "identical outputs" compares the
+KV a request attends to, not bf16 rounding differences between prefill batch shapes.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KVTIER_MODULE = "kvtier.integration.vllm"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One request's greedy output and how many prompt tokens it did not compute."""
+
+    token_ids: tuple[int, ...]
+    num_cached_tokens: int
+
+
+def prompts_of(lengths: list[int], *, seed: int = 0, vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def kv_transfer_config(extra: dict[str, Any], *, engine_id: str | None = None) -> dict:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": KVTIER_MODULE,
+        "kv_role": "kv_both",
+        "engine_id": engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def make_llm(
+    model: Path,
+    *,
+    block_size: int = 32,
+    kvtier: dict[str, Any] | None = None,
+    engine_id: str | None = None,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    **kwargs: Any,
+):
+    """A ``vllm.LLM`` on the CPU; ``kvtier`` is the connector's extra config (None: no
+    connector)."""
+    from vllm import LLM
+
+    transfer = None if kvtier is None else kv_transfer_config(kvtier, engine_id=engine_id)
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=128 << 20,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        dtype=dtype,
+        kv_transfer_config=transfer,
+        seed=0,
+        **kwargs,
+    )
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    return [Result(tuple(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outputs]
+
+
+def shutdown(llm) -> None:
+    """Stop an engine and its worker processes before the next one starts."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def expected_loaded(num_tokens: int, *, chunk_size: int, block_size: int) -> int:
+    """Tokens kvtier loads for a fully stored prompt on vLLM's CPU backend: whole chunks,
+    never the last token, cut to whole blocks (the CPU backend's KV layout)."""
+    stored = num_tokens // chunk_size * chunk_size
+    return min(stored, num_tokens - 1) // block_size * block_size
+
+
+def worker_stats(engine_id: str, rank: int = 0) -> dict[str, float]:
+    """Counters of a running engine's kvtier worker, over its lookup socket."""
+    from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
+
+    with RpcClient([endpoint_for(f"{engine_id}-dp0", rank)], timeout=5.0) as client:
+        replies = client.call_all("stats")
+    assert replies is not None, "the kvtier worker did not answer the stats request"
+    return replies[0]
