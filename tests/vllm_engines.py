@@ -8,6 +8,7 @@ KV a request attends to, not bf16 rounding differences between prefill batch sha
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import uuid
@@ -83,10 +84,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]
 
 def shutdown(llm) -> None:
     """Stop an engine and its worker processes before the next one starts."""
-    try:
+    with contextlib.suppress(Exception):  # best effort; process exit cleans up too
         llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
     del llm
     gc.collect()
 
