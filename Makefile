@@ -43,7 +43,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 bench: $(STAMP)
-	$(PY) -m pytest perf -q --benchmark-only --benchmark-json=perf/results/latest.json
+	$(PY) -m pytest perf -q --benchmark-json=perf/results/latest.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

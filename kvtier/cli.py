@@ -1,7 +1,7 @@
 """The ``kvtier`` command line.
 
 kvtier info     versions, devices seen, kernel backends, config in effect
-kvtier demo     store → evict → retrieve on a synthetic paged KV cache
+kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
 """
 
 from __future__ import annotations
@@ -82,10 +82,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.synthetic:
+        from kvtier.demo_vllm import run_vllm_demo
+
+        return run_vllm_demo(tokens=args.tokens or 4000, chunk_size=args.chunk_size)
     from kvtier.demo import run_demo
 
     return run_demo(
-        num_tokens=args.tokens,
+        num_tokens=args.tokens or 4096,
         num_layers=args.layers,
         num_kv_heads=args.kv_heads,
         head_size=args.head_size,
@@ -102,12 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=cmd_info)
 
-    demo = sub.add_parser("demo", help="store → evict → retrieve on a synthetic paged KV cache")
-    demo.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
-    demo.add_argument("--layers", type=int, default=32)
-    demo.add_argument("--kv-heads", type=int, default=8)
-    demo.add_argument("--head-size", type=int, default=128)
-    demo.add_argument("--block-size", type=int, default=16)
+    demo = sub.add_parser(
+        "demo", help="a real vLLM engine: cold prefill vs a kvtier hit (--synthetic: no engine)"
+    )
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="store → evict → retrieve on a synthetic paged KV cache, without vLLM",
+    )
+    demo.add_argument("--tokens", type=int, default=None, help="prompt length (4000 / 4096)")
+    demo.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk size (engine)")
+    demo.add_argument("--layers", type=int, default=32, help="synthetic: layers")
+    demo.add_argument("--kv-heads", type=int, default=8, help="synthetic: KV heads")
+    demo.add_argument("--head-size", type=int, default=128, help="synthetic: head size")
+    demo.add_argument("--block-size", type=int, default=16, help="synthetic: block size")
     demo.set_defaults(func=cmd_demo)
     return parser
 

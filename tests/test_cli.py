@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvtier.cli import main
 
 
@@ -44,7 +46,19 @@ def test_console_script_demo_small_shape():
     """The installed `kvtier` entry point runs the demo end to end (small shape)."""
     exe = os.path.join(os.path.dirname(sys.executable), "kvtier")
     out = subprocess.run(
-        [exe, "demo", "--tokens", "1024", "--layers", "4", "--kv-heads", "2", "--head-size", "64"],
+        [
+            exe,
+            "demo",
+            "--synthetic",
+            "--tokens",
+            "1024",
+            "--layers",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-size",
+            "64",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -53,3 +67,18 @@ def test_console_script_demo_small_shape():
     assert "bit-exact: yes" in out and out.strip().endswith("demo OK")
     assert "lookup hit 1024 tokens, loaded 1024 tokens" in out
     assert "lookup hit 512 of 1024 tokens" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_console_script_demo_runs_a_real_engine():
+    """`kvtier demo` (what `make demo` runs): cold vs warm on a real vLLM engine."""
+    pytest.importorskip("vllm")
+    exe = os.path.join(os.path.dirname(sys.executable), "kvtier")
+    proc = subprocess.run(
+        [exe, "demo", "--tokens", "700"], capture_output=True, text=True, timeout=600
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "512 tokens loaded from kvtier" in out
+    assert "\nidentical\n" in out and "MISMATCH" not in out

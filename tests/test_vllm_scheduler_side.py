@@ -743,7 +743,9 @@ def test_extras_separate_hashes(first, second, first_extras):
     got = side.get_num_new_matched_tokens(two, 0)
     assert got == (0, False), f"same tokens, other extras: hit {got} on the first's chunks"
     _, plan_two = hit_and_plan(side, two, 0, blocks_for(300, first=600))
-    shared = [i for i, (a, b) in enumerate(zip(hashes_one, plan_two.saves[0].hashes)) if a == b]
+    hashes_two = plan_two.saves[0].hashes
+    assert len(hashes_two) == 4, f"the second request saved {len(hashes_two)} chunks, expected 4"
+    shared = [i for i, (a, b) in enumerate(zip(hashes_one, hashes_two, strict=True)) if a == b]
     assert not shared, f"chunks {shared} have the same hash for both requests"
 
 

@@ -58,6 +58,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# vLLM configures only its own loggers: give kvtier's a handler so its start-up lines
+# (the config in effect, the layout found) show in the engine's log.
+_kvtier_logger = logging.getLogger("kvtier")
+if not _kvtier_logger.handlers and not logging.getLogger().handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("(kvtier) %(levelname)s %(asctime)s %(message)s"))
+    _kvtier_logger.addHandler(_handler)
+    _kvtier_logger.setLevel(logging.INFO)
+
 
 class KVTierConnectorMetadata(KVConnectorMetadata):
     """One step's plan, sent from the scheduler to every worker."""

@@ -201,7 +201,8 @@ class SchedulerSide:
             )
         self.trackers: dict[str, RequestTracker] = {}
         self._hash_cache: dict[str, ChunkHashes] = {}
-        self._hits: dict[str, tuple[int, int]] = {}  # req_id -> (vllm_cached, load_end)
+        # req_id -> (vllm_cached, load_end, tokens kvtier holds) from the last lookup
+        self._hits: dict[str, tuple[int, int, int]] = {}
         self._cancelled_async: list[LoadSpec] = []
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
@@ -251,7 +252,7 @@ class SchedulerSide:
             load_end = load_end // self.block_size * self.block_size
         if load_end <= num_computed_tokens:
             return 0, False
-        self._hits[request.request_id] = (num_computed_tokens, load_end)
+        self._hits[request.request_id] = (num_computed_tokens, load_end, hit_tokens)
         return load_end - num_computed_tokens, self.config.enable_async_loading
 
     def update_state_after_alloc(
@@ -263,7 +264,7 @@ class SchedulerSide:
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
-        vllm_cached, load_end = hit
+        vllm_cached, load_end, held = hit
         start = vllm_cached
         end = min(load_end, start + num_external_tokens)
         first = start // self.chunk_size
@@ -273,7 +274,8 @@ class SchedulerSide:
         last = -(-end // self.chunk_size)  # chunks needed to cover [start, end)
         hashes = hashes[first:last]
         tracker.vllm_cached = vllm_cached
-        tracker.saved_upto = max(tracker.saved_upto, end // self.chunk_size * self.chunk_size)
+        # Every chunk the lookup found is in kvtier already: never stored again.
+        tracker.saved_upto = max(tracker.saved_upto, held // self.chunk_size * self.chunk_size)
         tracker.load = LoadSpec(
             req_id=tracker.req_id,
             first_chunk=first,

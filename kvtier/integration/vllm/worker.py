@@ -119,9 +119,10 @@ class WorkerSide:
         self._layer_loads: list[tuple[LoadSpec, RetrieveTransfer]] = []
         self._layer_saves: list[StoreTransfer] = []
         self._saved_layers: set[int] = set()
+        self._loaded_layers: set[int] = set()
         self._load_errors: set[int] = set()
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._async_futures: dict[str, Future[set[int]]] = {}
+        self._async_futures: dict[str, tuple[LoadSpec, Future[set[int]]]] = {}
         # NOTE: one lock orders the engine's users (forward thread, async loader, lookup
         # server); the tiers lock internally, this keeps transfers from interleaving.
         self._lock = threading.RLock()
@@ -157,11 +158,12 @@ class WorkerSide:
         )
         if self.endpoint is not None:
             self._server = RpcServer(
-                self.endpoint, {
+                self.endpoint,
+                {
                     "lookup": self._serve_lookup,
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
-                }
+                },
             )
             self._server.start()
 
@@ -222,7 +224,8 @@ class WorkerSide:
         self._plan = plan
         for load in plan.loads:
             if load.is_async:
-                self._async_futures[load.req_id] = self._async.submit(self._load_now, load)
+                future = self._async.submit(self._load_now, load)
+                self._async_futures[load.req_id] = (load, future)
             elif self.config.use_layerwise and load.hashes:
                 with self._lock:
                     transfer, failed = self._begin_load(load)
@@ -236,29 +239,38 @@ class WorkerSide:
         if not self._layer_loads:
             return
         layer = self.layer_index.get(layer_name)
-        if layer is None:
+        if layer is None or layer in self._loaded_layers:
             return
         with self._lock:
             for _, transfer in self._layer_loads:
                 transfer.scatter(layer)
-            if layer == len(self.layer_index) - 1:
+            self._loaded_layers.add(layer)
+            if len(self._loaded_layers) == len(self.layer_index):
                 self._finish_layer_loads()
 
     def _finish_layer_loads(self) -> None:
+        """Write the layers no ``wait_for_layer_load`` asked for, then release."""
+        for layer in range(len(self.layer_index)):
+            if layer not in self._loaded_layers:
+                for _, transfer in self._layer_loads:
+                    transfer.scatter(layer)
         for _, transfer in self._layer_loads:
             transfer.close()
         self._layer_loads = []
+        self._loaded_layers = set()
 
     def get_finished(self) -> set[str]:
         """Async loads that completed (written, or failed with their blocks reported)."""
-        done = {req_id for req_id, future in self._async_futures.items() if future.done()}
+        done = {req_id for req_id, (_, future) in self._async_futures.items() if future.done()}
         for req_id in done:
-            future = self._async_futures.pop(req_id)
+            load, future = self._async_futures.pop(req_id)
             try:
                 self._load_errors |= future.result()
             except Exception:
+                # NOTE: nothing written by a failed load may be trusted: all its blocks
+                # are reported, so vLLM recomputes them.
                 logger.exception("kvtier: async load of request %s failed", req_id)
-                self._load_errors |= set()
+                self._load_errors |= self._failed_blocks(load, load.start)
         return done
 
     def take_load_errors(self) -> set[int]:
@@ -292,9 +304,6 @@ class WorkerSide:
         """Publish this step's saves (every layer's KV is computed by now)."""
         with self._lock:
             if self._layer_loads:  # a layer-wise load some layer never waited for
-                for layer in range(len(self.layer_index)):
-                    for _, transfer in self._layer_loads:
-                        transfer.scatter(layer)
                 self._finish_layer_loads()
             engine = self._require_engine() if self._plan.saves else None
             if self._layer_saves:
