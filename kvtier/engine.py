@@ -269,6 +269,13 @@ def _checksum(obj: MemoryObj) -> int:
     return xxhash.xxh3_64_intdigest(obj.tensor.reshape(-1).view(torch.uint8).numpy())
 
 
+def _layer_part(obj: MemoryObj, layer: int | None) -> tuple[torch.Tensor, range | None]:
+    """The chunk buffer's view of ``layer`` and the engine layers it holds (None: all)."""
+    if layer is None:
+        return obj.tensor, None
+    return obj.tensor[:, layer : layer + 1], range(layer, layer + 1)
+
+
 class StoreTransfer:
     """A store in flight: staged buffers for the chunks not yet stored.
 
@@ -319,12 +326,8 @@ class StoreTransfer:
         """Copy one layer (or every layer) of the staged chunks out of the engine."""
         started = time.perf_counter()
         for _, obj, chunk_slots in self._staged:
-            if layer is None:
-                self.connector.from_engine(obj.tensor, chunk_slots)
-            else:
-                self.connector.from_engine(
-                    obj.tensor[:, layer : layer + 1], chunk_slots, range(layer, layer + 1)
-                )
+            part, layers = _layer_part(obj, layer)
+            self.connector.from_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
     def commit(self) -> StoreResult:
@@ -422,12 +425,8 @@ class RetrieveTransfer:
         started = time.perf_counter()
         for chunk, obj in self._held:
             chunk_slots = self._slots[chunk.start : chunk.end]
-            if layer is None:
-                self.connector.to_engine(obj.tensor, chunk_slots)
-            else:
-                self.connector.to_engine(
-                    obj.tensor[:, layer : layer + 1], chunk_slots, range(layer, layer + 1)
-                )
+            part, layers = _layer_part(obj, layer)
+            self.connector.to_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
     def close(self) -> None:

@@ -320,17 +320,18 @@ class SchedulerSide:
         # scheduled until the workers report the load finished.
         for tracker in self.trackers.values():
             if tracker.load is not None and tracker.load.is_async:
-                tracker.load.block_ids = list(tracker.block_ids)
-                plan.loads.append(tracker.load)
-                tracker.load = None
+                self._send_load(tracker, plan)
         return plan
 
     def _take_sync_load(self, tracker: RequestTracker, plan: StepPlan) -> None:
-        load = tracker.load
-        if load is None or load.is_async:
-            return
-        load.block_ids = list(tracker.block_ids)
-        plan.loads.append(load)
+        if tracker.load is not None and not tracker.load.is_async:
+            self._send_load(tracker, plan)
+
+    @staticmethod
+    def _send_load(tracker: RequestTracker, plan: StepPlan) -> None:
+        """Move the tracker's planned load into ``plan``, into its current blocks."""
+        tracker.load.block_ids = list(tracker.block_ids)
+        plan.loads.append(tracker.load)
         tracker.load = None
 
     def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
