@@ -14,11 +14,14 @@ Time to first token is the wall time of a one-token generation.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 MODEL_SHAPE = {
     "num_layers": 8,
@@ -30,31 +33,97 @@ MODEL_SHAPE = {
 }
 
 
-def build_model(path: Path) -> Path:
-    """A random-weight bf16 Llama at ``path`` (built once, then reused)."""
+def build_llama(
+    path: Path,
+    *,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    intermediate_size: int | None = None,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 8192,
+    seed: int = 0,
+    weight_std: float | None = None,
+) -> Path:
+    """Write a random-weight bf16 Llama (safetensors + config.json) to ``path``, once.
+
+    ``weight_std`` redraws every matrix from N(0, std): larger weights spread the logits,
+    so greedy argmax is far from ties. The model is written beside ``path`` and renamed
+    into place, so a half-written model is never reused.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (path / "config.json").exists():
         return path
-    hidden = MODEL_SHAPE["num_heads"] * MODEL_SHAPE["head_size"]
+    hidden = num_heads * head_size
     config = LlamaConfig(
-        vocab_size=MODEL_SHAPE["vocab_size"],
+        vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=MODEL_SHAPE["intermediate_size"],
-        num_hidden_layers=MODEL_SHAPE["num_layers"],
-        num_attention_heads=MODEL_SHAPE["num_heads"],
-        num_key_value_heads=MODEL_SHAPE["num_kv_heads"],
-        head_dim=MODEL_SHAPE["head_size"],
-        max_position_embeddings=8192,
+        intermediate_size=intermediate_size or 2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_size,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
+        torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if weight_std is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, weight_std)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
-    tmp.rename(path)  # atomic: a half-written model is never reused
+    tmp.rename(path)
     return path
+
+
+def build_model(path: Path) -> Path:
+    """The demo's model (``MODEL_SHAPE``) at ``path``."""
+    return build_llama(path, **MODEL_SHAPE)
+
+
+def transfer_config(extra: dict[str, Any], *, engine_id: str | None = None) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` enabling kvtier with ``extra`` as its config."""
+    config: dict[str, Any] = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return config
+
+
+def make_engine(model: Path, *, max_model_len: int, kvtier: dict[str, Any] | None = None):
+    """A bf16 ``vllm.LLM`` on the demo's settings; ``kvtier`` is the connector's config
+    (None: no connector)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=1 << 30,
+        block_size=32,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        dtype="bfloat16",
+        kv_transfer_config=None if kvtier is None else transfer_config(kvtier),
+    )
+
+
+def shutdown_engine(llm) -> None:
+    """Stop an engine and its worker processes before the next one starts."""
+    with contextlib.suppress(Exception):  # best effort; process exit cleans up too
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
 
 
 def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int = 16) -> int:
@@ -62,7 +131,7 @@ def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int 
     matched a full recomputation."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the demo's output readable
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
     except ImportError as error:
         print(
@@ -77,23 +146,9 @@ def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int 
         f"{MODEL_SHAPE['num_heads']} heads ({MODEL_SHAPE['num_kv_heads']} KV), "
         f"head size {MODEL_SHAPE['head_size']}, bf16, at {model}"
     )
-    transfer = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.integration.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"chunk_size": chunk_size, "max_local_cpu_size": 2},
-    }
-    print("starting vLLM with --kv-transfer-config", transfer)
-    llm = LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=1 << 30,
-        block_size=32,
-        max_model_len=tokens + max_tokens + 64,
-        enforce_eager=True,
-        dtype="bfloat16",
-        kv_transfer_config=transfer,
-    )
+    kvtier = {"chunk_size": chunk_size, "max_local_cpu_size": 2}
+    print("starting vLLM with --kv-transfer-config", transfer_config(kvtier))
+    llm = make_engine(model, max_model_len=tokens + max_tokens + 64, kvtier=kvtier)
     rng = random.Random(0)
     prompt = [rng.randrange(1, MODEL_SHAPE["vocab_size"]) for _ in range(tokens)]
 

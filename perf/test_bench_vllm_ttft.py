@@ -24,26 +24,10 @@ REPEATS = 3
 
 
 def _engine(model: Path, kvtier: bool):
-    from vllm import LLM
+    from kvtier.demo_vllm import make_engine
 
-    transfer = None
-    if kvtier:
-        transfer = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integration.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"chunk_size": 256, "max_local_cpu_size": 4},
-        }
-    return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=1 << 30,
-        block_size=32,
-        max_model_len=4200,
-        enforce_eager=True,
-        dtype="bfloat16",
-        kv_transfer_config=transfer,
-    )
+    extra = {"chunk_size": 256, "max_local_cpu_size": 4} if kvtier else None
+    return make_engine(model, max_model_len=4200, kvtier=extra)
 
 
 def _ttft(llm, prompt: list[int]) -> float:
@@ -71,7 +55,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def timings(model):
-    from vllm_engine_shutdown import shutdown
+    from kvtier.demo_vllm import shutdown_engine as shutdown
 
     results: dict[str, dict[int, float]] = {"none": {}, "cold": {}, "warm": {}}
     llm = _engine(model, kvtier=False)

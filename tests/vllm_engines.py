@@ -8,15 +8,14 @@ KV a request attends to, not bf16 rounding differences between prefill batch sha
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import random
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-KVTIER_MODULE = "kvtier.integration.vllm"
+from kvtier.demo_vllm import shutdown_engine as shutdown  # noqa: F401 - for the test modules
+from kvtier.demo_vllm import transfer_config
 
 
 @dataclass(frozen=True)
@@ -33,13 +32,8 @@ def prompts_of(lengths: list[int], *, seed: int = 0, vocab: int = 500) -> list[l
 
 
 def kv_transfer_config(extra: dict[str, Any], *, engine_id: str | None = None) -> dict:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": KVTIER_MODULE,
-        "kv_role": "kv_both",
-        "engine_id": engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}",
-        "kv_connector_extra_config": extra,
-    }
+    """kvtier's ``kv_transfer_config`` with a fresh engine id unless one is given."""
+    return transfer_config(extra, engine_id=engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}")
 
 
 def make_llm(
@@ -80,14 +74,6 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]
         [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
     )
     return [Result(tuple(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outputs]
-
-
-def shutdown(llm) -> None:
-    """Stop an engine and its worker processes before the next one starts."""
-    with contextlib.suppress(Exception):  # best effort; process exit cleans up too
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def expected_loaded(num_tokens: int, *, chunk_size: int, block_size: int) -> int:

@@ -1,13 +1,15 @@
 """Tiny random-weight Llama checkpoints for real-engine tests (nothing is downloaded).
 
 ``make_tiny_llama(path, ...)`` writes a ``transformers`` Llama with random weights (fixed
-seed) as safetensors plus its ``config.json``; vLLM loads it with
-``skip_tokenizer_init=True`` and prompts given as token ids.
+seed) as safetensors plus its ``config.json`` (``kvtier.demo_vllm.build_llama``); vLLM
+loads it with ``skip_tokenizer_init=True`` and prompts given as token ids.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from kvtier.demo_vllm import build_llama
 
 
 def make_tiny_llama(
@@ -22,33 +24,20 @@ def make_tiny_llama(
     max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Path:
-    """Write a random-weight Llama to ``path`` (once; an existing one is reused)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Write a random-weight Llama to ``path`` (once; an existing one is reused).
 
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    hidden = num_heads * head_size
-    config = LlamaConfig(
+    Weights are redrawn from N(0, 0.08) so logits spread out, greedy argmax is far from
+    ties, and outputs are a sharp test of the KV a request attends to.
+    """
+    return build_llama(
+        Path(path),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        intermediate_size=intermediate_size,
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate_size or 2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        seed=seed,
+        weight_std=0.08,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    # Larger-than-default weights make logits spread out, so greedy argmax is far from
-    # ties and outputs are a sharp test of the KV a request attends to.
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
