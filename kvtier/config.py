@@ -78,6 +78,10 @@ LMCACHE_NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "local_cpu_use_hugepages",
         "reserve_local_cpu_size",
         "enable_lazy_memory_allocator",
+        # kvtier shards the disk tree by key hash; ranks are told apart by their keys.
+        "local_disk_path_sharding",
+        # kvtier's remote waits are bounded by remote_timeout_ms (milliseconds).
+        "blocking_timeout_secs",
         "lazy_memory_initial_ratio",
         "lazy_memory_expand_trigger_ratio",
         "lazy_memory_step_ratio",
@@ -182,15 +186,7 @@ LMCACHE_UNSUPPORTED_PREFIXES: dict[str, str] = {"nixl_": "NIXL transfer"}
 
 # LMCache features kvtier will gain as real keys: key -> (feature, LMCache's default).
 # Same rule as LMCACHE_UNSUPPORTED_KEYS, but the error says "not supported yet".
-LMCACHE_PLANNED_KEYS: dict[str, tuple[str, Any]] = {
-    "local_disk": ("the local disk tier", None),
-    "max_local_disk_size": ("the local disk tier", 0.0),
-    "local_disk_path_sharding": ("the local disk tier", "by_gpu"),
-    "remote_url": ("the remote tier", None),
-    "remote_serde": ("the remote tier", "naive"),
-    "blocking_timeout_secs": ("blocking retrieval timeouts", 10),
-    "min_retrieve_tokens": ("a minimum retrieve length", 0),
-}
+LMCACHE_PLANNED_KEYS: dict[str, tuple[str, Any]] = {}
 
 
 class ConfigError(ValueError):
@@ -244,6 +240,7 @@ class KeySpec:
     nullable: bool = False
     normalize: Callable[[Any], Any] | None = None
     lmcache_names: tuple[str, ...] = ()
+    secret: bool = False
 
     @property
     def env_var(self) -> str:
@@ -272,6 +269,7 @@ def _key(
     nullable: bool = False,
     normalize: Callable[[Any], Any] | None = None,
     lmcache_names: Iterable[str] = (),
+    secret: bool = False,
 ) -> Any:
     """A dataclass field carrying its KeySpec; the name is filled in from the field."""
     spec = KeySpec(
@@ -285,8 +283,27 @@ def _key(
         nullable=nullable,
         normalize=normalize,
         lmcache_names=tuple(lmcache_names),
+        secret=secret,
     )
     return field(default=default, metadata={_SPEC: spec})
+
+
+REMOTE_SCHEMES = (
+    "redis",
+    "rediss",
+    "redis-cluster",
+    "valkey",
+    "valkeys",
+    "valkey-cluster",
+    "unix",
+    "s3",
+    "fs",
+)
+
+
+def _strip_file_scheme(path: str) -> str:
+    """LMCache spells ``local_disk`` as ``file:///path``; kvtier takes either."""
+    return path[len("file://") :] if path.startswith("file://") else path
 
 
 def _int_to_str(value: Any) -> Any:
@@ -426,6 +443,136 @@ class KVTierConfig:
         allowed="an integer from 1 to 600000 (milliseconds)",
         lmcache_names=("lookup_timeout_ms",),
     )
+    min_retrieve_tokens: int = _key(
+        0,
+        int,
+        "vLLM connector: ignore a kvtier hit shorter than this many tokens (recompute it "
+        "instead); 0 loads every hit.",
+        check=lambda v: v >= 0,
+        allowed="an integer >= 0",
+        lmcache_names=("min_retrieve_tokens",),
+    )
+    store_queue_size: int = _key(
+        256,
+        int,
+        "Chunks waiting to be written to each tier below the CPU (disk, remote); when "
+        "the queue is full a store is dropped and counted, never waited for.",
+        check=lambda v: 1 <= v <= 1 << 20,
+        allowed="an integer from 1 to 1048576",
+    )
+    local_disk: str | None = _key(
+        None,
+        str,
+        "Local disk tier: a directory (or file:// URL) for chunk files that survive "
+        "restarts and are shared by the engines of this machine; null disables the tier.",
+        normalize=lambda v: (_strip_file_scheme(v) or None) if isinstance(v, str) else v,
+        allowed="a directory path or file:// URL (empty: null)",
+        nullable=True,
+        lmcache_names=("local_disk",),
+    )
+    max_local_disk_size: float = _key(
+        20.0,
+        float,
+        "Size bound of the local disk tier in GB (2**30 bytes); the oldest chunk files "
+        "are evicted (cache_policy order) to stay under it.",
+        check=lambda v: math.isfinite(v) and v >= 0,
+        allowed="a finite number >= 0 (GB = 2**30 bytes; > 0 when local_disk is set)",
+        lmcache_names=("max_local_disk_size",),
+    )
+    local_disk_o_direct: bool = _key(
+        False,
+        bool,
+        "Local disk tier: read and write with O_DIRECT (bypass the page cache); falls "
+        "back to buffered I/O with a warning where the filesystem refuses it.",
+    )
+    remote_url: str | None = _key(
+        None,
+        str,
+        "Remote tier shared by many engines: redis://[user:pass@]host:port/db, rediss:// "
+        "(TLS), redis-cluster://host:port[,host:port], valkey:// (and valkeys://, "
+        "valkey-cluster://), unix:///path/redis.sock, s3://bucket/prefix, or "
+        "fs:///mnt/shared (a shared filesystem); null disables it.",
+        normalize=lambda v: (v or None) if isinstance(v, str) else v,
+        check=lambda v: v.partition("://")[0].lower() in REMOTE_SCHEMES and "://" in v,
+        allowed="a URL with scheme " + ", ".join(REMOTE_SCHEMES) + " (empty: null)",
+        nullable=True,
+        lmcache_names=("remote_url",),
+    )
+    remote_serde: str = _key(
+        "naive",
+        str,
+        "Codec of chunks written to the disk and remote tiers (each object names its "
+        "codec, so readers decode whatever was written).",
+        choices=("naive",),
+        lmcache_names=("remote_serde",),
+    )
+    remote_timeout_ms: int = _key(
+        1000,
+        int,
+        "Remote tier: the longest a lookup or a chunk get waits; slower is a miss and "
+        "marks the remote down until it answers again.",
+        check=lambda v: 1 <= v <= 600_000,
+        allowed="an integer from 1 to 600000 (milliseconds)",
+    )
+    remote_reconnect_max_ms: int = _key(
+        5000,
+        int,
+        "Remote tier: the longest pause between reconnect attempts while it is down "
+        "(attempts start 100 ms apart and back off by doubling).",
+        check=lambda v: 100 <= v <= 3_600_000,
+        allowed="an integer from 100 to 3600000 (milliseconds)",
+    )
+    remote_max_concurrency: int = _key(
+        16,
+        int,
+        "Remote tier: parallel requests (Redis connection pool size, S3 request threads).",
+        check=lambda v: 1 <= v <= 1024,
+        allowed="an integer from 1 to 1024",
+    )
+    remote_username: str | None = _key(
+        None,
+        str,
+        "Redis/Valkey ACL user name (overrides one in remote_url).",
+        nullable=True,
+    )
+    remote_password: str | None = _key(
+        None,
+        str,
+        "Redis/Valkey password (overrides one in remote_url); never printed.",
+        nullable=True,
+        secret=True,
+    )
+    remote_ttl_secs: float | None = _key(
+        None,
+        float,
+        "Redis/Valkey: expire stored chunks after this many seconds; null keeps them "
+        "until the server evicts them.",
+        check=lambda v: math.isfinite(v) and v > 0,
+        allowed="a finite number > 0",
+        nullable=True,
+    )
+    remote_tls_ca_file: str | None = _key(
+        None, str, "rediss://: CA bundle that verifies the server.", nullable=True
+    )
+    remote_tls_cert_file: str | None = _key(
+        None, str, "rediss://: client certificate (mutual TLS).", nullable=True
+    )
+    remote_tls_key_file: str | None = _key(
+        None, str, "rediss://: client private key (mutual TLS).", nullable=True
+    )
+    s3_endpoint_url: str | None = _key(
+        None,
+        str,
+        "s3://: endpoint of an S3-compatible store (MinIO, Ceph, ...); null is AWS.",
+        nullable=True,
+    )
+    s3_region: str | None = _key(None, str, "s3://: region name.", nullable=True)
+    s3_access_key_id: str | None = _key(
+        None, str, "s3://: access key; null uses boto3's credential chain.", nullable=True
+    )
+    s3_secret_access_key: str | None = _key(
+        None, str, "s3://: secret key; never printed.", nullable=True, secret=True
+    )
 
     # Not keys: what load_config saw. ``sources`` maps a key to where its value came from.
     ignored_lmcache_keys: tuple[str, ...] = field(default=(), compare=False)
@@ -439,6 +586,11 @@ class KVTierConfig:
             if value is not raw:
                 object.__setattr__(self, spec.name, value)
         object.__setattr__(self, "ignored_lmcache_keys", tuple(self.ignored_lmcache_keys))
+        if self.local_disk and self.max_local_disk_size == 0:
+            problems.append(
+                f"max_local_disk_size: 0 is not allowed while local_disk is set "
+                f"({self.local_disk!r}); give the disk tier's size in GB"
+            )
         if problems:
             raise ConfigError(problems)
 
@@ -475,7 +627,7 @@ class KVTierConfig:
 
     def describe(self) -> str:
         """A table of every key, its value and its source, for ``kvtier info``."""
-        rows = [(name, repr(getattr(self, name)), self.source_of(name)) for name in CONFIG_KEYS]
+        rows = [(name, self._shown(name), self.source_of(name)) for name in CONFIG_KEYS]
         key_width = max(len("key"), *(len(r[0]) for r in rows))
         value_width = max(len("value"), *(len(r[1]) for r in rows))
         lines = [f"{'key':<{key_width}}  {'value':<{value_width}}  source"]
@@ -483,6 +635,30 @@ class KVTierConfig:
         if self.ignored_lmcache_keys:
             lines.append("ignored LMCache keys: " + ", ".join(self.ignored_lmcache_keys))
         return "\n".join(lines)
+
+    def _shown(self, name: str) -> str:
+        """The value for display: secrets (passwords, secret keys) are masked."""
+        value = getattr(self, name)
+        if CONFIG_KEYS[name].secret and value is not None:
+            return "'***'"
+        if name == "remote_url" and value is not None:
+            return repr(redact_url(value))
+        return repr(value)
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        """``max_local_disk_size`` in bytes (GB = 2**30 bytes)."""
+        return round(self.max_local_disk_size * GiB)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs and tables)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    credentials, _, host = rest.partition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
 
 
 # The key registry, in field order: key name -> KeySpec.
@@ -527,7 +703,10 @@ def _coerce(
     """
 
     def reject(detail: str = "") -> None:
-        where = f"{spec.name}: {raw!r} from {origin} is not allowed; "
+        shown = "'***'" if spec.secret else repr(raw)
+        if spec.name == "remote_url" and isinstance(raw, str):
+            shown = repr(redact_url(raw))
+        where = f"{spec.name}: {shown} from {origin} is not allowed; "
         problems.append(where + f"expected {spec.describe_allowed()}{detail}")
 
     value = raw
@@ -546,6 +725,8 @@ def _coerce(
         return None
     if spec.normalize is not None:
         value = spec.normalize(value)
+        if value is None and spec.nullable:
+            return None
 
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -844,9 +1025,12 @@ def lmcache_reference_markdown() -> str:
         "string/list/mapping, or LMCache's default for the key; an error otherwise):",
         "",
         *by_feature(LMCACHE_UNSUPPORTED_KEYS, LMCACHE_UNSUPPORTED_PREFIXES),
-        "",
-        "**Not supported yet** (same rule; later kvtier versions add them as real keys):",
-        "",
-        *by_feature(LMCACHE_PLANNED_KEYS, {}),
     ]
+    if LMCACHE_PLANNED_KEYS:
+        lines += [
+            "",
+            "**Not supported yet** (same rule; later kvtier versions add them as real keys):",
+            "",
+            *by_feature(LMCACHE_PLANNED_KEYS, {}),
+        ]
     return "\n".join(lines) + "\n"

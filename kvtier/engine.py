@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from kvtier.config import KVTierConfig
 from kvtier.gpu_connector import PagedKVConnector
@@ -28,7 +27,10 @@ from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Stats
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.serde import tensor_bytes
+from kvtier.storage.wire import checksum_of
 from kvtier.token_db import Chunk, ChunkedTokenDatabase, RequestExtras
+from kvtier.warn import warn_once
 from kvtier_kernels import PagedKV
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,12 @@ class CacheEngine:
         self.config = config
         self.metadata = metadata
         self.stats = stats or Stats()
-        self.storage = StorageManager(config, self.stats, pin_memory=pin_memory)
+        self.storage = StorageManager(
+            config,
+            self.stats,
+            pin_memory=pin_memory,
+            namespace=config.model_name or metadata.model_name,
+        )
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.connector: PagedKVConnector | None = None
         self.token_db: ChunkedTokenDatabase | None = None
@@ -252,7 +259,7 @@ class CacheEngine:
         """How many leading tokens of ``tokens`` some tier holds (chunk-aligned, plus a
         stored partial last chunk when ``save_unfull_chunk``)."""
         chunks = self._chunks(tokens, None, extras)
-        hits = self.storage.lookup_prefix([c.key for c in chunks])
+        hits = self.storage.lookup_prefix([c.key for c in chunks], prefetch=True)
         self.stats.inc(Counter.LOOKUP_REQUESTS)
         self.stats.inc(Counter.LOOKUP_TOKENS, len(tokens))
         hit_tokens = chunks[hits - 1].end if hits else 0
@@ -265,8 +272,8 @@ class CacheEngine:
 
 
 def _checksum(obj: MemoryObj) -> int:
-    """xxh3-64 of the chunk's bytes (about 35 GB/s on one CPU core)."""
-    return xxhash.xxh3_64_intdigest(obj.tensor.reshape(-1).view(torch.uint8).numpy())
+    """xxh3-64 of the chunk's bytes (about 35 GB/s on one CPU core), as in the wire format."""
+    return checksum_of(tensor_bytes(obj.tensor))
 
 
 def _layer_part(obj: MemoryObj, layer: int | None) -> tuple[torch.Tensor, range | None]:
@@ -390,16 +397,20 @@ class RetrieveTransfer:
         self._held: list[tuple[Chunk, MemoryObj]] = []
         slots = CacheEngine._slots(slot_mapping, chunks[-1].end if chunks else 0)
         self._slots = slots
-        for chunk in chunks:
-            obj = engine.storage.get(chunk.key)
+        objs = engine.storage.get_many([chunk.key for chunk in chunks])
+        usable = True
+        for chunk, obj in zip(chunks, objs, strict=True):
             if obj is None:
-                break
-            if not self._valid(chunk, obj):
+                usable = False
+            elif not usable:
+                obj.ref_down()  # after a gap: not loadable, the engine needs a prefix
+            elif not self._valid(chunk, obj):
                 obj.ref_down()
                 engine.storage.remove(chunk.key)
-                break
-            self._held.append((chunk, obj))
-            self.end = chunk.end
+                usable = False
+            else:
+                self._held.append((chunk, obj))
+                self.end = chunk.end
         self._busy = time.perf_counter() - started
 
     def _valid(self, chunk: Chunk, obj: MemoryObj) -> bool:
@@ -413,7 +424,7 @@ class RetrieveTransfer:
         else:
             return True
         self.engine.stats.inc(Counter.CORRUPT_CHUNKS)
-        _warn_once(f"stored chunk {chunk.key} has {problem}: rejected, treated as a miss")
+        warn_once(logger, f"stored chunk {chunk.key} has {problem}: rejected, treated as a miss")
         return False
 
     @property
@@ -443,13 +454,3 @@ class RetrieveTransfer:
         s.inc(Counter.HIT_TOKENS, hit_tokens)
         s.inc(Counter.LOADED_BYTES, loaded)
         s.inc(Counter.LOAD_SECONDS, self._busy)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Log a data problem once per distinct message (no flooding on a bad tier)."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)

@@ -34,6 +34,36 @@ class Counter:
     CORRUPT_CHUNKS = "corrupt_chunks_rejected"
     EVICTIONS = "evictions"
     ALLOC_FAILURES = "allocation_failures"
+    PREFETCHED_CHUNKS = "prefetched_chunks"
+    WRITEBACK_CHUNKS = "cpu_writeback_chunks"
+
+
+class TierCounter:
+    """Per-tier counters of the tiers below the CPU. The full name is
+    ``tier_counter(tier, what)``, e.g. ``disk_get_hits`` or ``redis_reconnects``."""
+
+    PUT_CHUNKS = "put_chunks"
+    PUT_BYTES = "put_bytes"
+    PUT_SECONDS = "put_seconds"
+    GET_HITS = "get_hits"
+    GET_MISSES = "get_misses"
+    GET_BYTES = "get_bytes"
+    GET_SECONDS = "get_seconds"
+    LOOKUP_HITS = "lookup_hit_chunks"
+    DROPPED_QUEUE_FULL = "puts_dropped_queue_full"
+    DROPPED_UNAVAILABLE = "puts_dropped_unavailable"
+    DROPPED_NO_SPACE = "puts_dropped_no_space"
+    DROPPED_ERROR = "puts_dropped_error"
+    ERRORS = "errors"
+    TIMEOUTS = "timeouts"
+    RECONNECTS = "reconnects"
+    EVICTIONS = "evictions"
+    CORRUPT = "corrupt_rejected"
+
+
+def tier_counter(tier: str, what: str) -> str:
+    """The counter name of ``what`` (a ``TierCounter``) for tier ``tier``."""
+    return f"{tier}_{what}"
 
 
 class Stats:

@@ -105,6 +105,26 @@ def test_defaults() -> None:
         "enable_async_loading": False,
         "save_decode_cache": False,
         "lookup_timeout_ms": 2000,
+        "min_retrieve_tokens": 0,
+        "store_queue_size": 256,
+        "local_disk": None,
+        "max_local_disk_size": 20.0,
+        "local_disk_o_direct": False,
+        "remote_url": None,
+        "remote_serde": "naive",
+        "remote_timeout_ms": 1000,
+        "remote_reconnect_max_ms": 5000,
+        "remote_max_concurrency": 16,
+        "remote_username": None,
+        "remote_password": None,
+        "remote_ttl_secs": None,
+        "remote_tls_ca_file": None,
+        "remote_tls_cert_file": None,
+        "remote_tls_key_file": None,
+        "s3_endpoint_url": None,
+        "s3_region": None,
+        "s3_access_key_id": None,
+        "s3_secret_access_key": None,
     }
     assert cfg.max_local_cpu_bytes == 5 * 2**30
     assert cfg.ignored_lmcache_keys == ()
@@ -579,7 +599,9 @@ def test_lmcache_yaml_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
     assert cfg.save_unfull_chunk is True
     assert cfg.source_of("max_local_cpu_size") == f"file {path} (as max_local_cache_size)"
 
+    assert cfg.local_disk is None and cfg.remote_url is None
     ignored = (
+        "blocking_timeout_secs",
         "extra_config",
         "internal_api_server_enabled",
         "internal_api_server_port_start",
@@ -649,22 +671,65 @@ def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, fe
 
 
 @pytest.mark.parametrize(
-    ("key", "value"),
+    ("key", "value", "expected"),
     [
-        ("local_disk", "file:///tmp/lmcache/"),
-        ("max_local_disk_size", 10),
-        ("remote_url", "redis://localhost:6379"),
-        ("remote_serde", "cachegen"),
-        ("blocking_timeout_secs", 30),
-        ("min_retrieve_tokens", 256),
+        ("local_disk", "file:///tmp/lmcache/", "/tmp/lmcache/"),
+        ("local_disk", "/var/cache/kvtier", "/var/cache/kvtier"),
+        ("local_disk", "", None),
+        ("max_local_disk_size", 10, 10.0),
+        ("remote_url", "redis://localhost:6379", "redis://localhost:6379"),
+        ("remote_url", "s3://bucket/prefix", "s3://bucket/prefix"),
+        ("remote_url", "fs:///mnt/shared", "fs:///mnt/shared"),
+        ("remote_url", "", None),
+        ("remote_serde", "NAIVE", "naive"),
+        ("min_retrieve_tokens", 256, 256),
     ],
 )
-def test_planned_lmcache_key_is_not_supported_yet(key: str, value: object) -> None:
+def test_lmcache_tier_keys_are_real_keys(key: str, value: object, expected: object) -> None:
+    config = load_config(overrides={key: value}, env={})
+    assert getattr(config, key) == expected
+    assert config.ignored_lmcache_keys == ()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        ({"remote_url": "lm://localhost:65432"}, ("remote_url", "'lm://localhost:65432'", "s3")),
+        ({"remote_url": "localhost:6379"}, ("remote_url", "redis")),
+        ({"remote_serde": "cachegen"}, ("remote_serde", "naive")),
+        ({"local_disk": "/tmp/x", "max_local_disk_size": 0}, ("max_local_disk_size", "local_disk")),
+        ({"remote_timeout_ms": 0}, ("remote_timeout_ms", "600000")),
+        ({"remote_ttl_secs": -1}, ("remote_ttl_secs", "> 0")),
+    ],
+)
+def test_bad_tier_settings_are_named(overrides: dict, fragments: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as excinfo:
-        load_config(overrides={key: value}, env={})
-    assert_one_problem_mentions(
-        excinfo.value, f"LMCache key '{key}' is not supported yet by kvtier", repr(value)
+        load_config(overrides=overrides, env={})
+    assert_one_problem_mentions(excinfo.value, *fragments)
+
+
+def test_secrets_are_never_shown() -> None:
+    config = load_config(
+        overrides={
+            "remote_url": "redis://user:hunter2@cache:6379/0",
+            "remote_password": "hunter3",
+            "s3_secret_access_key": "hunter4",
+        },
+        env={},
     )
+    table = config.describe()
+    assert "redis://user:***@cache:6379/0" in table
+    assert not any(secret in table for secret in ("hunter2", "hunter3", "hunter4"))
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"remote_url": "http://user:hunter2@cache"}, env={})
+    assert "hunter2" not in str(excinfo.value)
+
+
+def test_lmcache_disk_and_timeout_knobs_are_ignored() -> None:
+    config = load_config(
+        overrides={"blocking_timeout_secs": 30, "local_disk_path_sharding": "by_gpu"}, env={}
+    )
+    assert config.ignored_lmcache_keys == ("blocking_timeout_secs", "local_disk_path_sharding")
 
 
 @pytest.mark.parametrize(

@@ -1,42 +1,68 @@
 """The storage manager: one entry point over the tiers.
 
-Today the hierarchy has one tier, the local CPU tier, which also provides the buffers
-that chunks are staged in. Lower tiers (disk, remote) plug in behind the same calls:
-``put`` writes through, ``lookup_prefix`` finds the longest prefix present across tiers,
-``get`` reads from the fastest tier that has the chunk.
+::
+
+    engine ──put──▶ CPU tier ──(queued, asynchronous)──▶ disk tier, remote tier
+    engine ◀─get── CPU tier ◀──(on a CPU miss; written back to the CPU tier)── lower tiers
+
+- ``put`` keeps the chunk in the CPU tier (when ``local_cpu``) and queues a write to each
+  lower tier; it never waits for a disk or the network.
+- ``lookup_prefix`` finds the longest run of chunks present across tiers with one
+  batched call per tier, and can start fetching the lower-tier part into the CPU tier
+  right away (prefetch) so that the load that follows finds it in memory.
+- ``get_many`` reads each chunk from the fastest tier that has it, the lower tiers in
+  parallel across chunks, and writes lower-tier hits back to the CPU tier.
+
+The CPU tier's pool also stages every chunk on its way to and from the lower tiers, so it
+exists even with ``local_cpu: false``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from urllib.parse import quote, urlsplit
 
 import torch
 
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, redact_url
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Stats
+from kvtier.metrics import Counter, Stats
 from kvtier.storage.cpu import LocalCPUTier
+from kvtier.storage.serde import make_serde
+from kvtier.storage.tier import LowerTier
 
 logger = logging.getLogger(__name__)
+
+PREFETCH_WAIT_S = 5.0
+MAX_PREFETCHING = 1024
 
 
 class StorageManager:
     """Routes chunk objects to and from the enabled tiers.
 
     Args:
-        config: the validated kvtier config (``local_cpu``, ``max_local_cpu_size``,
-            ``cache_policy``, ``pool_alignment``).
+        config: the validated kvtier config.
         stats: shared counters.
         pin_memory: pin the host pool (None: when a GPU is present).
+        namespace: separates this model's objects in shared stores (the model name).
+        lower_tiers: the tiers below the CPU (None: opened from ``config``).
     """
 
-    def __init__(self, config: KVTierConfig, stats: Stats | None = None, *, pin_memory=None):
+    def __init__(
+        self,
+        config: KVTierConfig,
+        stats: Stats | None = None,
+        *,
+        pin_memory=None,
+        namespace: str | None = None,
+        lower_tiers: Sequence[LowerTier] | None = None,
+    ):
         self.config = config
         self.stats = stats or Stats()
-        # NOTE: the CPU pool exists even with local_cpu=false: it is the staging area
-        # chunks pass through on their way to and from the lower tiers.
         self.cpu = LocalCPUTier(
             config.max_local_cpu_bytes,
             config.cache_policy,
@@ -45,36 +71,147 @@ class StorageManager:
             stats=self.stats,
         )
         self.retain_in_cpu = config.local_cpu
-        if not self.retain_in_cpu:
+        if lower_tiers is None:
+            try:
+                lower_tiers = open_lower_tiers(
+                    config, self.stats, namespace or config.model_name or "default"
+                )
+            except BaseException:
+                self.cpu.close()
+                raise
+        self.lower: list[LowerTier] = list(lower_tiers)
+        self._prefetching: dict[CacheKey, Future] = {}
+        self._prefetch_lock = threading.Lock()
+        self._fetcher = (
+            ThreadPoolExecutor(2, thread_name_prefix="kvtier-prefetch") if self.lower else None
+        )
+        if not self.retain_in_cpu and not self.lower:
             logger.warning(
                 "local_cpu=false and no other tier is configured: kvtier will not keep "
                 "any KV (stores are staged and dropped)"
             )
 
+    @property
+    def tier_names(self) -> list[str]:
+        return (["cpu"] if self.retain_in_cpu else []) + [t.name for t in self.lower]
+
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A staging buffer for one chunk, or None when memory is exhausted."""
         return self.cpu.allocate(shape, dtype)
 
+    # -- writes ----------------------------------------------------------------------
+
     def put(self, key: CacheKey, obj: MemoryObj) -> bool:
-        """Store ``obj`` under ``key`` in every enabled tier. The caller keeps its own
-        reference. Returns whether any tier took a new copy."""
-        if self.retain_in_cpu:
-            return self.cpu.put(key, obj)
-        return False
+        """Store ``obj`` under ``key`` in every enabled tier (lower tiers asynchronously).
+        The caller keeps its own reference. Returns whether any tier took it."""
+        took = self.cpu.put(key, obj) if self.retain_in_cpu else False
+        for tier in self.lower:
+            took = tier.submit_put(key, obj) or took
+        return took
+
+    # -- reads -----------------------------------------------------------------------
+
+    def contains(self, key: CacheKey) -> bool:
+        """Whether the CPU tier holds ``key`` (no disk or network access)."""
+        return self.cpu.contains(key)
+
+    def lookup_prefix(self, keys: Sequence[CacheKey], *, prefetch: bool = False) -> int:
+        """How many of ``keys``, from the first, some tier holds.
+
+        One batched call per lower tier for the keys the CPU tier lacks. With
+        ``prefetch``, the lower-tier part of the run starts moving into the CPU tier.
+        """
+        in_cpu = self.cpu.prefix_length(keys)
+        rest = list(keys[in_cpu:])
+        if not rest or not self.lower:
+            return in_cpu
+        present = [False] * len(rest)
+        for tier in self.lower:
+            missing = [i for i, p in enumerate(present) if not p]
+            if not missing:
+                break
+            found = tier.contains_many([rest[i] for i in missing])
+            for i, there in zip(missing, found, strict=True):
+                present[i] = there
+        run = next((i for i, p in enumerate(present) if not p), len(present))
+        if prefetch and run:
+            self._prefetch(rest[:run])
+        return in_cpu + run
 
     def get(self, key: CacheKey) -> MemoryObj | None:
         """The chunk under ``key`` with a reference for the caller, or None on a miss."""
-        return self.cpu.get(key)
+        return self.get_many([key])[0]
 
-    def contains(self, key: CacheKey) -> bool:
-        return self.cpu.contains(key)
+    def get_many(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """Each chunk with a reference for the caller (who must ``ref_down`` it), or None.
 
-    def lookup_prefix(self, keys: Sequence[CacheKey]) -> int:
-        """How many of ``keys``, from the first, some tier holds."""
-        return self.cpu.prefix_length(keys)
+        The CPU tier first; then chunks still being prefetched are waited for; the rest
+        come from the lower tiers in order, in parallel across chunks.
+        """
+        out: list[MemoryObj | None] = [self.cpu.get(key) for key in keys]
+        missing = [i for i, obj in enumerate(out) if obj is None]
+        if not missing or not self.lower:
+            return out
+        if self._wait_prefetch([keys[i] for i in missing]):
+            for i in missing:
+                out[i] = self.cpu.get(keys[i])
+            missing = [i for i in missing if out[i] is None]
+        for tier in self.lower:
+            if not missing:
+                break
+            objs = tier.get_many([keys[i] for i in missing], self.cpu.allocate)
+            for i, obj in zip(missing, objs, strict=True):
+                if obj is not None:
+                    out[i] = obj
+                    self._write_back(keys[i], obj)
+            missing = [i for i in missing if out[i] is None]
+        return out
+
+    def _write_back(self, key: CacheKey, obj: MemoryObj) -> None:
+        if self.retain_in_cpu and self.cpu.put(key, obj):
+            self.stats.inc(Counter.WRITEBACK_CHUNKS)
+
+    # -- prefetch --------------------------------------------------------------------
+
+    def _prefetch(self, keys: list[CacheKey]) -> None:
+        """Start moving ``keys`` (present in a lower tier) into the CPU tier."""
+        if not self.retain_in_cpu or self._fetcher is None:
+            return  # NOTE: without a CPU tier there is nowhere to keep a prefetched chunk
+        with self._prefetch_lock:
+            todo = [k for k in keys if k not in self._prefetching]
+            if not todo or len(self._prefetching) + len(todo) > MAX_PREFETCHING:
+                return
+            future = self._fetcher.submit(self._fetch_into_cpu, todo)
+            for key in todo:
+                self._prefetching[key] = future
+        future.add_done_callback(lambda _: self._prefetch_done(todo))
+
+    def _fetch_into_cpu(self, keys: list[CacheKey]) -> None:
+        keys = [k for k in keys if not self.cpu.contains(k)]
+        for obj in self.get_many(keys):
+            if obj is not None:
+                self.stats.inc(Counter.PREFETCHED_CHUNKS)
+                obj.ref_down()  # the CPU tier keeps its own reference
+
+    def _prefetch_done(self, keys: list[CacheKey]) -> None:
+        with self._prefetch_lock:
+            for key in keys:
+                self._prefetching.pop(key, None)
+
+    def _wait_prefetch(self, keys: Sequence[CacheKey]) -> bool:
+        """Wait (bounded) for prefetches of ``keys``; whether there were any."""
+        with self._prefetch_lock:
+            futures = {self._prefetching[k] for k in keys if k in self._prefetching}
+        if futures and threading.current_thread().name.startswith("kvtier-prefetch"):
+            return False  # a prefetch never waits for itself
+        if futures:
+            wait(futures, timeout=PREFETCH_WAIT_S)
+        return bool(futures)
+
+    # -- management ------------------------------------------------------------------
 
     def pin(self, keys: Sequence[CacheKey]) -> list[CacheKey]:
-        """Pin what is stored among ``keys``; returns the keys pinned (to unpin later)."""
+        """Pin what the CPU tier holds among ``keys``; returns the keys pinned."""
         return [key for key in keys if self.cpu.pin(key)]
 
     def unpin(self, keys: Sequence[CacheKey]) -> None:
@@ -82,10 +219,133 @@ class StorageManager:
             self.cpu.unpin(key)
 
     def remove(self, key: CacheKey) -> bool:
-        return self.cpu.remove(key)
+        """Forget ``key`` in every tier."""
+        removed = self.cpu.remove(key)
+        for tier in self.lower:
+            removed = tier.remove(key) or removed
+        return removed
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued lower-tier write is done; False on timeout."""
+        return all(tier.flush(timeout) for tier in self.lower)
 
     def clear(self) -> None:
+        """Drop every chunk in every tier (shared tiers included: their namespace)."""
         self.cpu.clear()
+        for tier in self.lower:
+            tier.clear()
 
     def close(self) -> None:
+        """Finish queued writes (bounded), then release every tier."""
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True, cancel_futures=True)
+        for tier in self.lower:
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("kvtier %s tier did not close cleanly", tier.name)
         self.cpu.close()
+
+
+def open_lower_tiers(config: KVTierConfig, stats: Stats, namespace: str) -> list[LowerTier]:
+    """The disk and remote tiers ``config`` enables, fastest first.
+
+    Raises:
+        ValueError: a tier cannot be set up (the message names the config key).
+    """
+    from kvtier.storage.disk import FileTier
+
+    serde = make_serde(config.remote_serde)
+    tiers: list[LowerTier] = []
+    if config.local_disk:
+        tiers.append(
+            FileTier(
+                config.local_disk,
+                name="disk",
+                capacity_bytes=config.max_local_disk_bytes,
+                serde=serde,
+                stats=stats,
+                policy=config.cache_policy,
+                o_direct=config.local_disk_o_direct,
+                queue_capacity=config.store_queue_size,
+            )
+        )
+    if config.remote_url:
+        try:
+            tiers.append(_open_remote(config, stats, namespace))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+    return tiers
+
+
+def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTier:
+    from kvtier.storage.disk import FileTier
+    from kvtier.storage.remote import RemoteTier
+
+    url = config.remote_url
+    assert url is not None
+    scheme = url.partition("://")[0].lower()
+    serde = make_serde(config.remote_serde)
+    if scheme == "fs":
+        path = urlsplit(url).path
+        if not path:
+            raise ValueError(f"remote_url {url!r}: give a path, e.g. fs:///mnt/shared/kvtier")
+        return FileTier(
+            path,
+            name="fs",
+            capacity_bytes=None,
+            serde=serde,
+            stats=stats,
+            queue_capacity=config.store_queue_size,
+            config_key="remote_url",
+        )
+    timeout_s = config.remote_timeout_ms / 1000
+    space = quote(namespace, safe="-_.")
+    if scheme == "s3":
+        store = _import_store("s3", "S3Store", "s3")(
+            url,
+            namespace=f"kvtier/{space}/",
+            timeout_s=max(timeout_s, 1.0),
+            endpoint_url=config.s3_endpoint_url,
+            region=config.s3_region,
+            access_key_id=config.s3_access_key_id,
+            secret_access_key=config.s3_secret_access_key,
+            max_concurrency=config.remote_max_concurrency,
+        )
+    else:
+        store = _import_store("redis", "RedisStore", "redis")(
+            url,
+            namespace=f"kvtier:{space}:",
+            timeout_s=timeout_s,
+            username=config.remote_username,
+            password=config.remote_password,
+            ttl_s=config.remote_ttl_secs,
+            max_connections=config.remote_max_concurrency,
+            tls_ca_file=config.remote_tls_ca_file,
+            tls_cert_file=config.remote_tls_cert_file,
+            tls_key_file=config.remote_tls_key_file,
+        )
+    return RemoteTier(
+        store,
+        describe=redact_url(url),
+        serde=serde,
+        stats=stats,
+        timeout_s=timeout_s,
+        reconnect_max_s=config.remote_reconnect_max_ms / 1000,
+        concurrency=config.remote_max_concurrency,
+        queue_capacity=config.store_queue_size,
+    )
+
+
+def _import_store(module: str, cls: str, extra: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"kvtier.storage.{module}_store"), cls)
+    except ImportError as exc:
+        raise ValueError(
+            f"remote_url needs an optional dependency that is not installed ({exc.name}): "
+            f"pip install 'kvtier[{extra}]'"
+        ) from None

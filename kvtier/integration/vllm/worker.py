@@ -175,7 +175,7 @@ class WorkerSide:
     def _serve_lookup(self, args: dict) -> dict:
         engine = self._require_engine()
         keys = [engine.token_db.key(h) for h in args["hashes"]]
-        return {"hits": engine.storage.lookup_prefix(keys)}
+        return {"hits": engine.storage.lookup_prefix(keys, prefetch=True)}
 
     def _serve_clear(self, args: dict) -> dict:
         with self._lock:

@@ -1,0 +1,78 @@
+"""The byte-level contract of a remote store, and the errors stores raise.
+
+A ``BlobStore`` keeps opaque byte objects ("blobs") under string names. It knows
+nothing about KV, keys or the wire format: ``kvtier.storage.remote.RemoteTier`` turns
+chunks into blobs (``kvtier.storage.wire``), owns timeouts, health and reconnects, and
+calls a store from its own threads. A store is therefore small: a client, a namespace,
+batched calls.
+
+Contract for every implementation:
+
+- Names are kvtier key strings (``CacheKey.to_string()``: ASCII, no ``/``). The store
+  maps them into its own namespace (a Redis key prefix, an S3 prefix) so that several
+  models and deployments share one server without colliding.
+- Batched calls answer in the order asked, one element per name, in as few round trips
+  as the store allows (a Redis pipeline, concurrent S3 requests).
+- A name that is absent is ``None`` / ``False``, never an exception.
+- A failure of the store itself (connection refused or reset, timeout, authentication,
+  a server error) raises ``StoreUnavailable`` with a message naming the store and what
+  failed. Nothing else escapes: client-library exceptions are wrapped.
+- Thread-safe: calls may come from several threads at once.
+- ``put_many`` takes each blob as a list of buffer parts (``bytes`` or ``memoryview``)
+  to be stored concatenated, so the caller never has to join a header and a large
+  payload when the store can send parts (files); stores that cannot, join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+Buffer = bytes | bytearray | memoryview
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached or failed to answer (a fault, not a miss)."""
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """A remote byte store (Redis/Valkey, S3). See the module docstring for the contract."""
+
+    #: short name for logs and metrics, e.g. ``"redis"`` or ``"s3"``
+    name: str
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
+        """Store each ``(name, parts)``: the blob is the parts concatenated. Overwrites."""
+        ...
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """The blob under each name, or None where absent."""
+        ...
+
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name is present."""
+        ...
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        """Delete the names (absent ones are ignored); returns how many were deleted."""
+        ...
+
+    def clear(self) -> int:
+        """Delete every blob in this store's namespace; returns how many."""
+        ...
+
+    def ping(self) -> None:
+        """Return if the store answers, else raise StoreUnavailable."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads (idempotent)."""
+        ...
+
+
+def join_parts(parts: Sequence[Buffer]) -> bytes | memoryview:
+    """The blob of ``parts`` as one buffer (no copy when there is a single part)."""
+    if len(parts) == 1:
+        return parts[0] if isinstance(parts[0], bytes | memoryview) else bytes(parts[0])
+    return b"".join(parts)

@@ -1,0 +1,460 @@
+"""Chunks as files: the local disk tier (``local_disk``) and the shared-filesystem tier
+(``remote_url: fs:///mnt/shared``).
+
+One file per chunk, in the wire format (``wire.py``), under a sharded tree::
+
+    <root>/kvtier-v1/<h[0:2]>/<h[2:4]>/<h>.kvt      h = xxh3-128 hex of the key string
+
+File names are fixed-length hashes because key strings can be longer than a file name may
+be; the header inside holds the full key and a reader checks it.
+
+NOTE: a file appears only complete. A writer writes ``.<h>.<pid>.<thread>.tmp`` in the
+same directory and renames it over the final name (atomic on POSIX), so a crash leaves at
+worst a stray ``.tmp`` file (removed at a later start-up once it is old) and never a torn
+``.kvt`` file; a torn or otherwise damaged file would fail its checksum anyway and be a
+miss. Several processes may share one tree: identical keys have identical content, a
+rename over an existing file is harmless, and a file deleted by another process is a miss.
+
+The local disk tier is capacity-bounded: its index (name → size, in eviction-policy
+order) is rebuilt at start-up from the files present, oldest first, and files written by
+another process are adopted when a lookup finds them. Each process enforces the bound on
+the files it knows. The shared-filesystem tier has no bound and no index (the directory
+is the index; many machines write to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import xxhash
+
+from kvtier.keys import CacheKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage import wire
+from kvtier.storage.policy import make_policy
+from kvtier.storage.serde import CorruptObject, Serde, tensor_bytes
+from kvtier.storage.tier import PendingWrite, WriteQueue
+from kvtier.storage.wire import Allocate
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+TREE = "kvtier-v1"
+SUFFIX = ".kvt"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_SECONDS = 3600.0
+DIRECT_ALIGN = 4096
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class FileTier:
+    """Chunk files under ``root``.
+
+    Args:
+        root: the directory (created if missing).
+        name: ``disk`` (local disk tier) or ``fs`` (shared filesystem); names counters.
+        capacity_bytes: bound on the bytes of files kept (None: unbounded, no index).
+        serde: the codec new files are written with.
+        stats: counters.
+        policy: eviction order (LRU | LFU | FIFO | MRU).
+        o_direct: bypass the page cache (falls back to buffered I/O, with one warning,
+            where the filesystem refuses O_DIRECT).
+        workers: writer threads (and reader threads for batched gets).
+        queue_capacity: most writes queued; more are dropped and counted.
+        config_key: the config key that named ``root`` (for error messages).
+
+    Raises:
+        ValueError: ``root`` cannot be created or written to.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        name: str = "disk",
+        capacity_bytes: int | None,
+        serde: Serde,
+        stats: Stats,
+        policy: str = "LRU",
+        o_direct: bool = False,
+        workers: int = 2,
+        queue_capacity: int = 256,
+        config_key: str = "local_disk",
+    ):
+        self.name = name
+        self.root = Path(root)
+        self.dir = self.root / TREE
+        self.capacity_bytes = capacity_bytes
+        self.serde = serde
+        self.stats = stats
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self._check_writable(config_key)
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+        self._policy = make_policy(policy)
+        self._used = 0
+        if capacity_bytes is not None:
+            self._scan()
+        self._readers = ThreadPoolExecutor(workers, thread_name_prefix=f"kvtier-{name}-reader")
+        self._writes = WriteQueue(
+            name, self._write_batch, stats, workers=workers, capacity=queue_capacity
+        )
+
+    def __repr__(self) -> str:
+        return f"FileTier({self.name}, {str(self.root)!r})"
+
+    # -- layout ----------------------------------------------------------------------
+
+    @staticmethod
+    def file_name(key: CacheKey) -> str:
+        return xxhash.xxh3_128_hexdigest(key.to_string().encode())
+
+    def path_of(self, file_name: str) -> Path:
+        return self.dir / file_name[:2] / file_name[2:4] / (file_name + SUFFIX)
+
+    def _check_writable(self, config_key: str) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(
+                f"{config_key}: cannot use {str(self.root)!r} as a kvtier {self.name} "
+                f"directory: {exc.strerror or exc}"
+            ) from None
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files present, oldest first (start-up)."""
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for dirpath, _, files in os.walk(self.dir):
+            for file in files:
+                path = os.path.join(dirpath, file)
+                try:
+                    st = os.stat(path)
+                    if file.endswith(SUFFIX):
+                        found.append((st.st_mtime, file[: -len(SUFFIX)], st.st_size))
+                    elif file.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
+                        os.unlink(path)  # left behind by a writer that crashed
+                except OSError:
+                    continue
+        for _, file_name, size in sorted(found):
+            self._index_add(file_name, size)
+        if found:
+            logger.info(
+                "kvtier %s tier: %d chunk files (%.1f MiB) found in %s",
+                self.name,
+                len(found),
+                self._used / 2**20,
+                self.dir,
+            )
+        with self._lock:
+            self._evict_for(0)
+
+    # -- index (capacity-bounded tier only; call under the lock or from __init__) ----
+
+    def _index_add(self, file_name: str, size: int) -> None:
+        if file_name in self._sizes:
+            self._policy.touch(file_name)
+            return
+        self._sizes[file_name] = size
+        self._policy.add(file_name)
+        self._used += size
+
+    def _index_drop(self, file_name: str) -> None:
+        size = self._sizes.pop(file_name, None)
+        if size is not None:
+            self._policy.remove(file_name)
+            self._used -= size
+
+    def _evict_for(self, size: int) -> bool:
+        """Delete files in policy order until ``size`` more bytes fit. False if they
+        cannot (larger than the whole capacity)."""
+        if self.capacity_bytes is None:
+            return True
+        if size > self.capacity_bytes:
+            return False
+        victims = []
+        free = self.capacity_bytes - self._used
+        for file_name in self._policy.candidates():
+            if free >= size:
+                break
+            victims.append(file_name)
+            free += self._sizes[file_name]
+        for file_name in victims:
+            self._index_drop(file_name)
+            with contextlib.suppress(FileNotFoundError):  # another process removed it
+                self.path_of(file_name).unlink()
+            self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
+        return True
+
+    # -- reads -----------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
+        present = []
+        for key in keys:
+            file_name = self.file_name(key)
+            try:
+                size = self.path_of(file_name).stat().st_size
+            except OSError:
+                present.append(False)
+                continue
+            present.append(True)
+            if self.capacity_bytes is not None:
+                with self._lock:
+                    self._index_add(file_name, size)  # maybe written by another process
+        self.stats.inc(tier_counter(self.name, TierCounter.LOOKUP_HITS), sum(present))
+        return present
+
+    def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
+        if len(keys) <= 1:
+            return [self._read(key, allocate) for key in keys]
+        return list(self._readers.map(lambda key: self._read(key, allocate), keys))
+
+    def _read(self, key: CacheKey, allocate: Allocate) -> MemoryObj | None:
+        started = time.perf_counter()
+        file_name = self.file_name(key)
+        path = self.path_of(file_name)
+        try:
+            obj = (self._read_direct if self.o_direct else self._read_buffered)(
+                path, key.to_string(), allocate
+            )
+        except FileNotFoundError:
+            obj = None
+        except CorruptObject as exc:
+            self._reject(file_name, path, exc)
+            obj = None
+        except OSError as exc:
+            self.stats.inc(tier_counter(self.name, TierCounter.ERRORS))
+            warn_once(logger, f"kvtier {self.name} tier: cannot read {path}: {exc}")
+            obj = None
+        if obj is None:
+            self.stats.inc(tier_counter(self.name, TierCounter.GET_MISSES))
+            return None
+        if self.capacity_bytes is not None:
+            with self._lock:
+                if file_name in self._sizes:
+                    self._policy.touch(file_name)
+        self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
+        self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), obj.data_nbytes)
+        self.stats.inc(
+            tier_counter(self.name, TierCounter.GET_SECONDS), time.perf_counter() - started
+        )
+        return obj
+
+    @staticmethod
+    def _read_buffered(path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
+        with open(path, "rb", buffering=0) as f:
+            header_len = wire.header_length(f.read(wire.PREFIX_SIZE))
+            header = wire.parse_header(f.read(header_len), key)
+            obj = allocate(header.shape, header.dtype)
+            if obj is None:
+                return None
+            try:
+                if header.codec == "naive" and header.payload_len == header.tensor_nbytes:
+                    # The payload is the tensor's bytes: read it straight into the buffer.
+                    target = tensor_bytes(obj.tensor)
+                    got = 0
+                    while got < len(target):
+                        n = f.readinto(target[got:])
+                        if not n:
+                            break
+                        got += n
+                    if got < len(target) or f.read(1):
+                        raise CorruptObject("file length disagrees with its header")
+                    wire.verify_payload(header, target)
+                    obj.metadata = header.checksum
+                else:
+                    wire.decode_into(header, f.read(), obj)
+            except BaseException:
+                obj.ref_down()
+                raise
+            return obj
+
+    @staticmethod
+    def _read_direct(path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            size = os.fstat(fd).st_size
+            buffer = mmap.mmap(-1, max(_round_up(size, DIRECT_ALIGN), DIRECT_ALIGN))
+            try:
+                got = os.preadv(fd, [buffer], 0)
+                with memoryview(buffer) as view:
+                    return wire.decode(view[: min(got, size)], key, allocate)
+            finally:
+                buffer.close()
+        finally:
+            os.close(fd)
+
+    def _reject(self, file_name: str, path: Path, exc: CorruptObject) -> None:
+        self.stats.inc(tier_counter(self.name, TierCounter.CORRUPT))
+        self.stats.inc(Counter.CORRUPT_CHUNKS)
+        warn_once(logger, f"kvtier {self.name} tier: {path} is corrupt ({exc}): deleted, a miss")
+        with contextlib.suppress(OSError):
+            path.unlink()
+        if self.capacity_bytes is not None:
+            with self._lock:
+                self._index_drop(file_name)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def submit_put(self, key: CacheKey, obj: MemoryObj) -> bool:
+        return self._writes.submit(key, obj)
+
+    def _write_batch(self, batch: list[PendingWrite]) -> None:
+        for key, obj in batch:
+            self._write(key, obj)
+
+    def _write(self, key: CacheKey, obj: MemoryObj) -> None:
+        started = time.perf_counter()
+        file_name = self.file_name(key)
+        path = self.path_of(file_name)
+        if path.exists():
+            return  # already stored (by us or by another process sharing the tree)
+        parts = wire.encode(key.to_string(), obj.tensor, self.serde)
+        size = sum(len(p) for p in parts)
+        if self.capacity_bytes is not None:
+            with self._lock:
+                if not self._evict_for(size):
+                    self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
+                    return
+                self._index_add(file_name, size)  # reserve; undone on failure
+        tmp = path.parent / f".{file_name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_file(tmp, parts, size)
+            os.replace(tmp, path)
+        except OSError as exc:
+            self._unlink_quietly(tmp)
+            if self.capacity_bytes is not None:
+                with self._lock:
+                    self._index_drop(file_name)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
+                warn_once(logger, f"kvtier {self.name} tier: {self.root} is full; stores skipped")
+            else:
+                self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_ERROR))
+                warn_once(logger, f"kvtier {self.name} tier: cannot write {path}: {exc}")
+            return
+        self.stats.inc(tier_counter(self.name, TierCounter.PUT_CHUNKS))
+        self.stats.inc(tier_counter(self.name, TierCounter.PUT_BYTES), size)
+        self.stats.inc(
+            tier_counter(self.name, TierCounter.PUT_SECONDS), time.perf_counter() - started
+        )
+
+    def _write_file(self, tmp: Path, parts: list, size: int) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if self.o_direct:
+            try:
+                fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
+                try:
+                    self._write_direct(fd, parts, size)
+                finally:
+                    os.close(fd)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._give_up_direct(exc)
+                self._unlink_quietly(tmp)
+        fd = os.open(tmp, flags, 0o644)
+        try:
+            _write_all(fd, parts)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _write_direct(fd: int, parts: list, size: int) -> None:
+        buffer = mmap.mmap(-1, max(_round_up(size, DIRECT_ALIGN), DIRECT_ALIGN))
+        try:
+            offset = 0
+            for part in parts:
+                buffer[offset : offset + len(part)] = part
+                offset += len(part)
+            with memoryview(buffer) as view:
+                _write_all(fd, [view[: _round_up(size, DIRECT_ALIGN)]])
+            os.ftruncate(fd, size)
+        finally:
+            buffer.close()
+
+    def _give_up_direct(self, exc: OSError) -> None:
+        self.o_direct = False
+        warn_once(
+            logger,
+            f"kvtier {self.name} tier: {self.root} does not support O_DIRECT ({exc}); "
+            "using buffered I/O",
+        )
+
+    @staticmethod
+    def _unlink_quietly(path: Path) -> None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    # -- management ------------------------------------------------------------------
+
+    def remove(self, key: CacheKey) -> bool:
+        file_name = self.file_name(key)
+        if self.capacity_bytes is not None:
+            with self._lock:
+                self._index_drop(file_name)
+        try:
+            self.path_of(file_name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def clear(self) -> None:
+        """Delete every chunk file in the tree (queued writes finish first)."""
+        self._writes.flush(30.0)
+        for dirpath, _, files in os.walk(self.dir):
+            for file in files:
+                if file.endswith(SUFFIX):
+                    self._unlink_quietly(Path(dirpath) / file)
+        with self._lock:
+            for file_name in list(self._sizes):
+                self._index_drop(file_name)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writes.flush(timeout)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the chunk files this process knows (bounded tier only)."""
+        with self._lock:
+            return self._used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def close(self) -> None:
+        self._writes.close()
+        self._readers.shutdown(wait=True)
+
+
+def _write_all(fd: int, parts: list) -> None:
+    """``writev`` every byte of ``parts`` (retrying partial writes)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        written = os.writev(fd, views[:1024])
+        while written and views:
+            if written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][written:]
+                written = 0

@@ -1,0 +1,297 @@
+"""The remote tier: a ``BlobStore`` (Redis/Valkey, S3) behind timeouts, health tracking
+and reconnects, holding chunks in the wire format.
+
+States::
+
+          call fails or times out                  ping answers
+    UP ──────────────────────────────▶ DOWN ──────────────────────▶ UP
+    lookups, gets, puts go to the      lookups and gets are misses at once,
+    store, each bounded by             puts are dropped (counted); a background
+    remote_timeout_ms                  thread pings with backoff (0.1 s doubling,
+                                       up to remote_reconnect_max_ms)
+
+NOTE: nothing the store does can stall or crash the engine: every call the engine waits
+on runs on the tier's I/O threads and is abandoned after ``remote_timeout_ms``; writes
+run on their own threads from a bounded queue. One warning is logged per outage and one
+line when service returns; every failure is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from kvtier.keys import CacheKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage import wire
+from kvtier.storage.backend import BlobStore, StoreUnavailable
+from kvtier.storage.serde import CorruptObject, Serde
+from kvtier.storage.tier import PendingWrite, WriteQueue
+from kvtier.storage.wire import Allocate
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_FIRST_S = 0.1
+
+
+class _Down(Exception):
+    """The tier is down (or just went down): answer with a miss."""
+
+
+class RemoteTier:
+    """A remote store as a kvtier tier.
+
+    Args:
+        store: the byte store (its ``name`` names the tier's counters).
+        describe: how logs name the store (a URL without credentials).
+        serde: the codec new objects are written with.
+        stats: counters.
+        timeout_s: the longest the engine waits on one lookup or chunk get.
+        reconnect_max_s: the longest pause between reconnect attempts.
+        concurrency: I/O threads for lookups and parallel chunk gets.
+        queue_capacity: most writes queued; more are dropped and counted.
+        writers: writer threads; each sends batches of up to ``max_batch`` chunks.
+    """
+
+    def __init__(
+        self,
+        store: BlobStore,
+        *,
+        describe: str,
+        serde: Serde,
+        stats: Stats,
+        timeout_s: float,
+        reconnect_max_s: float = 5.0,
+        concurrency: int = 16,
+        queue_capacity: int = 256,
+        writers: int = 2,
+        max_batch: int = 8,
+    ):
+        self.name = store.name
+        self.store = store
+        self.describe = describe
+        self.serde = serde
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.reconnect_max_s = max(reconnect_max_s, RECONNECT_FIRST_S)
+        self._io = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvtier-{self.name}-io")
+        self._state = threading.Lock()
+        self._up = True
+        self._stop = threading.Event()
+        self._reconnector: threading.Thread | None = None
+        self._writes = WriteQueue(
+            self.name,
+            self._write_batch,
+            stats,
+            workers=writers,
+            capacity=queue_capacity,
+            max_batch=max_batch,
+        )
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.describe})"
+
+    # -- health ----------------------------------------------------------------------
+
+    @property
+    def is_up(self) -> bool:
+        return self._up
+
+    def _count(self, what: str, amount: float = 1) -> None:
+        self.stats.inc(tier_counter(self.name, what), amount)
+
+    def _mark_down(self, reason: str) -> None:
+        with self._state:
+            if not self._up or self._stop.is_set():
+                return
+            self._up = False
+            self._reconnector = threading.Thread(
+                target=self._reconnect, name=f"kvtier-{self.name}-reconnect", daemon=True
+            )
+            self._reconnector.start()
+        logger.warning(
+            "kvtier %s tier %s is unavailable (%s): lookups and loads are misses and "
+            "stores are dropped until it answers again",
+            self.name,
+            self.describe,
+            reason,
+        )
+
+    def _reconnect(self) -> None:
+        down_since = time.monotonic()
+        pause = RECONNECT_FIRST_S
+        while not self._stop.wait(pause):
+            try:
+                self.store.ping()
+            except Exception:
+                pause = min(pause * 2, self.reconnect_max_s)
+                continue
+            with self._state:
+                self._up = True
+            self._count(TierCounter.RECONNECTS)
+            logger.warning(
+                "kvtier %s tier %s is available again after %.1f s",
+                self.name,
+                self.describe,
+                time.monotonic() - down_since,
+            )
+            return
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on an I/O thread, waiting at most ``timeout_s``.
+
+        Raises:
+            _Down: the tier is down, or the call failed or timed out (it is now down).
+        """
+        if not self._up:
+            raise _Down
+        future: Future = self._io.submit(fn, *args)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._count(TierCounter.TIMEOUTS)
+            self._mark_down(f"{what} took longer than {self.timeout_s * 1000:.0f} ms")
+        except StoreUnavailable as exc:
+            self._count(TierCounter.ERRORS)
+            self._mark_down(str(exc))
+        except Exception as exc:  # a client-library failure the store did not wrap
+            self._count(TierCounter.ERRORS)
+            self._mark_down(f"{what} failed: {type(exc).__name__}: {exc}")
+        raise _Down
+
+    # -- reads -----------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            present = self._call("lookup", self.store.exists_many, [k.to_string() for k in keys])
+        except _Down:
+            return [False] * len(keys)
+        self._count(TierCounter.LOOKUP_HITS, sum(present))
+        return list(present)
+
+    def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
+        """The chunks, fetched in parallel (one request per chunk, each bounded by the
+        timeout)."""
+        if not self._up:
+            self._count(TierCounter.GET_MISSES, len(keys))
+            return [None] * len(keys)
+        started = time.perf_counter()
+        futures = [self._io.submit(self.store.get_many, [k.to_string()]) for k in keys]
+        deadline = time.monotonic() + self.timeout_s
+        out: list[MemoryObj | None] = []
+        for key, future in zip(keys, futures, strict=True):
+            blob = self._result(future, deadline)
+            out.append(None if blob is None else self._decode(key, blob, allocate))
+        hits = [obj for obj in out if obj is not None]
+        self._count(TierCounter.GET_HITS, len(hits))
+        self._count(TierCounter.GET_MISSES, len(out) - len(hits))
+        self._count(TierCounter.GET_BYTES, sum(obj.data_nbytes for obj in hits))
+        self._count(TierCounter.GET_SECONDS, time.perf_counter() - started)
+        return out
+
+    def _result(self, future: Future, deadline: float) -> bytes | None:
+        try:
+            return future.result(timeout=max(deadline - time.monotonic(), 0.0))[0]
+        except FutureTimeout:
+            future.cancel()
+            self._count(TierCounter.TIMEOUTS)
+            self._mark_down(f"a get took longer than {self.timeout_s * 1000:.0f} ms")
+        except StoreUnavailable as exc:
+            self._count(TierCounter.ERRORS)
+            self._mark_down(str(exc))
+        except Exception as exc:
+            self._count(TierCounter.ERRORS)
+            self._mark_down(f"get failed: {type(exc).__name__}: {exc}")
+        return None
+
+    def _decode(self, key: CacheKey, blob: bytes, allocate: Allocate) -> MemoryObj | None:
+        name = key.to_string()
+        try:
+            return wire.decode(blob, name, allocate)
+        except CorruptObject as exc:
+            self._count(TierCounter.CORRUPT)
+            self.stats.inc(Counter.CORRUPT_CHUNKS)
+            warn_once(
+                logger,
+                f"kvtier {self.name} tier: object {name} is corrupt ({exc}): deleted, a miss",
+            )
+            self._io.submit(self._delete_quietly, [name])
+            return None
+
+    def _delete_quietly(self, names: list[str]) -> None:
+        with contextlib.suppress(Exception):  # a failed cleanup costs another miss later
+            self.store.delete_many(names)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def submit_put(self, key: CacheKey, obj: MemoryObj) -> bool:
+        if not self._up:
+            self._count(TierCounter.DROPPED_UNAVAILABLE)
+            return False
+        return self._writes.submit(key, obj)
+
+    def _write_batch(self, batch: list[PendingWrite]) -> None:
+        if not self._up:
+            self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
+            return
+        started = time.perf_counter()
+        names = [key.to_string() for key, _ in batch]
+        try:
+            # One round trip saves re-sending chunks another engine already stored.
+            present = self.store.exists_many(names)
+            items = [
+                (name, wire.encode(name, obj.tensor, self.serde))
+                for name, (_, obj), there in zip(names, batch, present, strict=True)
+                if not there
+            ]
+            if items:
+                self.store.put_many(items)
+        except Exception as exc:
+            self._count(TierCounter.ERRORS)
+            self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
+            self._mark_down(f"put failed: {exc}")
+            return
+        self._count(TierCounter.PUT_CHUNKS, len(items))
+        self._count(TierCounter.PUT_BYTES, sum(len(p) for _, parts in items for p in parts))
+        self._count(TierCounter.PUT_SECONDS, time.perf_counter() - started)
+
+    # -- management ------------------------------------------------------------------
+
+    def remove(self, key: CacheKey) -> bool:
+        try:
+            return bool(self._call("delete", self.store.delete_many, [key.to_string()]))
+        except _Down:
+            return False
+
+    def clear(self) -> None:
+        """Delete every object in this tier's namespace (queued writes finish first)."""
+        self._writes.flush(30.0)
+        if not self._up:
+            return
+        try:
+            self.store.clear()
+        except Exception as exc:
+            self._count(TierCounter.ERRORS)
+            self._mark_down(f"clear failed: {exc}")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writes.flush(timeout)
+
+    def close(self) -> None:
+        self._writes.close(timeout=max(10 * self.timeout_s, 10.0))
+        with self._state:
+            self._stop.set()
+        if self._reconnector is not None:
+            self._reconnector.join(timeout=self.reconnect_max_s + 1)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

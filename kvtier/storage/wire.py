@@ -1,0 +1,205 @@
+"""The wire format of a stored chunk (disk files, Redis values, S3 objects).
+
+::
+
+    offset  size          field
+    0       4             magic  b"KVTR"
+    4       2             format version, little-endian (1)
+    6       4             header length H, little-endian
+    10      H             header: a CBOR map (below)
+    10+H    payload_len   payload: the codec's output
+
+Header fields: ``key`` (the canonical ``CacheKey`` string), ``layout`` (the chunk
+layout, ``KV_2LTD``), ``dtype`` and ``shape`` of the chunk tensor, ``codec`` and
+``codec_params`` (see ``serde``), ``payload_len``, ``checksum`` (xxh3-64 of the payload)
+and ``created`` (Unix time, informational).
+
+NOTE: nothing here is ever unpickled. A reader validates every field before it trusts
+any of them, and anything wrong — bad magic, unknown version, a header that is not the
+expected map, a key other than the one asked for, a length or checksum mismatch —
+raises ``CorruptObject``, which the tiers turn into a counted, logged miss.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import torch
+import xxhash
+
+from kvtier.memory import MemoryObj
+from kvtier.storage.backend import Buffer
+from kvtier.storage.serde import CorruptObject, Serde, make_serde, tensor_bytes
+
+MAGIC = b"KVTR"
+VERSION = 1
+PREFIX = struct.Struct("<4sHI")
+PREFIX_SIZE = PREFIX.size
+MAX_HEADER_BYTES = 1 << 20
+CHUNK_LAYOUT = "KV_2LTD"
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)),
+    )
+}
+
+Allocate = Callable[[tuple[int, ...], torch.dtype], MemoryObj | None]
+
+__all__ = ["CorruptObject", "Header", "checksum_of", "decode", "encode"]
+
+
+def checksum_of(*buffers: Buffer) -> int:
+    """xxh3-64 of the buffers concatenated."""
+    if len(buffers) == 1:
+        return xxhash.xxh3_64_intdigest(buffers[0])
+    digest = xxhash.xxh3_64()
+    for buffer in buffers:
+        digest.update(buffer)
+    return digest.intdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    key: str
+    layout: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    codec: str
+    codec_params: dict[str, Any]
+    payload_len: int
+    checksum: int
+
+    @property
+    def tensor_nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def encode(
+    key: str, tensor: torch.Tensor, serde: Serde, *, layout: str = CHUNK_LAYOUT
+) -> list[Buffer]:
+    """The object for ``tensor`` stored under ``key``: a list of parts to be written
+    concatenated (the payload parts are views, not copies, for the naive codec)."""
+    payload, params = serde.encode(tensor)
+    header = cbor2.dumps(
+        {
+            "key": key,
+            "layout": layout,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape),
+            "codec": serde.name,
+            "codec_params": params,
+            "payload_len": sum(len(p) for p in payload),
+            "checksum": checksum_of(*payload),
+            "created": time.time(),
+        }
+    )
+    return [PREFIX.pack(MAGIC, VERSION, len(header)) + header, *payload]
+
+
+def header_length(prefix: Buffer) -> int:
+    """The header length from the object's first ``PREFIX_SIZE`` bytes."""
+    if len(prefix) < PREFIX_SIZE:
+        raise CorruptObject(f"truncated: {len(prefix)} bytes, shorter than the prefix")
+    magic, version, length = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptObject(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise CorruptObject(f"unknown format version {version} (this kvtier reads {VERSION})")
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise CorruptObject(f"header length {length} out of range")
+    return length
+
+
+def parse_header(data: Buffer, expected_key: str) -> Header:
+    """Validate the CBOR header ``data`` of an object read for ``expected_key``."""
+    try:
+        fields = cbor2.loads(bytes(data))
+    except Exception as exc:  # cbor2 raises several types on garbage
+        raise CorruptObject(f"header is not valid CBOR ({exc})") from None
+    if not isinstance(fields, dict):
+        raise CorruptObject("header is not a map")
+    try:
+        key, layout, dtype = fields["key"], fields["layout"], fields["dtype"]
+        shape, codec, params = fields["shape"], fields["codec"], fields["codec_params"]
+        payload_len, checksum = fields["payload_len"], fields["checksum"]
+    except KeyError as exc:
+        raise CorruptObject(f"header lacks field {exc.args[0]!r}") from None
+    if key != expected_key:
+        raise CorruptObject(f"holds key {key!r}, not the one asked for")
+    if layout != CHUNK_LAYOUT:
+        raise CorruptObject(f"unknown chunk layout {layout!r}")
+    if dtype not in DTYPES:
+        raise CorruptObject(f"unknown dtype {dtype!r}")
+    if not (
+        isinstance(shape, list)
+        and 1 <= len(shape) <= 8
+        and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)
+    ):
+        raise CorruptObject(f"bad shape {shape!r}")
+    if not isinstance(codec, str) or not isinstance(params, dict):
+        raise CorruptObject("bad codec fields")
+    if not isinstance(payload_len, int) or not 0 <= payload_len < 1 << 44:
+        raise CorruptObject(f"bad payload length {payload_len!r}")
+    if not isinstance(checksum, int):
+        raise CorruptObject("bad checksum field")
+    return Header(key, layout, DTYPES[dtype], tuple(shape), codec, params, payload_len, checksum)
+
+
+def verify_payload(header: Header, payload: Buffer) -> None:
+    """Check ``payload`` against the header's length and checksum."""
+    if len(payload) != header.payload_len:
+        raise CorruptObject(
+            f"payload is {len(payload)} bytes, the header says {header.payload_len} (truncated?)"
+        )
+    if checksum_of(payload) != header.checksum:
+        raise CorruptObject("payload checksum mismatch")
+
+
+def decode_into(header: Header, payload: Buffer, out: MemoryObj) -> None:
+    """Verify ``payload`` and decode it into ``out`` (shaped by the header). Sets
+    ``out.metadata`` to the xxh3-64 of the decoded bytes, as a store would."""
+    verify_payload(header, payload)
+    try:
+        serde = make_serde(header.codec)
+    except ValueError:
+        raise CorruptObject(f"unknown codec {header.codec!r}") from None
+    serde.decode(memoryview(payload), header.codec_params, out.tensor)
+    out.metadata = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
+
+
+def decode(blob: Buffer, expected_key: str, allocate: Allocate) -> MemoryObj | None:
+    """The chunk stored in ``blob`` (one whole object) in a fresh buffer.
+
+    Returns None when no buffer could be allocated. Raises CorruptObject.
+    """
+    view = memoryview(blob).cast("B")
+    length = header_length(view[:PREFIX_SIZE])
+    if len(view) < PREFIX_SIZE + length:
+        raise CorruptObject("truncated inside the header")
+    header = parse_header(view[PREFIX_SIZE : PREFIX_SIZE + length], expected_key)
+    obj = allocate(header.shape, header.dtype)
+    if obj is None:
+        return None
+    try:
+        decode_into(header, view[PREFIX_SIZE + length :], obj)
+    except BaseException:
+        obj.ref_down()
+        raise
+    return obj

@@ -1,0 +1,320 @@
+"""The local disk tier (and the shared-filesystem tier, the same class unbounded) on real
+files: round trips, restart, eviction, damaged files, several processes, a full disk."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tier_helpers import fill, key, make_pool, same_bytes
+
+from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage.disk import SUFFIX, FileTier
+from kvtier.storage.serde import NaiveSerde, tensor_bytes
+from kvtier.storage.tier import WriteQueue
+
+CHUNK_FILE_BYTES = 2 * 3 * 16 * 64 * 2 + 400  # payload + prefix/header, roughly
+
+
+@pytest.fixture
+def pool():
+    pool = make_pool(64)
+    yield pool
+    pool.close()
+
+
+def make_tier(root, stats=None, **kwargs) -> FileTier:
+    kwargs.setdefault("capacity_bytes", 1 << 30)
+    return FileTier(root, serde=NaiveSerde(), stats=stats or Stats(), **kwargs)
+
+
+def counter(stats: Stats, what: str, tier: str = "disk") -> float:
+    return stats.get(tier_counter(tier, what))
+
+
+def put_all(tier: FileTier, pool, seeds) -> dict[int, object]:
+    objs = {}
+    for seed in seeds:
+        objs[seed] = fill(pool, seed)
+        assert tier.submit_put(key(seed), objs[seed])
+    assert tier.flush(30)
+    return objs
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*" + SUFFIX))
+
+
+def test_round_trip_and_lookup(tmp_path, pool):
+    stats = Stats()
+    tier = make_tier(tmp_path, stats)
+    objs = put_all(tier, pool, range(5))
+    assert tier.contains_many([key(i) for i in range(7)]) == [True] * 5 + [False] * 2
+    got = tier.get_many([key(i) for i in range(7)], pool.allocate)
+    for i in range(5):
+        assert got[i] is not None and same_bytes(got[i], objs[i]), f"chunk {i}"
+        assert got[i].metadata == objs[i].metadata
+    assert got[5:] == [None, None]
+    assert counter(stats, TierCounter.PUT_CHUNKS) == 5
+    assert counter(stats, TierCounter.GET_HITS) == 5
+    assert counter(stats, TierCounter.GET_MISSES) == 2
+    assert counter(stats, TierCounter.GET_BYTES) == 5 * objs[0].data_nbytes
+    assert len(chunk_files(tmp_path)) == 5
+    assert not list(tmp_path.rglob("*.tmp"))
+    tier.close()
+
+
+def test_writes_hold_the_buffer_until_written(tmp_path, pool):
+    tier = make_tier(tmp_path)
+    obj = fill(pool, 1)
+    expected = bytes(tensor_bytes(obj.tensor))
+    assert tier.submit_put(key(1), obj)
+    obj.ref_down()  # the caller lets go at once; the queue keeps its own reference
+    assert tier.flush(30)
+    (back,) = tier.get_many([key(1)], pool.allocate)
+    assert bytes(tensor_bytes(back.tensor)) == expected
+    tier.close()
+    assert pool.used_bytes() == back.nbytes
+
+
+def test_restart_rebuilds_the_index(tmp_path, pool):
+    first = make_tier(tmp_path)
+    objs = put_all(first, pool, range(4))
+    used = first.used_bytes
+    first.close()
+    second = make_tier(tmp_path)
+    assert len(second) == 4 and second.used_bytes == used
+    got = second.get_many([key(i) for i in range(4)], pool.allocate)
+    assert all(same_bytes(g, objs[i]) for i, g in enumerate(got))
+    second.close()
+
+
+def test_capacity_evicts_in_lru_order(tmp_path, pool):
+    stats = Stats()
+    tier = make_tier(tmp_path, stats, capacity_bytes=int(3.5 * CHUNK_FILE_BYTES))
+    put_all(tier, pool, range(3))
+    tier.get_many([key(0)], pool.allocate)  # 0 becomes the most recently used
+    put_all(tier, pool, [3])
+    assert tier.contains_many([key(i) for i in range(4)]) == [True, False, True, True]
+    assert counter(stats, TierCounter.EVICTIONS) == 1
+    assert tier.used_bytes <= tier.capacity_bytes
+    assert sum(p.stat().st_size for p in chunk_files(tmp_path)) == tier.used_bytes
+    tier.close()
+
+
+def test_restart_enforces_a_smaller_capacity(tmp_path, pool):
+    first = make_tier(tmp_path)
+    put_all(first, pool, range(4))
+    for i in range(4):  # chunk i was written i minutes after chunk 0
+        path = first.path_of(first.file_name(key(i)))
+        os.utime(path, (time.time() - 600 + 60 * i,) * 2)
+    first.close()
+    second = make_tier(tmp_path, capacity_bytes=int(2.5 * CHUNK_FILE_BYTES))
+    assert len(second) == 2 and len(chunk_files(tmp_path)) == 2
+    assert second.contains_many([key(i) for i in range(4)]) == [False, False, True, True]
+    second.close()
+
+
+def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool):
+    stats = Stats()
+    tier = make_tier(tmp_path, stats, capacity_bytes=1000)
+    put_all(tier, pool, [1])
+    assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 1
+    assert chunk_files(tmp_path) == []
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "empty", "other_key", "garbage"])
+def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, caplog):
+    stats = Stats()
+    tier = make_tier(tmp_path, stats)
+    put_all(tier, pool, [1, 2])
+    path = tier.path_of(tier.file_name(key(1)))
+    data = bytearray(path.read_bytes())
+    if damage == "bit_flip":
+        data[-10] ^= 0x40
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    else:
+        data = bytearray(tier.path_of(tier.file_name(key(2))).read_bytes())
+    path.write_bytes(bytes(data))
+    used = pool.used_bytes()
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+        assert tier.get_many([key(1)], pool.allocate) == [None]
+    assert pool.used_bytes() == used
+    assert counter(stats, TierCounter.CORRUPT) == 1
+    assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+    assert not path.exists()
+    assert tier.contains_many([key(1), key(2)]) == [False, True]
+    assert any("corrupt" in r.message for r in caplog.records)
+    tier.close()
+
+
+def test_stale_temp_files_are_cleaned_at_start(tmp_path, pool):
+    tier = make_tier(tmp_path)
+    put_all(tier, pool, [1])
+    tier.close()
+    shard = chunk_files(tmp_path)[0].parent
+    stale, fresh = shard / ".abc.1.2.tmp", shard / ".def.1.2.tmp"
+    stale.write_bytes(b"half a chunk")
+    fresh.write_bytes(b"a write in progress elsewhere")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    make_tier(tmp_path).close()
+    assert not stale.exists() and fresh.exists()
+
+
+def test_files_of_another_writer_are_adopted(tmp_path, pool):
+    reader = make_tier(tmp_path)
+    writer = make_tier(tmp_path)
+    objs = put_all(writer, pool, [1, 2])
+    assert len(reader) == 0
+    assert reader.contains_many([key(1), key(2)]) == [True, True]
+    assert len(reader) == 2
+    (got,) = reader.get_many([key(2)], pool.allocate)
+    assert same_bytes(got, objs[2])
+    reader.close()
+    writer.close()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from tier_helpers import fill, key, make_pool
+    from kvtier.metrics import Stats
+    from kvtier.storage.disk import FileTier
+    from kvtier.storage.serde import NaiveSerde, tensor_bytes
+    tier = FileTier({root!r}, capacity_bytes=1 << 30, serde=NaiveSerde(), stats=Stats(),
+                    workers=4)
+    pool = make_pool(64)
+    for round in range(3):
+        for seed in range({first}, {last}):
+            obj = fill(pool, seed)
+            tier.submit_put(key(seed), obj)
+            obj.ref_down()
+        tier.flush(60)
+        tier.clear() if round < 2 and {clears} else None
+    tier.close()
+    """
+)
+
+
+def test_two_processes_share_one_directory(tmp_path, pool):
+    tests = str(Path(__file__).parent)
+    scripts = [
+        WRITER.format(tests=tests, root=str(tmp_path), first=0, last=30, clears=False),
+        WRITER.format(tests=tests, root=str(tmp_path), first=10, last=40, clears=False),
+    ]
+    procs = [subprocess.Popen([sys.executable, "-c", s]) for s in scripts]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    tier = make_tier(tmp_path)
+    assert len(tier) == 40
+    got = tier.get_many([key(i) for i in range(40)], pool.allocate)
+    for i, obj in enumerate(got):
+        expected = fill(pool, i)
+        assert obj is not None and same_bytes(obj, expected), f"chunk {i}"
+        obj.ref_down()
+        expected.ref_down()
+    assert not list(tmp_path.rglob("*.tmp"))
+    tier.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_o_direct_round_trip(tmp_path, pool, o_direct, caplog):
+    tier = make_tier(tmp_path, o_direct=o_direct)
+    objs = put_all(tier, pool, range(3))
+    got = tier.get_many([key(i) for i in range(3)], pool.allocate)
+    assert all(same_bytes(g, objs[i]) for i, g in enumerate(got))
+    # O_DIRECT writes whole 4 KiB blocks; the file is cut back to the object's length.
+    put_bytes = counter(tier.stats, TierCounter.PUT_BYTES)
+    assert sum(p.stat().st_size for p in chunk_files(tmp_path)) == put_bytes
+    assert put_bytes % 4096 != 0
+    tier.close()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_full_disk_skips_stores_and_keeps_serving(tmp_path, pool, caplog):
+    stats = Stats()
+    with small_tmpfs(tmp_path / "small", "64k") as root:
+        # The tier believes it has 1 GiB; the filesystem runs out after a few chunks.
+        tier = make_tier(root, stats)
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+            put_all(tier, pool, range(20))
+        stored = int(counter(stats, TierCounter.PUT_CHUNKS))
+        assert 0 < stored < 20
+        assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 20 - stored
+        assert sum("full" in r.message for r in caplog.records) == 1  # logged once
+        assert not list(root.rglob("*.tmp"))
+        present = tier.contains_many([key(i) for i in range(20)])
+        assert sum(present) == stored
+        got = tier.get_many([key(i) for i, p in enumerate(present) if p], pool.allocate)
+        assert all(g is not None for g in got)
+        tier.close()
+
+
+def test_unusable_directory_names_the_key(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="local_disk"):
+        make_tier(blocker / "sub")
+
+
+def test_full_write_queue_drops_and_counts(pool):
+    stats = Stats()
+    release = threading.Event()
+    written = []
+
+    def slow_handler(batch):
+        release.wait(10)
+        written.extend(k for k, _ in batch)
+
+    queue = WriteQueue("disk", slow_handler, stats, workers=1, capacity=2)
+    objs = [fill(pool, i) for i in range(4)]
+    accepted = [queue.submit(key(i), objs[i]) for i in range(4)]
+    assert accepted == [True, True, False, False]
+    assert counter(stats, TierCounter.DROPPED_QUEUE_FULL) == 2
+    assert objs[0].ref_count == 2 and objs[3].ref_count == 1  # queued items hold a ref
+    release.set()
+    assert queue.flush(10)
+    queue.close()
+    assert written == [key(0), key(1)]
+    assert all(obj.ref_count == 1 for obj in objs)
+
+
+def test_shared_fs_tier_is_unbounded_and_sees_every_writer(tmp_path, pool):
+    writer = make_tier(tmp_path, name="fs", capacity_bytes=None)
+    reader = make_tier(tmp_path, name="fs", capacity_bytes=None)
+    objs = put_all(writer, pool, range(3))
+    assert reader.contains_many([key(i) for i in range(4)]) == [True, True, True, False]
+    got = reader.get_many([key(i) for i in range(3)], pool.allocate)
+    assert all(same_bytes(g, objs[i]) for i, g in enumerate(got))
+    reader.clear()
+    assert chunk_files(tmp_path) == []
+    writer.close()
+    reader.close()

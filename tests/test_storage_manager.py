@@ -1,0 +1,314 @@
+"""The storage manager across tiers, through the cache engine: CPU + local disk (real
+files), and the remote tier's fault handling against a store that fails on command.
+
+Real Redis and S3 servers are exercised in test_remote_tiers.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from test_engine import assert_kv_equal, kv_at, make_engine
+from tier_helpers import fill, key, make_pool, same_bytes
+
+from kvtier.config import load_config
+from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage import wire
+from kvtier.storage.backend import StoreUnavailable, join_parts
+from kvtier.storage.manager import StorageManager
+from kvtier.storage.remote import RemoteTier
+from kvtier.storage.serde import NaiveSerde
+
+# -- CPU + disk, through the engine -----------------------------------------------------
+
+
+def test_a_new_engine_loads_what_a_previous_one_stored_on_disk(tmp_path):
+    first = make_engine(local_disk=str(tmp_path), seed=0)
+    tokens, src = torch.arange(40), torch.arange(40)
+    reference = kv_at(first, src)
+    assert first.store(tokens, slot_mapping=src).stored_chunks == 5
+    first.close()  # flushes the disk writes: the process could exit now
+
+    second = make_engine(local_disk=str(tmp_path), seed=1)
+    assert second.storage.cpu.keys() == []
+    dst = torch.arange(100, 140)
+    assert second.lookup(tokens) == 40
+    assert second.retrieve(tokens, slot_mapping=dst) == 40
+    assert_kv_equal(second, dst, reference, "loaded from disk after a restart")
+    snap = second.stats.snapshot()
+    assert snap[tier_counter("disk", TierCounter.GET_HITS)] == 5
+    assert snap[Counter.HIT_TOKENS] == 40
+    second.close()
+
+
+def test_without_a_cpu_tier_the_disk_alone_serves(tmp_path):
+    engine = make_engine(local_disk=str(tmp_path), local_cpu=False)
+    tokens, src = torch.arange(24), torch.arange(24)
+    reference = kv_at(engine, src)
+    assert engine.store(tokens, slot_mapping=src).stored_chunks == 3
+    assert engine.storage.flush(30)
+    assert engine.storage.cpu.keys() == []
+    assert engine.storage.cpu.used_bytes == 0  # staging buffers went back to the pool
+    dst = torch.arange(200, 224)
+    assert engine.lookup(tokens) == 24
+    assert engine.retrieve(tokens, slot_mapping=dst) == 24
+    assert_kv_equal(engine, dst, reference, "disk only")
+    assert engine.storage.cpu.used_bytes == 0
+    engine.close()
+
+
+def test_prefix_spans_tiers_and_lower_hits_are_written_back(tmp_path):
+    engine = make_engine(local_disk=str(tmp_path))
+    tokens, src = torch.arange(40), torch.arange(40)
+    reference = kv_at(engine, src)
+    engine.store(tokens, slot_mapping=src)
+    assert engine.storage.flush(30)
+    chunks = engine.token_db.chunks(tokens)
+    for chunk in chunks[2:]:
+        engine.storage.cpu.remove(chunk.key)  # CPU keeps chunks 0-1, the disk has all 5
+    assert engine.storage.cpu.prefix_length([c.key for c in chunks]) == 2
+    dst = torch.arange(200, 240)
+    assert engine.retrieve(tokens, slot_mapping=dst) == 40
+    assert_kv_equal(engine, dst, reference, "CPU prefix + disk rest")
+    assert engine.stats.get(Counter.WRITEBACK_CHUNKS) == 3
+    assert engine.storage.cpu.prefix_length([c.key for c in chunks]) == 5
+    engine.close()
+
+
+def test_lookup_prefetches_lower_tier_chunks_into_memory(tmp_path):
+    first = make_engine(local_disk=str(tmp_path))
+    tokens = torch.arange(32)
+    first.store(tokens, slot_mapping=torch.arange(32))
+    first.close()
+    second = make_engine(local_disk=str(tmp_path))
+    assert second.lookup(tokens) == 32
+    keys = [c.key for c in second.token_db.chunks(tokens)]
+    deadline = time.monotonic() + 10
+    while second.storage.cpu.prefix_length(keys) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert second.storage.cpu.prefix_length(keys) == 4
+    assert second.stats.get(Counter.PREFETCHED_CHUNKS) == 4
+    disk_reads = second.stats.get(tier_counter("disk", TierCounter.GET_HITS))
+    second.retrieve(tokens, slot_mapping=torch.arange(100, 132))
+    assert second.stats.get(tier_counter("disk", TierCounter.GET_HITS)) == disk_reads
+    second.close()
+
+
+def test_store_of_a_chunk_already_on_disk_rewrites_nothing(tmp_path):
+    first = make_engine(local_disk=str(tmp_path))
+    first.store(torch.arange(16), slot_mapping=torch.arange(16))
+    first.close()
+    second = make_engine(local_disk=str(tmp_path))
+    second.store(torch.arange(16), slot_mapping=torch.arange(16))
+    assert second.storage.flush(30)
+    assert second.stats.get(tier_counter("disk", TierCounter.PUT_CHUNKS)) == 0
+    second.close()
+
+
+def test_clear_empties_every_tier(tmp_path):
+    engine = make_engine(local_disk=str(tmp_path))
+    engine.store(torch.arange(16), slot_mapping=torch.arange(16))
+    engine.storage.clear()
+    assert engine.lookup(torch.arange(16)) == 0
+    assert not list(tmp_path.rglob("*.kvt"))
+    engine.close()
+
+
+# -- the remote tier's fault handling, against a store that misbehaves on command ------
+
+
+class FlakyStore:
+    """An in-memory BlobStore that can be switched to refuse, hang or corrupt."""
+
+    name = "flaky"
+
+    def __init__(self):
+        self.blobs: dict[str, bytes] = {}
+        self.mode = "ok"  # ok | down | hang
+        self.calls = 0
+        self.released = threading.Event()
+
+    def _enter(self):
+        self.calls += 1
+        if self.mode == "down":
+            raise StoreUnavailable("flaky: connection refused")
+        if self.mode == "hang":
+            self.released.wait(30)
+
+    def put_many(self, items):
+        self._enter()
+        for name, parts in items:
+            self.blobs[name] = bytes(join_parts(parts))
+
+    def get_many(self, names):
+        self._enter()
+        return [self.blobs.get(n) for n in names]
+
+    def exists_many(self, names):
+        self._enter()
+        return [n in self.blobs for n in names]
+
+    def delete_many(self, names):
+        self._enter()
+        return sum(self.blobs.pop(n, None) is not None for n in names)
+
+    def clear(self):
+        self._enter()
+        n = len(self.blobs)
+        self.blobs.clear()
+        return n
+
+    def ping(self):
+        self._enter()
+
+    def close(self):
+        self.released.set()
+
+
+@pytest.fixture
+def pool():
+    pool = make_pool(64)
+    yield pool
+    pool.close()
+
+
+def remote(store, stats=None, **kwargs) -> RemoteTier:
+    kwargs.setdefault("timeout_s", 0.3)
+    kwargs.setdefault("reconnect_max_s", 0.2)
+    return RemoteTier(
+        store, describe="flaky://test", serde=NaiveSerde(), stats=stats or Stats(), **kwargs
+    )
+
+
+def count(stats, what):
+    return stats.get(tier_counter("flaky", what))
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def test_remote_round_trip_and_batched_lookup(pool):
+    store, stats = FlakyStore(), Stats()
+    tier = remote(store, stats)
+    objs = [fill(pool, i) for i in range(4)]
+    for i, obj in enumerate(objs):
+        assert tier.submit_put(key(i), obj)
+    assert tier.flush(10)
+    calls = store.calls
+    assert tier.contains_many([key(i) for i in range(6)]) == [True] * 4 + [False] * 2
+    assert store.calls == calls + 1  # one round trip for the whole lookup
+    got = tier.get_many([key(i) for i in range(5)], pool.allocate)
+    assert all(same_bytes(got[i], objs[i]) for i in range(4)) and got[4] is None
+    assert count(stats, TierCounter.PUT_CHUNKS) == 4
+    assert count(stats, TierCounter.GET_HITS) == 4
+    tier.close()
+
+
+def test_remote_down_is_a_miss_then_reconnects(pool, caplog):
+    store, stats = FlakyStore(), Stats()
+    tier = remote(store, stats)
+    obj = fill(pool, 1)
+    tier.submit_put(key(1), obj)
+    tier.flush(10)
+    store.mode = "down"
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        assert tier.contains_many([key(1)]) == [False]
+        assert not tier.is_up
+        assert tier.get_many([key(1)], pool.allocate) == [None]
+        assert not tier.submit_put(key(2), obj)  # dropped at once while down
+        assert count(stats, TierCounter.DROPPED_UNAVAILABLE) == 1
+        time.sleep(0.5)  # several reconnect attempts fail
+        assert not tier.is_up
+        store.mode = "ok"
+        wait_until(lambda: tier.is_up)
+    assert count(stats, TierCounter.RECONNECTS) == 1
+    assert tier.contains_many([key(1)]) == [True]
+    unavailable = [r for r in caplog.records if "unavailable" in r.message]
+    assert len(unavailable) == 1, "one warning per outage, not one per call"
+    assert any("available again" in r.message for r in caplog.records)
+    tier.close()
+
+
+def test_hanging_remote_costs_at_most_the_timeout(pool):
+    store = FlakyStore()
+    tier = remote(store, timeout_s=0.2)
+    store.mode = "hang"
+    started = time.monotonic()
+    assert tier.contains_many([key(1), key(2)]) == [False, False]
+    assert time.monotonic() - started < 1.0
+    started = time.monotonic()
+    assert tier.get_many([key(1)], pool.allocate) == [None]  # down now: immediate
+    assert time.monotonic() - started < 0.1
+    store.released.set()
+    store.mode = "ok"
+    wait_until(lambda: tier.is_up)
+    tier.close()
+
+
+def test_corrupt_remote_object_is_a_counted_miss_and_deleted(pool):
+    store, stats = FlakyStore(), Stats()
+    tier = remote(store, stats)
+    tier.submit_put(key(1), fill(pool, 1))
+    tier.flush(10)
+    name = key(1).to_string()
+    store.blobs[name] = store.blobs[name][:-1] + bytes([store.blobs[name][-1] ^ 1])
+    assert tier.get_many([key(1)], pool.allocate) == [None]
+    assert count(stats, TierCounter.CORRUPT) == 1 and stats.get(Counter.CORRUPT_CHUNKS) == 1
+    wait_until(lambda: name not in store.blobs)
+    assert tier.is_up  # a bad object is not a bad server
+    tier.close()
+
+
+def test_an_object_stored_under_another_key_is_refused(pool):
+    store = FlakyStore()
+    tier = remote(store)
+    obj = fill(pool, 1)
+    store.blobs[key(2).to_string()] = bytes(
+        join_parts(wire.encode(key(1).to_string(), obj.tensor, NaiveSerde()))
+    )
+    assert tier.get_many([key(2)], pool.allocate) == [None]
+    tier.close()
+
+
+def test_manager_keeps_serving_from_cpu_while_the_remote_is_down(pool):
+    store, stats = FlakyStore(), Stats()
+    config = load_config({"max_local_cpu_size": 0.05}, env={})
+    manager = StorageManager(config, stats, lower_tiers=[remote(store, stats)])
+    objs = [fill(pool, i) for i in range(3)]
+    for i, obj in enumerate(objs):
+        assert manager.put(key(i), obj)
+    assert manager.flush(10)
+    manager.cpu.remove(key(2))
+    store.mode = "down"
+    assert manager.lookup_prefix([key(0), key(1), key(2)]) == 2
+    got = manager.get_many([key(0), key(1), key(2)])
+    assert same_bytes(got[0], objs[0]) and same_bytes(got[1], objs[1]) and got[2] is None
+    for obj in got[:2]:
+        obj.ref_down()
+    store.mode = "ok"
+    wait_until(lambda: manager.lookup_prefix([key(0), key(1), key(2)]) == 3)
+    manager.close()
+
+
+def test_put_never_waits_for_a_hanging_remote(pool):
+    store, stats = FlakyStore(), Stats()
+    config = load_config({"max_local_cpu_size": 0.05}, env={})
+    tier = remote(store, stats, writers=1, max_batch=1, queue_capacity=2)
+    manager = StorageManager(config, stats, lower_tiers=[tier])
+    store.mode = "hang"
+    started = time.monotonic()
+    for i in range(6):
+        manager.put(key(i), fill(pool, i))
+    assert time.monotonic() - started < 0.5
+    assert count(stats, TierCounter.DROPPED_QUEUE_FULL) == 4  # 2 queued or in flight
+    store.released.set()
+    store.mode = "ok"
+    manager.close()
