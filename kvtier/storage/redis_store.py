@@ -1,0 +1,561 @@
+"""Redis / Valkey remote store: a thin, batched ``BlobStore`` client.
+
+Each blob lives under the Redis key ``namespace + name``. Every batched call is one
+pipelined round trip (``transaction=False``, so a cluster pipeline may fan out to several
+nodes); only split values (below) and ``delete_many`` need a second one.
+
+URL forms (Valkey speaks the same protocol; ``valkey*`` schemes are aliases)::
+
+    redis://[user:password@]host[:port][/db]          plain TCP, default port 6379
+    rediss://[user:password@]host[:port][/db]         TLS
+    unix://[user:password@]/path/to/redis.sock[?db=N] Unix domain socket
+    redis-cluster://[user:password@]host:port[,host:port...]   Redis Cluster
+    rediss-cluster://...                              Redis Cluster over TLS
+
+Values larger than ``max_value_bytes`` (Redis refuses bulk strings over
+``proto-max-bulk-len``, 512 MB by default) are split::
+
+    namespace+name        -> MANIFEST_MAGIC + cbor {"parts": n, "part_bytes": p, "length": total}
+    namespace+name#p0     -> blob[0 : p]
+    ...
+    namespace+name#p{n-1} -> blob[(n-1)*p : total]
+
+NOTE: a value that starts with ``MANIFEST_MAGIC`` is always a manifest: a blob that
+happens to start with the magic is stored split (in one part) so it cannot be misread.
+NOTE: kvtier names never contain ``#`` (``CacheKey`` percent-encodes it), so a part key
+cannot collide with a blob's key.
+NOTE: Python's ``socket.sendall`` applies ``timeout_s`` to a whole value, so one value
+(at most ``max_value_bytes``) must reach the server within ``timeout_s``.
+
+Connections come from one pool per store (one per node in cluster mode); at most
+``max_connections`` calls run at once and a caller beyond that waits up to ``timeout_s``
+for a free slot. redis-py's retries are disabled: a failed call raises
+``StoreUnavailable`` at once, and the layer above (``RemoteTier``) decides when to retry.
+The pool reconnects by itself on the next call once the server is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import cbor2
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+from redis.retry import Retry
+
+from kvtier.config import redact_url
+from kvtier.storage.backend import Buffer, StoreUnavailable, join_parts
+
+log = logging.getLogger(__name__)
+
+#: prefix of a split value's manifest (the layer above writes a different magic)
+MANIFEST_MAGIC = b"KVTIERPARTS\x00"
+#: a part's key is ``key + PART_SEP + index``
+PART_SEP = "#p"
+# A manifest is the magic plus a CBOR map of three small ints (< 60 bytes); delete_many
+# reads this many leading bytes of each value to find manifests without fetching blobs.
+_MANIFEST_PROBE_BYTES = 256
+# More parts than this is a corrupt manifest (at the default part size, 256 TiB).
+_MAX_PARTS = 1 << 20
+# Keys per SCAN page and per UNLINK pipeline in clear().
+_SCAN_BATCH = 1000
+
+ACCEPTED_URL_FORMS = (
+    "redis://[user:password@]host[:port][/db], rediss://... (TLS), "
+    "unix://[user:password@]/path/to/redis.sock[?db=N], "
+    "redis-cluster://[user:password@]host:port[,host:port...], rediss-cluster://... (TLS); "
+    "valkey://, valkeys://, valkey-cluster://, valkeys-cluster:// are aliases"
+)
+
+# scheme -> (tls, cluster); "unix" is handled apart.
+_TCP_SCHEMES = {
+    "redis": (False, False),
+    "valkey": (False, False),
+    "rediss": (True, False),
+    "valkeys": (True, False),
+    "redis-cluster": (False, True),
+    "valkey-cluster": (False, True),
+    "rediss-cluster": (True, True),
+    "valkeys-cluster": (True, True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RedisEndpoint:
+    """A parsed ``remote_url``.
+
+    Attributes:
+        scheme: the URL scheme as written (lower case).
+        tls: whether to connect with TLS.
+        cluster: whether the target is a Redis Cluster (``nodes`` are startup nodes).
+        nodes: ``(host, port)`` pairs; empty for a Unix socket.
+        unix_path: the socket path for ``unix://``, else None.
+        db: the database number (always 0 for a cluster).
+        username, password: credentials from the URL, or None.
+    """
+
+    scheme: str
+    tls: bool
+    cluster: bool
+    nodes: tuple[tuple[str, int], ...]
+    unix_path: str | None
+    db: int
+    username: str | None
+    password: str | None
+
+    @property
+    def display(self) -> str:
+        """The URL without credentials, for logs and error messages."""
+        if self.unix_path is not None:
+            return f"unix://{self.unix_path}" + (f"?db={self.db}" if self.db else "")
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        return f"{self.scheme}://{hosts}" + ("" if self.cluster else f"/{self.db}")
+
+    def __repr__(self) -> str:
+        return f"RedisEndpoint({self.display!r})"
+
+
+def parse_url(url: str) -> RedisEndpoint:
+    """Parse a Redis/Valkey ``remote_url`` (see the module docstring for the forms).
+
+    Raises:
+        ValueError: naming ``remote_url`` (password hidden) and the accepted forms.
+    """
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(
+            f"remote_url {redact_url(url)!r}: {problem}; accepted forms: {ACCEPTED_URL_FORMS}"
+        )
+
+    scheme, sep, _ = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or (scheme != "unix" and scheme not in _TCP_SCHEMES):
+        raise bad(f"unknown scheme {scheme!r}" if sep else "missing scheme")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if parts.fragment:
+        raise bad("a fragment (#...) is not allowed")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, has_colon, secret = userinfo.partition(":")
+    username = unquote(user) or None
+    password = unquote(secret) if has_colon else None
+    query = parse_qs(parts.query, keep_blank_values=True)
+
+    if scheme == "unix":
+        if hosts:
+            raise bad(f"unix:// takes no host (got {hosts!r}); write unix:///path/to/sock")
+        if not parts.path:
+            raise bad("missing socket path")
+        if set(query) - {"db"}:
+            raise bad(f"unsupported query parameters {sorted(set(query) - {'db'})}")
+        db = _parse_db(query.get("db", ["0"])[-1], bad)
+        return RedisEndpoint(scheme, False, False, (), parts.path, db, username, password)
+
+    tls, cluster = _TCP_SCHEMES[scheme]
+    if parts.query:
+        raise bad("query parameters are not supported")
+    if not hosts:
+        raise bad("missing host")
+    nodes = tuple(_parse_host_port(item, bad) for item in hosts.split(","))
+    if len(nodes) > 1 and not cluster:
+        raise bad(f"several hosts need a cluster scheme ({scheme}-cluster://)")
+    path = parts.path.strip("/")
+    if cluster and path not in ("", "0"):
+        raise bad("a cluster has only database 0")
+    db = _parse_db(path or "0", bad)
+    return RedisEndpoint(scheme, tls, cluster, nodes, None, db, username, password)
+
+
+def _parse_host_port(text: str, bad: Callable[[str], ValueError]) -> tuple[str, int]:
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise bad(f"missing host in {text!r}")
+    if not port_text:
+        return host, 6379
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise bad(f"bad port {port_text!r} (want 1..65535)")
+    return host, int(port_text)
+
+
+def _parse_db(text: str, bad: Callable[[str], ValueError]) -> int:
+    if not text.isdigit():
+        raise bad(f"bad database {text!r} (want a number >= 0)")
+    return int(text)
+
+
+@dataclass(frozen=True, slots=True)
+class _Manifest:
+    parts: int
+    part_bytes: int
+    length: int
+
+    def encode(self) -> bytes:
+        body = {"parts": self.parts, "part_bytes": self.part_bytes, "length": self.length}
+        return MANIFEST_MAGIC + cbor2.dumps(body)
+
+    @classmethod
+    def decode(cls, value: bytes) -> _Manifest | None:
+        """The manifest in ``value``, or None when it is malformed."""
+        try:
+            body = cbor2.loads(value[len(MANIFEST_MAGIC) :])
+            manifest = cls(int(body["parts"]), int(body["part_bytes"]), int(body["length"]))
+        except (ValueError, TypeError, KeyError, cbor2.CBORDecodeError):
+            return None
+        parts, part_bytes = manifest.parts, manifest.part_bytes
+        if not 1 <= parts <= _MAX_PARTS or part_bytes < 1:
+            return None
+        # Every part but the last is full, the last holds 1..part_bytes bytes.
+        if not (parts - 1) * part_bytes < manifest.length <= parts * part_bytes:
+            return None
+        return manifest
+
+    def part_length(self, index: int) -> int:
+        return min(self.part_bytes, self.length - index * self.part_bytes)
+
+
+def _byte_view(blob: bytes | memoryview) -> bytes | memoryview:
+    """``blob`` as something whose ``len`` is its size in bytes, as redis-py assumes."""
+    if isinstance(blob, memoryview):
+        if not blob.c_contiguous:
+            return blob.tobytes()
+        if blob.ndim != 1 or blob.format != "B":
+            return blob.cast("B")
+    return blob
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis MATCH pattern."""
+    return "".join("\\" + c if c in "\\*?[]" else c for c in text)
+
+
+class RedisStore:
+    """A ``BlobStore`` on Redis or Valkey (standalone, TLS, Unix socket or cluster).
+
+    Args:
+        url: the ``remote_url`` (see the module docstring).
+        namespace: prefix of every key; must not be empty (``clear`` deletes under it).
+        timeout_s: socket connect and read/write timeout, and the longest wait for a
+            free connection.
+        username, password: credentials; they win over those in the URL.
+        ttl_s: expiry of every stored blob (and its parts), or None for none.
+        max_connections: the most calls running at once (one connection each, per node).
+        tls_ca_file, tls_cert_file, tls_key_file: CA bundle and client certificate for
+            ``rediss://``; tls_verify=False skips certificate and host name checks.
+        max_value_bytes: values above this are split into parts of this size.
+
+    Raises:
+        ValueError: a bad URL (naming ``remote_url``) or a bad argument. The constructor
+            does not connect: a server that is down shows at the first call.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "kvtier:",
+        timeout_s: float = 1.0,
+        username: str | None = None,
+        password: str | None = None,
+        ttl_s: float | None = None,
+        max_connections: int = 32,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_verify: bool = True,
+        max_value_bytes: int = 256 * 2**20,
+    ) -> None:
+        endpoint = parse_url(url)
+        if not namespace:
+            raise ValueError("namespace must not be empty: clear() deletes every key under it")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if max_value_bytes < 1:
+            raise ValueError(f"max_value_bytes must be >= 1, got {max_value_bytes}")
+        tls_files = {
+            "tls_ca_file": tls_ca_file,
+            "tls_cert_file": tls_cert_file,
+            "tls_key_file": tls_key_file,
+        }
+        given = [key for key, value in tls_files.items() if value is not None]
+        if given and not endpoint.tls:
+            raise ValueError(
+                f"{', '.join(given)} set but remote_url {endpoint.display!r} is not TLS; "
+                "use rediss:// (or valkeys://, rediss-cluster://)"
+            )
+
+        self.url = endpoint.display
+        self.namespace = namespace
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._ttl_ms = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+        self._max_value_bytes = max_value_bytes
+        self._max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = False
+
+        self._conn_kwargs: dict[str, Any] = {
+            "username": username if username is not None else endpoint.username,
+            "password": password if password is not None else endpoint.password,
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            # RESP2: every Redis, Valkey and proxy speaks it; redis-py 8 defaults to RESP3
+            # (HELLO 3), which Redis < 6 and some proxies refuse, and which turns on
+            # push-based extras (maintenance notifications) a blob store does not need.
+            "protocol": 2,
+        }
+        if endpoint.tls:
+            self._conn_kwargs |= {
+                "ssl_ca_certs": tls_ca_file,
+                "ssl_certfile": tls_cert_file,
+                "ssl_keyfile": tls_key_file,
+                "ssl_cert_reqs": "required" if tls_verify else "none",
+                "ssl_check_hostname": tls_verify,
+            }
+
+        self._pool: redis.ConnectionPool | None = None
+        self._client: redis.Redis | RedisCluster | None = None
+        self._cluster_lock = threading.Lock()
+        if not endpoint.cluster:
+            self._pool = self._make_pool()
+            self._client = redis.Redis(connection_pool=self._pool)
+
+    def _make_pool(self) -> redis.ConnectionPool:
+        endpoint = self._endpoint
+        kwargs = dict(self._conn_kwargs, db=endpoint.db)
+        if endpoint.unix_path is not None:
+            kwargs |= {"connection_class": redis.UnixDomainSocketConnection}
+            kwargs |= {"path": endpoint.unix_path}
+        else:
+            host, port = endpoint.nodes[0]
+            kwargs |= {"host": host, "port": port, "socket_keepalive": True}
+            if endpoint.tls:
+                kwargs["connection_class"] = redis.SSLConnection
+        # NOTE: Retry(NoBackoff(), 0): redis-py retries 3 times by default, which would
+        # multiply the time a call against a dead server takes.
+        return redis.ConnectionPool(
+            max_connections=self._max_connections, retry=Retry(NoBackoff(), 0), **kwargs
+        )
+
+    def _connected_client(self) -> redis.Redis | RedisCluster:
+        """The client; a cluster client is built on first use (it contacts the nodes)."""
+        if self._client is not None:
+            return self._client
+        with self._cluster_lock:
+            if self._client is None:
+                kwargs = dict(self._conn_kwargs, ssl=self._endpoint.tls)
+                self._client = RedisCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in self._endpoint.nodes],
+                    retry=Retry(NoBackoff(), 0),
+                    **kwargs,
+                )
+            return self._client
+
+    @contextmanager
+    def _call(self, op: str) -> Iterator[Any]:
+        """Run one store operation: bound concurrency, translate failures."""
+        if self._closed:
+            raise StoreUnavailable(f"redis store {self.url}: {op}: the store is closed")
+        if not self._slots.acquire(timeout=self._timeout_s):
+            raise StoreUnavailable(
+                f"redis store {self.url}: {op}: no free connection within "
+                f"{self._timeout_s}s (max_connections={self._max_connections})"
+            )
+        try:
+            yield self._connected_client()
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise StoreUnavailable(
+                f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self._slots.release()
+
+    def _key(self, name: str) -> str:
+        return self.namespace + name
+
+    def _split(self, key: str, blob: bytes | memoryview) -> list[tuple[str, Buffer]]:
+        """The (key, value) writes of a split blob: parts first, the manifest last."""
+        view = memoryview(blob)
+        size = self._max_value_bytes
+        manifest = _Manifest(max(1, math.ceil(len(view) / size)), size, len(view))
+        writes: list[tuple[str, Buffer]] = [
+            (f"{key}{PART_SEP}{i}", view[i * size : (i + 1) * size]) for i in range(manifest.parts)
+        ]
+        writes.append((key, manifest.encode()))
+        return writes
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
+        """Store each ``(name, parts)`` (overwrites), with ``ttl_s`` if set.
+
+        NOTE: overwriting a split blob with one of fewer parts leaves its extra parts
+        behind (they expire with the TTL, and clear() removes them); kvtier names are
+        content hashes, so a name is rewritten with the same bytes.
+        """
+        writes: list[tuple[str, Buffer]] = []
+        for name, parts in items:
+            blob = _byte_view(join_parts(parts))
+            key = self._key(name)
+            if len(blob) > self._max_value_bytes or blob[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC:
+                writes.extend(self._split(key, blob))
+            else:
+                writes.append((key, blob))
+        if not writes:
+            return
+        with self._call("put_many") as client:
+            pipe = client.pipeline(transaction=False)
+            for key, value in writes:
+                pipe.set(key, value, px=self._ttl_ms)
+            pipe.execute()
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """The blob under each name, or None where absent (or a part is missing)."""
+        if not names:
+            return []
+        keys = [self._key(name) for name in names]
+        with self._call("get_many") as client:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            values: list[bytes | None] = pipe.execute()
+            split = {
+                i: _Manifest.decode(value)
+                for i, value in enumerate(values)
+                if value is not None and value.startswith(MANIFEST_MAGIC)
+            }
+            if not split:
+                return values
+            pipe = client.pipeline(transaction=False)
+            for i, manifest in split.items():
+                for j in range(manifest.parts if manifest else 0):
+                    pipe.get(f"{keys[i]}{PART_SEP}{j}")
+            part_values = iter(pipe.execute())
+        for i, manifest in split.items():
+            values[i] = self._reassemble(names[i], manifest, part_values)
+        return values
+
+    def _reassemble(
+        self, name: str, manifest: _Manifest | None, part_values: Iterator[bytes | None]
+    ) -> bytes | None:
+        if manifest is None:
+            log.warning("redis store %s: malformed manifest under %r; a miss", self.url, name)
+            return None
+        parts = [next(part_values) for _ in range(manifest.parts)]
+        for j, part in enumerate(parts):
+            if part is None or len(part) != manifest.part_length(j):
+                # Expired, evicted or overwritten: the blob is incomplete, so a miss.
+                return None
+        return b"".join(parts)  # type: ignore[arg-type]
+
+    def exists_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name is present (for a split blob: its manifest)."""
+        if not names:
+            return []
+        with self._call("exists_many") as client:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(self._key(name))
+            return [bool(count) for count in pipe.execute()]
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        """Delete the names and their parts; returns how many names were present."""
+        if not names:
+            return 0
+        keys = [self._key(name) for name in names]
+        with self._call("delete_many") as client:
+            # Round trip 1: the first bytes of each value, to find manifests.
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.getrange(key, 0, _MANIFEST_PROBE_BYTES - 1)
+            heads: list[bytes] = pipe.execute()
+            # Round trip 2: the keys, then the parts of split blobs.
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(key)
+            for key, head in zip(keys, heads, strict=True):
+                manifest = _Manifest.decode(head) if head.startswith(MANIFEST_MAGIC) else None
+                for j in range(manifest.parts if manifest else 0):
+                    pipe.delete(f"{key}{PART_SEP}{j}")
+            deleted = pipe.execute()
+        return sum(deleted[: len(keys)])
+
+    def clear(self) -> int:
+        """Delete every key under the namespace (SCAN + UNLINK, every primary of a cluster);
+        returns how many blobs were deleted (parts are not counted)."""
+        pattern = _glob_escape(self.namespace) + "*"
+        part_marker = PART_SEP.encode()
+        prefix_len = len(self.namespace.encode())
+        deleted = 0
+        with self._call("clear") as client:
+            if isinstance(client, RedisCluster):
+                nodes = [node.redis_connection for node in client.get_primaries()]
+            else:
+                nodes = [client]
+            for node in nodes:
+                batch: list[bytes] = []
+                for key in node.scan_iter(match=pattern, count=_SCAN_BATCH):
+                    batch.append(key)
+                    if len(batch) == _SCAN_BATCH:
+                        deleted += self._unlink(node, batch, prefix_len, part_marker)
+                        batch = []
+                if batch:
+                    deleted += self._unlink(node, batch, prefix_len, part_marker)
+        return deleted
+
+    @staticmethod
+    def _unlink(node: redis.Redis, keys: list[bytes], prefix_len: int, part_marker: bytes) -> int:
+        # One UNLINK per key: keys of one cluster node may sit in different slots, and a
+        # multi-key UNLINK across slots fails with CROSSSLOT.
+        pipe = node.pipeline(transaction=False)
+        for key in keys:
+            pipe.unlink(key)
+        removed = pipe.execute()
+        return sum(
+            count
+            for key, count in zip(keys, removed, strict=True)
+            if part_marker not in key[prefix_len:]
+        )
+
+    def ping(self) -> None:
+        """Return if the server (every primary of a cluster) answers; else raise
+        StoreUnavailable."""
+        with self._call("ping") as client:
+            if isinstance(client, RedisCluster):
+                # A cluster with one primary down still answers for the other slots;
+                # that is not a healthy store.
+                client.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                client.ping()
+
+    def close(self) -> None:
+        """Close every connection (idempotent); later calls raise StoreUnavailable."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.disconnect()
+        with self._cluster_lock:
+            if isinstance(self._client, RedisCluster):
+                self._client.close()
+
+    def __repr__(self) -> str:
+        return f"RedisStore(url={self.url!r}, namespace={self.namespace!r})"
+
+    __str__ = __repr__

@@ -1,0 +1,248 @@
+"""The remote tier on real servers, configured the way an operator does (``remote_url``
+and friends): a real ``redis-server`` (killed, hung and restarted mid-run) and a real
+S3-compatible server (moto, as its own process). Chunks written by one storage manager are
+found and loaded, bit-exact, by another — as a second engine on another machine would."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from redis_server import REDIS_MISSING, RedisServer, redis_available
+from tier_helpers import fill, key, make_pool, same_bytes
+
+from kvtier.config import load_config
+from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage import wire
+from kvtier.storage.backend import join_parts
+from kvtier.storage.manager import StorageManager
+from kvtier.storage.serde import NaiveSerde
+
+needs_redis = pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
+
+
+@pytest.fixture
+def pool():
+    pool = make_pool(64)
+    yield pool
+    pool.close()
+
+
+def manager_for(url: str, stats: Stats | None = None, **settings) -> StorageManager:
+    config = load_config(
+        {
+            "max_local_cpu_size": 0.05,
+            "remote_url": url,
+            "remote_timeout_ms": 500,
+            "remote_reconnect_max_ms": 200,
+            **settings,
+        },
+        env={},
+    )
+    return StorageManager(config, stats or Stats(), namespace="org/model-a")
+
+
+def store_chunks(manager: StorageManager, pool, seeds) -> dict:
+    objs = {i: fill(pool, i) for i in seeds}
+    for i, obj in objs.items():
+        assert manager.put(key(i), obj)
+    assert manager.flush(30)
+    return objs
+
+
+def wait_until(predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def share_and_load(url: str, pool, tier: str, **settings) -> None:
+    """One manager stores 4 chunks; a second (another engine) finds and loads them."""
+    writer_stats, reader_stats = Stats(), Stats()
+    writer = manager_for(url, writer_stats, **settings)
+    objs = store_chunks(writer, pool, range(4))
+    assert writer_stats.get(tier_counter(tier, TierCounter.PUT_CHUNKS)) == 4
+    reader = manager_for(url, reader_stats, **settings)
+    keys = [key(i) for i in range(6)]
+    assert reader.lookup_prefix(keys) == 4
+    got = reader.get_many(keys)
+    assert all(same_bytes(got[i], objs[i]) for i in range(4)), "bit-exact across engines"
+    assert got[4:] == [None, None]
+    assert reader_stats.get(tier_counter(tier, TierCounter.GET_HITS)) == 4
+    assert reader_stats.get(Counter.WRITEBACK_CHUNKS) == 4
+    assert reader.cpu.prefix_length(keys) == 4  # now served from memory
+    for obj in got[:4]:
+        obj.ref_down()
+    reader.clear()  # the model's namespace is emptied
+    assert writer.lookup_prefix(keys[:1]) == 1  # still in the writer's CPU tier
+    writer.cpu.clear()
+    assert writer.lookup_prefix(keys[:1]) == 0
+    writer.close()
+    reader.close()
+
+
+# -- Redis --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis():
+    if not redis_available():
+        pytest.skip(REDIS_MISSING)
+    with RedisServer() as server:
+        yield server
+
+
+@needs_redis
+@pytest.mark.redis
+def test_redis_shares_chunks_between_engines(redis, pool):
+    share_and_load(redis.url, pool, "redis")
+
+
+@needs_redis
+@pytest.mark.redis
+def test_redis_with_password_and_ttl(pool):
+    with RedisServer(password="s3cret") as server:
+        share_and_load(server.url, pool, "redis", remote_password="s3cret")
+        manager = manager_for(server.url, remote_password="s3cret", remote_ttl_secs=0.3)
+        store_chunks(manager, pool, [9])
+        manager.cpu.clear()
+        assert manager.lookup_prefix([key(9)]) == 1
+        wait_until(lambda: manager.lookup_prefix([key(9)]) == 0, timeout=5)
+        manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_redis_wrong_password_is_a_miss_not_a_crash(pool, caplog):
+    with RedisServer(password="right") as server:
+        stats = Stats()
+        manager = manager_for(server.url, stats, remote_password="wrong")
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+            assert manager.lookup_prefix([key(1)]) == 0
+            obj = fill(pool, 1)
+            manager.put(key(1), obj)  # kept in the CPU tier, dropped for the remote
+        assert manager.lookup_prefix([key(1)]) == 1
+        assert stats.get(tier_counter("redis", TierCounter.ERRORS)) >= 1
+        assert any("Authentication" in r.getMessage() for r in caplog.records)
+        manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_models_do_not_see_each_other(redis, pool):
+    a = manager_for(redis.url)
+    store_chunks(a, pool, [1])
+    config = load_config({"max_local_cpu_size": 0.05, "remote_url": redis.url}, env={})
+    b = StorageManager(config, Stats(), namespace="org/model-b")
+    assert b.lookup_prefix([key(1)]) == 0
+    assert any(k.startswith(b"kvtier:org%2Fmodel-a:") for k in redis.client().keys("*"))
+    a.close()
+    b.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_redis_killed_and_restarted_mid_run(redis, pool, caplog):
+    stats = Stats()
+    manager = manager_for(redis.url, stats)
+    store_chunks(manager, pool, [1, 2])
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(1), key(2)]) == 2
+
+    redis.stop()
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        started = time.monotonic()
+        assert manager.lookup_prefix([key(1), key(2)]) == 0
+        assert manager.get_many([key(1)]) == [None]
+        for i in range(3, 6):
+            obj = fill(pool, i)
+            manager.put(key(i), obj)  # the engine keeps going; the remote copy is dropped
+            obj.ref_down()
+        assert time.monotonic() - started < 3.0
+        assert manager.flush(10)
+        assert stats.get(tier_counter("redis", TierCounter.DROPPED_UNAVAILABLE)) >= 3
+        assert manager.lookup_prefix([key(3)]) == 1  # from the CPU tier
+
+        redis.start()  # an empty server (no persistence): it lost everything
+        remote = manager.lower[0]
+        wait_until(lambda: remote.is_up)
+    assert stats.get(tier_counter("redis", TierCounter.RECONNECTS)) == 1
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+    store_chunks(manager, pool, [7])
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(7)]) == 1
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_hung_redis_costs_at_most_the_timeout(redis, pool):
+    stats = Stats()
+    manager = manager_for(redis.url, stats, remote_timeout_ms=300)
+    store_chunks(manager, pool, [1])
+    manager.cpu.clear()
+    redis.pause()
+    try:
+        started = time.monotonic()
+        assert manager.lookup_prefix([key(1)]) == 0
+        assert time.monotonic() - started < 1.5
+        started = time.monotonic()
+        assert manager.get_many([key(1)]) == [None]  # down: answered at once
+        assert time.monotonic() - started < 0.2
+    finally:
+        redis.resume()
+    wait_until(lambda: manager.lookup_prefix([key(1)]) == 1)
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
+    stats = Stats()
+    manager = manager_for(redis.url, stats)
+    obj = fill(pool, 1)
+    blob = bytearray(join_parts(wire.encode(key(1).to_string(), obj.tensor, NaiveSerde())))
+    blob[-3] ^= 0xFF
+    raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
+    redis.client().set(raw_key, bytes(blob))
+    assert manager.lookup_prefix([key(1)]) == 1  # present, but ...
+    assert manager.get_many([key(1)]) == [None]  # ... refused
+    assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+    wait_until(lambda: not redis.client().exists(raw_key))
+    manager.close()
+
+
+def test_unreachable_remote_at_start_up_does_not_stop_the_engine(pool):
+    manager = manager_for("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    started = time.monotonic()
+    assert manager.lookup_prefix([key(1)]) == 0
+    assert time.monotonic() - started < 2.0
+    obj = fill(pool, 1)
+    manager.put(key(1), obj)
+    assert manager.lookup_prefix([key(1)]) == 1
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_disk_and_remote_together(tmp_path, pool, redis):
+    stats = Stats()
+    manager = manager_for(redis.url, stats, local_disk=str(tmp_path))
+    assert [t.name for t in manager.lower] == ["disk", "redis"]
+    store_chunks(manager, pool, range(3))
+    assert stats.get(tier_counter("disk", TierCounter.PUT_CHUNKS)) == 3
+    assert stats.get(tier_counter("redis", TierCounter.PUT_CHUNKS)) == 3
+    for path in list(tmp_path.rglob("*.kvt"))[:1]:
+        path.unlink()  # the disk lost one chunk; the remote still has it
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(i) for i in range(3)]) == 3
+    got = manager.get_many([key(i) for i in range(3)])
+    assert all(g is not None for g in got)
+    assert stats.get(tier_counter("disk", TierCounter.GET_HITS)) == 2
+    assert stats.get(tier_counter("redis", TierCounter.GET_HITS)) == 1
+    for obj in got:
+        obj.ref_down()
+    manager.close()
