@@ -299,6 +299,22 @@ def test_no_hit(case, held_chunks, num_computed, overrides):
     assert plan.loads == [], f"{case}: planned loads {plan.loads}"
 
 
+@pytest.mark.parametrize(
+    ("min_retrieve_tokens", "num_computed", "expected"),
+    [(128, 0, 192), (192, 0, 192), (193, 0, 0), (128, 64, 128), (129, 64, 0)],
+)
+def test_min_retrieve_tokens_skips_short_hits(min_retrieve_tokens, num_computed, expected):
+    held = HeldHashes()
+    side = make_side(held, min_retrieve_tokens=min_retrieve_tokens)
+    request = make_request("r", 200)
+    held.hold(expected_hashes(side.config, request.all_token_ids)[:3])
+    got = side.get_num_new_matched_tokens(request, num_computed)
+    assert got == (expected, False), (
+        f"192 tokens held, vLLM has {num_computed}, min_retrieve_tokens="
+        f"{min_retrieve_tokens}: got {got}"
+    )
+
+
 @pytest.mark.parametrize(("held_chunks", "expected"), [(3, (192, True)), (0, (0, False))])
 def test_async_loading_flag_only_with_a_hit(held_chunks, expected):
     held = HeldHashes()

@@ -250,8 +250,8 @@ class SchedulerSide:
         load_end = min(hit_tokens, num_tokens - 1)
         if self.whole_blocks:
             load_end = load_end // self.block_size * self.block_size
-        if load_end <= num_computed_tokens:
-            return 0, False
+        if load_end - num_computed_tokens < max(self.config.min_retrieve_tokens, 1):
+            return 0, False  # nothing new, or too little to be worth a load
         self._hits[request.request_id] = (num_computed_tokens, load_end, hit_tokens)
         return load_end - num_computed_tokens, self.config.enable_async_loading
 
