@@ -10,6 +10,7 @@ import time
 
 import pytest
 from redis_server import REDIS_MISSING, RedisServer, redis_available
+from s3_server import S3Server, isolate_aws_environment
 from tier_helpers import fill, key, make_pool, same_bytes
 
 from kvtier.config import load_config
@@ -245,4 +246,82 @@ def test_disk_and_remote_together(tmp_path, pool, redis):
     assert stats.get(tier_counter("redis", TierCounter.GET_HITS)) == 1
     for obj in got:
         obj.ref_down()
+    manager.close()
+
+
+# -- S3 -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    isolate_aws_environment(monkeypatch)
+    with S3Server() as server:
+        server.create_bucket("kvtier-cache")
+        yield server
+
+
+def s3_settings(server: S3Server) -> dict:
+    return {
+        "s3_endpoint_url": server.endpoint_url,
+        "s3_region": server.region,
+        "s3_access_key_id": server.access_key_id,
+        "s3_secret_access_key": server.secret_access_key,
+        "remote_timeout_ms": 2000,
+    }
+
+
+@pytest.mark.s3
+def test_s3_shares_chunks_between_engines(s3, pool):
+    share_and_load("s3://kvtier-cache/deployment-1", pool, "s3", **s3_settings(s3))
+    names = [
+        o["Key"] for o in s3.client().list_objects_v2(Bucket="kvtier-cache").get("Contents", [])
+    ]
+    assert names == []  # clear() removed this model's objects
+
+
+@pytest.mark.s3
+def test_s3_objects_are_named_by_prefix_model_and_key(s3, pool):
+    manager = manager_for("s3://kvtier-cache/deployment-1", **s3_settings(s3))
+    store_chunks(manager, pool, [1])
+    listing = s3.client().list_objects_v2(Bucket="kvtier-cache")["Contents"]
+    assert [o["Key"] for o in listing] == [
+        f"deployment-1/kvtier/org%2Fmodel-a/{key(1).to_string()}"
+    ]
+    manager.close()
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_is_a_miss_with_a_clear_warning(s3, pool, caplog):
+    stats = Stats()
+    manager = manager_for("s3://no-such-bucket", stats, **s3_settings(s3))
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        obj = fill(pool, 1)
+        manager.put(key(1), obj)
+        assert manager.flush(10)
+    assert stats.get(tier_counter("s3", TierCounter.DROPPED_UNAVAILABLE)) == 1
+    assert any("no-such-bucket" in r.getMessage() for r in caplog.records)
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(1)]) == 0
+    manager.close()
+
+
+@pytest.mark.s3
+def test_s3_killed_and_restarted_mid_run(s3, pool):
+    stats = Stats()
+    manager = manager_for("s3://kvtier-cache", stats, **s3_settings(s3))
+    store_chunks(manager, pool, [1])
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(1)]) == 1
+    s3.stop()
+    started = time.monotonic()
+    assert manager.lookup_prefix([key(1)]) == 0
+    assert manager.get_many([key(1)]) == [None]
+    assert time.monotonic() - started < 5.0
+    s3.start()  # moto restarts empty
+    s3.create_bucket("kvtier-cache")
+    wait_until(lambda: manager.lower[0].is_up)
+    assert stats.get(tier_counter("s3", TierCounter.RECONNECTS)) == 1
+    store_chunks(manager, pool, [2])
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(2)]) == 1
     manager.close()

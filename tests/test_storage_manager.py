@@ -312,3 +312,29 @@ def test_put_never_waits_for_a_hanging_remote(pool):
     store.released.set()
     store.mode = "ok"
     manager.close()
+
+
+def test_shared_filesystem_remote_through_config(tmp_path, pool):
+    url = f"fs://{tmp_path}/shared"
+    config = load_config({"max_local_cpu_size": 0.05, "remote_url": url}, env={})
+    writer = StorageManager(config, Stats(), namespace="m")
+    reader = StorageManager(config, Stats(), namespace="m")
+    assert [t.name for t in writer.lower] == ["fs"]
+    objs = [fill(pool, i) for i in range(3)]
+    for i, obj in enumerate(objs):
+        writer.put(key(i), obj)
+    assert writer.flush(30)
+    assert reader.lookup_prefix([key(i) for i in range(4)]) == 3
+    got = reader.get_many([key(i) for i in range(3)])
+    assert all(same_bytes(g, objs[i]) for i, g in enumerate(got))
+    for obj in got:
+        obj.ref_down()
+    writer.close()
+    reader.close()
+
+
+def test_unusable_local_disk_is_a_clear_error_at_start_up(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="local_disk"):
+        make_engine(local_disk=str(blocker / "kvtier"))

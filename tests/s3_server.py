@@ -1,0 +1,214 @@
+"""A real S3-compatible server for the ``s3`` tests: moto's, in its own process.
+
+The server is a separate process on a free loopback port so that a test can kill it
+(``stop``, SIGKILL: a crash, not a shutdown) and bring it back on the same port
+(``start``). moto keeps everything in memory: after a restart the server is empty and
+buckets must be created again.
+
+    with S3Server() as server:
+        server.create_bucket("kvtier-test")
+        store = S3Store("s3://kvtier-test", **server.store_kwargs())
+
+Credentials are dummies given to the constructor; nothing is read from the developer's
+AWS environment (see ``isolate_aws_environment`` for the test process itself).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from redis_server import free_port  # one loopback-port picker for every test server
+
+__all__ = ["S3Server", "free_port", "isolate_aws_environment"]
+
+# Variables through which boto3 would pick up the developer's account, profile or endpoint.
+_AWS_ENVIRONMENT = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CA_BUNDLE",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+
+
+def isolate_aws_environment(monkeypatch: Any) -> None:
+    """Hide the developer's AWS variables and config files from boto3 in this test.
+
+    ``monkeypatch`` is pytest's fixture; everything is restored after the test.
+    """
+    for name in _AWS_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+class S3Server:
+    """moto's S3 server as a child process on ``127.0.0.1:port``.
+
+    Args:
+        port: the port to serve on (None: a free one, kept across restarts).
+        access_key_id, secret_access_key, region: the dummy credentials and region that
+            ``client`` and ``store_kwargs`` use (moto accepts any).
+        min_part_size: smallest non-last multipart part moto accepts (S3: 5 MiB), so that
+            multipart uploads can be tested with small parts.
+        ready_timeout_s: how long ``start`` waits for the server to answer.
+
+    The server starts on construction; ``stop``/``close`` kill it, ``start`` restarts it.
+    Use it as a context manager (or call ``close``) so the process never outlives a test.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``ready_timeout_s``
+            (the message holds the end of its log).
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        access_key_id: str = "kvtier-test",
+        secret_access_key: str = "kvtier-test-secret",
+        region: str = "us-east-1",
+        min_part_size: int = 1024,
+        ready_timeout_s: float = 20.0,
+    ):
+        self.port = port or free_port()
+        self.access_key_id = access_key_id
+        self.secret_access_key = secret_access_key
+        self.region = region
+        self.min_part_size = min_part_size
+        self.ready_timeout_s = ready_timeout_s
+        self._process: subprocess.Popen | None = None
+        self._admin: Any = None
+        # NOTE: a file, not a pipe nobody drains; append mode, so reading it back (which
+        # moves the offset the child shares) never makes the child overwrite it.
+        self._log = tempfile.TemporaryFile("a+b")  # noqa: SIM115 - closed by close()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:<port>``, the same across restarts."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start the server on ``port`` (after ``stop``: empty) and wait until it answers."""
+        if self.running:
+            return
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        environment.update(
+            S3_UPLOAD_PART_MIN_SIZE=str(self.min_part_size),
+            # moto derives its in-memory buffer from the part minimum; keep it sane.
+            MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(16 * 2**20),
+        )
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+        )
+        self._wait_ready()
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL, like a crash) and reap it. Idempotent."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGKILL)
+        self._process.wait()
+        self._process = None
+
+    def close(self) -> None:
+        """``stop`` and release the log file. Idempotent."""
+        self.stop()
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> S3Server:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client for this server (``config``: extra ``botocore`` Config)."""
+        return boto3.session.Session(
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+            region_name=self.region,
+        ).client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            config=Config(retries={"max_attempts": 1, "mode": "standard"}, **config),
+        )
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (moto: succeeds again if it exists)."""
+        if self._admin is None:  # one client for all: making one costs a few hundred ms
+            self._admin = self.client()
+        self._admin.create_bucket(Bucket=name)
+
+    def store_kwargs(self) -> dict[str, Any]:
+        """The ``S3Store`` keyword arguments that point it at this server."""
+        return dict(
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            access_key_id=self.access_key_id,
+            secret_access_key=self.secret_access_key,
+        )
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._process is None or self._process.poll() is not None:
+                raise RuntimeError(f"moto server exited on port {self.port}:\n{self._tail()}")
+            try:
+                # Any HTTP answer means the app is up (a bare TCP accept is not enough).
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                    sock.sendall(b"GET /moto-api/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                    if sock.recv(16).startswith(b"HTTP/"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"moto server did not answer on port {self.port} within "
+            f"{self.ready_timeout_s} s:\n{self._tail()}"
+        )
+
+    def _tail(self, size: int = 4000) -> str:
+        self._log.flush()
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - size))
+        return self._log.read().decode(errors="replace")
