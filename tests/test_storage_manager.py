@@ -128,11 +128,13 @@ class FlakyStore:
     def __init__(self):
         self.blobs: dict[str, bytes] = {}
         self.mode = "ok"  # ok | down | hang
+        self.delay = 0.0  # seconds every call takes
         self.calls = 0
         self.released = threading.Event()
 
     def _enter(self):
         self.calls += 1
+        time.sleep(self.delay)
         if self.mode == "down":
             raise StoreUnavailable("flaky: connection refused")
         if self.mode == "hang":
@@ -250,6 +252,20 @@ def test_hanging_remote_costs_at_most_the_timeout(pool):
     store.released.set()
     store.mode = "ok"
     wait_until(lambda: tier.is_up)
+    tier.close()
+
+
+def test_a_long_load_gets_the_timeout_per_wave_of_requests(pool):
+    store = FlakyStore()
+    tier = remote(store, timeout_s=0.3, concurrency=2)
+    objs = [fill(pool, i) for i in range(6)]
+    for i, obj in enumerate(objs):
+        tier.submit_put(key(i), obj)
+    assert tier.flush(10)
+    store.delay = 0.15  # 6 gets, 2 at a time: 0.45 s in all, 0.15 s per request
+    got = tier.get_many([key(i) for i in range(6)], pool.allocate)
+    assert all(same_bytes(g, objs[i]) for i, g in enumerate(got))
+    assert tier.is_up
     tier.close()
 
 

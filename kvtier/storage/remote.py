@@ -82,6 +82,7 @@ class RemoteTier:
         self.stats = stats
         self.timeout_s = timeout_s
         self.reconnect_max_s = max(reconnect_max_s, RECONNECT_FIRST_S)
+        self._concurrency = concurrency
         self._io = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvtier-{self.name}-io")
         self._state = threading.Lock()
         self._up = True
@@ -180,14 +181,15 @@ class RemoteTier:
         return list(present)
 
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
-        """The chunks, fetched in parallel (one request per chunk, each bounded by the
-        timeout)."""
+        """The chunks, fetched in parallel: one request per chunk, ``concurrency`` at a
+        time, each wave of requests allowed ``timeout_s``."""
         if not self._up:
             self._count(TierCounter.GET_MISSES, len(keys))
             return [None] * len(keys)
         started = time.perf_counter()
         futures = [self._io.submit(self.store.get_many, [k.to_string()]) for k in keys]
-        deadline = time.monotonic() + self.timeout_s
+        waves = -(-len(keys) // self._concurrency)
+        deadline = time.monotonic() + self.timeout_s * waves
         out: list[MemoryObj | None] = []
         for key, future in zip(keys, futures, strict=True):
             blob = self._result(future, deadline)
