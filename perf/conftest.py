@@ -2,8 +2,14 @@
 
 Every benchmark reports its figure next to a baseline measured in the same run (raw copy,
 the other hash algorithm, …) and the ratio between them. ``record`` collects those rows;
-at the end of the session they are written to ``perf/results/<device>.json`` together with
-the machine and library versions, so results are data that reports and plots read.
+at the end of the session they are merged into ``perf/results/<device>.json`` together with
+the machine and library versions, so results are data that reports and plots read. A
+benchmark module that sets ``RESULTS_NAME = "x"`` writes to ``<device>-x.json`` instead.
+
+NOTE: a results file holds the latest figure of every benchmark that ever wrote to it.
+A run replaces the rows it re-measured (same benchmark name and metric) and keeps every
+other row, so running one benchmark file never erases another's figures. Each row carries
+the date it was measured; the file's ``machine`` describes the latest run.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import pytest
 import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
-_ROWS: list[dict] = []
+# Rows measured in this session, per results-file suffix ("" for ``<device>.json``).
+_ROWS: dict[str, list[dict]] = {}
 
 
 def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3) -> float:
@@ -44,14 +51,20 @@ def record(request):
         row.setdefault("benchmark", request.node.name)
         if row.get("baseline_value"):
             row["ratio"] = row["value"] / row["baseline_value"]
-        _ROWS.append(row)
+        row["date"] = _now()
+        suffix = getattr(request.module, "RESULTS_NAME", "")
+        _ROWS.setdefault(f"-{suffix}" if suffix else "", []).append(row)
 
     return _record
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def _machine() -> dict:
     info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now(),
         "device": "cpu",
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -70,15 +83,44 @@ def _machine() -> dict:
     return info
 
 
+def _row_key(row: dict) -> tuple[str, str]:
+    return row.get("benchmark", ""), str(row.get("metric", ""))
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with every row re-measured in ``new`` (same benchmark and metric) replaced in
+    place, then ``new``'s other rows appended; rows of benchmarks that did not run stay."""
+    fresh = {_row_key(row): row for row in new}
+    merged = [fresh.pop(_row_key(row), row) for row in old]
+    return merged + [row for row in new if _row_key(row) in fresh]
+
+
+def _read_rows(path: Path) -> list[dict] | None:
+    """The rows already in ``path`` ([] when there is none); None when it is unreadable."""
+    if not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())["results"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return rows if isinstance(rows, list) else None
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not _ROWS:
         return
     machine = _machine()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    name = machine["device"].lower().replace(" ", "-")
-    out = RESULTS_DIR / f"{name}.json"
-    out.write_text(json.dumps({"machine": machine, "results": _ROWS}, indent=2) + "\n")
-    print(f"\nkvtier benchmark results written to {out}")
-    for row in _ROWS:
-        ratio = f"  ratio {row['ratio']:.3f} vs {row['baseline']}" if "ratio" in row else ""
-        print(f"  {row['benchmark']:<48} {row['value']:>12.3f} {row['unit']}{ratio}")
+    device = machine["device"].lower().replace(" ", "-")
+    for suffix, rows in _ROWS.items():
+        out = RESULTS_DIR / f"{device}{suffix}.json"
+        old = _read_rows(out)
+        if old is None:  # never overwrite figures that could not be read back
+            print(f"\nkvtier: {out} is not a results file; this run's rows go beside it")
+            out, old = out.with_suffix(".new.json"), []
+        merged = merge_rows(old, rows)
+        out.write_text(json.dumps({"machine": machine, "results": merged}, indent=2) + "\n")
+        print(f"\nkvtier benchmark results merged into {out} ({len(rows)} rows re-measured)")
+        for row in rows:
+            ratio = f"  ratio {row['ratio']:.3f} vs {row['baseline']}" if "ratio" in row else ""
+            print(f"  {row['benchmark']:<48} {row['value']:>12.3f} {row['unit']}{ratio}")
