@@ -53,6 +53,7 @@ def test_second_engine_loads_from_shared_redis(model_a, prompts_a, reference_a):
         # The second engine starts with an empty CPU tier: what it loads comes from Redis.
         extra = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis.url}
         cold, cold_stats = run_engine(model_a, extra, prompts_a, "kvtier-test-redis-1")
+        assert [r.token_ids for r in cold] == [r.token_ids for r in reference_a["single"]]
         stored = sum(len(p) // CHUNK for p in prompts_a)
         assert cold_stats["redis_put_chunks"] == stored
         assert len(redis.client().keys("kvtier:*")) == stored
