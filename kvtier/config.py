@@ -636,6 +636,16 @@ class KVTierConfig:
             lines.append("ignored LMCache keys: " + ", ".join(self.ignored_lmcache_keys))
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """One line: the keys that differ from their defaults (``key=value``), or
+        ``defaults``. Secrets are masked."""
+        changed = [
+            f"{name}={self._shown(name)}"
+            for name, spec in CONFIG_KEYS.items()
+            if getattr(self, name) != spec.default
+        ]
+        return ", ".join(changed) if changed else "defaults"
+
     def _shown(self, name: str) -> str:
         """The value for display: secrets (passwords, secret keys) are masked."""
         value = getattr(self, name)

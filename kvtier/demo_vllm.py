@@ -18,6 +18,7 @@ import contextlib
 import gc
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -127,12 +128,12 @@ def shutdown_engine(llm) -> None:
 
 
 def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int = 16) -> int:
-    """Run the walk-through; returns 0 when the kvtier hit loaded tokens and the outputs
-    matched a full recomputation."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the demo's output readable
+    """Run the walk-through: cold prefill, a kvtier hit from memory, then a new engine
+    process loading the prompt from kvtier's local disk tier. Returns 0 when both hits
+    loaded tokens and every output matched a full recomputation."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the demo's output readable
     try:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        import vllm  # noqa: F401 - only checks that the engine is installed
     except ImportError as error:
         print(
             f"kvtier demo needs vLLM ({error}); `make demo` installs it, or run "
@@ -146,38 +147,68 @@ def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int 
         f"{MODEL_SHAPE['num_heads']} heads ({MODEL_SHAPE['num_kv_heads']} KV), "
         f"head size {MODEL_SHAPE['head_size']}, bf16, at {model}"
     )
-    kvtier = {"chunk_size": chunk_size, "max_local_cpu_size": 2}
-    print("starting vLLM with --kv-transfer-config", transfer_config(kvtier))
-    llm = make_engine(model, max_model_len=tokens + max_tokens + 64, kvtier=kvtier)
+    disk = tempfile.mkdtemp(prefix="kvtier-demo-disk-")
+    kvtier = {"chunk_size": chunk_size, "max_local_cpu_size": 2, "local_disk": disk}
     rng = random.Random(0)
     prompt = [rng.randrange(1, MODEL_SHAPE["vocab_size"]) for _ in range(tokens)]
+    try:
+        return _demo_engines(model, prompt, kvtier, max_tokens)
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
 
-    def serve(n: int):
+
+def _demo_engines(model: Path, prompt: list[int], kvtier: dict[str, Any], max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokens = len(prompt)
+    max_model_len = tokens + max_tokens + 64
+
+    def serve(llm, n: int):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         return time.perf_counter() - start, list(out.outputs[0].token_ids), out.num_cached_tokens
 
-    cold_ttft, cold_first, _ = serve(1)
+    print("starting vLLM with --kv-transfer-config", transfer_config(kvtier))
+    llm = make_engine(model, max_model_len=max_model_len, kvtier=kvtier)
+    cold_ttft, cold_first, _ = serve(llm, 1)
     print(
-        f"cold:  time to first token {cold_ttft:6.2f} s  (full prefill of {tokens} tokens; "
-        "kvtier stored the prompt)"
+        f"cold:    time to first token {cold_ttft:6.2f} s  (full prefill of {tokens} tokens; "
+        "kvtier stored the prompt in memory and on disk)"
     )
     llm.reset_prefix_cache()  # vLLM forgets; kvtier keeps
-    warm_ttft, warm_first, loaded = serve(1)
+    warm_ttft, warm_first, loaded = serve(llm, 1)
     print(
-        f"warm:  time to first token {warm_ttft:6.2f} s  ({loaded} tokens loaded from kvtier, "
-        f"{tokens - loaded} computed)"
+        f"warm:    time to first token {warm_ttft:6.2f} s  ({loaded} tokens loaded from "
+        f"kvtier, {tokens - loaded} computed): {cold_ttft / warm_ttft:.1f}x faster"
     )
-    print(f"       {cold_ttft / warm_ttft:.1f}x faster to the first token")
-
     llm.reset_prefix_cache()
-    _, from_kvtier, _ = serve(max_tokens)
-    llm.reset_prefix_cache(reset_connector=True)  # empty kvtier too: a full recomputation
-    _, recomputed, recomputed_loaded = serve(max_tokens)
-    same = from_kvtier == recomputed and warm_first == cold_first and recomputed_loaded == 0
-    print(f"outputs ({max_tokens} greedy tokens): served from kvtier {from_kvtier}")
-    print(f"                           recomputed       {recomputed}")
+    _, from_memory, _ = serve(llm, max_tokens)
+    shutdown_engine(llm)
+
+    print("restarting: a new engine process with the same local_disk")
+    llm = make_engine(model, max_model_len=max_model_len, kvtier=kvtier)
+    try:
+        disk_ttft, disk_first, disk_loaded = serve(llm, 1)
+        print(
+            f"restart: time to first token {disk_ttft:6.2f} s  ({disk_loaded} tokens loaded "
+            f"from kvtier's disk tier): {cold_ttft / disk_ttft:.1f}x faster than cold"
+        )
+        llm.reset_prefix_cache()
+        _, from_disk, _ = serve(llm, max_tokens)
+        llm.reset_prefix_cache(reset_connector=True)  # empty kvtier too: full recomputation
+        _, recomputed, recomputed_loaded = serve(llm, max_tokens)
+    finally:
+        shutdown_engine(llm)
+    same = (
+        from_memory == from_disk == recomputed
+        and cold_first == warm_first == disk_first
+        and recomputed_loaded == 0
+    )
+    print(f"outputs ({max_tokens} greedy tokens): served from kvtier {from_memory}")
+    print(f"                           after the restart {from_disk}")
+    print(f"                           recomputed        {recomputed}")
     print("identical" if same else "MISMATCH")
-    ok = same and loaded > 0
+    ok = same and loaded > 0 and disk_loaded > 0
     return 0 if ok else 1

@@ -80,5 +80,6 @@ def test_console_script_demo_runs_a_real_engine():
     )
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    assert "512 tokens loaded from kvtier" in out
+    assert "512 tokens loaded from kvtier," in out
+    assert "512 tokens loaded from kvtier's disk tier" in out
     assert "\nidentical\n" in out and "MISMATCH" not in out

@@ -725,6 +725,17 @@ def test_secrets_are_never_shown() -> None:
     assert "hunter2" not in str(excinfo.value)
 
 
+def test_summary_names_changed_keys_only() -> None:
+    assert KVTierConfig().summary() == "defaults"
+    config = load_config(
+        overrides={"chunk_size": 512, "remote_url": "redis://u:pw@h:1/0", "remote_password": "x"},
+        env={},
+    )
+    assert config.summary() == (
+        "chunk_size=512, remote_url='redis://u:***@h:1/0', remote_password='***'"
+    )
+
+
 def test_lmcache_disk_and_timeout_knobs_are_ignored() -> None:
     config = load_config(
         overrides={"blocking_timeout_secs": 30, "local_disk_path_sharding": "by_gpu"}, env={}

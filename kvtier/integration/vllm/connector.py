@@ -167,7 +167,8 @@ class KVTierConnector(KVConnectorBase_V1):
             rank = _worker_rank(vllm_config)
             metadata = EngineMetadata(model_name, _world(vllm_config), rank)
             self._worker = WorkerSide(config, metadata, endpoint_for(tag, rank))
-        logger.info("kvtier connector (%s role) with %s", role.name.lower(), config.describe())
+        logger.info("kvtier connector (%s role): %s", role.name.lower(), config.summary())
+        logger.debug("kvtier config in effect:\n%s", config.describe())
 
     # -- scheduler side --------------------------------------------------------------
 
