@@ -8,10 +8,13 @@ import struct
 import cbor2
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tier_helpers import fill, key, make_pool, same_bytes
 
 from kvtier.storage import wire
 from kvtier.storage.serde import CorruptObject, NaiveSerde, make_serde, tensor_bytes
+from kvtier.storage.wire import checksum_of
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
 
@@ -36,7 +39,8 @@ def test_round_trip_is_bit_exact(pool, dtype, shape):
     back = wire.decode(blob_of(parts), name, pool.allocate)
     assert back is not None and same_bytes(back, obj)
     assert back.metadata == obj.metadata  # the engine's checksum survives the trip
-    header = wire.parse_header(bytes(parts[0][wire.PREFIX_SIZE :]), name)
+    _, header_checksum = wire.read_prefix(parts[0][: wire.PREFIX_SIZE])
+    header = wire.parse_header(bytes(parts[0][wire.PREFIX_SIZE :]), name, header_checksum)
     assert header.shape == shape and header.dtype == dtype and header.codec == "naive"
     assert header.payload_len == obj.data_nbytes
 
@@ -57,9 +61,17 @@ def _damaged(pool, how: str) -> tuple[bytes, str]:
     header_end = wire.PREFIX_SIZE + header_len
     fields = cbor2.loads(bytes(blob[wire.PREFIX_SIZE : header_end]))
 
+    def consistent(header: bytes, payload: bytes = bytes(blob[header_end:])) -> bytes:
+        """An object whose prefix matches its header: only the field checks can refuse it."""
+        return (
+            bytes(blob[:6])
+            + struct.pack("<IQ", len(header), checksum_of(header))
+            + header
+            + payload
+        )
+
     def with_header(**changes):
-        new = cbor2.dumps({**fields, **changes})
-        return bytes(blob[:6]) + struct.pack("<I", len(new)) + new + bytes(blob[header_end:])
+        return consistent(cbor2.dumps({**fields, **changes}))
 
     if how == "magic":
         blob[0:4] = b"PKL\x80"
@@ -68,7 +80,11 @@ def _damaged(pool, how: str) -> tuple[bytes, str]:
     elif how == "header_len":
         blob[6:10] = struct.pack("<I", len(blob) * 4)
     elif how == "header_garbage":
-        blob[wire.PREFIX_SIZE : wire.PREFIX_SIZE + 8] = b"\xff" * 8
+        return consistent(b"\xff" * header_len), name
+    elif how == "header_bit":
+        blob[header_end - 3] ^= 0x10  # inside the informational "created" time, too
+    elif how == "header_checksum":
+        blob[12] ^= 0x01
     elif how == "payload_bit":
         blob[-100] ^= 0x01
     elif how == "truncated":
@@ -91,8 +107,7 @@ def _damaged(pool, how: str) -> tuple[bytes, str]:
         fields.pop("checksum")
         return with_header(), name
     elif how == "not_a_map":
-        new = cbor2.dumps([1, 2, 3])
-        return bytes(blob[:6]) + struct.pack("<I", len(new)) + new, name
+        return consistent(cbor2.dumps([1, 2, 3]), b""), name
     return bytes(blob), name
 
 
@@ -101,6 +116,8 @@ DAMAGE = [
     "version",
     "header_len",
     "header_garbage",
+    "header_bit",
+    "header_checksum",
     "payload_bit",
     "truncated",
     "trailing",
@@ -133,3 +150,58 @@ def test_no_buffer_is_a_plain_none(pool):
 def test_unknown_serde_is_named():
     with pytest.raises(ValueError, match="remote_serde"):
         make_serde("zstd")
+
+
+# -- properties: whatever the bytes, a clean miss -----------------------------------------
+
+_POOL = make_pool(4)
+_OBJ = fill(_POOL, seed=11, shape=(2, 2, 4, 16))
+_NAME = key(5).to_string()
+_BLOB = blob_of(wire.encode(_NAME, _OBJ.tensor, NaiveSerde()))
+_PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _must_miss(data: bytes) -> None:
+    used = _POOL.used_bytes()
+    with pytest.raises(CorruptObject):
+        wire.decode(data, _NAME, _POOL.allocate)
+    assert _POOL.used_bytes() == used
+
+
+def test_the_property_blob_is_valid():
+    back = wire.decode(_BLOB, _NAME, _POOL.allocate)
+    assert back is not None and same_bytes(back, _OBJ)
+    back.ref_down()
+
+
+@_PROPERTY
+@given(st.data())
+def test_any_single_bit_flip_is_a_miss(data):
+    position = data.draw(st.integers(0, len(_BLOB) * 8 - 1))
+    damaged = bytearray(_BLOB)
+    damaged[position // 8] ^= 1 << (position % 8)
+    _must_miss(bytes(damaged))
+
+
+@_PROPERTY
+@given(st.integers(0, len(_BLOB) - 1))
+def test_any_truncation_is_a_miss(length):
+    _must_miss(_BLOB[:length])
+
+
+@_PROPERTY
+@given(st.binary(min_size=1, max_size=64))
+def test_any_trailing_bytes_are_a_miss(extra):
+    _must_miss(_BLOB + extra)
+
+
+@_PROPERTY
+@given(st.binary(max_size=4096))
+def test_random_bytes_are_a_miss(data):
+    _must_miss(data)
+
+
+@_PROPERTY
+@given(st.binary(max_size=512))
+def test_random_bytes_after_a_valid_prefix_are_a_miss(data):
+    _must_miss(_BLOB[: wire.PREFIX_SIZE] + data)

@@ -259,8 +259,8 @@ class FileTier:
     @staticmethod
     def _read_buffered(path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
         with open(path, "rb", buffering=0) as f:
-            header_len = wire.header_length(f.read(wire.PREFIX_SIZE))
-            header = wire.parse_header(f.read(header_len), key)
+            header_len, header_checksum = wire.read_prefix(f.read(wire.PREFIX_SIZE))
+            header = wire.parse_header(f.read(header_len), key, header_checksum)
             obj = allocate(header.shape, header.dtype)
             if obj is None:
                 return None

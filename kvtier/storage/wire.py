@@ -6,8 +6,9 @@
     0       4             magic  b"KVTR"
     4       2             format version, little-endian (1)
     6       4             header length H, little-endian
-    10      H             header: a CBOR map (below)
-    10+H    payload_len   payload: the codec's output
+    10      8             xxh3-64 of the header bytes, little-endian
+    18      H             header: a CBOR map (below)
+    18+H    payload_len   payload: the codec's output
 
 Header fields: ``key`` (the canonical ``CacheKey`` string), ``layout`` (the chunk
 layout, ``KV_2LTD``), ``dtype`` and ``shape`` of the chunk tensor, ``codec`` and
@@ -15,8 +16,8 @@ layout, ``KV_2LTD``), ``dtype`` and ``shape`` of the chunk tensor, ``codec`` and
 and ``created`` (Unix time, informational).
 
 NOTE: nothing here is ever unpickled. A reader validates every field before it trusts
-any of them, and anything wrong — bad magic, unknown version, a header that is not the
-expected map, a key other than the one asked for, a length or checksum mismatch —
+any of them, and anything wrong — bad magic, unknown version, a header whose checksum or
+CBOR is wrong or that is not the expected map, a key other than the one asked for, a length or checksum mismatch —
 raises ``CorruptObject``, which the tiers turn into a counted, logged miss.
 """
 
@@ -39,7 +40,7 @@ from kvtier.storage.serde import CorruptObject, Serde, make_serde, tensor_bytes
 
 MAGIC = b"KVTR"
 VERSION = 1
-PREFIX = struct.Struct("<4sHI")
+PREFIX = struct.Struct("<4sHIQ")
 PREFIX_SIZE = PREFIX.size
 MAX_HEADER_BYTES = 1 << 20
 CHUNK_LAYOUT = "KV_2LTD"
@@ -110,25 +111,27 @@ def encode(
             "created": time.time(),
         }
     )
-    return [PREFIX.pack(MAGIC, VERSION, len(header)) + header, *payload]
+    return [PREFIX.pack(MAGIC, VERSION, len(header), checksum_of(header)) + header, *payload]
 
 
-def header_length(prefix: Buffer) -> int:
-    """The header length from the object's first ``PREFIX_SIZE`` bytes."""
+def read_prefix(prefix: Buffer) -> tuple[int, int]:
+    """The header's length and checksum from the object's first ``PREFIX_SIZE`` bytes."""
     if len(prefix) < PREFIX_SIZE:
         raise CorruptObject(f"truncated: {len(prefix)} bytes, shorter than the prefix")
-    magic, version, length = PREFIX.unpack_from(prefix)
+    magic, version, length, header_checksum = PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptObject(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
     if version != VERSION:
         raise CorruptObject(f"unknown format version {version} (this kvtier reads {VERSION})")
     if not 0 < length <= MAX_HEADER_BYTES:
         raise CorruptObject(f"header length {length} out of range")
-    return length
+    return length, header_checksum
 
 
-def parse_header(data: Buffer, expected_key: str) -> Header:
+def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Header:
     """Validate the CBOR header ``data`` of an object read for ``expected_key``."""
+    if checksum_of(data) != header_checksum:
+        raise CorruptObject("header checksum mismatch")
     try:
         fields = cbor2.loads(bytes(data))
     except Exception as exc:  # cbor2 raises several types on garbage
@@ -190,10 +193,10 @@ def decode(blob: Buffer, expected_key: str, allocate: Allocate) -> MemoryObj | N
     Returns None when no buffer could be allocated. Raises CorruptObject.
     """
     view = memoryview(blob).cast("B")
-    length = header_length(view[:PREFIX_SIZE])
+    length, header_checksum = read_prefix(view[:PREFIX_SIZE])
     if len(view) < PREFIX_SIZE + length:
         raise CorruptObject("truncated inside the header")
-    header = parse_header(view[PREFIX_SIZE : PREFIX_SIZE + length], expected_key)
+    header = parse_header(view[PREFIX_SIZE : PREFIX_SIZE + length], expected_key, header_checksum)
     obj = allocate(header.shape, header.dtype)
     if obj is None:
         return None
