@@ -232,6 +232,65 @@ def test_two_processes_share_one_directory(tmp_path, pool):
     tier.close()
 
 
+ENDLESS_WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from tier_helpers import fill, key, make_pool
+    from kvtier.metrics import Stats
+    from kvtier.storage.disk import FileTier
+    from kvtier.storage.serde import NaiveSerde
+    tier = FileTier({root!r}, capacity_bytes=1 << 30, serde=NaiveSerde(), stats=Stats(),
+                    workers=2)
+    pool = make_pool(256)
+    shape = (2, 8, 256, 512)  # 4 MiB chunks: each write takes a while
+    print("ready", flush=True)
+    for seed in range(10_000):
+        obj = fill(pool, seed, shape=shape)
+        while not tier.submit_put(key(seed), obj):
+            tier.flush(1)
+        obj.ref_down()
+    """
+)
+
+
+def test_a_writer_killed_mid_write_leaves_only_whole_files(tmp_path, pool):
+    import signal
+
+    script = ENDLESS_WRITER.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    deadline = time.monotonic() + 60
+    while len(chunk_files(tmp_path)) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # mid-run: writes are in flight
+    proc.wait(timeout=30)
+    written = chunk_files(tmp_path)
+    assert len(written) >= 5
+
+    stats = Stats()
+    restarted = make_tier(tmp_path, stats)  # a restart indexes only complete files
+    assert len(restarted) == len(written)
+    seeds = range(len(written) + 40)
+    present = restarted.contains_many([key(i) for i in seeds])
+    big = make_pool(256)
+    for i, there in zip(seeds, present, strict=True):
+        if not there:
+            continue
+        (got,) = restarted.get_many([key(i)], big.allocate)
+        expected = fill(big, i, shape=(2, 8, 256, 512))
+        assert got is not None and same_bytes(got, expected), f"chunk {i} is not whole"
+        got.ref_down()
+        expected.ref_down()
+    assert stats.get(tier_counter("disk", TierCounter.CORRUPT)) == 0
+    # The restarted tier goes on writing; a stray temp file of the killed writer is ignored.
+    objs = put_all(restarted, pool, [100_000])
+    (got,) = restarted.get_many([key(100_000)], pool.allocate)
+    assert same_bytes(got, objs[100_000])
+    restarted.close()
+    big.close()
+
+
 @pytest.mark.parametrize("o_direct", [False, True])
 def test_o_direct_round_trip(tmp_path, pool, o_direct, caplog):
     tier = make_tier(tmp_path, o_direct=o_direct)
