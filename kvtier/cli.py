@@ -2,6 +2,8 @@
 
 kvtier info     versions, devices seen, kernel backends, config in effect
 kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
+kvtier kernels  kernel ops, backends available, what `auto` picks, tuning files in effect
+kvtier tune     sweep the Triton kernels' launch parameters on the local GPU; write tuning files
 """
 
 from __future__ import annotations
@@ -97,6 +99,206 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _search_path_rows() -> list[dict[str, object]]:
+    import os
+
+    from kvtier_kernels import tuning
+
+    env = os.environ.get(tuning.TUNING_DIR_ENV)
+    rows = []
+    for directory in tuning.search_path():
+        if directory == tuning.PACKAGED_DIR:
+            kind = "packaged defaults"
+        elif env:
+            kind = tuning.TUNING_DIR_ENV
+        else:
+            kind = f"user cache ({tuning.TUNING_DIR_ENV} unset)"
+        rows.append({"path": str(directory), "kind": kind, "exists": directory.is_dir()})
+    return rows
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvtier_kernels import registry, tuning
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    # The backend whose launch parameters apply on this machine's device.
+    tuning_backend = "triton" if on_gpu else "interpret"
+    name = tuning.device_name(device) or str(device)
+    auto = registry.resolve_backend("auto", device)
+    ops = {}
+    for op in registry.ops():
+        backends = registry.backends_for(op)
+        files = tuning.files_in_effect(op, tuning_backend, name) if op in tuning.TUNABLES else []
+        ops[op] = {
+            "backends": backends,
+            "auto": auto if auto in backends else "torch",
+            "tunable": op in tuning.TUNABLES,
+            "tuning_files": [
+                {"dtype": f.dtype, "path": str(f.path), "status": f.status, "detail": f.detail}
+                for f in files
+            ],
+        }
+    report = {
+        "kernel_backends": registry.available_backends(),
+        "device": str(device),
+        "device_name": name,
+        "tuning_backend": tuning_backend,
+        "tuning_search_path": _search_path_rows(),
+        "ops": ops,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("kernel backends:")
+    for backend, status in report["kernel_backends"].items():
+        print(f"  {backend:<10} {status}")
+    where = (
+        f"{device} ({name})"
+        if on_gpu
+        else "cpu (no GPU: Triton kernels run here only as 'interpret')"
+    )
+    print(f"\ndevice: {where}")
+    print(f"tuning files for backend {tuning_backend!r} on {name!r}, searched in order:")
+    for row in report["tuning_search_path"]:
+        state = "" if row["exists"] else "  (missing)"
+        print(f"  {row['path']}  [{row['kind']}]{state}")
+    print(f"\n  {'op':<16} {'backends':<26} {'auto':<8} tuning in effect")
+    for op, row in ops.items():
+        lead = f"  {op:<16} {', '.join(row['backends']):<26} {row['auto']:<8} "
+        if not row["tunable"]:
+            print(f"{lead}no launch parameters")
+            continue
+        effective = [f for f in row["tuning_files"] if f["status"] == "in effect"]
+        if effective:
+            print(f"{lead}tuning files below; other dtypes / shapes: built-in heuristics")
+        else:
+            print(f"{lead}built-in heuristics")
+        for f in row["tuning_files"]:
+            print(f"      {f['status']}: {f['dtype']}: {f['path']} ({f['detail']})")
+    return 0
+
+
+_NO_GPU = (
+    "needs a CUDA or ROCm GPU that Triton can drive, and {why}. Launch parameters tuned "
+    "under Triton's interpreter on the CPU would be meaningless, so nothing was tuned; the "
+    "kernels keep their built-in heuristics (and any tuning files already on the search "
+    "path: see `kvtier kernels`)."
+)
+
+
+def _tuning_target(requested: str) -> tuple[object, str, object] | str:
+    """``(device, backend, timer)`` for ``kvtier tune``, or why there is none."""
+    import torch
+
+    from kvtier_kernels import registry, tuning
+
+    if not torch.cuda.is_available():
+        return _NO_GPU.format(why="torch sees none (torch.cuda.is_available() is False)")
+    if registry.available_backends()["triton"].startswith("triton not installed"):
+        return _NO_GPU.format(why="triton is not installed")
+    device = torch.device(requested)
+    if device.type != "cuda":
+        return f"--device must be a GPU (cuda or cuda:N); got {requested!r}"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, "triton", tuning.event_timer(device)
+
+
+def _tune_shape(args: argparse.Namespace):
+    from kvtier_kernels import tuning
+
+    overrides = {
+        "num_layers": args.layers,
+        "num_kv_heads": args.kv_heads,
+        "head_size": args.head_size,
+        "block_size": args.block_size,
+        "chunk_size": args.chunk_size,
+        "dtype": tuning.parse_dtype(args.dtype) if args.dtype else None,
+        "layout": args.layout,
+        "rotary_dim": args.rotary_dim,
+    }
+    if args.model_config:
+        return tuning.model_shape_from_config(args.model_config, **overrides)
+    defaults = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
+    return tuning.ModelShape(
+        **{**defaults, **{k: v for k, v in overrides.items() if v is not None}}
+    )
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from kvtier_kernels import tuning
+
+    target = _tuning_target(args.device)
+    if isinstance(target, str):
+        print(f"kvtier tune: {target}", file=sys.stderr)
+        return 2
+    device, backend, timer = target
+    try:
+        shape = _tune_shape(args)
+        ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+        unknown = sorted(set(ops) - set(tuning.TUNABLES))
+        if unknown:
+            raise ValueError(f"--ops: unknown {unknown}; tunable ops: {', '.join(tuning.TUNABLES)}")
+    except ValueError as error:
+        print(f"kvtier tune: {error}", file=sys.stderr)
+        return 2
+    out_dir = args.out or tuning.user_dirs()[0]
+    print(f"kvtier tune on {tuning.device_name(device)} ({device}, backend {backend})")
+    print(f"shape: {shape.describe()}")
+    report = tuning.tune(
+        shape,
+        device=device,
+        backend=backend,
+        timer=timer,
+        out_dir=out_dir,
+        ops=ops,
+        chunk_memory=args.chunk_memory,
+        quick=args.quick,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        copy_engine=not args.no_copy_engine,
+        copy_engine_max_bytes=args.copy_engine_max_mib << 20,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print()
+    for note in report.notes:
+        print(note)
+    failed = 0
+    for result in report.results:
+        problem = result.problem
+        checked, rejected = len(result.timed), len(result.rejected)
+        if result.best is None:
+            failed += 1
+            first = result.rejected[0][1] if result.rejected else "no candidates"
+            print(f"{problem.describe()}: every candidate was rejected ({first}); not written")
+            continue
+        entry = result.entry()
+        config = " ".join(f"{k}={v}" for k, v in entry.config.items())
+        line = f"{problem.describe()}: {config}  {entry.median_us:.2f} us"
+        if entry.gbps is not None:
+            line += f"  {entry.gbps:.1f} GB/s"
+        if entry.heuristic_us:
+            line += f"; heuristic {entry.heuristic_us:.2f} us ({entry.heuristic_us / entry.median_us:.2f}x)"
+        print(f"{line}; {checked} checked, {rejected} rejected")
+    for op, figures in report.copy_engine.items():
+        crossover = figures.crossover_bytes
+        verdict = (
+            f"copy_ beats the kernel from {crossover} B ({crossover / 2**20:.3g} MiB) "
+            "contiguous runs of pages"
+            if crossover is not None
+            else "the kernel won at every size measured"
+        )
+        print(f"copy engine, {op} ({figures.direction}): {verdict}")
+    if report.written:
+        print("wrote:")
+        for path in report.written:
+            print(f"  {path}")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +323,63 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--head-size", type=int, default=128, help="synthetic: head size")
     demo.add_argument("--block-size", type=int, default=16, help="synthetic: block size")
     demo.set_defaults(func=cmd_demo)
+
+    kernels = sub.add_parser(
+        "kernels", help="kernel ops, backends available, what auto picks, tuning files in effect"
+    )
+    kernels.add_argument("--json", action="store_true", help="print JSON")
+    kernels.set_defaults(func=cmd_kernels)
+
+    tune = sub.add_parser(
+        "tune",
+        help="sweep the Triton kernels' launch parameters on the local GPU; write tuning files",
+        description="Sweep each kernel's launch parameters on the local GPU for one model's "
+        "KV shape, check every candidate against the torch reference, time the rest "
+        "(CUDA/HIP events, median) and write per-device JSON tuning files that the "
+        "launchers load at run time. Also measures where a copy-engine transfer beats the "
+        "paged-copy kernel. Refuses without a GPU.",
+    )
+    shape = tune.add_argument_group("model shape (flags override --model-config)")
+    shape.add_argument(
+        "--model-config", help="a HuggingFace-style config.json (or a directory holding one)"
+    )
+    shape.add_argument("--layers", type=int, help="attention layers (default 32)")
+    shape.add_argument("--kv-heads", type=int, help="KV heads per layer (default 8)")
+    shape.add_argument("--head-size", type=int, help="head size (default 128; MLA: latent dim)")
+    shape.add_argument("--block-size", type=int, help="engine block size (default 16)")
+    shape.add_argument("--chunk-size", type=int, help="kvtier chunk size (default 256)")
+    shape.add_argument("--dtype", help="KV cache dtype: bfloat16 (default), float16, float32, fp8")
+    shape.add_argument("--layout", help="engine KV layout (default vllm_nhd; MLA models: mla)")
+    shape.add_argument("--rotary-dim", type=int, help="rotary dims per head (0: no RoPE)")
+    tune.add_argument(
+        "--ops",
+        default="paged_gather,paged_scatter,rope_rerotate",
+        help="comma-separated ops to tune (default: all)",
+    )
+    tune.add_argument(
+        "--chunk-memory",
+        choices=("pinned", "device"),
+        default="pinned",
+        help="where the paged copies' chunk buffer lives while timing (default pinned host)",
+    )
+    tune.add_argument("--quick", action="store_true", help="a smaller sweep (4 or 8 warps, ...)")
+    tune.add_argument("--warmup", type=int, default=5, help="untimed runs per candidate")
+    tune.add_argument("--repeats", type=int, default=25, help="timed runs per candidate (median)")
+    tune.add_argument(
+        "--no-copy-engine", action="store_true", help="skip the copy-engine crossover measurement"
+    )
+    tune.add_argument(
+        "--copy-engine-max-mib",
+        type=int,
+        default=64,
+        help="largest contiguous run of pages timed for the crossover (MiB, default 64)",
+    )
+    tune.add_argument("--device", default="cuda", help="the GPU to tune (default: current)")
+    tune.add_argument(
+        "--out",
+        help="directory to write into (default: KVTIER_TUNING_DIR or ~/.cache/kvtier/tuning)",
+    )
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 

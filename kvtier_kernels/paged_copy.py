@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import registry
+from kvtier_kernels import registry, tuning
 from kvtier_kernels._launch import (
     LazyKernel,
     check_launch_config,
@@ -422,21 +422,25 @@ _INTERPRETER_TILE_BYTES = 1 << 16  # the interpreter pays ~1 ms per program: few
 
 
 def launch_config(
-    op: str, row_elems: int, dtype: torch.dtype, device: torch.device
+    op: str, row_elems: int, dtype: torch.dtype, device: torch.device, *, tuned: bool = True
 ) -> LaunchConfig:
     """Launch parameters for ``op`` moving rows of ``row_elems`` elements of ``dtype``.
 
-    This is the hook a tuning step fills from per-device JSON files; for now it holds the
-    built-in heuristic. The launchers call it with the row in *words*: ``row_elems`` is the
-    number of integer words per token row and ``dtype`` the word type (``torch.int64``
-    for a bf16 row of 128 x 8 heads: 256 words). ``op`` is ``"paged_gather"`` or
-    ``"paged_scatter"``; ``device`` is the cache's device (CPU means the interpreter).
+    The launchers call it with the row in *words*: ``row_elems`` is the number of integer
+    words per token row and ``dtype`` the word type (``torch.int64`` for a bf16 row of
+    128 x 8 heads: 256 words). ``op`` is ``"paged_gather"`` or ``"paged_scatter"``;
+    ``device`` is the cache's device (CPU means the interpreter).
 
-    The heuristic gives each program one tile of about 8 KiB (a whole row when it fits,
-    several tokens when rows are short), with one warp per KiB; under the interpreter,
-    where each program costs about a millisecond, tiles of up to 64 KiB.
+    A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
+    row length (``kvtier_kernels.tuning``: files named by op, backend, device and word
+    type). Otherwise (and always with ``tuned=False``, what the tuner compares against) the
+    built-in heuristic gives each program one tile of about 8 KiB (a whole row when it
+    fits, several tokens when rows are short), with one warp per KiB; under the
+    interpreter, where each program costs about a millisecond, tiles of up to 64 KiB.
     """
-    del op  # both directions move the same tiles
+    found = tuning.tuned_config(op, device, dtype, {"row_words": row_elems}) if tuned else None
+    if found is not None:
+        return LaunchConfig(**found)
     itemsize = dtype.itemsize
     tile_bytes = _GPU_TILE_BYTES if device.type == "cuda" else _INTERPRETER_TILE_BYTES
     block_row = min(next_power_of_2(row_elems), max(1, tile_bytes // itemsize))
@@ -570,6 +574,7 @@ def _launch_paged_copy(
     chunk: torch.Tensor,  # [KV, len(layers), T, H * D]
     layers: range | None,
     interpret: bool | None,
+    config: LaunchConfig | None = None,
 ) -> None:
     # validate: argument shapes, dtypes and slot range are checked by gather()/scatter();
     # here only where the tensors live, which decides what the kernel can reach.
@@ -589,7 +594,8 @@ def _launch_paged_copy(
     slots = slot_mapping.to(paged.device, non_blocking=True)
     head_words = paged.head_size * paged.dtype.itemsize // word_bytes
     row_words = paged.num_heads * head_words
-    config = launch_config(op, row_words, _WORD_OF_BYTES[word_bytes], paged.device)
+    if config is None:
+        config = launch_config(op, row_words, _WORD_OF_BYTES[word_bytes], paged.device)
     check_launch_config(config, ("block_tokens", "block_row"))
     block_tokens = min(config.block_tokens, next_power_of_2(num_tokens))
 
@@ -628,6 +634,7 @@ def gather_triton(
     layers: range | None = None,
     *,
     interpret: bool | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gather_reference`: one launch for every layer; returns ``out``.
 
@@ -635,13 +642,15 @@ def gather_triton(
     bus). Like ``copy_(non_blocking=True)`` the launch is asynchronous: synchronize the
     current stream before reading a host ``out``. ``interpret`` picks Triton's interpreter
     (CPU tensors) or the compiled kernel (GPU tensors); None picks by the cache's device.
+    ``config`` overrides :func:`launch_config` (the tuner times candidates with it).
     Arguments are assumed valid (:func:`gather` validates them).
 
     Raises:
         ValueError: the tensors are where this backend cannot reach them (a GPU cache with
-            a pageable CPU ``out``, a GPU tensor for the interpreter, ...).
+            a pageable CPU ``out``, a GPU tensor for the interpreter, ...), or ``config``
+            is not a valid launch config.
     """
-    _launch_paged_copy("paged_gather", paged, slot_mapping, out, layers, interpret)
+    _launch_paged_copy("paged_gather", paged, slot_mapping, out, layers, interpret, config)
     return out
 
 
@@ -652,9 +661,10 @@ def scatter_triton(
     layers: range | None = None,
     *,
     interpret: bool | None = None,
+    config: LaunchConfig | None = None,
 ) -> None:
     """Triton version of :func:`scatter_reference`; same arguments as :func:`gather_triton`."""
-    _launch_paged_copy("paged_scatter", paged, slot_mapping, src, layers, interpret)
+    _launch_paged_copy("paged_scatter", paged, slot_mapping, src, layers, interpret, config)
 
 
 # ---------------------------------------------------------------------------------------

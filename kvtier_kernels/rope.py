@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import registry
+from kvtier_kernels import registry, tuning
 from kvtier_kernels._launch import (
     LazyKernel,
     check_launch_config,
@@ -346,16 +346,29 @@ _INTERPRETER_TILE_PAIRS = 1 << 14  # the interpreter pays ~1 ms per program: few
 
 
 def launch_config(
-    half_rotary: int, num_tokens: int, dtype: torch.dtype, device: torch.device
+    half_rotary: int,
+    num_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    tuned: bool = True,
 ) -> LaunchConfig:
     """Launch parameters for rotating ``half_rotary`` pairs per head of ``num_tokens`` tokens.
 
-    This is the hook a tuning step fills from per-device JSON files; for now it holds the
-    built-in heuristic: a whole head's pairs per program when they fit (up to 128), and
-    enough tokens for about 1024 pairs per program (16 Ki under the interpreter, where each
-    program costs about a millisecond).
+    A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
+    ``half_rotary`` (``kvtier_kernels.tuning``: files named by op, backend, device and
+    ``dtype``; the entry tuned for the closest token count, its ``block_tokens`` capped at
+    the tokens there are). Otherwise (and always with ``tuned=False``, what the tuner
+    compares against) the built-in heuristic: a whole head's pairs per program when they
+    fit (up to 128), and enough tokens for about 1024 pairs per program (16 Ki under the
+    interpreter, where each program costs about a millisecond).
     """
-    del dtype  # the math is fp32 whatever the storage dtype
+    key = {"half_rotary": half_rotary, "num_tokens": num_tokens}
+    found = tuning.tuned_config("rope_rerotate", device, dtype, key) if tuned else None
+    if found is not None:
+        config = LaunchConfig(**found)
+        capped = min(config.block_tokens, next_power_of_2(max(1, num_tokens)))
+        return LaunchConfig(capped, config.block_pairs, config.num_warps)
     tile_pairs = _GPU_TILE_PAIRS if device.type == "cuda" else _INTERPRETER_TILE_PAIRS
     block_pairs = min(next_power_of_2(half_rotary), 128)
     block_tokens = min(next_power_of_2(num_tokens), max(1, tile_pairs // block_pairs))
@@ -402,12 +415,14 @@ def rerotate_triton(
     inv_freq: torch.Tensor | None = None,  # [rotary_dim // 2] fp32; overrides base
     is_neox_style: bool = True,
     interpret: bool | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`rerotate_reference`: one launch for every layer and head.
 
     Returns ``k``. The launch is asynchronous on the current stream. ``interpret`` picks
     Triton's interpreter (CPU tensors) or the compiled kernel (GPU tensors); None picks by
-    ``k``'s device. Arguments are assumed valid (:func:`rerotate` validates them).
+    ``k``'s device. ``config`` overrides :func:`launch_config` (the tuner times candidates
+    with it). Arguments are assumed valid (:func:`rerotate` validates them).
 
     Raises:
         ValueError: ``k`` is where this backend cannot reach it, or more than 65535 layers
@@ -433,7 +448,8 @@ def rerotate_triton(
     else:
         freqs = inv_freq.to(k.device, torch.float32, non_blocking=True)
     half_rotary = rotary_dim // 2
-    config = launch_config(half_rotary, num_tokens, k.dtype, k.device)
+    if config is None:
+        config = launch_config(half_rotary, num_tokens, k.dtype, k.device)
     check_launch_config(config, ("block_tokens", "block_pairs"))
 
     # grid: (token tiles x pair blocks, layers, heads)
