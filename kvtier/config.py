@@ -452,6 +452,23 @@ class KVTierConfig:
         allowed="an integer >= 0",
         lmcache_names=("min_retrieve_tokens",),
     )
+    metrics_port: int | None = _key(
+        None,
+        int,
+        "Serve Prometheus metrics on this port (/metrics); null: off. Inside vLLM the "
+        "scheduler process serves every rank's metrics; data-parallel engine i uses "
+        "metrics_port + i.",
+        check=lambda v: 0 <= v <= 65535,
+        allowed="a port number from 0 to 65535 (0: any free port)",
+        nullable=True,
+    )
+    metrics_host: str = _key(
+        "127.0.0.1",
+        str,
+        "Address the metrics endpoint binds to (0.0.0.0 to let a remote Prometheus scrape).",
+        check=lambda v: v != "",
+        allowed="a host name or IP address",
+    )
     store_queue_size: int = _key(
         256,
         int,

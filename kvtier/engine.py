@@ -25,7 +25,7 @@ from kvtier.gpu_connector import PagedKVConnector
 from kvtier.hashing import ChunkHasher, TokenIds
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Stats
+from kvtier.metrics import Counter, Histogram, Stats
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import checksum_of
@@ -358,6 +358,7 @@ class StoreTransfer:
         s.inc(Counter.STORED_TOKENS, result.stored_tokens)
         s.inc(Counter.STORED_BYTES, result.stored_bytes)
         s.inc(Counter.STORE_SECONDS, result.seconds)
+        s.observe(Histogram.STORE, result.seconds)
         s.inc(Counter.STORE_SKIPPED_EXISTING, result.skipped_existing)
         s.inc(Counter.STORE_SKIPPED_NO_MEMORY, result.skipped_no_memory)
         return result
@@ -454,3 +455,4 @@ class RetrieveTransfer:
         s.inc(Counter.HIT_TOKENS, hit_tokens)
         s.inc(Counter.LOADED_BYTES, loaded)
         s.inc(Counter.LOAD_SECONDS, self._busy)
+        s.observe(Histogram.LOAD, self._busy)

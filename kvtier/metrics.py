@@ -66,16 +66,54 @@ def tier_counter(tier: str, what: str) -> str:
     return f"{tier}_{what}"
 
 
+# Upper bounds (seconds) of the latency histograms: 1 ms .. 10 s.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    """Names of the latency histograms kvtier keeps (seconds per operation)."""
+
+    STORE = "store_latency_seconds"  # one engine store (gather + commit)
+    LOAD = "load_latency_seconds"  # one engine load (fetch + verify + scatter)
+    TIER_GET = "get_latency_seconds"  # per tier: one batched get (tier_counter name)
+    TIER_PUT = "put_latency_seconds"  # per tier: one batch of writes
+
+
 class Stats:
-    """Thread-safe named counters (ints or float seconds)."""
+    """Thread-safe named counters (ints or float seconds) and latency histograms."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: defaultdict[str, float] = defaultdict(float)
+        # name -> [count per bucket (+Inf last), sum, count]
+        self._histograms: dict[str, list] = {}
 
     def inc(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._values[name] += amount
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one observation to histogram ``name`` (buckets ``LATENCY_BUCKETS``)."""
+        index = next(
+            (i for i, bound in enumerate(LATENCY_BUCKETS) if seconds <= bound),
+            len(LATENCY_BUCKETS),
+        )
+        with self._lock:
+            hist = self._histograms.get(name)
+            if hist is None:
+                hist = self._histograms[name] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0, 0]
+            hist[0][index] += 1
+            hist[1] += seconds
+            hist[2] += 1
+
+    def histograms(self) -> dict[str, dict]:
+        """``{name: {"counts": per-bucket counts (last: above the top bound), "sum": s,
+        "count": n}}`` — plain data, safe to send between processes."""
+        with self._lock:
+            return {
+                name: {"counts": list(counts), "sum": total, "count": n}
+                for name, (counts, total, n) in self._histograms.items()
+            }
 
     def get(self, name: str) -> float:
         with self._lock:
@@ -100,3 +138,4 @@ class Stats:
     def reset(self) -> None:
         with self._lock:
             self._values.clear()
+            self._histograms.clear()

@@ -106,6 +106,8 @@ def test_defaults() -> None:
         "save_decode_cache": False,
         "lookup_timeout_ms": 2000,
         "min_retrieve_tokens": 0,
+        "metrics_port": None,
+        "metrics_host": "127.0.0.1",
         "store_queue_size": 256,
         "local_disk": None,
         "max_local_disk_size": 20.0,

@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import pytest
 from conftest import BLOCK, CHUNK
+from redis_server import free_port
 from vllm_engines import expected_loaded, generate, make_llm, shutdown, worker_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -22,11 +23,12 @@ CHUNK_BYTES = 2 * LAYERS * CHUNK * KV_HEADS * HEAD * 4  # K and V planes, float3
 @pytest.fixture(scope="module")
 def run(model_a, prompts_a, shared_prefix_prompts):
     engine_id = "kvtier-test-connector"
+    metrics_port = free_port()
     llm = make_llm(
         model_a,
         block_size=BLOCK,
         engine_id=engine_id,
-        kvtier={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
+        kvtier={"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "metrics_port": metrics_port},
     )
     try:
         result = {"cold": generate(llm, prompts_a)}
@@ -35,6 +37,7 @@ def run(model_a, prompts_a, shared_prefix_prompts):
         assert llm.reset_prefix_cache()
         result["warm"] = generate(llm, prompts_a)
         result["stats_warm"] = worker_stats(engine_id)
+        result["metrics"] = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
         assert llm.reset_prefix_cache()
         result["warm_shared"] = generate(llm, shared_prefix_prompts)
         # Resetting with reset_connector=True empties kvtier too: nothing to load after.
@@ -79,6 +82,32 @@ def test_worker_counters_match_the_workload(run, prompts_a, shared_prefix_prompt
     assert warm["retrieve_hit_tokens"] - cold["retrieve_hit_tokens"] == chunks_read * CHUNK
     assert warm["stored_chunks"] == cold["stored_chunks"]  # nothing stored twice
     assert warm["corrupt_chunks_rejected"] == 0
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_prometheus_endpoint_serves_the_workers_numbers(run, prompts_a):
+    metrics, warm = run["metrics"], run["stats_warm"]
+    rank0 = (("rank", "0"),)
+    for counter in ("stored_chunks", "stored_bytes", "loaded_bytes", "retrieve_hit_tokens"):
+        assert metrics[(f"kvtier_{counter}_total", rank0)] == warm[counter], counter
+    assert metrics[("kvtier_corrupt_chunks_rejected_total", rank0)] == 0
+    scheduler = (("rank", "scheduler"),)
+    assert metrics[("kvtier_lookup_tokens_total", scheduler)] >= 2 * sum(map(len, prompts_a))
+    assert metrics[("kvtier_lookup_hit_tokens_total", scheduler)] > 0
+    assert metrics[("kvtier_load_latency_seconds_count", rank0)] == warm["retrieve_requests"]
 
 
 def test_reset_connector_empties_kvtier(run, reference_a):

@@ -154,6 +154,11 @@ class LocalCPUTier:
     def __len__(self) -> int:
         return len(self._objects)
 
+    def pinned_count(self) -> int:
+        """Stored objects pinned right now (being written or read)."""
+        with self._lock:
+            return sum(obj.is_pinned for obj in self._objects.values())
+
     @property
     def used_bytes(self) -> int:
         return self.pool.used_bytes()

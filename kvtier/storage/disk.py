@@ -39,7 +39,7 @@ import xxhash
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.policy import make_policy
 from kvtier.storage.serde import CorruptObject, Serde, tensor_bytes
@@ -251,9 +251,9 @@ class FileTier:
                     self._policy.touch(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
         self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), obj.data_nbytes)
-        self.stats.inc(
-            tier_counter(self.name, TierCounter.GET_SECONDS), time.perf_counter() - started
-        )
+        elapsed = time.perf_counter() - started
+        self.stats.inc(tier_counter(self.name, TierCounter.GET_SECONDS), elapsed)
+        self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
         return obj
 
     @staticmethod
@@ -352,9 +352,9 @@ class FileTier:
             return
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_CHUNKS))
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_BYTES), size)
-        self.stats.inc(
-            tier_counter(self.name, TierCounter.PUT_SECONDS), time.perf_counter() - started
-        )
+        elapsed = time.perf_counter() - started
+        self.stats.inc(tier_counter(self.name, TierCounter.PUT_SECONDS), elapsed)
+        self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
 
     def _write_file(self, tmp: Path, parts: list, size: int) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -430,6 +430,11 @@ class FileTier:
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued or in flight."""
+        return self._writes.pending
 
     @property
     def used_bytes(self) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.backend import BlobStore, StoreUnavailable
 from kvtier.storage.serde import CorruptObject, Serde
@@ -198,7 +198,9 @@ class RemoteTier:
         self._count(TierCounter.GET_HITS, len(hits))
         self._count(TierCounter.GET_MISSES, len(out) - len(hits))
         self._count(TierCounter.GET_BYTES, sum(obj.data_nbytes for obj in hits))
-        self._count(TierCounter.GET_SECONDS, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._count(TierCounter.GET_SECONDS, elapsed)
+        self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
         return out
 
     def _result(self, future: Future, deadline: float) -> bytes | None:
@@ -265,7 +267,9 @@ class RemoteTier:
             return
         self._count(TierCounter.PUT_CHUNKS, len(items))
         self._count(TierCounter.PUT_BYTES, sum(len(p) for _, parts in items for p in parts))
-        self._count(TierCounter.PUT_SECONDS, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._count(TierCounter.PUT_SECONDS, elapsed)
+        self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
 
     # -- management ------------------------------------------------------------------
 
@@ -288,6 +292,11 @@ class RemoteTier:
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued or in flight."""
+        return self._writes.pending
 
     def close(self) -> None:
         self._writes.close(timeout=max(10 * self.timeout_s, 10.0))

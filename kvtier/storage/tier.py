@@ -53,6 +53,11 @@ class LowerTier(Protocol):
         """Wait until every queued write is done; False on timeout."""
         ...
 
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued or in flight."""
+        ...
+
     def close(self) -> None:
         """Finish queued writes (bounded wait), then release everything."""
         ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from kvtier.engine import EngineMetadata
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
 from kvtier.integration.vllm.scheduler import SchedulerSide, StepPlan
 from kvtier.integration.vllm.worker import WorkerSide
+from kvtier.prometheus import MetricsServer
 from kvtier_kernels import LAYOUTS
 
 try:
@@ -146,6 +148,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._client: RpcClient | None = None
         self._last_stats: dict[str, float] = {}
+        self._metrics: MetricsServer | None = None
+        self._metrics_client: RpcClient | None = None
         tag = _engine_tag(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             endpoints = [endpoint_for(tag, rank) for rank in range(_world(vllm_config))]
@@ -158,6 +162,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 whole_blocks=not _token_major_layout(config),
             )
+            self._metrics = self._serve_metrics(config, endpoints, vllm_config)
             if transfer.kv_load_failure_policy != "recompute":
                 # NOTE: a chunk kvtier cannot load is a cache miss, never a failed
                 # request; vLLM reads this after building the scheduler's connector.
@@ -171,6 +176,36 @@ class KVTierConnector(KVConnectorBase_V1):
         logger.debug("kvtier config in effect:\n%s", config.describe())
 
     # -- scheduler side --------------------------------------------------------------
+
+    def _serve_metrics(
+        self, config: KVTierConfig, endpoints: list[str], vllm_config: VllmConfig
+    ) -> MetricsServer | None:
+        """The Prometheus endpoint (``metrics_port``), served from this process: each
+        scrape asks every worker rank for its metrics over the lookup sockets."""
+        if config.metrics_port is None:
+            return None
+        client = self._metrics_client = RpcClient(endpoints, config.lookup_timeout_ms / 1000)
+        lock = threading.Lock()  # one scrape at a time on the client's sockets
+
+        def sources() -> list[dict]:
+            scheduler = self._scheduler
+            own = {
+                "labels": {"rank": "scheduler"},
+                "counters": {
+                    "lookup_tokens": scheduler.lookup_tokens if scheduler else 0,
+                    "lookup_hit_tokens": scheduler.lookup_hit_tokens if scheduler else 0,
+                },
+            }
+            with lock:
+                replies = client.call_all("metrics")
+            if replies is None:
+                logger.warning("kvtier metrics: a worker rank did not answer; serving partial")
+                replies = []
+            return [own, *replies]
+
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
+        port = config.metrics_port + dp_rank if config.metrics_port else 0
+        return MetricsServer(config.metrics_host, port, sources)
 
     def _lookup(self, hashes: list[bytes]) -> int:
         assert self._client is not None
@@ -277,10 +312,13 @@ class KVTierConnector(KVConnectorBase_V1):
         return bool(extra_config.get("use_layerwise", False))
 
     def shutdown(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         if self._worker is not None:
             self._worker.shutdown()
-        if self._client is not None:
-            self._client.close()
+        for client in (self._client, self._metrics_client):
+            if client is not None:
+                client.close()
 
 
 def _worker_rank(vllm_config: VllmConfig) -> int:

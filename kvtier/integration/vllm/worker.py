@@ -30,6 +30,7 @@ from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTr
 from kvtier.integration.vllm.rpc import RpcServer
 from kvtier.integration.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
 from kvtier.metrics import Stats
+from kvtier.prometheus import export
 from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,9 @@ class WorkerSide:
                     "lookup": self._serve_lookup,
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
+                    "metrics": lambda args: export(
+                        self.stats, self.engine.storage, rank=str(self.metadata.rank)
+                    ),
                 },
             )
             self._server.start()

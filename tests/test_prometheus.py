@@ -1,0 +1,131 @@
+"""Prometheus metrics checked against what a scripted workload really did: exact chunk,
+byte and token counts, per-tier counters, histograms and gauges, scraped over HTTP."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from test_engine import make_engine
+
+from kvtier.metrics import Stats
+from kvtier.prometheus import MetricsServer, export, serve_engine_metrics
+
+LAYERS, HEADS, HEAD, CHUNK = 3, 2, 8, 8  # test_engine.make_engine's defaults
+CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * HEAD * 2  # K and V planes, bf16
+
+
+def scrape(server: MetricsServer) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` from the live endpoint."""
+    url = f"http://{server.host}:{server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples, name: str, **labels) -> float:
+    key = (name, tuple(sorted({"rank": "0", **labels}.items())))
+    assert key in samples, f"{name}{labels} not exported; have {sorted(k[0] for k in samples)}"
+    return samples[key]
+
+
+def test_numbers_match_a_scripted_workload(tmp_path):
+    first = make_engine(local_disk=str(tmp_path))
+    first.store(torch.arange(40), slot_mapping=torch.arange(40))  # 5 chunks
+    first.store(torch.arange(24), slot_mapping=torch.arange(24))  # all 3 already held
+    assert first.storage.flush(30)
+    first.close()
+
+    engine = make_engine(local_disk=str(tmp_path))  # a restart: chunks come from disk
+    engine.store(torch.arange(100, 116), slot_mapping=torch.arange(100, 116))  # 2 new
+    assert engine.retrieve(torch.arange(40), slot_mapping=torch.arange(40, 80)) == 40
+    assert engine.retrieve(torch.arange(24), slot_mapping=torch.arange(40, 64)) == 24
+    assert engine.storage.flush(30)
+    server = serve_engine_metrics(engine)
+    try:
+        assert server.host == "127.0.0.1"  # localhost unless configured
+        samples = scrape(server)
+    finally:
+        server.close()
+
+    assert value(samples, "kvtier_stored_chunks_total") == 2
+    assert value(samples, "kvtier_stored_bytes_total") == 2 * CHUNK_BYTES
+    assert value(samples, "kvtier_retrieve_hit_tokens_total") == 64
+    assert value(samples, "kvtier_loaded_bytes_total") == 8 * CHUNK_BYTES
+    # 5 chunks read from disk (then written back to memory); the second load hit memory.
+    assert value(samples, "kvtier_tier_get_hits_total", tier="disk") == 5
+    assert value(samples, "kvtier_tier_put_chunks_total", tier="disk") == 2
+    assert value(samples, "kvtier_cpu_writeback_chunks_total") == 5
+    assert value(samples, "kvtier_tier_hit_ratio", tier="disk") == 1.0
+    # One observation per store and per load, summing to the measured seconds.
+    assert value(samples, "kvtier_store_latency_seconds_count") == 1
+    assert value(samples, "kvtier_load_latency_seconds_count") == 2
+    assert value(samples, "kvtier_load_latency_seconds_sum") == pytest.approx(
+        value(samples, "kvtier_load_seconds_total")
+    )
+    assert value(samples, "kvtier_load_latency_seconds_bucket", le="+Inf") == 2
+    assert value(samples, "kvtier_tier_chunks", tier="cpu") == 7
+    used = engine.storage.cpu.used_bytes
+    assert value(samples, "kvtier_tier_pool_used_bytes", tier="cpu") == used
+    assert value(samples, "kvtier_tier_up", tier="disk") == 1.0
+    assert value(samples, "kvtier_tier_pending_writes", tier="disk") == 0
+    disk_files = sum(p.stat().st_size for p in tmp_path.rglob("*.kvt"))
+    assert value(samples, "kvtier_tier_used_bytes", tier="disk") == disk_files
+    assert value(samples, "kvtier_corrupt_chunks_rejected_total") == 0
+    engine.close()
+
+
+def test_ranks_are_labels():
+    stats = [Stats(), Stats()]
+    stats[0].inc("stored_chunks", 3)
+    stats[1].inc("stored_chunks", 4)
+    stats[1].inc("redis_timeouts", 2)
+    stats[1].observe("redis_get_latency_seconds", 0.003)
+    server = MetricsServer(
+        "127.0.0.1", 0, lambda: [export(s, rank=str(i)) for i, s in enumerate(stats)]
+    )
+    try:
+        samples = scrape(server)
+        assert value(samples, "kvtier_stored_chunks_total", rank="0") == 3
+        assert value(samples, "kvtier_stored_chunks_total", rank="1") == 4
+        assert value(samples, "kvtier_tier_timeouts_total", rank="1", tier="redis") == 2
+        assert (
+            value(
+                samples,
+                "kvtier_tier_get_latency_seconds_bucket",
+                rank="1",
+                tier="redis",
+                le="0.005",
+            )
+            == 1
+        )
+        assert (
+            value(
+                samples,
+                "kvtier_tier_get_latency_seconds_bucket",
+                rank="1",
+                tier="redis",
+                le="0.0025",
+            )
+            == 0
+        )
+        stats[0].inc("stored_chunks")  # live: the next scrape sees it
+        assert value(scrape(server), "kvtier_stored_chunks_total", rank="0") == 4
+    finally:
+        server.close()
+
+
+def test_a_taken_port_is_a_clear_error():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(OSError, match="metrics_port"):
+            MetricsServer("127.0.0.1", port, list)
