@@ -46,6 +46,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import cbor2
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -53,9 +54,11 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvtier.config import redact_url
-from kvtier.storage.backend import Buffer, StoreUnavailable, join_parts
+from kvtier.storage.backend import Buffer, StoreUnavailable
 
 log = logging.getLogger(__name__)
+
+SCRATCH_BYTES = 64 * 2**20  # most bytes joined into one pipeline (per writer thread)
 
 #: prefix of a split value's manifest (the layer above writes a different magic)
 MANIFEST_MAGIC = b"KVTIERPARTS\x00"
@@ -307,6 +310,7 @@ class RedisStore:
         self.url = endpoint.display
         self.namespace = namespace
         self._endpoint = endpoint
+        self._scratch = threading.local()  # per writer thread: see _join_batch
         self._timeout_s = timeout_s
         self._ttl_ms = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
         self._max_value_bytes = max_value_bytes
@@ -411,9 +415,23 @@ class RedisStore:
         behind (they expire with the TTL, and clear() removes them); kvtier names are
         content hashes, so a name is rewritten with the same bytes.
         """
-        writes: list[tuple[str, Buffer]] = []
+        # Batches are cut at about SCRATCH_BYTES of multi-part blobs, each one pipeline,
+        # so the reused join buffer stays small.
+        batch: list[tuple[str, Sequence[Buffer]]] = []
+        batch_bytes = 0
         for name, parts in items:
-            blob = _byte_view(join_parts(parts))
+            size = sum(len(p) for p in parts) if len(parts) > 1 else 0
+            if batch and batch_bytes + size > SCRATCH_BYTES:
+                self._put_batch(batch)
+                batch, batch_bytes = [], 0
+            batch.append((name, parts))
+            batch_bytes += size
+        if batch:
+            self._put_batch(batch)
+
+    def _put_batch(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
+        writes: list[tuple[str, Buffer]] = []
+        for (name, _), blob in zip(items, self._join_batch(items), strict=True):
             key = self._key(name)
             if len(blob) > self._max_value_bytes or blob[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC:
                 writes.extend(self._split(key, blob))
@@ -426,6 +444,30 @@ class RedisStore:
             for key, value in writes:
                 pipe.set(key, value, px=self._ttl_ms)
             pipe.execute()
+
+    def _join_batch(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[Buffer]:
+        """Each blob as one buffer. Multi-part blobs are copied into this thread's
+        scratch buffer, which is reused across calls: a fresh ``bytes`` per large value
+        would page-fault its memory in on every write, about halving the throughput."""
+        views = [[v for v in map(_byte_view, parts) if len(v)] for _, parts in items]
+        multi = sum(sum(len(v) for v in parts) for parts in views if len(parts) > 1)
+        scratch = getattr(self._scratch, "buffer", None)
+        if multi and (scratch is None or len(scratch) < multi):
+            scratch = self._scratch.buffer = bytearray(multi)
+        out: list[Buffer] = []
+        offset = 0
+        for parts in views:
+            if len(parts) <= 1:
+                out.append(parts[0] if parts else b"")
+                continue
+            start = offset
+            for part in parts:
+                # numpy copies at memory speed; a bytearray slice assignment is ~10x slower
+                target = np.frombuffer(scratch, np.uint8, len(part), offset)
+                target[:] = np.frombuffer(part, np.uint8)
+                offset += len(part)
+            out.append(memoryview(scratch)[start:offset])
+        return out
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """The blob under each name, or None where absent (or a part is missing)."""
