@@ -289,9 +289,13 @@ def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTie
     scheme = url.partition("://")[0].lower()
     serde = make_serde(config.remote_serde)
     if scheme == "fs":
-        path = urlsplit(url).path
-        if not path:
-            raise ValueError(f"remote_url {url!r}: give a path, e.g. fs:///mnt/shared/kvtier")
+        parts = urlsplit(url)
+        if parts.netloc or not parts.path:
+            raise ValueError(
+                f"remote_url {url!r}: give an absolute path after fs://, "
+                "e.g. fs:///mnt/shared/kvtier"
+            )
+        path = parts.path
         return FileTier(
             path,
             name="fs",
