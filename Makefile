@@ -53,8 +53,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The suite merges its figures into perf/results/*.json; the report (perf/report.md and
+# perf/plots/) is rendered from those files even when a benchmark failed, and make still
+# fails with pytest's status.
 bench: $(STAMP)
-	$(PY) -m pytest perf -q --benchmark-json=perf/results/latest.json
+	$(PY) -m pytest perf -q --benchmark-json=perf/results/latest.json; status=$$?; \
+	$(PY) perf/report.py && exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks
