@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.events import TierEventLog
 from kvtier.gpu_connector import PagedKVConnector
 from kvtier.hashing import ChunkHasher, TokenIds
 from kvtier.keys import CacheKey
@@ -75,6 +76,8 @@ class CacheEngine:
         paged: the engine's KV cache; may be bound later with ``bind``.
         stats: counters to update (a fresh ``Stats`` by default).
         pin_memory: pin the host pool (None: when a GPU is present).
+        events: where the tiers record what they hold, for KV events (``kvtier.events``;
+            None: nothing is recorded).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class CacheEngine:
         *,
         stats: Stats | None = None,
         pin_memory: bool | None = None,
+        events: TierEventLog | None = None,
     ):
         self.config = config
         self.metadata = metadata
@@ -94,6 +98,7 @@ class CacheEngine:
             self.stats,
             pin_memory=pin_memory,
             namespace=config.model_name or metadata.model_name,
+            events=events,
         )
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.connector: PagedKVConnector | None = None

@@ -36,6 +36,13 @@ class Counter:
     ALLOC_FAILURES = "allocation_failures"
     PREFETCHED_CHUNKS = "prefetched_chunks"
     WRITEBACK_CHUNKS = "cpu_writeback_chunks"
+    # KV events (docs/observability.md#kv-events). Workers: tier records dropped by a
+    # full log. Scheduler: events dropped by a full queue, blocks announced and
+    # withdrawn, chunks every rank holds that could not be announced (no payload).
+    KV_EVENTS_DROPPED = "kv_events_dropped"
+    KV_EVENTS_BLOCKS_STORED = "kv_events_blocks_stored"
+    KV_EVENTS_BLOCKS_REMOVED = "kv_events_blocks_removed"
+    KV_EVENTS_UNANNOUNCED = "kv_events_unannounced_chunks"
 
 
 class TierCounter:

@@ -3,10 +3,16 @@
 One engine with the connector serves the whole module: a cold pass stores every prompt,
 vLLM's own prefix cache is reset, and a warm pass must load the stored chunks from kvtier
 and produce exactly the outputs of an engine with no connector.
+
+The engine publishes vLLM's KV events over ZMQ; the module subscribes to them and checks
+that kvtier's events come out of vLLM's own stream, keyed by the block hashes of vLLM's
+own prefix-cache events.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -20,32 +26,84 @@ LAYERS, KV_HEADS, HEAD = 2, 2, 32
 CHUNK_BYTES = 2 * LAYERS * CHUNK * KV_HEADS * HEAD * 4  # K and V planes, float32
 
 
+class EventStream:
+    """A subscriber to vLLM's ZMQ KV event publisher; a thread collects every batch."""
+
+    def __init__(self, endpoint: str):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list = []
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(50):
+                _topic, _seq, payload = self._socket.recv_multipart()
+                self.events.extend(self._decoder.decode(payload).events)
+                self._last = time.monotonic()
+
+    def take(self, quiet: float = 1.0) -> list:
+        """Everything received so far, once nothing arrived for ``quiet`` seconds."""
+        while time.monotonic() - self._last < quiet:
+            time.sleep(0.05)
+        taken, self.events = self.events, []
+        return taken
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+        self._context.term()
+
+
 @pytest.fixture(scope="module")
 def run(model_a, prompts_a, shared_prefix_prompts):
+    from vllm.config import KVEventsConfig
+
     engine_id = "kvtier-test-connector"
-    metrics_port = free_port()
-    llm = make_llm(
-        model_a,
-        block_size=BLOCK,
-        engine_id=engine_id,
-        kvtier={"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "metrics_port": metrics_port},
-    )
+    metrics_port, events_port = free_port(), free_port()
+    stream = EventStream(f"tcp://127.0.0.1:{events_port}")  # before the publisher binds
+    llm = None
     try:
+        llm = make_llm(
+            model_a,
+            block_size=BLOCK,
+            engine_id=engine_id,
+            kvtier={"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "metrics_port": metrics_port},
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{events_port}"
+            ),
+        )
         result = {"cold": generate(llm, prompts_a)}
         result["cold_shared"] = generate(llm, shared_prefix_prompts)
         result["stats_cold"] = worker_stats(engine_id)
+        result["events_cold"] = stream.take()
         assert llm.reset_prefix_cache()
         result["warm"] = generate(llm, prompts_a)
         result["stats_warm"] = worker_stats(engine_id)
         result["metrics"] = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
         assert llm.reset_prefix_cache()
         result["warm_shared"] = generate(llm, shared_prefix_prompts)
+        result["events_warm"] = stream.take()
         # Resetting with reset_connector=True empties kvtier too: nothing to load after.
         assert llm.reset_prefix_cache(reset_connector=True)
         result["after_clear"] = generate(llm, prompts_a[3:4])
+        result["events_after_clear"] = stream.take()
         return result
     finally:
-        shutdown(llm)
+        if llm is not None:
+            shutdown(llm)
+        stream.close()
 
 
 def test_cold_outputs_equal_no_connector(run, reference_a):
@@ -114,3 +172,83 @@ def test_reset_connector_empties_kvtier(run, reference_a):
     (after,) = run["after_clear"]
     assert after.num_cached_tokens == 0
     assert after.token_ids == reference_a["single"][3].token_ids
+
+
+# -- KV events -----------------------------------------------------------------------
+
+
+def kvtier_events(events: list) -> list:
+    return [e for e in events if getattr(e, "ownership", None) == "kvtier"]
+
+
+def vllm_blocks(events: list) -> dict:
+    """vLLM's own prefix-cache events: block hash -> (parent hash, the block's tokens)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    blocks = {}
+    for e in events:
+        if isinstance(e, BlockStored) and e.ownership is None:
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                blocks[h] = (parent, tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size]))
+                parent = h
+    return blocks
+
+
+def test_kv_events_announce_every_stored_chunk_with_vllms_block_hashes(
+    run, prompts_a, shared_prefix_prompts
+):
+    from vllm.distributed.kv_events import BlockStored
+
+    events = run["events_cold"]
+    ours = kvtier_events(events)
+    assert ours and all(isinstance(e, BlockStored) for e in ours), "cold pass: stores only"
+    # One event per chunk stored (the shared prefix once), with that chunk's tokens.
+    want = {
+        tuple(p[: (k + 1) * CHUNK])
+        for p in [*prompts_a, *shared_prefix_prompts]
+        for k in range(len(p) // CHUNK)
+    }
+    assert len(ours) == len(want) == 14
+    gpu = vllm_blocks(events)
+    prefixes = set()
+    for e in ours:
+        assert (e.medium, e.locality, e.block_size, e.group_idx) == ("CPU", "LOCAL", BLOCK, 0)
+        assert len(e.block_hashes) == CHUNK // BLOCK and len(e.token_ids) == CHUNK
+        # Each block is one vLLM's prefix cache announced: same hash, tokens and parent.
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            assert h in gpu, f"block {i} of a kvtier event is not a vLLM block hash"
+            assert gpu[h] == (parent, tuple(e.token_ids[i * BLOCK : (i + 1) * BLOCK])), i
+            parent = h
+        # Walk the parents back to the prompt's start: the whole prefix.
+        chain, h = [], e.block_hashes[-1]
+        while h is not None:
+            parent, tokens = gpu[h]
+            chain[:0] = tokens
+            h = parent
+        prefixes.add(tuple(chain))
+    assert prefixes == want
+    stored = run["metrics"][("kvtier_kv_events_blocks_stored_total", (("rank", "scheduler"),))]
+    assert stored == 14 * CHUNK // BLOCK
+
+
+def test_kv_events_loads_announce_nothing(run):
+    assert kvtier_events(run["events_warm"]) == []
+
+
+def test_kv_events_reset_connector_withdraws_everything(run, prompts_a):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    announced = {h for e in kvtier_events(run["events_cold"]) for h in e.block_hashes}
+    removed, *restored = kvtier_events(run["events_after_clear"])
+    assert isinstance(removed, BlockRemoved)
+    assert (removed.medium, removed.locality) == ("CPU", "LOCAL")
+    assert sorted(removed.block_hashes) == sorted(announced)
+    # Then the one prompt served after the reset is stored, and announced, again.
+    prompt = prompts_a[3]
+    assert [type(e) for e in restored] == [BlockStored] * (len(prompt) // CHUNK)
+    assert [e.token_ids for e in restored] == [
+        prompt[k * CHUNK : (k + 1) * CHUNK] for k in range(len(prompt) // CHUNK)
+    ]
+    assert {h for e in restored for h in e.block_hashes} <= announced

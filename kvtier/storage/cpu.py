@@ -7,6 +7,10 @@ the allocation fits or nothing more can go.
 NOTE: an object is evictable only while the tier holds the sole reference and it is not
 pinned. A reader holds a reference (``get`` returns one) and a writer pins; neither can
 lose its object underneath it.
+
+With an event log (``kvtier.events``) the tier records each chunk it starts holding
+(after the put, so it is readable), each chunk it stops holding (evicted or removed) and
+each clear, under the tier's lock, so the records follow the order of its contents.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.metrics import Counter, Stats
@@ -34,6 +39,7 @@ class LocalCPUTier:
         alignment: buffer alignment in bytes.
         pin_memory: pin the pool (None: when a GPU is present).
         stats: where evictions and allocation failures are counted.
+        events: where changes of its contents are recorded (None: not recorded).
     """
 
     name = "cpu"
@@ -46,10 +52,12 @@ class LocalCPUTier:
         alignment: int = 256,
         pin_memory: bool | None = None,
         stats: Stats | None = None,
+        events: TierEventLog | None = None,
     ):
         self.pool = HostMemoryPool(capacity_bytes, alignment=alignment, pin_memory=pin_memory)
         self.policy = make_policy(policy)
         self.stats = stats or Stats()
+        self.events = events
         self._objects: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.RLock()
 
@@ -80,10 +88,12 @@ class LocalCPUTier:
         self.stats.inc(Counter.EVICTIONS)
         return True
 
-    def _drop(self, key: CacheKey) -> None:
+    def _drop(self, key: CacheKey, *, record: bool = True) -> None:
         obj = self._objects.pop(key)
         self.policy.remove(key)
         obj.ref_down()
+        if record and self.events is not None and key.layer is None:
+            self.events.removed(self.name, key.chunk_hash)
 
     # -- contents --------------------------------------------------------------------
 
@@ -99,6 +109,8 @@ class LocalCPUTier:
             obj.ref_up()
             self._objects[key] = obj
             self.policy.add(key)
+            if self.events is not None and key.layer is None:
+                self.events.stored(self.name, key.chunk_hash)
             return True
 
     def get(self, key: CacheKey) -> MemoryObj | None:
@@ -166,7 +178,9 @@ class LocalCPUTier:
     def clear(self) -> None:
         with self._lock:
             for key in list(self._objects):
-                self._drop(key)
+                self._drop(key, record=False)
+            if self.events is not None:
+                self.events.cleared(self.name)
 
     def close(self) -> None:
         self.clear()

@@ -28,6 +28,7 @@ from urllib.parse import quote, urlsplit
 import torch
 
 from kvtier.config import KVTierConfig, redact_url
+from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Stats
@@ -50,6 +51,8 @@ class StorageManager:
         pin_memory: pin the host pool (None: when a GPU is present).
         namespace: separates this model's objects in shared stores (the model name).
         lower_tiers: the tiers below the CPU (None: opened from ``config``).
+        events: where the CPU tier records what it holds (``kvtier.events``; None: no
+            records).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class StorageManager:
         pin_memory=None,
         namespace: str | None = None,
         lower_tiers: Sequence[LowerTier] | None = None,
+        events: TierEventLog | None = None,
     ):
         self.config = config
         self.stats = stats or Stats()
@@ -69,6 +73,7 @@ class StorageManager:
             alignment=config.pool_alignment,
             pin_memory=pin_memory,
             stats=self.stats,
+            events=events,
         )
         self.retain_in_cpu = config.local_cpu
         if lower_tiers is None:

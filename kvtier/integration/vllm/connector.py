@@ -7,6 +7,9 @@ the workers' tiers hold through a local RPC socket per rank (``rpc``): a lookup 
 or takes longer than ``lookup_timeout_ms`` is a miss. With tensor or pipeline parallelism
 every rank stores its own shard, and a chunk counts as a hit only when every rank has it.
 
+With vLLM's ``kv_events_config`` enabled, what kvtier's CPU tier stores and drops comes
+out of vLLM's KV event stream as ``BlockStored`` / ``BlockRemoved`` events (``events``).
+
 Supported vLLM: the V1 connector API with the 3-argument constructor
 ``(vllm_config, role, kv_cache_config)`` (vLLM 0.32 and 0.33).
 """
@@ -23,6 +26,7 @@ import torch
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.engine import EngineMetadata
+from kvtier.integration.vllm.events import KVEventTracker, KVTierKVEvents, rank_events
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
 from kvtier.integration.vllm.scheduler import SchedulerSide, StepPlan
 from kvtier.integration.vllm.worker import WorkerSide
@@ -51,11 +55,15 @@ if "kv_cache_config" not in inspect.signature(KVConnectorBase_V1.__init__).param
     )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -125,6 +133,12 @@ def _world(vllm_config: VllmConfig) -> int:
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
 
+def _kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (``kv_events_config.enable_kv_cache_events``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier as a vLLM KV connector (see the module docstring)."""
 
@@ -150,6 +164,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._last_stats: dict[str, float] = {}
         self._metrics: MetricsServer | None = None
         self._metrics_client: RpcClient | None = None
+        self._events: KVEventTracker | None = None
+        events_on = _kv_events_enabled(vllm_config)
         tag = _engine_tag(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             endpoints = [endpoint_for(tag, rank) for rank in range(_world(vllm_config))]
@@ -162,6 +178,11 @@ class KVTierConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 whole_blocks=not _token_major_layout(config),
             )
+            if events_on:
+                self._events = KVEventTracker(
+                    _world(vllm_config), config.chunk_size, vllm_config.cache_config.block_size
+                )
+                self._scheduler.chunk_observer = self._events.record_chunks
             self._metrics = self._serve_metrics(config, endpoints, vllm_config)
             if transfer.kv_load_failure_policy != "recompute":
                 # NOTE: a chunk kvtier cannot load is a cache miss, never a failed
@@ -171,7 +192,9 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             rank = _worker_rank(vllm_config)
             metadata = EngineMetadata(model_name, _world(vllm_config), rank)
-            self._worker = WorkerSide(config, metadata, endpoint_for(tag, rank))
+            self._worker = WorkerSide(
+                config, metadata, endpoint_for(tag, rank), record_events=events_on
+            )
         logger.info("kvtier connector (%s role): %s", role.name.lower(), config.summary())
         logger.debug("kvtier config in effect:\n%s", config.describe())
 
@@ -188,14 +211,7 @@ class KVTierConnector(KVConnectorBase_V1):
         lock = threading.Lock()  # one scrape at a time on the client's sockets
 
         def sources() -> list[dict]:
-            scheduler = self._scheduler
-            own = {
-                "labels": {"rank": "scheduler"},
-                "counters": {
-                    "lookup_tokens": scheduler.lookup_tokens if scheduler else 0,
-                    "lookup_hit_tokens": scheduler.lookup_hit_tokens if scheduler else 0,
-                },
-            }
+            own = {"labels": {"rank": "scheduler"}, "counters": self._scheduler_counters()}
             with lock:
                 replies = client.call_all("metrics")
             if replies is None:
@@ -206,6 +222,17 @@ class KVTierConnector(KVConnectorBase_V1):
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         port = config.metrics_port + dp_rank if config.metrics_port else 0
         return MetricsServer(config.metrics_host, port, sources)
+
+    def _scheduler_counters(self) -> dict[str, float]:
+        """The scheduler process's own counters: lookups and KV events."""
+        scheduler = self._scheduler
+        counters: dict[str, float] = {
+            "lookup_tokens": scheduler.lookup_tokens if scheduler else 0,
+            "lookup_hit_tokens": scheduler.lookup_hit_tokens if scheduler else 0,
+        }
+        if self._events is not None:
+            counters.update(self._events.counters)
+        return counters
 
     def _lookup(self, hashes: list[bytes]) -> int:
         assert self._client is not None
@@ -239,6 +266,16 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' output of a step: merge their tier records (KV events)."""
+        events = connector_output.kv_cache_events
+        if self._events is not None and isinstance(events, KVTierKVEvents):
+            self._events.add(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's ``BlockStored`` / ``BlockRemoved`` events since the last call."""
+        return self._events.take() if self._events is not None else ()
 
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: empty every rank's tiers."""
@@ -284,14 +321,17 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> KVTierKVEvents | None:
+        """This rank's tier records since the last step (None: none, or events off)."""
+        if self._worker is None:
+            return None
+        return rank_events(self._worker.metadata.rank, self._worker.take_tier_events())
+
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
         if self._worker is not None:
             now = self._worker.stats.snapshot()
         elif self._scheduler is not None:
-            now = {
-                "lookup_tokens": self._scheduler.lookup_tokens,
-                "lookup_hit_tokens": self._scheduler.lookup_hit_tokens,
-            }
+            now = self._scheduler_counters()
         else:
             return None
         delta = {

@@ -22,6 +22,11 @@ request it keeps one ``RequestTracker``::
 Chunk hashes are computed here (the workers receive hashes, not tokens) and cached per
 request, so a long prompt is hashed once, not once per step.
 
+With KV events on, ``chunk_observer`` sees every chunk a worker may come to hold: the
+chunks of each planned save and the chunks of each lookup hit (a lower-tier hit is copied
+into the CPU tier). It snapshots what the events about them will say while the request,
+its tokens and its vLLM block hashes are at hand (``events.KVEventTracker``).
+
 Everything here duck-types vLLM's objects (``Request``, ``SchedulerOutput``); nothing
 imports vLLM, so the logic is tested without an engine.
 """
@@ -168,6 +173,11 @@ class SchedulerSide:
         block_size: vLLM's block size.
         whole_blocks: the engine's layout is not token-major inside a block (vLLM's CPU
             backend), so only whole blocks are loaded and partial chunks are not saved.
+
+    Attributes:
+        chunk_observer: None, or called as ``(request, first_chunk, hashes, end)`` for
+            chunks ``first_chunk, ...`` of ``request`` (their tokens end at ``end``) that
+            a worker may come to hold: planned saves and lookup hits.
     """
 
     def __init__(
@@ -206,6 +216,7 @@ class SchedulerSide:
         self._cancelled_async: list[LoadSpec] = []
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
+        self.chunk_observer: Callable[[Any, int, list[bytes], int], None] | None = None
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -247,6 +258,8 @@ class SchedulerSide:
         hit_tokens = self._bounds(0, hashes[:hits], num_tokens)
         self.lookup_tokens += num_tokens
         self.lookup_hit_tokens += hit_tokens
+        if hits and self.chunk_observer is not None:
+            self.chunk_observer(request, 0, hashes[:hits], hit_tokens)
         load_end = min(hit_tokens, num_tokens - 1)
         if self.whole_blocks:
             load_end = load_end // self.block_size * self.block_size
@@ -351,6 +364,8 @@ class SchedulerSide:
             SaveSpec(tracker.req_id, first, hashes, save_end, list(tracker.block_ids))
         )
         tracker.saved_upto = save_end
+        if self.chunk_observer is not None:
+            self.chunk_observer(tracker.request, first, hashes, save_end)
 
     def on_preempted(self, req_ids: set[str] | None) -> None:
         """A preempted request lost its blocks: drop any load planned into them."""

@@ -10,6 +10,8 @@ RPC socket. Per engine step it executes the ``StepPlan`` the scheduler side buil
                         ``get_finished`` once written
     save_kv_layer       layer-wise only: copy this layer of the chunks to save
     wait_for_save       copy (or finish copying) the chunks to save and publish them
+    (after the step)    with KV events on, hand over what the tiers recorded since the
+                        last step (``take_tier_events``)
 
 NOTE: a chunk that cannot be loaded (evicted since the lookup, corrupt, wrong shape) is
 never written into vLLM's cache; the blocks it should have filled are reported through
@@ -27,6 +29,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTransfer
+from kvtier.events import TierEvent, TierEventLog
 from kvtier.integration.vllm.rpc import RpcServer
 from kvtier.integration.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
 from kvtier.metrics import Stats
@@ -105,13 +108,22 @@ class WorkerSide:
         config: kvtier's config.
         metadata: model name and rank (part of every key).
         endpoint: where to serve the scheduler's lookups (None: do not serve).
+        record_events: record what the tiers hold for KV events (``take_tier_events``).
     """
 
-    def __init__(self, config: KVTierConfig, metadata: EngineMetadata, endpoint: str | None):
+    def __init__(
+        self,
+        config: KVTierConfig,
+        metadata: EngineMetadata,
+        endpoint: str | None,
+        *,
+        record_events: bool = False,
+    ):
         self.config = config
         self.metadata = metadata
         self.endpoint = endpoint
         self.stats = Stats()
+        self.events = TierEventLog(stats=self.stats) if record_events else None
         self.engine: CacheEngine | None = None
         self.layer_index: dict[str, int] = {}
         self.block_size = 0
@@ -146,7 +158,9 @@ class WorkerSide:
             self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_size = paged.block_size
-        self.engine = CacheEngine(self.config, self.metadata, paged, stats=self.stats)
+        self.engine = CacheEngine(
+            self.config, self.metadata, paged, stats=self.stats, events=self.events
+        )
         logger.info(
             "kvtier: %d layers, layout %s, %d blocks of %d tokens, %d KV heads x %d, %s",
             paged.num_layers,
@@ -322,6 +336,13 @@ class WorkerSide:
             self._layer_saves = []
             self._saved_layers = set()
             self._plan = StepPlan()
+
+    # -- events ----------------------------------------------------------------------
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """What this rank's tiers recorded since the last call (empty without
+        ``record_events``)."""
+        return self.events.drain() if self.events is not None else []
 
     # -- shutdown --------------------------------------------------------------------
 
