@@ -16,9 +16,10 @@ NOTE: per (tier, chunk) the records of one process alternate stored, removed, st
 A tier records ``stored`` only for a chunk it did not hold, and ``removed`` only for one it
 did. The scheduler side relies on this to merge the ranks of a tensor-parallel engine.
 
-Today the CPU tier records. The disk and remote tiers commit and evict on their own
-writer threads, out of the storage manager's sight, so they record nothing yet; their
-placement below is what their events will carry.
+The CPU tier and the local disk tier record (the disk tier for the files it wrote
+itself, when the rename landed and when it evicts, removes or clears them). The shared
+tiers (fs, redis, s3) record nothing: other engines and the store itself change them out
+of this engine's sight. Their placement below is what their events would carry.
 
 The log is bounded: when nobody drains it, the oldest records are dropped and counted
 (``kv_events_dropped``). Without a log (the default) the tiers do no event work at all.

@@ -485,12 +485,15 @@ def test_a_chunk_copied_up_from_disk_is_announced_from_the_lookup_hit(ev, tmp_pa
         side, tracker = make_scheduler(ev, [worker])
         a = ev.request("a", tokens_of(24, seed=10))
         serve(side, [worker], a, list(range(10, 16)))
-        assert len(ev.ship(tracker, [worker])) == 3
         assert worker.engine.storage.flush(30)
+        stored = ev.ship(tracker, [worker])  # in memory, and on the local disk
+        assert sorted(e.medium for e in stored) == ["CPU"] * 3 + ["STORAGE"] * 3
+        assert {e.locality for e in stored} == {"LOCAL"}
         hashes = worker.engine.token_db.chunk_hashes(list(a.all_token_ids))
         for h in hashes:
             worker.engine.storage.cpu.remove(worker.engine.token_db.key(h))
-        assert len(ev.ship(tracker, [worker])) == 3  # three withdrawals
+        withdrawn = ev.ship(tracker, [worker])  # from memory only: the disk keeps them
+        assert [e.medium for e in withdrawn] == ["CPU"] * 3
 
         side, tracker = make_scheduler(ev, [worker])  # a fresh scheduler: no payloads
         again = ev.request("a2", list(a.all_token_ids))
@@ -509,3 +512,43 @@ def test_a_chunk_copied_up_from_disk_is_announced_from_the_lookup_hit(ev, tmp_pa
         assert tracker.counters[Counter.KV_EVENTS_UNANNOUNCED] == 0
     finally:
         worker.shutdown()
+
+
+def test_local_disk_records_writes_and_losses(tmp_path):
+    """The disk tier announces what it wrote and withdraws what it evicts, removes or
+    clears; files it did not write itself are never announced by it."""
+    from tier_helpers import fill, key, make_pool
+
+    from kvtier.storage.disk import FileTier
+    from kvtier.storage.serde import NaiveSerde
+
+    log = TierEventLog()
+    pool = make_pool(16)
+    one_file = 2 * 3 * 16 * 64 * 2 + 400
+    tier = FileTier(
+        tmp_path,
+        capacity_bytes=int(2.5 * one_file),
+        serde=NaiveSerde(),
+        stats=Stats(),
+        events=log,
+    )
+    for seed in range(3):  # the third write evicts the first
+        tier.submit_put(key(seed), fill(pool, seed))
+        assert tier.flush(30)
+    assert log.drain() == [
+        TierEvent(STORED, "disk", key(0).chunk_hash),
+        TierEvent(STORED, "disk", key(1).chunk_hash),
+        TierEvent(REMOVED, "disk", key(0).chunk_hash),
+        TierEvent(STORED, "disk", key(2).chunk_hash),
+    ]
+    tier.remove(key(1))
+    assert log.drain() == [TierEvent(REMOVED, "disk", key(1).chunk_hash)]
+    other = FileTier(tmp_path, capacity_bytes=None, serde=NaiveSerde(), stats=Stats())
+    other.submit_put(key(7), fill(pool, 7))
+    assert other.flush(30)
+    tier.contains_many([key(7)])  # adopted into the index, but not announced by this tier
+    tier.clear()
+    assert log.drain() == [TierEvent(CLEARED, "disk")]
+    other.close()
+    tier.close()
+    pool.close()

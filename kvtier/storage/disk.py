@@ -37,6 +37,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
@@ -75,6 +76,10 @@ class FileTier:
         workers: writer threads (and reader threads for batched gets).
         queue_capacity: most writes queued; more are dropped and counted.
         config_key: the config key that named ``root`` (for error messages).
+        events: where the tier records the chunks it wrote and later lost (evicted,
+            removed as corrupt, cleared); None: no records. Files found at start-up or
+            written by another process are not announced (the CPU tier announces them
+            once they are loaded).
 
     Raises:
         ValueError: ``root`` cannot be created or written to.
@@ -93,6 +98,7 @@ class FileTier:
         workers: int = 2,
         queue_capacity: int = 256,
         config_key: str = "local_disk",
+        events: TierEventLog | None = None,
     ):
         self.name = name
         self.root = Path(root)
@@ -106,6 +112,8 @@ class FileTier:
         self._sizes: dict[str, int] = {}
         self._policy = make_policy(policy)
         self._used = 0
+        self.events = events
+        self._announced: dict[str, bytes] = {}  # file name -> chunk hash (events only)
         if capacity_bytes is not None:
             self._scan()
         self._readers = ThreadPoolExecutor(workers, thread_name_prefix=f"kvtier-{name}-reader")
@@ -197,6 +205,7 @@ class FileTier:
             free += self._sizes[file_name]
         for file_name in victims:
             self._index_drop(file_name)
+            self._record_removed(file_name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it
                 self.path_of(file_name).unlink()
             self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
@@ -309,9 +318,16 @@ class FileTier:
         warn_once(logger, f"kvtier {self.name} tier: {path} is corrupt ({exc}): deleted, a miss")
         with contextlib.suppress(OSError):
             path.unlink()
-        if self.capacity_bytes is not None:
-            with self._lock:
+        with self._lock:
+            if self.capacity_bytes is not None:
                 self._index_drop(file_name)
+            self._record_removed(file_name)
+
+    def _record_removed(self, file_name: str) -> None:
+        """Under the lock: a file this tier announced is gone."""
+        chunk_hash = self._announced.pop(file_name, None)
+        if chunk_hash is not None and self.events is not None:
+            self.events.removed(self.name, chunk_hash)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -353,6 +369,11 @@ class FileTier:
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_ERROR))
                 warn_once(logger, f"kvtier {self.name} tier: cannot write {path}: {exc}")
             return
+        if self.events is not None and key.layer is None:
+            with self._lock:
+                if file_name not in self._announced:
+                    self._announced[file_name] = key.chunk_hash
+                    self.events.stored(self.name, key.chunk_hash)
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_CHUNKS))
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_BYTES), size)
         elapsed = time.perf_counter() - started
@@ -411,9 +432,10 @@ class FileTier:
 
     def remove(self, key: CacheKey) -> bool:
         file_name = self.file_name(key)
-        if self.capacity_bytes is not None:
-            with self._lock:
+        with self._lock:
+            if self.capacity_bytes is not None:
                 self._index_drop(file_name)
+            self._record_removed(file_name)
         try:
             self.path_of(file_name).unlink()
             return True
@@ -430,6 +452,9 @@ class FileTier:
         with self._lock:
             for file_name in list(self._sizes):
                 self._index_drop(file_name)
+            self._announced.clear()
+            if self.events is not None:
+                self.events.cleared(self.name)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)

@@ -51,8 +51,8 @@ class StorageManager:
         pin_memory: pin the host pool (None: when a GPU is present).
         namespace: separates this model's objects in shared stores (the model name).
         lower_tiers: the tiers below the CPU (None: opened from ``config``).
-        events: where the CPU tier records what it holds (``kvtier.events``; None: no
-            records).
+        events: where the CPU and local disk tiers record what they hold
+            (``kvtier.events``; None: no records).
     """
 
     def __init__(
@@ -79,7 +79,7 @@ class StorageManager:
         if lower_tiers is None:
             try:
                 lower_tiers = open_lower_tiers(
-                    config, self.stats, namespace or config.model_name or "default"
+                    config, self.stats, namespace or config.model_name or "default", events
                 )
             except BaseException:
                 self.cpu.close()
@@ -252,8 +252,12 @@ class StorageManager:
         self.cpu.close()
 
 
-def open_lower_tiers(config: KVTierConfig, stats: Stats, namespace: str) -> list[LowerTier]:
-    """The disk and remote tiers ``config`` enables, fastest first.
+def open_lower_tiers(
+    config: KVTierConfig, stats: Stats, namespace: str, events: TierEventLog | None = None
+) -> list[LowerTier]:
+    """The disk and remote tiers ``config`` enables, fastest first. ``events`` receives
+    the local disk tier's records (shared tiers record none: other engines and the
+    store itself change them out of this engine's sight).
 
     Raises:
         ValueError: a tier cannot be set up (the message names the config key).
@@ -273,6 +277,7 @@ def open_lower_tiers(config: KVTierConfig, stats: Stats, namespace: str) -> list
                 policy=config.cache_policy,
                 o_direct=config.local_disk_o_direct,
                 queue_capacity=config.store_queue_size,
+                events=events,
             )
         )
     if config.remote_url:

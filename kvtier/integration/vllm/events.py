@@ -4,7 +4,7 @@ With vLLM's ``kv_events_config`` enabled, a KV-aware router learns from one even
 what vLLM's prefix cache holds (``medium="GPU"``) and, through these, what kvtier holds.
 The path of one event::
 
-    worker rank r   CPU tier put/evict/clear ─▶ TierEventLog (kvtier.events)
+    worker rank r   CPU / disk tier put/evict/clear ─▶ TierEventLog (kvtier.events)
                     get_kv_connector_kv_cache_events: the step's records as RankTierEvents
     vLLM            KVOutputAggregator concatenates every rank's records into one
                     KVTierKVEvents (KVConnectorOutput.kv_cache_events)
