@@ -269,6 +269,25 @@ def test_a_long_load_gets_the_timeout_per_wave_of_requests(pool):
     tier.close()
 
 
+def test_a_lookup_is_not_queued_behind_a_long_load(pool):
+    store = FlakyStore()
+    tier = remote(store, timeout_s=0.5, concurrency=2)
+    objs = [fill(pool, i) for i in range(8)]
+    for i, obj in enumerate(objs):
+        tier.submit_put(key(i), obj)
+    assert tier.flush(10)
+    store.delay = 0.2  # 8 gets on 2 I/O threads: 0.8 s in all
+    loading = threading.Thread(
+        target=tier.get_many, args=([key(i) for i in range(8)], pool.allocate)
+    )
+    loading.start()
+    time.sleep(0.05)
+    assert tier.contains_many([key(0)]) == [True]  # answered in 0.2 s, not after the load
+    assert tier.is_up
+    loading.join()
+    tier.close()
+
+
 def test_corrupt_remote_object_is_a_counted_miss_and_deleted(pool):
     store, stats = FlakyStore(), Stats()
     tier = remote(store, stats)

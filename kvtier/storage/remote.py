@@ -84,6 +84,9 @@ class RemoteTier:
         self.reconnect_max_s = max(reconnect_max_s, RECONNECT_FIRST_S)
         self._concurrency = concurrency
         self._io = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvtier-{self.name}-io")
+        # NOTE: lookups get their own threads: queued behind a long load (or prefetch) on
+        # the I/O threads they would time out and mark a healthy remote down.
+        self._meta = ThreadPoolExecutor(2, thread_name_prefix=f"kvtier-{self.name}-meta")
         self._state = threading.Lock()
         self._up = True
         self._stop = threading.Event()
@@ -154,7 +157,7 @@ class RemoteTier:
         """
         if not self._up:
             raise _Down
-        future: Future = self._io.submit(fn, *args)
+        future: Future = self._meta.submit(fn, *args)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -305,4 +308,5 @@ class RemoteTier:
         if self._reconnector is not None:
             self._reconnector.join(timeout=self.reconnect_max_s + 1)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._meta.shutdown(wait=False, cancel_futures=True)
         self.store.close()
