@@ -102,17 +102,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _search_path_rows() -> list[dict[str, object]]:
     import os
 
-    from kvtier_kernels import tuning
+    from kvtier_kernels import tuning_lookup
 
-    env = os.environ.get(tuning.TUNING_DIR_ENV)
+    env = os.environ.get(tuning_lookup.TUNING_DIR_ENV)
     rows = []
-    for directory in tuning.search_path():
-        if directory == tuning.PACKAGED_DIR:
+    for directory in tuning_lookup.search_path():
+        if directory == tuning_lookup.PACKAGED_DIR:
             kind = "packaged defaults"
         elif env:
-            kind = tuning.TUNING_DIR_ENV
+            kind = tuning_lookup.TUNING_DIR_ENV
         else:
-            kind = f"user cache ({tuning.TUNING_DIR_ENV} unset)"
+            kind = f"user cache ({tuning_lookup.TUNING_DIR_ENV} unset)"
         rows.append({"path": str(directory), "kind": kind, "exists": directory.is_dir()})
     return rows
 
@@ -120,22 +120,26 @@ def _search_path_rows() -> list[dict[str, object]]:
 def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtier_kernels import registry, tuning
+    from kvtier_kernels import registry, tuning_files, tuning_lookup
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     # The backend whose launch parameters apply on this machine's device.
     tuning_backend = "triton" if on_gpu else "interpret"
-    name = tuning.device_name(device) or str(device)
+    name = tuning_files.device_name(device) or str(device)
     auto = registry.resolve_backend("auto", device)
     ops = {}
     for op in registry.ops():
         backends = registry.backends_for(op)
-        files = tuning.files_in_effect(op, tuning_backend, name) if op in tuning.TUNABLES else []
+        files = (
+            tuning_lookup.files_in_effect(op, tuning_backend, name)
+            if op in tuning_files.TUNABLES
+            else []
+        )
         ops[op] = {
             "backends": backends,
             "auto": auto if auto in backends else "torch",
-            "tunable": op in tuning.TUNABLES,
+            "tunable": op in tuning_files.TUNABLES,
             "tuning_files": [
                 {"dtype": f.dtype, "path": str(f.path), "status": f.status, "detail": f.detail}
                 for f in files

@@ -385,6 +385,17 @@ class KVTierConfig:
         "triton, interpret (Triton interpreter) or torch (reference kernels).",
         choices=("auto", "triton", "interpret", "torch"),
     )
+    tuning_dir: str | None = _key(
+        None,
+        str,
+        "Directory of per-device kernel tuning files (`kvtier tune --out`), searched before "
+        "the built-in path (several: `os.pathsep`-separated); null: the built-in path only "
+        "(`KVTIER_TUNING_DIR`, else `~/.cache/kvtier/tuning`, then packaged defaults). "
+        "Applied process-wide when a `CacheEngine` is built.",
+        check=lambda v: v != "",
+        allowed="a non-empty string",
+        nullable=True,
+    )
     model_name: str | None = _key(
         None,
         str,

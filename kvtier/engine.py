@@ -13,6 +13,7 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import checksum_of
 from kvtier.token_db import Chunk, ChunkedTokenDatabase, RequestExtras
 from kvtier.warn import warn_once
-from kvtier_kernels import PagedKV
+from kvtier_kernels import PagedKV, tuning_lookup
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class CacheEngine:
         pin_memory: bool | None = None,
         events: TierEventLog | None = None,
     ):
+        if config.tuning_dir is not None:  # process-wide: the launchers' tuning lookup
+            tuning_lookup.prepend_search_path(config.tuning_dir.split(os.pathsep))
         self.config = config
         self.metadata = metadata
         self.stats = stats or Stats()

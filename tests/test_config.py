@@ -97,6 +97,7 @@ def test_defaults() -> None:
         "hash_seed": "vllm-none-hash",
         "save_unfull_chunk": False,
         "kernel_backend": "auto",
+        "tuning_dir": None,
         "model_name": None,
         "pool_alignment": 256,
         "verify_checksums": True,
@@ -847,3 +848,25 @@ def test_docs_are_in_sync_with_the_registry() -> None:
     assert _generated_block(doc, "config_reference_markdown") == config_reference_markdown(), hint
     hint = "regenerate with kvtier.config.lmcache_reference_markdown()"
     assert _generated_block(doc, "lmcache_reference_markdown") == lmcache_reference_markdown(), hint
+
+
+def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path) -> None:
+    from kvtier.engine import CacheEngine, EngineMetadata
+    from kvtier_kernels import tuning_lookup
+
+    env_dir, config_dir = tmp_path / "env", tmp_path / "config"
+    env = {"KVTIER_TUNING_DIR": str(env_dir)}  # the key's env var is the kernels' own
+    assert load_config(env=env).tuning_dir == str(env_dir)
+    cfg = load_config({"tuning_dir": str(config_dir), "max_local_cpu_size": 0.01}, env=env)
+    assert cfg.tuning_dir == str(config_dir)  # an override beats the env var
+    try:
+        CacheEngine(cfg, EngineMetadata("m"))
+        path = tuning_lookup.search_path()
+        assert path[0] == config_dir
+        assert path[-1] == tuning_lookup.PACKAGED_DIR
+        CacheEngine(cfg, EngineMetadata("m"))  # applying it again changes nothing
+        assert tuning_lookup.search_path() == path
+    finally:
+        tuning_lookup.set_search_path(None)
+    with pytest.raises(ConfigError, match="tuning_dir"):
+        load_config({"tuning_dir": ""}, env={})

@@ -23,17 +23,22 @@ import torch
 from kv_helpers import assert_chunk_equal, fill_random_
 
 from kvtier.cli import main
-from kvtier_kernels import paged_copy, registry, rope, tuning
+from kvtier_kernels import (
+    paged_copy,
+    registry,
+    rope,
+    tuning,
+    tuning_files,
+    tuning_lookup,
+    tuning_problems,
+    tuning_shapes,
+)
 from kvtier_kernels.layouts import PagedKV
 from kvtier_kernels.paged_copy import LaunchConfig as CopyConfig
 from kvtier_kernels.rope import LaunchConfig as RopeConfig
-from kvtier_kernels.tuning import (
-    ModelShape,
-    PagedCopyProblem,
-    RopeProblem,
-    TuningEntry,
-    TuningFile,
-)
+from kvtier_kernels.tuning_files import TuningEntry, TuningFile
+from kvtier_kernels.tuning_problems import PagedCopyProblem, RopeProblem
+from kvtier_kernels.tuning_shapes import ModelShape
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)"
@@ -51,11 +56,11 @@ KVTIER = os.path.join(os.path.dirname(sys.executable), "kvtier")
 def tuning_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty user tuning directory (KVTIER_TUNING_DIR) and no packaged defaults."""
     directory = tmp_path / "tuning"
-    monkeypatch.setenv(tuning.TUNING_DIR_ENV, str(directory))
-    monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path / "no-packaged-defaults")
-    tuning.clear_cache()
+    monkeypatch.setenv(tuning_lookup.TUNING_DIR_ENV, str(directory))
+    monkeypatch.setattr(tuning_lookup, "PACKAGED_DIR", tmp_path / "no-packaged-defaults")
+    tuning_lookup.clear_cache()
     yield directory
-    tuning.clear_cache()
+    tuning_lookup.clear_cache()
 
 
 def fake_timer(times: dict[object, float]):
@@ -93,7 +98,7 @@ def make_entry(key: dict, config: dict) -> TuningEntry:
 
 def write_file(directory: Path, op: str, dtype: str, entries: list[TuningEntry]) -> Path:
     tuning_file = TuningFile(op, "interpret", "cpu", dtype, entries)
-    return tuning.save_tuning_file(tuning_file, directory)
+    return tuning_files.save_tuning_file(tuning_file, directory)
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,14 +162,14 @@ def test_tune_writes_one_file_per_op_that_round_trips_and_is_used(tuning_dir: Pa
 
     for path, written in zip(report.written, report.files, strict=True):
         data = json.loads(path.read_text())
-        assert data["kvtier_tuning"] == tuning.SCHEMA_VERSION
+        assert data["kvtier_tuning"] == tuning_files.SCHEMA_VERSION
         assert (data["backend"], data["device"]) == ("interpret", "cpu")
         assert {"torch", "triton"} <= set(data["versions"])
         (entry,) = data["entries"]
-        assert set(entry["key"]) == set(tuning.TUNABLES[data["op"]].shape_fields)
-        assert set(entry["config"]) == set(tuning.TUNABLES[data["op"]].config_fields)
+        assert set(entry["key"]) == set(tuning_files.TUNABLES[data["op"]].shape_fields)
+        assert set(entry["config"]) == set(tuning_files.TUNABLES[data["op"]].config_fields)
         assert entry["candidates"] >= 1 and entry["rejected"] == 0
-        loaded = tuning.load_tuning_file(path)
+        loaded = tuning_files.load_tuning_file(path)
         assert loaded.to_json() == written.to_json() == data  # round trip
         if data["op"] == "rope_rerotate":
             assert data["copy_engine"] is None
@@ -185,15 +190,15 @@ def test_tune_writes_one_file_per_op_that_round_trips_and_is_used(tuning_dir: Pa
 
 def test_every_generated_candidate_is_valid() -> None:
     for row_words, word_bytes in ((2, 8), (40, 8), (256, 8), (288, 8), (80, 2)):
-        configs = tuning.paged_copy_candidates(row_words, word_bytes, 256)
-        quick = tuning.paged_copy_candidates(row_words, word_bytes, 256, quick=True)
+        configs = tuning_problems.paged_copy_candidates(row_words, word_bytes, 256)
+        quick = tuning_problems.paged_copy_candidates(row_words, word_bytes, 256, quick=True)
         assert configs and set(quick) <= set(configs) and len(set(configs)) == len(configs)
         for c in configs:
             paged_copy.check_launch_config(c, ("block_tokens", "block_row"))
             assert c.block_tokens * c.block_row * word_bytes <= 32768, c
             assert c.block_row <= 2 * row_words and c.block_tokens <= 64, c
     for half, tokens in ((4, 4), (32, 256), (40, 256), (64, 17)):
-        configs = tuning.rope_candidates(half, tokens)
+        configs = tuning_problems.rope_candidates(half, tokens)
         assert configs
         for c in configs:
             rope.check_launch_config(c, ("block_tokens", "block_pairs"))
@@ -209,16 +214,16 @@ def test_every_generated_candidate_is_valid() -> None:
 
 def test_build_problems_skips_rope_where_it_does_not_apply() -> None:
     mla = ModelShape(num_layers=2, num_kv_heads=1, head_size=576, layout="mla", rotary_dim=0)
-    problems, notes = tuning.build_problems(mla, device=CPU, backend="interpret")
+    problems, notes = tuning_problems.build_problems(mla, device=CPU, backend="interpret")
     assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
     assert notes == ["rope_rerotate skipped: the model has no rotary dims to re-rotate"]
     fp8 = dataclasses.replace(TINY, dtype=torch.float8_e4m3fn)
-    problems, notes = tuning.build_problems(fp8, device=CPU, backend="interpret")
+    problems, notes = tuning_problems.build_problems(fp8, device=CPU, backend="interpret")
     assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
     assert problems[0].dtype == torch.int64  # 8 fp8 values per row: one int64 word
     assert "float8_e4m3fn" in notes[0]
     with pytest.raises(ValueError, match="not tunable"):
-        tuning.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
+        tuning_problems.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -340,7 +345,7 @@ BAD_FILES = {
 @pytest.mark.parametrize("content", BAD_FILES.values(), ids=BAD_FILES.keys())
 def test_an_unusable_file_is_ignored_with_a_warning(content: str, tuning_dir: Path) -> None:
     tuning_dir.mkdir()
-    path = tuning_dir / tuning.file_name("paged_gather", "interpret", "cpu", "int64")
+    path = tuning_dir / tuning_files.file_name("paged_gather", "interpret", "cpu", "int64")
     path.write_text(content)
     heuristic = paged_copy.launch_config("paged_scatter", 2, torch.int64, CPU)
     with pytest.warns(RuntimeWarning, match=r"ignoring tuning file .*int64\.json: .*heuristics"):
@@ -351,26 +356,28 @@ def test_an_unusable_file_is_ignored_with_a_warning(content: str, tuning_dir: Pa
     )
     out = torch.empty(paged.chunk_shape(2), dtype=paged.dtype)
     paged_copy.gather(paged, torch.tensor([0, 3]), out, backend="interpret")
-    (status,) = tuning.files_in_effect("paged_gather", "interpret", "cpu")
+    (status,) = tuning_lookup.files_in_effect("paged_gather", "interpret", "cpu")
     assert status.status == "ignored" and status.path == path
 
 
 def test_the_first_usable_file_on_the_search_path_wins(tmp_path: Path) -> None:
     first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     first.mkdir()
-    name = tuning.file_name("paged_gather", "interpret", "cpu", "int64")
+    name = tuning_files.file_name("paged_gather", "interpret", "cpu", "int64")
     (first / name).write_text("corrupt")
     for directory, warps in ((second, 2), (third, 8)):
         config = {"block_tokens": 1, "block_row": 2, "num_warps": warps}
         write_file(directory, "paged_gather", "int64", [make_entry({"row_words": 2}, config)])
     try:
-        tuning.set_search_path([first, second, third])
+        tuning_lookup.set_search_path([first, second, third])
         with pytest.warns(RuntimeWarning, match="ignoring tuning file"):
             assert paged_copy.launch_config("paged_gather", 2, torch.int64, CPU).num_warps == 2
-        statuses = [s.status for s in tuning.files_in_effect("paged_gather", "interpret", "cpu")]
+        statuses = [
+            s.status for s in tuning_lookup.files_in_effect("paged_gather", "interpret", "cpu")
+        ]
         assert statuses == ["ignored", "in effect", "shadowed"]
     finally:
-        tuning.set_search_path(None)
+        tuning_lookup.set_search_path(None)
 
 
 def test_saving_merges_entries_of_other_shapes(tuning_dir: Path) -> None:
@@ -382,17 +389,20 @@ def test_saving_merges_entries_of_other_shapes(tuning_dir: Path) -> None:
     path = write_file(
         tuning_dir, "paged_gather", "int64", [make_entry({"row_words": 2}, config(4))]
     )
-    entries = tuning.load_tuning_file(path).entries
+    entries = tuning_files.load_tuning_file(path).entries
     assert [(e.key["row_words"], e.config["num_warps"]) for e in entries] == [(2, 4), (4, 2)]
     assert [p.name for p in tuning_dir.iterdir()] == [path.name]  # no temporary files left
 
 
 def test_default_search_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(tuning.TUNING_DIR_ENV, raising=False)
+    monkeypatch.delenv(tuning_lookup.TUNING_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tuning.search_path() == (tmp_path / "kvtier" / "tuning", tuning.PACKAGED_DIR)
-    monkeypatch.setenv(tuning.TUNING_DIR_ENV, os.pathsep.join(["/x", "/y"]))
-    assert tuning.search_path() == (Path("/x"), Path("/y"), tuning.PACKAGED_DIR)
+    assert tuning_lookup.search_path() == (
+        tmp_path / "kvtier" / "tuning",
+        tuning_lookup.PACKAGED_DIR,
+    )
+    monkeypatch.setenv(tuning_lookup.TUNING_DIR_ENV, os.pathsep.join(["/x", "/y"]))
+    assert tuning_lookup.search_path() == (Path("/x"), Path("/y"), tuning_lookup.PACKAGED_DIR)
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,7 +420,7 @@ def test_model_config_files(tmp_path: Path) -> None:
         "torch_dtype": "bfloat16",
     }
     (tmp_path / "config.json").write_text(json.dumps(llama))
-    shape = tuning.model_shape_from_config(tmp_path, chunk_size=128)  # a model directory
+    shape = tuning_shapes.model_shape_from_config(tmp_path, chunk_size=128)  # a model directory
     assert (shape.num_layers, shape.num_kv_heads, shape.head_size, shape.rope_dim) == (
         32,
         8,
@@ -425,7 +435,7 @@ def test_model_config_files(tmp_path: Path) -> None:
         "partial_rotary_factor": 0.4,
         "dtype": "float16",
     }
-    shape = tuning.model_shape_from_config(phi)
+    shape = tuning_shapes.model_shape_from_config(phi)
     assert (shape.num_kv_heads, shape.head_size, shape.rope_dim, shape.dtype) == (
         32,
         80,
@@ -441,7 +451,7 @@ def test_model_config_files(tmp_path: Path) -> None:
             "hidden_size": 2560,
         }
     }
-    shape = tuning.model_shape_from_config(gemma, dtype=torch.float32)
+    shape = tuning_shapes.model_shape_from_config(gemma, dtype=torch.float32)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_size) == (4, 4, 256)
     deepseek = {
         "num_hidden_layers": 61,
@@ -450,14 +460,14 @@ def test_model_config_files(tmp_path: Path) -> None:
         "qk_rope_head_dim": 64,
         "torch_dtype": "bfloat16",
     }
-    shape = tuning.model_shape_from_config(deepseek)
+    shape = tuning_shapes.model_shape_from_config(deepseek)
     assert (shape.layout, shape.num_kv_heads, shape.head_size, shape.rope_dim) == ("mla", 1, 576, 0)
     with pytest.raises(ValueError, match="no num_hidden_layers"):
-        tuning.model_shape_from_config({"num_attention_heads": 2})
+        tuning_shapes.model_shape_from_config({"num_attention_heads": 2})
     with pytest.raises(ValueError, match="cannot read model config"):
-        tuning.model_shape_from_config(tmp_path / "missing.json")
+        tuning_shapes.model_shape_from_config(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="rotary_dim must be an even number"):
-        tuning.model_shape_from_config(llama, rotary_dim=130)
+        tuning_shapes.model_shape_from_config(llama, rotary_dim=130)
 
 
 def test_find_crossover() -> None:
@@ -503,9 +513,9 @@ def test_kvtier_kernels_lists_ops_backends_and_tuning_files(tmp_path: Path) -> N
     directory = tmp_path / "tuning"
     config = {"block_tokens": 1, "block_row": 2, "num_warps": 4}
     good = write_file(directory, "paged_gather", "int64", [make_entry({"row_words": 2}, config)])
-    bad = directory / tuning.file_name("rope_rerotate", "interpret", "cpu", "float16")
+    bad = directory / tuning_files.file_name("rope_rerotate", "interpret", "cpu", "float16")
     bad.write_text("{")
-    env = {**os.environ, tuning.TUNING_DIR_ENV: str(directory)}
+    env = {**os.environ, tuning_lookup.TUNING_DIR_ENV: str(directory)}
     out = subprocess.run(
         [KVTIER, "kernels"], capture_output=True, text=True, check=True, env=env, timeout=120
     ).stdout
@@ -517,7 +527,7 @@ def test_kvtier_kernels_lists_ops_backends_and_tuning_files(tmp_path: Path) -> N
     assert "built-in heuristics" in lines["paged_scatter"]
     assert f"in effect: int64: {good} (1 shape)" in out
     assert f"ignored: float16: {bad} (cannot read it" in out
-    assert f"{directory}  [{tuning.TUNING_DIR_ENV}]" in out
+    assert f"{directory}  [{tuning_lookup.TUNING_DIR_ENV}]" in out
 
     report = json.loads(
         subprocess.run(
@@ -526,7 +536,7 @@ def test_kvtier_kernels_lists_ops_backends_and_tuning_files(tmp_path: Path) -> N
     )
     assert report["tuning_search_path"][0] == {
         "path": str(directory),
-        "kind": tuning.TUNING_DIR_ENV,
+        "kind": tuning_lookup.TUNING_DIR_ENV,
         "exists": True,
     }
     gather = report["ops"]["paged_gather"]
@@ -539,7 +549,7 @@ def test_kvtier_kernels_lists_ops_backends_and_tuning_files(tmp_path: Path) -> N
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_kvtier_tune_refuses_without_a_gpu(tmp_path: Path) -> None:
-    env = {**os.environ, tuning.TUNING_DIR_ENV: str(tmp_path)}
+    env = {**os.environ, tuning_lookup.TUNING_DIR_ENV: str(tmp_path)}
     proc = subprocess.run(
         [KVTIER, "tune", "--layers", "2", "--quick"],
         capture_output=True,
@@ -616,13 +626,13 @@ def test_the_extreme_candidates_compile_for_gpu_targets(op: str, target: tuple) 
     if op == "paged_gather":
         kernel, fn = paged_copy._kernel(op, interpret=False), paged_copy._gather_kernel
         pointers = {"layer_bases": "*i64", "slot_mapping": "*i64", "chunk": "*i64"}
-        candidates = tuning.paged_copy_candidates(256, 8, 256)  # Llama-3-8B, bf16
+        candidates = tuning_problems.paged_copy_candidates(256, 8, 256)  # Llama-3-8B, bf16
         tile = {"BLOCK_T": "block_tokens", "BLOCK_R": "block_row"}
     else:
         kernel, fn = rope._kernel(interpret=False), rope._rerotate_kernel
         pointers = {"k": "*bf16", "old_positions": "*i64", "new_positions": "*i64"}
         pointers["inv_freq"] = "*fp32"
-        candidates = tuning.rope_candidates(64, 256)
+        candidates = tuning_problems.rope_candidates(64, 256)
         tile = {"BLOCK_T": "block_tokens", "BLOCK_P": "block_pairs"}
     params = list(inspect.signature(fn).parameters)
     constexprs = [p for p in params if p.isupper()]
@@ -644,6 +654,27 @@ def test_the_extreme_candidates_compile_for_gpu_targets(op: str, target: tuple) 
             pytest.skip(f"triton cannot lower for {target}: {error}")
         assert compiled.metadata.num_warps == config.num_warps
         assert compiled.asm["cubin" if target[0] == "cuda" else "hsaco"]
+
+
+def test_tuning_reexports_the_public_names_of_its_parts() -> None:
+    for name in tuning.__all__:
+        assert hasattr(tuning, name), name
+    # the launchers call tuning.tuned_config; the search path lives in tuning_lookup
+    assert tuning.tuned_config is tuning_lookup.tuned_config
+    assert tuning.set_search_path is tuning_lookup.set_search_path
+
+
+def test_prepend_search_path(tuning_dir: Path, tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    try:
+        tuning_lookup.prepend_search_path([first])
+        assert tuning_lookup.search_path()[:2] == (first, tuning_dir)
+        tuning_lookup.prepend_search_path([first])  # idempotent
+        assert tuning_lookup.search_path().count(first) == 1
+        tuning_lookup.prepend_search_path([tuning_dir])  # moves to the front, no duplicate
+        assert tuning_lookup.search_path()[:2] == (tuning_dir, first)
+    finally:
+        tuning_lookup.set_search_path(None)
 
 
 def test_importing_the_tuning_code_stays_light() -> None:

@@ -1,0 +1,237 @@
+"""Where tuning files are searched for, and the lookup every Triton launcher calls
+(:func:`tuned_config`). The files themselves are :mod:`kvtier_kernels.tuning_files`.
+
+Search path, first match wins (a later file for the same name is shadowed):
+
+1. the directories in ``KVTIER_TUNING_DIR`` (``os.pathsep``-separated), else
+   ``$XDG_CACHE_HOME/kvtier/tuning`` (``~/.cache/kvtier/tuning``): what ``kvtier tune``
+   writes;
+2. ``kvtier_kernels/tuned/``: defaults shipped with the package, when present.
+
+:func:`set_search_path` replaces both; :func:`prepend_search_path` puts directories in
+front of them (kvtier's ``tuning_dir`` config key does this). A file that cannot be read,
+is malformed, or is for another op, backend, device or dtype than its name says is
+skipped with a warning (once) and the search goes on; nothing here ever raises into a
+launcher.
+
+Importing this module imports neither triton nor the op modules, and touches no GPU driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier_kernels.tuning_files import (
+    TuningFile,
+    TuningFileError,
+    _backend_for,
+    _cuda_available,
+    _slug,
+    device_name,
+    dtype_name,
+    file_name,
+    load_tuning_file,
+)
+
+TUNING_DIR_ENV = "KVTIER_TUNING_DIR"
+PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
+
+
+# ---------------------------------------------------------------------------------------
+# search path and lookup
+# ---------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_override: tuple[Path, ...] | None = None
+_loaded: dict[tuple[Any, ...], TuningFile | None] = {}
+
+
+def default_user_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvtier/tuning``, or ``~/.cache/kvtier/tuning``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtier" / "tuning"
+
+
+def user_dirs() -> tuple[Path, ...]:
+    """Where ``kvtier tune`` writes and lookups look first (see the module doc)."""
+    env = os.environ.get(TUNING_DIR_ENV)
+    if env:
+        return tuple(Path(p).expanduser() for p in env.split(os.pathsep) if p)
+    return (default_user_dir(),)
+
+
+@functools.lru_cache(maxsize=32)
+def _search_path(
+    override: tuple[Path, ...] | None, packaged: Path, *environment: str | None
+) -> tuple[Path, ...]:
+    del environment  # part of the cache key only
+    if override is not None:
+        return override
+    return (*user_dirs(), packaged)
+
+
+def search_path() -> tuple[Path, ...]:
+    """The directories searched for tuning files, first match wins."""
+    return _search_path(
+        _override,
+        PACKAGED_DIR,
+        os.environ.get(TUNING_DIR_ENV),
+        os.environ.get("XDG_CACHE_HOME"),
+        os.environ.get("HOME"),
+    )
+
+
+def set_search_path(directories: Sequence[str | Path] | None) -> None:
+    """Search exactly ``directories`` (packaged defaults included only if listed); None
+    restores the default (``KVTIER_TUNING_DIR`` or the user cache, then packaged)."""
+    global _override
+    _override = None if directories is None else tuple(Path(d).expanduser() for d in directories)
+    clear_cache()
+
+
+def prepend_search_path(directories: Sequence[str | Path]) -> None:
+    """Search ``directories`` first, then the current search path (a directory already on
+    it moves to the front rather than appearing twice). Idempotent; ``set_search_path(None)``
+    undoes it."""
+    first = tuple(Path(d).expanduser() for d in directories)
+    set_search_path(first + tuple(d for d in search_path() if d not in first))
+
+
+def clear_cache() -> None:
+    """Forget every file read so far (they are read again on the next lookup)."""
+    with _lock:
+        _loaded.clear()
+
+
+def find_tuning_file(
+    op: str, backend: str, device: str, dtype: torch.dtype | str
+) -> TuningFile | None:
+    """The tuning file in effect for (op, backend, device name, dtype), or None.
+
+    The first usable file along :func:`search_path` wins; an unusable one is skipped with
+    a ``RuntimeWarning`` (once per process, until :func:`clear_cache`). Never raises for a
+    bad file.
+    """
+    dtype = dtype_name(dtype)
+    dirs = search_path()
+    cache_key = (dirs, op, backend, device, dtype)
+    with _lock:
+        if cache_key in _loaded:
+            return _loaded[cache_key]
+        found = None
+        name = file_name(op, backend, device, dtype)
+        for directory in dirs:
+            path = directory / name
+            if not path.is_file():
+                continue
+            try:
+                tuning_file = load_tuning_file(path)
+                tuning_file.check_identity(op, backend, device, dtype)
+            except TuningFileError as error:
+                warnings.warn(
+                    f"ignoring tuning file {path}: {error}; using the next file on the search "
+                    "path or the built-in heuristics",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                continue
+            found = tuning_file
+            break
+        _loaded[cache_key] = found
+        return found
+
+
+def tuned_config(
+    op: str, device: torch.device, dtype: torch.dtype, key: Mapping[str, int]
+) -> dict[str, int] | None:
+    """The tuned launch parameters for ``op`` on ``device``, or None (use the heuristics).
+
+    Called by the launchers on every launch (cached after the first). ``device`` decides
+    the backend: a CUDA/ROCm device means ``triton``, the CPU means ``interpret``.
+    ``dtype`` is the dtype the op's files are named by; ``key`` holds the op's
+    ``Tunable.shape_fields``. Never raises: a problem is a warning and None.
+    """
+    if device.type == "cuda" and not _cuda_available():
+        return None  # e.g. a heuristic asked about a GPU this machine does not have
+    try:
+        name = device_name(device)
+        if name is None:
+            return None
+        tuning_file = find_tuning_file(op, _backend_for(device), name, dtype)
+        return None if tuning_file is None else tuning_file.match(key)
+    except Exception as error:  # never break a launch over a tuning file
+        warnings.warn(
+            f"tuning lookup for {op} failed ({error!r}); using the built-in heuristics",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class FileStatus:
+    """One tuning file on the search path, as ``kvtier kernels`` shows it.
+
+    Attributes:
+        path: the file.
+        dtype: the dtype its name says.
+        status: ``"in effect"``, ``"shadowed"`` (an earlier directory has the same name)
+            or ``"ignored"`` (unusable; ``detail`` says why).
+        detail: entries and copy-engine crossover, or the reason it is ignored.
+    """
+
+    path: Path
+    dtype: str
+    status: str
+    detail: str
+
+
+def files_in_effect(op: str, backend: str, device: str) -> list[FileStatus]:
+    """Every tuning file of (op, backend, device name) on the search path, any dtype."""
+    prefix = f"op={op},backend={backend},device={_slug(device)},dtype="
+    statuses: list[FileStatus] = []
+    in_effect: set[str] = set()
+    for directory in search_path():
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob(f"{prefix}*.json")):
+            dtype = path.name[len(prefix) : -len(".json")]
+            if dtype in in_effect:
+                statuses.append(FileStatus(path, dtype, "shadowed", "an earlier directory wins"))
+                continue
+            try:
+                tuning_file = load_tuning_file(path)
+                tuning_file.check_identity(op, backend, device, dtype)
+            except TuningFileError as error:
+                statuses.append(FileStatus(path, dtype, "ignored", str(error)))
+                continue
+            in_effect.add(dtype)
+            count = len(tuning_file.entries)
+            detail = f"{count} shape{'' if count == 1 else 's'}"
+            figures = tuning_file.copy_engine
+            if figures is not None:
+                crossover = figures.crossover_bytes
+                detail += (
+                    f"; copy engine wins from {_format_bytes(crossover)} runs"
+                    if crossover is not None
+                    else "; copy engine never won"
+                )
+            statuses.append(FileStatus(path, dtype, "in effect", detail))
+    return statuses
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
