@@ -1,0 +1,448 @@
+"""CacheGen-style KV compression: the CPU reference codec that defines the bitstream.
+
+A chunk in the canonical layout ``KV_2LTD`` (``[2, num_layers, num_tokens, hidden]``,
+bf16/fp16/fp32) is quantized per token and entropy-coded with lane-parallel rANS::
+
+    scale[kv, l, t]   = max_d |x[kv, l, t, d]|                  (float32, absmax per token)
+    n                 = levels[kv][l]                            (1..127, "levels_half")
+    step              = scale / n                                (float32)
+    q[kv, l, t, d]    = clamp(round(x / step), -n, n)            symbol = q + n in [0, 2n]
+    x_hat             = (symbol - n) * step                      (float32, then out's dtype)
+
+Error bound (what :func:`decode_chunk` guarantees for an object :func:`encode_chunk` made
+from finite input; fp32 arithmetic, so a slack of ``2**-20 * scale`` covers its
+roundings)::
+
+    |x - x_hat| <= scale / (2 n) + 2**-20 * scale               (out is float32)
+    ... plus u * scale, u = 2**-8 (bf16) or 2**-11 (fp16)        (rounding to out's dtype)
+
+Statistics: each lane is one ``(kv, layer, channel)`` stream of ``num_tokens`` symbols;
+its histogram (counts, summing to ``num_tokens``) is stored and turned into frequencies
+summing to ``1 << PROB_BITS`` by :func:`quantize_counts` (every used symbol gets >= 1), so
+encoder and decoder derive the same table from the same integers.
+
+Entropy coding: rANS, 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
+probabilities; at most one word is emitted per symbol. Lanes are independent, so the
+encoder and decoder are vectorized across lanes and loop over the symbols of a lane (the
+shape a Triton kernel will take: one program per group of lanes). A lane's stream is its
+final encoder state (low word, high word) followed by the renormalization words in the
+order the decoder reads them; a decoded lane must end in the initial state ``2**16``
+having read exactly its words, which catches most damage.
+
+Payload (little-endian; each section zero-padded to a multiple of 4 bytes; ``lanes =
+2 * num_layers * hidden``, lane index ``(kv * num_layers + l) * hidden + d``)::
+
+    section   contents                                        dtype
+    scales    scale[kv, l, t]                                 float32 [2, L, T]
+    bounds    (lo, hi): the used symbol range of each lane   uint8   [lanes, 2]
+    counts    counts[lo..hi] of each lane, lanes in order     uint8 if T < 256, uint16 if
+                                                              T < 65536, else uint32
+    lengths   words in each lane's stream                     uint16 if T + 2 < 65536,
+                                                              else uint32 [lanes]
+    words     the lanes' streams concatenated                 uint16
+
+Params (CBOR-encodable, small — the bulk lives in the payload because the wire header is
+capped at 1 MiB): ``version``, ``shape``, ``prob_bits``, ``k_levels``/``v_levels`` (one
+int per layer), ``sections`` (the five padded byte lengths) and ``crc`` (CRC-32 of the
+params and the payload: defense in depth — the wire format checksums too). The decoder
+checks all of it and raises :class:`CodecError` (a ``ValueError``) on anything
+inconsistent, before it writes ``out``.
+
+Bytes moved (reference): reads the chunk once to quantize, the symbols once per pass
+(histogram, encode); the output is the payload. Speed is reported by the tests' report
+and, later, ``perf/``.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+VERSION = 1
+PROB_BITS = 16
+PROB_SCALE = 1 << PROB_BITS
+RANS_LOW = 1 << 16  # lower bound of the state; the encoder starts and the decoder ends here
+MAX_LEVELS = 127  # alphabet 2n+1 <= 255 fits the uint8 symbols and bounds
+SECTIONS = ("scales", "bounds", "counts", "lengths", "words")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+__all__ = [
+    "CodecError",
+    "decode_chunk",
+    "default_levels",
+    "encode_chunk",
+    "quantize_counts",
+    "rans_decode",
+    "rans_encode",
+]
+
+
+class CodecError(ValueError):
+    """A compressed chunk (payload or params) that is inconsistent and must not be used."""
+
+
+# ---------------------------------------------------------------------------------------
+# schedule
+# ---------------------------------------------------------------------------------------
+
+
+def default_levels(num_layers: int) -> tuple[list[int], list[int]]:
+    """The default ``(k_levels, v_levels)``: levels_half per layer, from the layer count.
+
+    Early layers get more levels (their errors propagate through every later layer):
+    keys 16 for the first third of the layers, 8 after; values 16 for the first sixth,
+    8 after (values tolerate coarser codes than keys). At least one layer is "early".
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    k_early = max(1, num_layers // 3)
+    v_early = max(1, num_layers // 6)
+    k_levels = [16 if layer < k_early else 8 for layer in range(num_layers)]
+    v_levels = [16 if layer < v_early else 8 for layer in range(num_layers)]
+    return k_levels, v_levels
+
+
+def _check_levels(levels: Any, num_layers: int, what: str, error: type[Exception]) -> list[int]:
+    if not isinstance(levels, list | tuple) or len(levels) != num_layers:
+        raise error(f"{what} must be a list of {num_layers} ints (one per layer)")
+    for layer, n in enumerate(levels):
+        if type(n) is not int or not 1 <= n <= MAX_LEVELS:
+            raise error(f"{what}[{layer}] = {n!r}: levels must be an int in 1..{MAX_LEVELS}")
+    return list(levels)
+
+
+# ---------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------
+
+
+def quantize_counts(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to ``PROB_SCALE`` from ``counts`` ``[lanes, A]`` (each row a
+    histogram with a positive total, ``A <= 255``): proportional, floored, every used
+    symbol at least 1, the rounding remainder given to the most frequent symbol (first on
+    ties). Returns uint32 ``[lanes, A]``; a symbol has frequency 0 iff its count is 0."""
+    counts = counts.astype(np.int64, copy=False)
+    total = counts.sum(axis=1, keepdims=True)
+    freq = counts * PROB_SCALE // total
+    freq[(counts > 0) & (freq == 0)] = 1
+    # NOTE: the top symbol has count >= total / 255, so freq >= 257 before the fix-up and
+    # the fix-up subtracts at most 254 (one per other used symbol): it stays positive.
+    top = counts.argmax(axis=1)
+    rows = np.arange(len(counts))
+    freq[rows, top] += PROB_SCALE - freq.sum(axis=1)
+    return freq.astype(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------
+# rANS
+# ---------------------------------------------------------------------------------------
+
+
+def rans_encode(symbols: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode each row of ``symbols`` ``[lanes, n]`` with its row of ``freq``
+    ``[lanes, A]`` (uint32, rows summing to ``PROB_SCALE``; every symbol used must have a
+    positive frequency). Returns ``(words, lengths)``: the lanes' streams concatenated
+    (uint16) and each lane's length in words (int64; ``2 <= length <= n + 2``)."""
+    lanes, n = symbols.shape
+    alphabet = freq.shape[1]
+    freq64 = freq.astype(np.uint64)
+    cum = np.zeros_like(freq64)
+    np.cumsum(freq64[:, :-1], axis=1, out=cum[:, 1:])
+    width = n + 2
+    buf = np.zeros(lanes * width, dtype=np.uint16)
+    base = np.arange(lanes, dtype=np.int64) * width
+    pos = np.full(lanes, width, dtype=np.int64)  # a lane's stream is buf[pos:width]
+    state = np.full(lanes, RANS_LOW, dtype=np.uint64)
+    row = np.arange(lanes, dtype=np.int64) * alphabet
+    for i in range(n - 1, -1, -1):
+        index = row + symbols[:, i]
+        f, c = freq64[:, :].reshape(-1)[index], cum.reshape(-1)[index]
+        emit = state >= (f << np.uint64(16))
+        # writing unconditionally is safe: an unused slot below pos is overwritten later
+        buf[base + pos - 1] = (state & np.uint64(0xFFFF)).astype(np.uint16)
+        pos -= emit
+        state = np.where(emit, state >> np.uint64(16), state)
+        state = ((state // f) << np.uint64(PROB_BITS)) + state % f + c
+    buf[base + pos - 2] = (state & np.uint64(0xFFFF)).astype(np.uint16)
+    buf[base + pos - 1] = (state >> np.uint64(16)).astype(np.uint16)
+    pos -= 2
+    keep = np.arange(width)[None, :] >= pos[:, None]
+    return buf.reshape(lanes, width)[keep], width - pos
+
+
+def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int) -> np.ndarray:
+    """Decode ``n`` symbols per lane from ``(words, lengths)`` as :func:`rans_encode`
+    made them with ``freq`` ``[lanes, A]``. Returns uint8 ``[lanes, n]``.
+
+    Raises:
+        CodecError: a lane reads past its words, leaves words unread, or does not end
+            in the initial state (the stream is not what ``freq`` encoded).
+    """
+    lanes, alphabet = freq.shape
+    lengths = lengths.astype(np.int64)
+    if len(lengths) != lanes or (lanes and lengths.min() < 2):
+        raise CodecError("every lane needs at least its 2 state words")
+    if int(lengths.sum()) != len(words):
+        raise CodecError(f"lane lengths sum to {int(lengths.sum())}, stream has {len(words)}")
+    words64 = np.append(words.astype(np.uint64), np.uint64(0))  # a safe target for misses
+    start = np.zeros(lanes, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=start[1:])
+    freq64 = freq.astype(np.uint64).reshape(-1)
+    search = 1 << max(0, (alphabet - 1).bit_length())  # power of two >= alphabet
+    cum_hi = np.full((lanes, search), PROB_SCALE, dtype=np.uint64)  # cum of a + 1
+    np.cumsum(freq.astype(np.uint64), axis=1, out=cum_hi[:, :alphabet])
+    cum_hi[:, alphabet - 1 :] = PROB_SCALE
+    cum_hi = cum_hi.reshape(-1)
+    row_search = np.arange(lanes, dtype=np.int64) * search
+    row = np.arange(lanes, dtype=np.int64) * alphabet
+    state = words64[start] | (words64[start + 1] << np.uint64(16))
+    read = np.full(lanes, 2, dtype=np.int64)
+    bad = np.zeros(lanes, dtype=bool)
+    out = np.empty((lanes, n), dtype=np.uint8)
+    mask = np.uint64(PROB_SCALE - 1)
+    for i in range(n):
+        slot = state & mask
+        sym = np.zeros(lanes, dtype=np.int64)  # the number of a with cum_hi[a] <= slot
+        step = search >> 1
+        while step:
+            probe = cum_hi[row_search + sym + step - 1]
+            sym += np.where(probe <= slot, step, 0)
+            step >>= 1
+        out[:, i] = sym
+        f = freq64[row + sym]
+        c = cum_hi[row_search + sym] - f
+        state = f * (state >> np.uint64(PROB_BITS)) + slot - c
+        need = state < RANS_LOW
+        have = read < lengths
+        bad |= need & ~have
+        word = words64[np.where(need & have, start + read, len(words))]
+        state = np.where(need, (state << np.uint64(16)) | word, state)
+        read += need
+    bad |= (read != lengths) | (state != RANS_LOW)
+    if bad.any():
+        raise CodecError(
+            f"rANS stream of lane {int(np.flatnonzero(bad)[0])} is inconsistent "
+            f"({int(bad.sum())} of {lanes} lanes)"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# container
+# ---------------------------------------------------------------------------------------
+
+
+def _count_dtype(num_tokens: int) -> np.dtype:
+    return np.dtype(
+        np.uint8 if num_tokens < 256 else np.uint16 if num_tokens < 65536 else np.uint32
+    )
+
+
+def _length_dtype(num_tokens: int) -> np.dtype:
+    return np.dtype(np.uint16 if num_tokens + 2 < 65536 else np.uint32)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 4)
+
+
+def _padded_len(nbytes: int) -> int:
+    return nbytes + (-nbytes % 4)
+
+
+def _checksum(params: dict[str, Any], payload: bytes | memoryview) -> int:
+    fields = {k: v for k, v in params.items() if k != "crc"}
+    head = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return zlib.crc32(payload, zlib.crc32(head))
+
+
+def _lane_levels(k_levels: list[int], v_levels: list[int], hidden: int) -> np.ndarray:
+    """levels_half of each lane, int64 ``[lanes]``."""
+    return np.repeat(np.asarray(k_levels + v_levels, dtype=np.int64), hidden)
+
+
+def encode_chunk(
+    chunk: torch.Tensor,
+    k_levels: list[int] | None = None,
+    v_levels: list[int] | None = None,
+) -> tuple[bytes, dict[str, Any]]:
+    """Compress ``chunk`` ``[2, num_layers, num_tokens, hidden]`` (bf16/fp16/fp32, finite,
+    any device; ``num_tokens >= 1``). ``k_levels``/``v_levels``: levels_half per layer
+    (1..127); default :func:`default_levels`. Deterministic: equal inputs give equal bytes.
+
+    Returns ``(payload, params)``, see the module docstring.
+
+    Raises:
+        ValueError: wrong shape, dtype, levels, or non-finite values.
+    """
+    if chunk.dim() != 4 or chunk.shape[0] != 2:
+        raise ValueError(
+            f"chunk must be [2, num_layers, num_tokens, hidden] (KV_2LTD), got {list(chunk.shape)}"
+        )
+    if chunk.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"chunk dtype must be one of {FLOAT_DTYPES}, got {chunk.dtype}")
+    _, num_layers, num_tokens, hidden = chunk.shape
+    if num_layers < 1 or num_tokens < 1 or hidden < 1:
+        raise ValueError(
+            f"chunk must have at least one layer, token and channel: {list(chunk.shape)}"
+        )
+    default_k, default_v = default_levels(num_layers)
+    k_levels = _check_levels(
+        default_k if k_levels is None else k_levels, num_layers, "k_levels", ValueError
+    )
+    v_levels = _check_levels(
+        default_v if v_levels is None else v_levels, num_layers, "v_levels", ValueError
+    )
+
+    x = chunk.detach().to("cpu", torch.float32)
+    if not torch.isfinite(x).all():
+        raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
+    levels = torch.tensor([k_levels, v_levels], dtype=torch.float32)[:, :, None]  # [2, L, 1]
+    scale = x.abs().amax(dim=-1)  # [2, L, T]
+    step = scale / levels
+    safe = torch.where(step > 0, step, torch.ones_like(step))[..., None]
+    q = torch.round(x / safe)
+    q = torch.minimum(torch.maximum(q, -levels[..., None]), levels[..., None])
+    symbols = (q + levels[..., None]).to(torch.uint8)  # [2, L, T, D]
+    symbols = symbols.permute(0, 1, 3, 2).reshape(-1, num_tokens).numpy()  # [lanes, T]
+
+    lanes = symbols.shape[0]
+    alphabet = 2 * max(k_levels + v_levels) + 1
+    counts = np.bincount(
+        (np.arange(lanes, dtype=np.int64)[:, None] * alphabet + symbols).reshape(-1),
+        minlength=lanes * alphabet,
+    ).reshape(lanes, alphabet)
+    used = counts > 0
+    lo = used.argmax(axis=1)
+    hi = alphabet - 1 - used[:, ::-1].argmax(axis=1)
+    in_range = (np.arange(alphabet)[None, :] >= lo[:, None]) & (
+        np.arange(alphabet)[None, :] <= hi[:, None]
+    )
+    words, lengths = rans_encode(symbols, quantize_counts(counts))
+
+    sections = [
+        scale.numpy().astype("<f4").tobytes(),
+        np.stack([lo, hi], axis=1).astype(np.uint8).tobytes(),
+        counts[in_range].astype(_count_dtype(num_tokens).newbyteorder("<")).tobytes(),
+        lengths.astype(_length_dtype(num_tokens).newbyteorder("<")).tobytes(),
+        words.astype("<u2").tobytes(),
+    ]
+    sections = [_padded(s) for s in sections]
+    payload = b"".join(sections)
+    params: dict[str, Any] = {
+        "version": VERSION,
+        "shape": [2, num_layers, num_tokens, hidden],
+        "prob_bits": PROB_BITS,
+        "k_levels": k_levels,
+        "v_levels": v_levels,
+        "sections": [len(s) for s in sections],
+    }
+    params["crc"] = _checksum(params, payload)
+    return payload, params
+
+
+def decode_chunk(payload: bytes | memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
+    """Fill ``out`` (``[2, L, T, D]`` as in ``params``, bf16/fp16/fp32, contiguous, CPU)
+    from what :func:`encode_chunk` made. ``out`` is written only once everything checked.
+
+    Raises:
+        CodecError: the params, the payload or ``out`` disagree with each other or with the
+            bitstream (wrong version, shape, levels, section sizes, CRC, tables, streams).
+    """
+    if not isinstance(params, dict):
+        raise CodecError(f"params must be a map, got {type(params).__name__}")
+    expected = {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}
+    if set(params) != expected:
+        raise CodecError(f"params have keys {sorted(params)}, expected {sorted(expected)}")
+    if params["version"] != VERSION or params["prob_bits"] != PROB_BITS:
+        raise CodecError(
+            f"unsupported version/prob_bits {params['version']!r}/{params['prob_bits']!r}"
+        )
+    shape = params["shape"]
+    if not isinstance(shape, list) or len(shape) != 4 or any(type(s) is not int for s in shape):
+        raise CodecError(f"params shape {shape!r} is not four ints")
+    if shape[0] != 2 or min(shape) < 1:
+        raise CodecError(f"params shape {shape} is not a non-empty [2, L, T, D]")
+    if list(out.shape) != shape:
+        raise CodecError(f"out has shape {list(out.shape)}, the params say {shape}")
+    if out.dtype not in FLOAT_DTYPES or out.device.type != "cpu" or not out.is_contiguous():
+        raise CodecError(f"out must be a contiguous CPU tensor of {FLOAT_DTYPES}, got {out.dtype}")
+    _, num_layers, num_tokens, hidden = shape
+    k_levels = _check_levels(params["k_levels"], num_layers, "k_levels", CodecError)
+    v_levels = _check_levels(params["v_levels"], num_layers, "v_levels", CodecError)
+    sizes = params["sections"]
+    if (
+        not isinstance(sizes, list)
+        or len(sizes) != len(SECTIONS)
+        or any(type(s) is not int or s < 0 for s in sizes)
+    ):
+        raise CodecError(f"params sections {sizes!r} is not {len(SECTIONS)} byte lengths")
+    if sum(sizes) != len(payload):
+        raise CodecError(f"payload is {len(payload)} bytes, the sections add up to {sum(sizes)}")
+    if params["crc"] != _checksum(params, payload):
+        raise CodecError("CRC mismatch: the params or the payload are damaged")
+
+    lanes = 2 * num_layers * hidden
+    count_dtype = _count_dtype(num_tokens).newbyteorder("<")
+    length_dtype = _length_dtype(num_tokens).newbyteorder("<")
+    fixed = {
+        "scales": _padded_len(2 * num_layers * num_tokens * 4),
+        "bounds": _padded_len(lanes * 2),
+        "lengths": _padded_len(lanes * length_dtype.itemsize),
+    }
+    for name, size in zip(SECTIONS, sizes, strict=True):
+        if name in fixed and size != fixed[name]:
+            raise CodecError(f"section {name} is {size} bytes, the shape needs {fixed[name]}")
+    offsets = dict(zip(SECTIONS, np.cumsum([0, *sizes[:-1]]).tolist(), strict=True))
+    buffer = memoryview(payload).cast("B") if isinstance(payload, memoryview) else payload
+
+    def section(name: str, dtype: np.dtype, count: int) -> np.ndarray:
+        if count * dtype.itemsize > sizes[SECTIONS.index(name)]:
+            raise CodecError(f"section {name} is too short for {count} entries")
+        return np.frombuffer(buffer, dtype=dtype, count=count, offset=offsets[name])
+
+    scale = section("scales", np.dtype("<f4"), 2 * num_layers * num_tokens).astype(np.float32)
+    if not np.isfinite(scale).all() or (scale < 0).any():
+        raise CodecError("scales must be finite and non-negative")
+    bounds = section("bounds", np.dtype(np.uint8), lanes * 2).reshape(lanes, 2).astype(np.int64)
+    lo, hi = bounds[:, 0], bounds[:, 1]
+    lane_levels = _lane_levels(k_levels, v_levels, hidden)
+    if (lo > hi).any() or (hi > 2 * lane_levels).any():
+        raise CodecError("a lane's symbol range is empty or outside its layer's alphabet")
+    widths = hi - lo + 1
+    if _padded_len(int(widths.sum()) * count_dtype.itemsize) != sizes[SECTIONS.index("counts")]:
+        raise CodecError("section counts does not match the lanes' symbol ranges")
+    packed = section("counts", count_dtype, int(widths.sum())).astype(np.int64)
+    alphabet = 2 * max(k_levels + v_levels) + 1
+    columns = np.arange(alphabet)[None, :]
+    in_range = (columns >= lo[:, None]) & (columns <= hi[:, None])
+    counts = np.zeros((lanes, alphabet), dtype=np.int64)
+    counts[in_range] = packed
+    rows = np.arange(lanes)
+    if (
+        (counts.sum(axis=1) != num_tokens).any()
+        or (counts[rows, lo] == 0).any()
+        or (counts[rows, hi] == 0).any()
+    ):
+        raise CodecError("a lane's histogram does not sum to num_tokens or is not tight")
+    lengths = section("lengths", length_dtype, lanes).astype(np.int64)
+    total_words = int(lengths.sum())
+    if _padded_len(total_words * 2) != sizes[SECTIONS.index("words")]:
+        raise CodecError("section words does not match the lane lengths")
+    words = section("words", np.dtype("<u2"), total_words)
+    symbols = rans_decode(words, lengths, quantize_counts(counts), num_tokens)
+    decoded = np.bincount(
+        (rows[:, None] * alphabet + symbols).reshape(-1), minlength=lanes * alphabet
+    ).reshape(lanes, alphabet)
+    if not np.array_equal(decoded, counts):
+        raise CodecError("decoded symbols disagree with the stored histograms")
+
+    levels = torch.tensor([k_levels, v_levels], dtype=torch.float32)[:, :, None]  # [2, L, 1]
+    step = torch.from_numpy(scale.reshape(2, num_layers, num_tokens)) / levels
+    codes = torch.from_numpy(symbols).reshape(2, num_layers, hidden, num_tokens)
+    codes = codes.permute(0, 1, 3, 2).to(torch.float32) - levels[..., None]
+    out.copy_(codes * step[..., None])
