@@ -529,9 +529,11 @@ class KVTierConfig:
     remote_serde: str = _key(
         "naive",
         str,
-        "Codec of chunks written to the disk and remote tiers (each object names its "
-        "codec, so readers decode whatever was written).",
-        choices=("naive",),
+        "Codec of chunks written to the disk and remote tiers: naive (the bytes as they "
+        "are) or cachegen (lossy quantization + rANS, several times smaller, bounded "
+        "error; CPU reference codec for now). Each object names its codec, so readers "
+        "decode whatever was written.",
+        choices=("naive", "cachegen"),
         lmcache_names=("remote_serde",),
     )
     remote_timeout_ms: int = _key(

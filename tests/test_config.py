@@ -685,6 +685,7 @@ def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, fe
         ("remote_url", "fs:///mnt/shared", "fs:///mnt/shared"),
         ("remote_url", "", None),
         ("remote_serde", "NAIVE", "naive"),
+        ("remote_serde", "cachegen", "cachegen"),
         ("min_retrieve_tokens", 256, 256),
     ],
 )
@@ -699,7 +700,7 @@ def test_lmcache_tier_keys_are_real_keys(key: str, value: object, expected: obje
     [
         ({"remote_url": "lm://localhost:65432"}, ("remote_url", "'lm://localhost:65432'", "s3")),
         ({"remote_url": "localhost:6379"}, ("remote_url", "redis")),
-        ({"remote_serde": "cachegen"}, ("remote_serde", "naive")),
+        ({"remote_serde": "zstd"}, ("remote_serde", "naive", "cachegen")),
         ({"local_disk": "/tmp/x", "max_local_disk_size": 0}, ("max_local_disk_size", "local_disk")),
         ({"remote_timeout_ms": 0}, ("remote_timeout_ms", "600000")),
         ({"remote_ttl_secs": -1}, ("remote_ttl_secs", "> 0")),

@@ -205,3 +205,58 @@ def test_random_bytes_are_a_miss(data):
 @given(st.binary(max_size=512))
 def test_random_bytes_after_a_valid_prefix_are_a_miss(data):
     _must_miss(_BLOB[: wire.PREFIX_SIZE] + data)
+
+
+# -- the cachegen serde inside the wire format ----------------------------------------
+
+
+def _kv_like(pool, seed: int, shape=(2, 3, 32, 64)):
+    """Smooth per-token magnitudes with a few outlier channels, like real KV."""
+    obj = pool.allocate(shape, torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(shape, generator=gen) * torch.rand((*shape[:3], 1), generator=gen)
+    data[..., :2] *= 12.0
+    obj.tensor.copy_(data)
+    return obj
+
+
+def test_cachegen_round_trip_is_within_its_bound_and_smaller(pool):
+    obj = _kv_like(pool, 1)
+    name = key(9).to_string()
+    parts = wire.encode(name, obj.tensor, make_serde("cachegen"))
+    blob = blob_of(parts)
+    header_len, header_checksum = wire.read_prefix(blob[: wire.PREFIX_SIZE])
+    header = wire.parse_header(
+        blob[wire.PREFIX_SIZE : wire.PREFIX_SIZE + header_len], name, header_checksum
+    )
+    assert header.codec == "cachegen"
+    assert len(blob) < obj.data_nbytes / 2  # compressed, headers and tables included
+    back = wire.decode(blob, name, pool.allocate)
+    original, decoded = obj.tensor.float(), back.tensor.float()
+    scale = original.abs().amax(dim=-1, keepdim=True)
+    # the codec's bound with its default schedule (at least 8 levels per side) + bf16
+    assert bool(((original - decoded).abs() <= scale / 16 + scale * 2**-8).all())
+    assert back.metadata == checksum_of(tensor_bytes(back.tensor))  # the engine re-checks
+
+
+def test_a_chunk_cachegen_cannot_take_is_stored_raw(pool):
+    obj = fill(pool, seed=4)  # random bit patterns: NaNs and infinities
+    name = key(3).to_string()
+    blob = blob_of(wire.encode(name, obj.tensor, make_serde("cachegen")))
+    back = wire.decode(blob, name, pool.allocate)
+    assert same_bytes(back, obj)
+
+
+def test_damaged_cachegen_payload_is_a_corrupt_object(pool):
+    obj = _kv_like(pool, 2)
+    name = key(4).to_string()
+    parts = wire.encode(name, obj.tensor, make_serde("cachegen"))
+    header = bytes(parts[0])
+    payload = bytearray(b"".join(bytes(p) for p in parts[1:]))
+    payload[len(payload) // 2] ^= 0x5A
+    fields = cbor2.loads(header[wire.PREFIX_SIZE :])
+    fields["checksum"] = checksum_of(bytes(payload))  # get past the wire checksum
+    new = cbor2.dumps(fields)
+    forged = header[:6] + struct.pack("<IQ", len(new), checksum_of(new)) + new + bytes(payload)
+    with pytest.raises(CorruptObject):
+        wire.decode(forged, name, pool.allocate)

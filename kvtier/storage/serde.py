@@ -5,8 +5,12 @@ same setting) and named in every object's header, so a reader always decodes wit
 codec the writer used, whatever its own setting. Today there is one:
 
 - ``naive``: the tensor's bytes as they are (lossless, zero-copy on the way out).
+- ``cachegen``: CacheGen-style quantization + rANS (lossy, bounded error per element; see
+  ``kvtier_kernels/cachegen.py``). Today the CPU reference codec runs it (tens of MB/s);
+  use it where bandwidth, not CPU, is the limit.
 
-A lossy codec (CacheGen) plugs in behind the same two calls.
+A chunk a codec cannot take (``ValueError`` from ``encode``, e.g. non-finite values for
+``cachegen``) is written with ``naive`` instead: the header always names the codec used.
 """
 
 from __future__ import annotations
@@ -70,7 +74,28 @@ class NaiveSerde:
         target[:] = payload
 
 
-SERDES: dict[str, type] = {"naive": NaiveSerde}
+class CachegenSerde:
+    """CacheGen-style compression with the default per-layer level schedule."""
+
+    name = "cachegen"
+    lossless = False
+
+    def encode(self, tensor: torch.Tensor) -> tuple[list[Buffer], dict[str, Any]]:
+        from kvtier_kernels.cachegen import encode_chunk
+
+        payload, params = encode_chunk(tensor)
+        return [payload], params
+
+    def decode(self, payload: memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
+        from kvtier_kernels.cachegen import CodecError, decode_chunk
+
+        try:
+            decode_chunk(payload, params, out)
+        except CodecError as exc:
+            raise CorruptObject(f"cachegen payload rejected: {exc}") from None
+
+
+SERDES: dict[str, type] = {"naive": NaiveSerde, "cachegen": CachegenSerde}
 
 
 def make_serde(name: str) -> Serde:

@@ -36,7 +36,7 @@ import xxhash
 
 from kvtier.memory import MemoryObj
 from kvtier.storage.backend import Buffer
-from kvtier.storage.serde import CorruptObject, Serde, make_serde, tensor_bytes
+from kvtier.storage.serde import CorruptObject, NaiveSerde, Serde, make_serde, tensor_bytes
 
 MAGIC = b"KVTR"
 VERSION = 1
@@ -97,7 +97,11 @@ def encode(
 ) -> list[Buffer]:
     """The object for ``tensor`` stored under ``key``: a list of parts to be written
     concatenated (the payload parts are views, not copies, for the naive codec)."""
-    payload, params = serde.encode(tensor)
+    try:
+        payload, params = serde.encode(tensor)
+    except ValueError:  # a chunk this codec cannot take (e.g. non-finite) is stored raw
+        serde = NaiveSerde()
+        payload, params = serde.encode(tensor)
     header = cbor2.dumps(
         {
             "key": key,
