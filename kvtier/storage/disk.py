@@ -103,6 +103,7 @@ class FileTier:
         self.name = name
         self.root = Path(root)
         self.dir = self.root / TREE
+        self._dir_str = str(self.dir)
         self.capacity_bytes = capacity_bytes
         self.serde = serde
         self.stats = stats
@@ -131,7 +132,11 @@ class FileTier:
         return xxhash.xxh3_128_hexdigest(key.to_string().encode())
 
     def path_of(self, file_name: str) -> Path:
-        return self.dir / file_name[:2] / file_name[2:4] / (file_name + SUFFIX)
+        return Path(self._path_str(file_name))
+
+    def _path_str(self, file_name: str) -> str:
+        # plain strings, not pathlib, on the lookup path: a 32k-token prompt is 128 stats
+        return f"{self._dir_str}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
 
     def _check_writable(self, config_key: str) -> None:
         try:
@@ -215,13 +220,10 @@ class FileTier:
 
     def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
         present = []
-        root = str(self.dir)
         for key in keys:
             file_name = self.file_name(key)
-            # plain strings, not pathlib: a 32k-token prompt is 128 stats per lookup
-            path = f"{root}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
             try:
-                size = os.stat(path).st_size
+                size = os.stat(self._path_str(file_name)).st_size
             except OSError:
                 present.append(False)
                 continue

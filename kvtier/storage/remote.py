@@ -150,26 +150,37 @@ class RemoteTier:
             return
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on an I/O thread, waiting at most ``timeout_s``.
+        """``fn(*args)`` on a lookup thread, waiting at most ``timeout_s``.
 
         Raises:
             _Down: the tier is down, or the call failed or timed out (it is now down).
         """
         if not self._up:
             raise _Down
-        future: Future = self._meta.submit(fn, *args)
+        return self._wait(self._meta.submit(fn, *args), self.timeout_s, what)
+
+    def _wait(self, future: Future, timeout: float, what: str) -> Any:
+        """``future``'s result within ``timeout``; a failure or timeout marks the tier
+        down and raises _Down."""
         try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
+            return future.result(timeout=timeout)
+        except Exception as exc:  # a timeout, StoreUnavailable, or an unwrapped client error
+            if isinstance(exc, FutureTimeout):
+                future.cancel()
+            self._fault(what, exc)
+            raise _Down from None
+
+    def _fault(self, what: str, exc: Exception) -> None:
+        """Count a failed call (timeout or error) and mark the tier down."""
+        if isinstance(exc, FutureTimeout):
             self._count(TierCounter.TIMEOUTS)
             self._mark_down(f"{what} took longer than {self.timeout_s * 1000:.0f} ms")
-        except StoreUnavailable as exc:
-            self._count(TierCounter.ERRORS)
+            return
+        self._count(TierCounter.ERRORS)
+        if isinstance(exc, StoreUnavailable):
             self._mark_down(str(exc))
-        except Exception as exc:  # a client-library failure the store did not wrap
-            self._count(TierCounter.ERRORS)
+        else:
             self._mark_down(f"{what} failed: {type(exc).__name__}: {exc}")
-        raise _Down
 
     # -- reads -----------------------------------------------------------------------
 
@@ -208,18 +219,9 @@ class RemoteTier:
 
     def _result(self, future: Future, deadline: float) -> bytes | None:
         try:
-            return future.result(timeout=max(deadline - time.monotonic(), 0.0))[0]
-        except FutureTimeout:
-            future.cancel()
-            self._count(TierCounter.TIMEOUTS)
-            self._mark_down(f"a get took longer than {self.timeout_s * 1000:.0f} ms")
-        except StoreUnavailable as exc:
-            self._count(TierCounter.ERRORS)
-            self._mark_down(str(exc))
-        except Exception as exc:
-            self._count(TierCounter.ERRORS)
-            self._mark_down(f"get failed: {type(exc).__name__}: {exc}")
-        return None
+            return self._wait(future, max(deadline - time.monotonic(), 0.0), "a get")[0]
+        except _Down:
+            return None
 
     def _decode(self, key: CacheKey, blob: bytes, allocate: Allocate) -> MemoryObj | None:
         name = key.to_string()
@@ -264,9 +266,8 @@ class RemoteTier:
             if items:
                 self.store.put_many(items)
         except Exception as exc:
-            self._count(TierCounter.ERRORS)
             self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
-            self._mark_down(f"put failed: {exc}")
+            self._fault("put", exc)
             return
         self._count(TierCounter.PUT_CHUNKS, len(items))
         self._count(TierCounter.PUT_BYTES, sum(len(p) for _, parts in items for p in parts))
@@ -290,8 +291,7 @@ class RemoteTier:
         try:
             self.store.clear()
         except Exception as exc:
-            self._count(TierCounter.ERRORS)
-            self._mark_down(f"clear failed: {exc}")
+            self._fault("clear", exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writes.flush(timeout)
