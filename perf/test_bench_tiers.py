@@ -131,6 +131,35 @@ def _release(objs) -> None:
         obj.ref_down()
 
 
+def _fill(tier, chunks) -> None:
+    """Write the round's chunks into ``tier`` and wait until they are there."""
+    for key, obj in zip(KEYS, chunks, strict=True):
+        assert tier.submit_put(key, obj)
+    assert tier.flush(120)
+
+
+def _time_put(benchmark, tier, chunks, setup) -> None:
+    """Time ``_fill`` (queue + wait until written), ``setup`` emptying the tier first."""
+    benchmark.pedantic(lambda: _fill(tier, chunks), setup=setup, rounds=ROUNDS, warmup_rounds=1)
+
+
+def _time_get(benchmark, pool, tier) -> None:
+    """Time one batched get of the round's chunks into pool buffers."""
+    benchmark.pedantic(
+        lambda: _release(tier.get_many(KEYS, pool.allocate)), rounds=ROUNDS, warmup_rounds=1
+    )
+
+
+def _record_gbps(record, benchmark, metric: str, baseline: str, baseline_value: float) -> None:
+    record(
+        metric=metric,
+        value=_gbps(benchmark),
+        unit="GB/s",
+        baseline=baseline,
+        baseline_value=baseline_value,
+    )
+
+
 # -- disk ---------------------------------------------------------------------------------
 
 
@@ -157,28 +186,14 @@ def test_disk_tier_put(benchmark, record, chunks, disk_dir):
     raw.mkdir()
     baseline = _median_gbps(lambda: _raw_write(raw, chunks), setup=lambda: _wipe(raw))
     tier = FileTier(disk_dir / "tier", capacity_bytes=None, serde=NaiveSerde(), stats=Stats())
-
-    def put():
-        for key, obj in zip(KEYS, chunks, strict=True):
-            assert tier.submit_put(key, obj)
-        assert tier.flush(120)
-
-    benchmark.pedantic(put, setup=tier.clear, rounds=ROUNDS, warmup_rounds=1)
-    record(
-        metric="disk tier put",
-        value=_gbps(benchmark),
-        unit="GB/s",
-        baseline="raw file write",
-        baseline_value=baseline,
-    )
+    _time_put(benchmark, tier, chunks, setup=tier.clear)
+    _record_gbps(record, benchmark, "disk tier put", "raw file write", baseline)
     tier.close()
 
 
 def test_disk_tier_get(benchmark, record, pool, chunks, disk_dir):
     tier = FileTier(disk_dir / "tier", capacity_bytes=None, serde=NaiveSerde(), stats=Stats())
-    for key, obj in zip(KEYS, chunks, strict=True):
-        tier.submit_put(key, obj)
-    assert tier.flush(120)
+    _fill(tier, chunks)
     files = [tier.path_of(tier.file_name(key)) for key in KEYS]
     buffers = [bytearray(f.stat().st_size) for f in files]
 
@@ -188,16 +203,8 @@ def test_disk_tier_get(benchmark, record, pool, chunks, disk_dir):
                 f.readinto(buffer)
 
     baseline = _median_gbps(raw_read)
-    benchmark.pedantic(
-        lambda: _release(tier.get_many(KEYS, pool.allocate)), rounds=ROUNDS, warmup_rounds=1
-    )
-    record(
-        metric="disk tier get",
-        value=_gbps(benchmark),
-        unit="GB/s",
-        baseline="raw file readinto",
-        baseline_value=baseline,
-    )
+    _time_get(benchmark, pool, tier)
+    _record_gbps(record, benchmark, "disk tier get", "raw file readinto", baseline)
     tier.close()
 
 
@@ -252,20 +259,8 @@ def test_redis_tier_put(benchmark, record, chunks, redis_url):
 
     baseline = _median_gbps(raw_set, setup=empty)
     tier = _redis_tier(redis_url)
-
-    def put():
-        for key, obj in zip(KEYS, chunks, strict=True):
-            assert tier.submit_put(key, obj)
-        assert tier.flush(120)
-
-    benchmark.pedantic(put, setup=empty, rounds=ROUNDS, warmup_rounds=1)
-    record(
-        metric="redis tier put",
-        value=_gbps(benchmark),
-        unit="GB/s",
-        baseline="raw redis-py pipelined SET",
-        baseline_value=baseline,
-    )
+    _time_put(benchmark, tier, chunks, setup=empty)
+    _record_gbps(record, benchmark, "redis tier put", "raw redis-py pipelined SET", baseline)
     tier.close()
     client.close()
 
@@ -289,19 +284,9 @@ def test_redis_tier_get(benchmark, record, pool, chunks, redis_url):
 
     baseline = _median_gbps(raw_get)
     tier = _redis_tier(redis_url)
-    for key, obj in zip(KEYS, chunks, strict=True):
-        tier.submit_put(key, obj)
-    assert tier.flush(120)
-    benchmark.pedantic(
-        lambda: _release(tier.get_many(KEYS, pool.allocate)), rounds=ROUNDS, warmup_rounds=1
-    )
-    record(
-        metric="redis tier get",
-        value=_gbps(benchmark),
-        unit="GB/s",
-        baseline="raw redis-py pipelined GET",
-        baseline_value=baseline,
-    )
+    _fill(tier, chunks)
+    _time_get(benchmark, pool, tier)
+    _record_gbps(record, benchmark, "redis tier get", "raw redis-py pipelined GET", baseline)
     tier.close()
     client.close()
 
@@ -380,22 +365,10 @@ def test_s3_tier_put(benchmark, record, chunks, s3_server):
     _delete_raw(client, names)
     payloads.clear()  # moto holds its own copies; free ours
     tier = _s3_tier(s3_server)
-
-    def put():
-        for key, obj in zip(KEYS, chunks, strict=True):
-            assert tier.submit_put(key, obj)
-        assert tier.flush(120)
-
-    benchmark.pedantic(put, setup=tier.clear, rounds=ROUNDS, warmup_rounds=1)
+    _time_put(benchmark, tier, chunks, setup=tier.clear)
     # A failed write only marks the tier down (and is counted): check that all landed.
     assert tier.is_up and all(tier.contains_many(KEYS))
-    record(
-        metric="s3 tier put",
-        value=_gbps(benchmark),
-        unit="GB/s",
-        baseline="raw boto3 put_object",
-        baseline_value=baseline,
-    )
+    _record_gbps(record, benchmark, "s3 tier put", "raw boto3 put_object", baseline)
     tier.clear()
     tier.close()
     client.close()
@@ -419,19 +392,9 @@ def test_s3_tier_get(benchmark, record, pool, chunks, s3_server):
         baseline = _median_gbps(raw_get)
     _delete_raw(client, names)
     tier = _s3_tier(s3_server)
-    for key, obj in zip(KEYS, chunks, strict=True):
-        tier.submit_put(key, obj)
-    assert tier.flush(120)
-    benchmark.pedantic(
-        lambda: _release(tier.get_many(KEYS, pool.allocate)), rounds=ROUNDS, warmup_rounds=1
-    )
-    record(
-        metric="s3 tier get",
-        value=_gbps(benchmark),
-        unit="GB/s",
-        baseline="raw boto3 get_object",
-        baseline_value=baseline,
-    )
+    _fill(tier, chunks)
+    _time_get(benchmark, pool, tier)
+    _record_gbps(record, benchmark, "s3 tier get", "raw boto3 get_object", baseline)
     tier.clear()
     tier.close()
     client.close()

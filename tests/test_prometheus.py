@@ -19,8 +19,11 @@ CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * HEAD * 2  # K and V planes, bf16
 
 
 def scrape(server: MetricsServer) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` from the live endpoint."""
-    url = f"http://{server.host}:{server.port}/metrics"
+    return scrape_url(f"http://{server.host}:{server.port}/metrics")
+
+
+def scrape_url(url: str) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` from a live metrics endpoint."""
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     return {

@@ -18,6 +18,7 @@ from collections import defaultdict
 import pytest
 from conftest import BLOCK, CHUNK
 from redis_server import free_port
+from test_prometheus import scrape_url
 from vllm_engines import expected_loaded, generate, make_llm, shutdown, worker_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -91,7 +92,7 @@ def run(model_a, prompts_a, shared_prefix_prompts):
         assert llm.reset_prefix_cache()
         result["warm"] = generate(llm, prompts_a)
         result["stats_warm"] = worker_stats(engine_id)
-        result["metrics"] = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        result["metrics"] = scrape_url(f"http://127.0.0.1:{metrics_port}/metrics")
         assert llm.reset_prefix_cache()
         result["warm_shared"] = generate(llm, shared_prefix_prompts)
         result["events_warm"] = stream.take()
@@ -140,20 +141,6 @@ def test_worker_counters_match_the_workload(run, prompts_a, shared_prefix_prompt
     assert warm["retrieve_hit_tokens"] - cold["retrieve_hit_tokens"] == chunks_read * CHUNK
     assert warm["stored_chunks"] == cold["stored_chunks"]  # nothing stored twice
     assert warm["corrupt_chunks_rejected"] == 0
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_prometheus_endpoint_serves_the_workers_numbers(run, prompts_a):
