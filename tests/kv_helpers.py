@@ -70,3 +70,29 @@ def assert_cache_equal(actual: PagedKV, expected: PagedKV) -> None:
                 f"slot {block * actual.block_size + offset} (block {block}, offset {offset}), "
                 f"head {head}, dim {dim}; {int(diff.sum())} elements differ in this layer"
             )
+
+
+def draw_paged_with_slots(
+    data, name: str, block_size: int, num_blocks: int, dtype: torch.dtype
+) -> tuple[PagedKV, list[int]]:
+    """For hypothesis tests: a 2-layer cache of layout ``name`` filled with random bits,
+    and a slot list drawn from ``data`` (distinct slots, some replaced by padding -1)."""
+    from hypothesis import strategies as st
+
+    heads, head_size = (1, 12) if name == "mla" else (2, 6)
+    paged = PagedKV.empty(
+        name,
+        num_layers=2,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
+    )
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    for t in paged.tensors:
+        fill_random_(t, gen)
+    num_slots = paged.num_slots
+    unique = data.draw(st.lists(st.integers(0, num_slots - 1), unique=True, max_size=num_slots))
+    padding = data.draw(st.lists(st.booleans(), min_size=len(unique), max_size=len(unique)))
+    return paged, [-1 if pad else s for s, pad in zip(unique, padding, strict=True)]

@@ -13,6 +13,7 @@ from kv_helpers import (
     assert_chunk_equal,
     bits,
     clone_cache,
+    draw_paged_with_slots,
     fill_random_,
     make_slots,
 )
@@ -219,24 +220,8 @@ def test_references_accept_default_layers() -> None:
 def test_random_slot_mappings_round_trip(
     name: str, block_size: int, num_blocks: int, dtype: torch.dtype, data: st.DataObject
 ) -> None:
-    heads, head_size = (1, 12) if name == "mla" else (2, 6)
-    paged = PagedKV.empty(
-        name,
-        num_layers=2,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_heads=heads,
-        head_size=head_size,
-        dtype=dtype,
-    )
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
-    for t in paged.tensors:
-        fill_random_(t, gen)
-    num_slots = paged.num_slots
-    unique = data.draw(st.lists(st.integers(0, num_slots - 1), unique=True, max_size=num_slots))
-    padding = data.draw(st.lists(st.booleans(), min_size=len(unique), max_size=len(unique)))
+    paged, slot_list = draw_paged_with_slots(data, name, block_size, num_blocks, dtype)
     extra_pads = data.draw(st.integers(0, 3), label="extra padding tokens")
-    slot_list = [-1 if pad else s for s, pad in zip(unique, padding, strict=True)]
     slot_list += [-1] * extra_pads
     slots = torch.tensor(slot_list, dtype=torch.int64)
     num_tokens = len(slot_list)
