@@ -19,44 +19,9 @@ from kvtier_kernels.cachegen import (
     rans_encode,
 )
 
+from kv_samples import synthetic_kv, tiny_model_kv
+
 OUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
-
-def synthetic_kv(layers: int = 8, tokens: int = 256, hidden: int = 512, seed: int = 0):
-    """Channel-wise magnitudes (log-normal), 4 outlier K channels, per-token magnitudes."""
-    g = torch.Generator().manual_seed(seed)
-    channel = torch.exp(torch.randn(2, layers, 1, hidden, generator=g) * 0.5)
-    channel[0, :, :, :4] *= 15
-    token = torch.exp(torch.randn(2, layers, tokens, 1, generator=g) * 0.3)
-    mean = torch.randn(2, layers, 1, hidden, generator=g) * 0.5
-    x = (mean + torch.randn(2, layers, tokens, hidden, generator=g)) * channel * token
-    return x.to(torch.bfloat16)
-
-
-def tiny_model_kv(layers: int = 4, tokens: int = 128, hidden: int = 256, seed: int = 0):
-    """K and V of a random-weight pre-norm transformer (attention + MLP) over random
-    token embeddings, with RoPE on K (the per-pair rotation real keys carry)."""
-    g = torch.Generator().manual_seed(seed)
-    heads, head = 4, hidden // 4
-    h = torch.randn(tokens, hidden, generator=g)
-    inv_freq = 10000.0 ** (-torch.arange(0, head, 2).float() / head)
-    angle = torch.arange(tokens).float()[:, None] * inv_freq[None, :]
-    cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
-    mask = torch.full((tokens, tokens), float("-inf")).triu(1)
-    ks, vs = [], []
-    for _ in range(layers):
-        w = [torch.randn(hidden, hidden, generator=g) / hidden**0.5 for _ in range(6)]
-        n = h / h.pow(2).mean(-1, keepdim=True).sqrt()
-        q, k, v = ((n @ w[i]).view(tokens, heads, head).transpose(0, 1) for i in range(3))
-        rot = lambda t: t * cos + torch.cat([-t[..., head // 2 :], t[..., : head // 2]], -1) * sin  # noqa: E731
-        q, k = rot(q), rot(k)
-        a = torch.softmax(q @ k.transpose(1, 2) / head**0.5 + mask, -1) @ v
-        h = h + a.transpose(0, 1).reshape(tokens, hidden) @ w[3]
-        n = h / h.pow(2).mean(-1, keepdim=True).sqrt()
-        h = h + torch.relu(n @ w[4]) @ w[5]
-        ks.append(k.transpose(0, 1).reshape(tokens, hidden))
-        vs.append(v.transpose(0, 1).reshape(tokens, hidden))
-    return torch.stack([torch.stack(ks), torch.stack(vs)]).to(torch.bfloat16)
 
 
 def roundtrip(chunk, out_dtype=torch.float32, **levels):
