@@ -6,6 +6,7 @@ import cbor2
 import numpy as np
 import pytest
 import torch
+from kv_samples import synthetic_kv, tiny_model_kv
 
 from kvtier_kernels.cachegen import (
     PROB_SCALE,
@@ -18,8 +19,6 @@ from kvtier_kernels.cachegen import (
     rans_decode,
     rans_encode,
 )
-
-from kv_samples import synthetic_kv, tiny_model_kv
 
 OUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
