@@ -288,6 +288,45 @@ def _key(
     return field(default=default, metadata={_SPEC: spec})
 
 
+def _levels_text(value: Any) -> Any:
+    """A levels schedule as text: YAML may give an int or a list of ints."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, list | tuple) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return ",".join(map(str, value))
+    return value.replace(" ", "") if isinstance(value, str) else value
+
+
+def _valid_levels_text(text: str) -> bool:
+    if not text:
+        return True
+    parts = text.split(",")
+    return all(p.isdigit() and 1 <= int(p) <= 127 for p in parts)
+
+
+def parse_levels(text: str, num_layers: int, key: str) -> list[int] | None:
+    """The per-layer levels ``text`` (a ``cachegen_*_levels`` value) sets for a model of
+    ``num_layers`` layers; None for the default schedule.
+
+    Raises:
+        ValueError: ``text`` lists a number of layers other than 1 or ``num_layers``
+            (the message names ``key``).
+    """
+    if not text:
+        return None
+    levels = [int(p) for p in text.split(",")]
+    if len(levels) == 1:
+        return levels * num_layers
+    if len(levels) != num_layers:
+        raise ValueError(
+            f"{key} lists {len(levels)} layers, the model has {num_layers}: give one "
+            "integer for every layer or exactly one per layer"
+        )
+    return levels
+
+
 REMOTE_SCHEMES = (
     "redis",
     "rediss",
@@ -530,11 +569,40 @@ class KVTierConfig:
         "naive",
         str,
         "Codec of chunks written to the disk and remote tiers: naive (the bytes as they "
-        "are) or cachegen (lossy quantization + rANS, several times smaller, bounded "
-        "error; CPU reference codec for now). Each object names its codec, so readers "
-        "decode whatever was written.",
+        "are) or cachegen (lossy quantization + rANS, ~4x smaller than bf16, bounded "
+        "error; docs/compression.md). Each object names its codec, so readers decode "
+        "whatever was written.",
         choices=("naive", "cachegen"),
         lmcache_names=("remote_serde",),
+    )
+    cachegen_k_levels: str = _key(
+        "",
+        str,
+        "cachegen: quantization levels of the keys per layer (n: codes -n..n, error at "
+        "most absmax/(2n) per element): one integer for every layer, or one per layer, "
+        "comma-separated; empty derives them from the layer count (16 for the first "
+        "third of the layers, 8 after).",
+        normalize=_levels_text,
+        check=_valid_levels_text,
+        allowed="empty, or comma-separated integers from 1 to 127 (one, or one per layer)",
+    )
+    cachegen_v_levels: str = _key(
+        "",
+        str,
+        "cachegen: quantization levels of the values per layer, as cachegen_k_levels; "
+        "empty derives them from the layer count (16 for the first sixth of the layers, "
+        "8 after).",
+        normalize=_levels_text,
+        check=_valid_levels_text,
+        allowed="empty, or comma-separated integers from 1 to 127 (one, or one per layer)",
+    )
+    cachegen_device: str = _key(
+        "auto",
+        str,
+        "cachegen: where chunks are encoded and decoded: auto (the GPU when torch sees "
+        "one and triton is installed: the Triton rANS coder, same bytes as the CPU), "
+        "cpu (the reference codec), or cuda.",
+        choices=("auto", "cpu", "cuda"),
     )
     remote_timeout_ms: int = _key(
         1000,

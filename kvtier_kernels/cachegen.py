@@ -22,35 +22,46 @@ summing to ``1 << PROB_BITS`` by :func:`quantize_counts` (every used symbol gets
 encoder and decoder derive the same table from the same integers.
 
 Entropy coding: rANS, 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
-probabilities; at most one word is emitted per symbol. Lanes are independent, so the
-encoder and decoder are vectorized across lanes and loop over the symbols of a lane (the
-shape a Triton kernel will take: one program per group of lanes). A lane's stream is its
-final encoder state (low word, high word) followed by the renormalization words in the
-order the decoder reads them; a decoded lane must end in the initial state ``2**16``
-having read exactly its words, which catches most damage.
+probabilities; at most one word is emitted per symbol. Lanes are independent: the coder is
+the kernel registry's ``rans_encode``/``rans_decode`` (``kvtier_kernels.cachegen_kernels``),
+whose ``torch`` backend is the numpy reference below (vectorized across lanes, a loop over
+the symbols of a lane) and whose ``triton`` backend (one GPU thread per lane) produces the
+same bytes. A lane's stream is its final encoder state (low word, high word) followed by
+the renormalization words in the order the decoder reads them; a decoded lane must end in
+the initial state ``2**16`` having read exactly its words, which catches most damage.
 
-Payload (little-endian; each section zero-padded to a multiple of 4 bytes; ``lanes =
-2 * num_layers * hidden``, lane index ``(kv * num_layers + l) * hidden + d``)::
+Quantization, statistics and dequantization are torch code that runs on the chunk's
+device with integer or correctly rounded fp32 arithmetic, so a GPU encode gives the bytes
+a CPU encode gives.
+
+Payload, version 2 (little-endian; each section zero-padded to a multiple of 4 bytes;
+``lanes = 2 * num_layers * hidden``, lane index ``(kv * num_layers + l) * hidden + d``)::
 
     section   contents                                        dtype
     scales    scale[kv, l, t]                                 float32 [2, L, T]
     bounds    (lo, hi): the used symbol range of each lane   uint8   [lanes, 2]
-    counts    counts[lo..hi] of each lane, lanes in order     uint8 if T < 256, uint16 if
-                                                              T < 65536, else uint32
+    counts    counts[lo..hi] of each lane with lo < hi,       uint8 if T <= 256, uint16 if
+              lanes in order (a lane with lo == hi stores     T <= 65536, else uint32
+              nothing: its one symbol occurs T times)
     lengths   words in each lane's stream                     uint16 if T + 2 < 65536,
                                                               else uint32 [lanes]
     words     the lanes' streams concatenated                 uint16
+
+Size, for scale: at 256 tokens a lane of 8-level codes costs ~100 bytes of words and
+~12-17 bytes of counts, bounds and length; the scales cost 4 bytes per token per layer
+per plane.
 
 Params (CBOR-encodable, small — the bulk lives in the payload because the wire header is
 capped at 1 MiB): ``version``, ``shape``, ``prob_bits``, ``k_levels``/``v_levels`` (one
 int per layer), ``sections`` (the five padded byte lengths) and ``crc`` (CRC-32 of the
 params and the payload: defense in depth — the wire format checksums too). The decoder
 checks all of it and raises :class:`CodecError` (a ``ValueError``) on anything
-inconsistent, before it writes ``out``.
+inconsistent, before it writes ``out``. Version 1 (every lane's counts stored, uint8 only
+below 256 tokens) is not read: a stored object of it is a miss.
 
-Bytes moved (reference): reads the chunk once to quantize, the symbols once per pass
-(histogram, encode); the output is the payload. Speed is reported by the tests' report
-and, later, ``perf/``.
+Bytes moved: the chunk is read once to quantize, the symbols once per pass (histogram,
+encode); the output is the payload. Measured figures: ``perf/test_bench_compression.py``
+and docs/compression.md.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ from typing import Any
 import numpy as np
 import torch
 
-VERSION = 1
+VERSION = 2
 PROB_BITS = 16
 PROB_SCALE = 1 << PROB_BITS
 RANS_LOW = 1 << 16  # lower bound of the state; the encoder starts and the decoder ends here
@@ -120,21 +131,24 @@ def _check_levels(levels: Any, num_layers: int, what: str, error: type[Exception
 # ---------------------------------------------------------------------------------------
 
 
-def quantize_counts(counts: np.ndarray) -> np.ndarray:
+def quantize_counts(counts: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
     """Frequencies summing to ``PROB_SCALE`` from ``counts`` ``[lanes, A]`` (each row a
     histogram with a positive total, ``A <= 255``): proportional, floored, every used
     symbol at least 1, the rounding remainder given to the most frequent symbol (first on
-    ties). Returns uint32 ``[lanes, A]``; a symbol has frequency 0 iff its count is 0."""
-    counts = counts.astype(np.int64, copy=False)
-    total = counts.sum(axis=1, keepdims=True)
-    freq = counts * PROB_SCALE // total
-    freq[(counts > 0) & (freq == 0)] = 1
+    ties). Integer arithmetic only, so every device gives the same table. Returns uint32
+    ``[lanes, A]`` for a numpy ``counts``, int64 on ``counts``' device for a tensor; a
+    symbol has frequency 0 iff its count is 0."""
+    as_numpy = isinstance(counts, np.ndarray)
+    c = torch.from_numpy(counts) if as_numpy else counts
+    c = c.to(torch.int64)
+    total = c.sum(dim=1, keepdim=True)
+    freq = c * PROB_SCALE // total
+    freq = torch.where((c > 0) & (freq == 0), torch.ones_like(freq), freq)
     # NOTE: the top symbol has count >= total / 255, so freq >= 257 before the fix-up and
     # the fix-up subtracts at most 254 (one per other used symbol): it stays positive.
-    top = counts.argmax(axis=1)
-    rows = np.arange(len(counts))
-    freq[rows, top] += PROB_SCALE - freq.sum(axis=1)
-    return freq.astype(np.uint32)
+    top = c.argmax(dim=1, keepdim=True)  # the first maximum on every device
+    freq.scatter_add_(1, top, PROB_SCALE - freq.sum(dim=1, keepdim=True))
+    return freq.numpy().astype(np.uint32) if as_numpy else freq
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,13 +251,14 @@ def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int
 
 
 def _count_dtype(num_tokens: int) -> np.dtype:
-    return np.dtype(
-        np.uint8 if num_tokens < 256 else np.uint16 if num_tokens < 65536 else np.uint32
-    )
+    """Stored counts: a lane with one symbol stores none (its count is ``num_tokens``), so
+    every stored count is below ``num_tokens``."""
+    dtype = np.uint8 if num_tokens <= 256 else np.uint16 if num_tokens <= 65536 else np.uint32
+    return np.dtype(dtype).newbyteorder("<")
 
 
 def _length_dtype(num_tokens: int) -> np.dtype:
-    return np.dtype(np.uint16 if num_tokens + 2 < 65536 else np.uint32)
+    return np.dtype(np.uint16 if num_tokens + 2 < 65536 else np.uint32).newbyteorder("<")
 
 
 def _padded(data: bytes) -> bytes:
@@ -260,25 +275,48 @@ def _checksum(params: dict[str, Any], payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(head))
 
 
-def _lane_levels(k_levels: list[int], v_levels: list[int], hidden: int) -> np.ndarray:
-    """levels_half of each lane, int64 ``[lanes]``."""
-    return np.repeat(np.asarray(k_levels + v_levels, dtype=np.int64), hidden)
+def _levels(k_levels: list[int], v_levels: list[int], device: torch.device) -> torch.Tensor:
+    """levels_half of each (plane, layer) as float32 ``[2, L, 1]``."""
+    return torch.tensor([k_levels, v_levels], dtype=torch.float32, device=device)[:, :, None]
+
+
+def _histogram(symbols: torch.Tensor, alphabet: int) -> torch.Tensor:
+    """Counts of each symbol per lane, int64 ``[lanes, alphabet]`` on ``symbols``' device."""
+    lanes = symbols.shape[0]
+    index = torch.arange(lanes, device=symbols.device)[:, None] * alphabet + symbols.long()
+    return torch.bincount(index.reshape(-1), minlength=lanes * alphabet).view(lanes, alphabet)
+
+
+def _in_range(lo: torch.Tensor, hi: torch.Tensor, alphabet: int) -> torch.Tensor:
+    """``[lanes, alphabet]``: True where ``lo <= symbol <= hi`` and the lane has more than
+    one symbol (a one-symbol lane's count is implied)."""
+    columns = torch.arange(alphabet, device=lo.device)[None, :]
+    return (columns >= lo[:, None]) & (columns <= hi[:, None]) & (hi > lo)[:, None]
 
 
 def encode_chunk(
     chunk: torch.Tensor,
     k_levels: list[int] | None = None,
     v_levels: list[int] | None = None,
+    *,
+    backend: str = "torch",
 ) -> tuple[bytes, dict[str, Any]]:
-    """Compress ``chunk`` ``[2, num_layers, num_tokens, hidden]`` (bf16/fp16/fp32, finite,
-    any device; ``num_tokens >= 1``). ``k_levels``/``v_levels``: levels_half per layer
-    (1..127); default :func:`default_levels`. Deterministic: equal inputs give equal bytes.
+    """Compress ``chunk`` ``[2, num_layers, num_tokens, hidden]`` (bf16/fp16/fp32, finite;
+    ``num_tokens >= 1``). ``k_levels``/``v_levels``: levels_half per layer (1..127);
+    default :func:`default_levels`. Deterministic: equal inputs give equal bytes, on any
+    device and with any backend.
+
+    Quantization and statistics run in torch on ``chunk``'s device; the rANS coder is the
+    kernel registry's ``rans_encode`` for ``backend`` (``torch`` is the numpy reference;
+    ``auto`` picks Triton for a GPU chunk).
 
     Returns ``(payload, params)``, see the module docstring.
 
     Raises:
         ValueError: wrong shape, dtype, levels, or non-finite values.
     """
+    from kvtier_kernels.cachegen_kernels import rans_encode_lanes
+
     if chunk.dim() != 4 or chunk.shape[0] != 2:
         raise ValueError(
             f"chunk must be [2, num_layers, num_tokens, hidden] (KV_2LTD), got {list(chunk.shape)}"
@@ -298,40 +336,33 @@ def encode_chunk(
         default_v if v_levels is None else v_levels, num_layers, "v_levels", ValueError
     )
 
-    x = chunk.detach().to("cpu", torch.float32)
-    if not torch.isfinite(x).all():
+    x = chunk.detach().to(torch.float32)
+    if not bool(torch.isfinite(x).all()):
         raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
-    levels = torch.tensor([k_levels, v_levels], dtype=torch.float32)[:, :, None]  # [2, L, 1]
+    levels = _levels(k_levels, v_levels, x.device)
     scale = x.abs().amax(dim=-1)  # [2, L, T]
     step = scale / levels
     safe = torch.where(step > 0, step, torch.ones_like(step))[..., None]
     q = torch.round(x / safe)
     q = torch.minimum(torch.maximum(q, -levels[..., None]), levels[..., None])
     symbols = (q + levels[..., None]).to(torch.uint8)  # [2, L, T, D]
-    symbols = symbols.permute(0, 1, 3, 2).reshape(-1, num_tokens).numpy()  # [lanes, T]
+    symbols = symbols.permute(0, 1, 3, 2).reshape(-1, num_tokens).contiguous()  # [lanes, T]
 
-    lanes = symbols.shape[0]
     alphabet = 2 * max(k_levels + v_levels) + 1
-    counts = np.bincount(
-        (np.arange(lanes, dtype=np.int64)[:, None] * alphabet + symbols).reshape(-1),
-        minlength=lanes * alphabet,
-    ).reshape(lanes, alphabet)
+    counts = _histogram(symbols, alphabet)
     used = counts > 0
-    lo = used.argmax(axis=1)
-    hi = alphabet - 1 - used[:, ::-1].argmax(axis=1)
-    in_range = (np.arange(alphabet)[None, :] >= lo[:, None]) & (
-        np.arange(alphabet)[None, :] <= hi[:, None]
-    )
-    words, lengths = rans_encode(symbols, quantize_counts(counts))
+    lo = used.to(torch.uint8).argmax(dim=1)
+    hi = alphabet - 1 - used.flip(1).to(torch.uint8).argmax(dim=1)
+    words, lengths = rans_encode_lanes(symbols, quantize_counts(counts), backend=backend)
 
     sections = [
-        scale.numpy().astype("<f4").tobytes(),
-        np.stack([lo, hi], axis=1).astype(np.uint8).tobytes(),
-        counts[in_range].astype(_count_dtype(num_tokens).newbyteorder("<")).tobytes(),
-        lengths.astype(_length_dtype(num_tokens).newbyteorder("<")).tobytes(),
-        words.astype("<u2").tobytes(),
+        scale.cpu().numpy().astype("<f4").tobytes(),
+        torch.stack([lo, hi], dim=1).to(torch.uint8).cpu().numpy().tobytes(),
+        counts[_in_range(lo, hi, alphabet)].cpu().numpy().astype(_count_dtype(num_tokens)),
+        lengths.cpu().numpy().astype(_length_dtype(num_tokens)).tobytes(),
+        words.cpu().numpy().astype("<u2").tobytes(),
     ]
-    sections = [_padded(s) for s in sections]
+    sections = [_padded(bytes(s)) for s in sections]
     payload = b"".join(sections)
     params: dict[str, Any] = {
         "version": VERSION,
@@ -345,14 +376,25 @@ def encode_chunk(
     return payload, params
 
 
-def decode_chunk(payload: bytes | memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
-    """Fill ``out`` (``[2, L, T, D]`` as in ``params``, bf16/fp16/fp32, contiguous, CPU)
-    from what :func:`encode_chunk` made. ``out`` is written only once everything checked.
+def decode_chunk(
+    payload: bytes | memoryview,
+    params: dict[str, Any],
+    out: torch.Tensor,
+    *,
+    backend: str = "torch",
+    device: torch.device | str | None = None,
+) -> None:
+    """Fill ``out`` (``[2, L, T, D]`` as in ``params``, bf16/fp16/fp32, contiguous, any
+    device) from what :func:`encode_chunk` made. ``out`` is written only once everything
+    checked. The rANS decoder is the registry's ``rans_decode`` for ``backend``; it and
+    the dequantization run on ``device`` (default ``out``'s).
 
     Raises:
         CodecError: the params, the payload or ``out`` disagree with each other or with the
             bitstream (wrong version, shape, levels, section sizes, CRC, tables, streams).
     """
+    from kvtier_kernels.cachegen_kernels import rans_decode_lanes
+
     if not isinstance(params, dict):
         raise CodecError(f"params must be a map, got {type(params).__name__}")
     expected = {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}
@@ -360,7 +402,8 @@ def decode_chunk(payload: bytes | memoryview, params: dict[str, Any], out: torch
         raise CodecError(f"params have keys {sorted(params)}, expected {sorted(expected)}")
     if params["version"] != VERSION or params["prob_bits"] != PROB_BITS:
         raise CodecError(
-            f"unsupported version/prob_bits {params['version']!r}/{params['prob_bits']!r}"
+            f"unsupported version/prob_bits {params['version']!r}/{params['prob_bits']!r} "
+            f"(this decoder reads version {VERSION}, prob_bits {PROB_BITS})"
         )
     shape = params["shape"]
     if not isinstance(shape, list) or len(shape) != 4 or any(type(s) is not int for s in shape):
@@ -369,8 +412,8 @@ def decode_chunk(payload: bytes | memoryview, params: dict[str, Any], out: torch
         raise CodecError(f"params shape {shape} is not a non-empty [2, L, T, D]")
     if list(out.shape) != shape:
         raise CodecError(f"out has shape {list(out.shape)}, the params say {shape}")
-    if out.dtype not in FLOAT_DTYPES or out.device.type != "cpu" or not out.is_contiguous():
-        raise CodecError(f"out must be a contiguous CPU tensor of {FLOAT_DTYPES}, got {out.dtype}")
+    if out.dtype not in FLOAT_DTYPES or not out.is_contiguous():
+        raise CodecError(f"out must be a contiguous tensor of {FLOAT_DTYPES}, got {out.dtype}")
     _, num_layers, num_tokens, hidden = shape
     k_levels = _check_levels(params["k_levels"], num_layers, "k_levels", CodecError)
     v_levels = _check_levels(params["v_levels"], num_layers, "v_levels", CodecError)
@@ -387,8 +430,7 @@ def decode_chunk(payload: bytes | memoryview, params: dict[str, Any], out: torch
         raise CodecError("CRC mismatch: the params or the payload are damaged")
 
     lanes = 2 * num_layers * hidden
-    count_dtype = _count_dtype(num_tokens).newbyteorder("<")
-    length_dtype = _length_dtype(num_tokens).newbyteorder("<")
+    count_dtype, length_dtype = _count_dtype(num_tokens), _length_dtype(num_tokens)
     fixed = {
         "scales": _padded_len(2 * num_layers * num_tokens * 4),
         "bounds": _padded_len(lanes * 2),
@@ -408,41 +450,47 @@ def decode_chunk(payload: bytes | memoryview, params: dict[str, Any], out: torch
     scale = section("scales", np.dtype("<f4"), 2 * num_layers * num_tokens).astype(np.float32)
     if not np.isfinite(scale).all() or (scale < 0).any():
         raise CodecError("scales must be finite and non-negative")
-    bounds = section("bounds", np.dtype(np.uint8), lanes * 2).reshape(lanes, 2).astype(np.int64)
-    lo, hi = bounds[:, 0], bounds[:, 1]
-    lane_levels = _lane_levels(k_levels, v_levels, hidden)
-    if (lo > hi).any() or (hi > 2 * lane_levels).any():
+    bounds = section("bounds", np.dtype(np.uint8), lanes * 2).reshape(lanes, 2)
+    lo, hi = (torch.from_numpy(bounds[:, i].astype(np.int64)) for i in (0, 1))
+    lane_levels = torch.tensor(k_levels + v_levels).repeat_interleave(hidden)
+    if bool((lo > hi).any()) or bool((hi > 2 * lane_levels).any()):
         raise CodecError("a lane's symbol range is empty or outside its layer's alphabet")
-    widths = hi - lo + 1
-    if _padded_len(int(widths.sum()) * count_dtype.itemsize) != sizes[SECTIONS.index("counts")]:
-        raise CodecError("section counts does not match the lanes' symbol ranges")
-    packed = section("counts", count_dtype, int(widths.sum())).astype(np.int64)
     alphabet = 2 * max(k_levels + v_levels) + 1
-    columns = np.arange(alphabet)[None, :]
-    in_range = (columns >= lo[:, None]) & (columns <= hi[:, None])
-    counts = np.zeros((lanes, alphabet), dtype=np.int64)
-    counts[in_range] = packed
-    rows = np.arange(lanes)
+    stored = _in_range(lo, hi, alphabet)
+    num_stored = int(stored.sum())
+    if _padded_len(num_stored * count_dtype.itemsize) != sizes[SECTIONS.index("counts")]:
+        raise CodecError("section counts does not match the lanes' symbol ranges")
+    counts = torch.zeros((lanes, alphabet), dtype=torch.int64)
+    counts[stored] = torch.from_numpy(section("counts", count_dtype, num_stored).astype(np.int64))
+    single = lo == hi
+    counts[single, lo[single]] = num_tokens
+    rows = torch.arange(lanes)
     if (
-        (counts.sum(axis=1) != num_tokens).any()
-        or (counts[rows, lo] == 0).any()
-        or (counts[rows, hi] == 0).any()
+        bool((counts.sum(dim=1) != num_tokens).any())
+        or bool((counts[rows, lo] == 0).any())
+        or bool((counts[rows, hi] == 0).any())
     ):
         raise CodecError("a lane's histogram does not sum to num_tokens or is not tight")
     lengths = section("lengths", length_dtype, lanes).astype(np.int64)
     total_words = int(lengths.sum())
     if _padded_len(total_words * 2) != sizes[SECTIONS.index("words")]:
         raise CodecError("section words does not match the lane lengths")
-    words = section("words", np.dtype("<u2"), total_words)
-    symbols = rans_decode(words, lengths, quantize_counts(counts), num_tokens)
-    decoded = np.bincount(
-        (rows[:, None] * alphabet + symbols).reshape(-1), minlength=lanes * alphabet
-    ).reshape(lanes, alphabet)
-    if not np.array_equal(decoded, counts):
+    words = section("words", np.dtype("<u2"), total_words).astype(np.int32)
+
+    dev = out.device if device is None else torch.device(device)
+    counts = counts.to(dev)
+    symbols = rans_decode_lanes(
+        torch.from_numpy(words).to(dev),
+        torch.from_numpy(lengths).to(dev),
+        quantize_counts(counts),
+        num_tokens,
+        backend=backend,
+    )
+    if not torch.equal(_histogram(symbols, alphabet), counts):
         raise CodecError("decoded symbols disagree with the stored histograms")
 
-    levels = torch.tensor([k_levels, v_levels], dtype=torch.float32)[:, :, None]  # [2, L, 1]
-    step = torch.from_numpy(scale.reshape(2, num_layers, num_tokens)) / levels
-    codes = torch.from_numpy(symbols).reshape(2, num_layers, hidden, num_tokens)
-    codes = codes.permute(0, 1, 3, 2).to(torch.float32) - levels[..., None]
-    out.copy_(codes * step[..., None])
+    levels = _levels(k_levels, v_levels, dev)
+    step = torch.from_numpy(scale).to(dev).view(2, num_layers, num_tokens) / levels
+    codes = symbols.view(2, num_layers, hidden, num_tokens).permute(0, 1, 3, 2)
+    x_hat = (codes.to(torch.float32) - levels[..., None]) * step[..., None]
+    out.copy_(x_hat)

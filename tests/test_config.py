@@ -26,6 +26,7 @@ from kvtier.config import (
     config_reference_markdown,
     lmcache_reference_markdown,
     load_config,
+    parse_levels,
 )
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -115,6 +116,9 @@ def test_defaults() -> None:
         "local_disk_o_direct": False,
         "remote_url": None,
         "remote_serde": "naive",
+        "cachegen_k_levels": "",
+        "cachegen_v_levels": "",
+        "cachegen_device": "auto",
         "remote_timeout_ms": 1000,
         "remote_reconnect_max_ms": 5000,
         "remote_max_concurrency": 16,
@@ -871,3 +875,26 @@ def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path)
         tuning_lookup.set_search_path(None)
     with pytest.raises(ConfigError, match="tuning_dir"):
         load_config({"tuning_dir": ""}, env={})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("", ""), ("8", "8"), (8, "8"), ([16, 8, 8], "16,8,8"), ("16, 8", "16,8"), ("127", "127")],
+)
+def test_cachegen_levels_accept_one_int_or_one_per_layer(value: object, expected: str) -> None:
+    assert load_config({"cachegen_k_levels": value}, env={}).cachegen_k_levels == expected
+    assert load_config(env={"KVTIER_CACHEGEN_V_LEVELS": expected}).cachegen_v_levels == expected
+
+
+@pytest.mark.parametrize("value", ["0", "128", "8,", "8,x", "-1", [8, True], 8.5, True])
+def test_cachegen_levels_reject_what_is_not_a_schedule(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"cachegen_k_levels.*integers from 1 to 127"):
+        load_config({"cachegen_k_levels": value}, env={})
+
+
+def test_a_cachegen_schedule_is_per_layer_or_for_all() -> None:
+    assert parse_levels("", 4, "cachegen_k_levels") is None
+    assert parse_levels("8", 3, "cachegen_k_levels") == [8, 8, 8]
+    assert parse_levels("16,8,4", 3, "cachegen_k_levels") == [16, 8, 4]
+    with pytest.raises(ValueError, match="cachegen_v_levels lists 3 layers, the model has 2"):
+        parse_levels("16,8,4", 2, "cachegen_v_levels")

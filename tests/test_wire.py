@@ -3,6 +3,7 @@ CorruptObject (never an exception of another type, never wrong bytes)."""
 
 from __future__ import annotations
 
+import importlib.util
 import struct
 
 import cbor2
@@ -12,9 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tier_helpers import fill, key, make_pool, same_bytes
 
+from kvtier.config import load_config
 from kvtier.storage import wire
 from kvtier.storage.serde import CorruptObject, NaiveSerde, make_serde, tensor_bytes
 from kvtier.storage.wire import checksum_of
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
 
@@ -28,6 +32,13 @@ def pool():
 
 def blob_of(parts) -> bytes:
     return b"".join(bytes(p) for p in parts)
+
+
+def _header_of(blob: bytes, name: str) -> wire.Header:
+    header_len, header_checksum = wire.read_prefix(blob[: wire.PREFIX_SIZE])
+    return wire.parse_header(
+        blob[wire.PREFIX_SIZE : wire.PREFIX_SIZE + header_len], name, header_checksum
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -225,11 +236,7 @@ def test_cachegen_round_trip_is_within_its_bound_and_smaller(pool):
     name = key(9).to_string()
     parts = wire.encode(name, obj.tensor, make_serde("cachegen"))
     blob = blob_of(parts)
-    header_len, header_checksum = wire.read_prefix(blob[: wire.PREFIX_SIZE])
-    header = wire.parse_header(
-        blob[wire.PREFIX_SIZE : wire.PREFIX_SIZE + header_len], name, header_checksum
-    )
-    assert header.codec == "cachegen"
+    assert _header_of(blob, name).codec == "cachegen"
     assert len(blob) < obj.data_nbytes / 2  # compressed, headers and tables included
     back = wire.decode(blob, name, pool.allocate)
     original, decoded = obj.tensor.float(), back.tensor.float()
@@ -260,3 +267,56 @@ def test_damaged_cachegen_payload_is_a_corrupt_object(pool):
     forged = header[:6] + struct.pack("<IQ", len(new), checksum_of(new)) + new + bytes(payload)
     with pytest.raises(CorruptObject):
         wire.decode(forged, name, pool.allocate)
+
+
+def test_cachegen_levels_come_from_the_config(pool):
+    obj = _kv_like(pool, 5)  # 3 layers
+    name = key(5).to_string()
+    config = load_config({"cachegen_k_levels": "32,16,4", "cachegen_v_levels": 2}, env={})
+    blob = blob_of(wire.encode(name, obj.tensor, make_serde("cachegen", config)))
+    params = _header_of(blob, name).codec_params
+    assert params["k_levels"] == [32, 16, 4] and params["v_levels"] == [2, 2, 2]
+    back = wire.decode(blob, name, pool.allocate)  # a reader with other settings
+    original, decoded = obj.tensor.float(), back.tensor.float()
+    scale = original.abs().amax(dim=-1, keepdim=True)
+    levels = torch.tensor([[32, 16, 4], [2, 2, 2]], dtype=torch.float32)[:, :, None, None]
+    assert bool(((original - decoded).abs() <= scale / (2 * levels) + scale * 2**-8).all())
+
+
+def test_a_schedule_for_another_layer_count_stores_raw_and_says_why(pool, caplog):
+    obj = _kv_like(pool, 6)  # 3 layers, the schedule lists 2
+    name = key(6).to_string()
+    config = load_config({"cachegen_k_levels": "16,8"}, env={})
+    with caplog.at_level("WARNING"):
+        blob = blob_of(wire.encode(name, obj.tensor, make_serde("cachegen", config)))
+    assert _header_of(blob, name).codec == "naive"
+    assert "cachegen_k_levels lists 2 layers, the model has 3" in caplog.text
+    assert same_bytes(wire.decode(blob, name, pool.allocate), obj)
+
+
+def test_cachegen_device_must_exist():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    config = load_config({"remote_serde": "cachegen", "cachegen_device": "cuda"}, env={})
+    with pytest.raises(ValueError, match="cachegen_device is cuda, but torch sees no GPU"):
+        make_serde("cachegen", config)
+    assert make_serde("cachegen", load_config({}, env={})).device == torch.device("cpu")
+
+
+@pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs here)")
+def test_cachegen_triton_coder_writes_the_reference_bytes(pool):
+    """kernel_backend interpret: the serde's rANS runs as the Triton kernel (interpreted);
+    its payload is byte-identical to the reference's, and each reads the other's."""
+    obj = _kv_like(pool, 7, shape=(2, 1, 8, 4))
+    name = key(7).to_string()
+    interpret = make_serde("cachegen", load_config({"kernel_backend": "interpret"}, env={}))
+    reference = make_serde("cachegen", load_config({"kernel_backend": "torch"}, env={}))
+    assert (interpret.backend, reference.backend) == ("interpret", "torch")
+    parts = wire.encode(name, obj.tensor, interpret)
+    other = wire.encode(name, obj.tensor, reference)
+    blob = blob_of(parts)
+    assert blob_of(parts[1:]) == blob_of(other[1:])  # the payloads (headers carry a time)
+    assert _header_of(blob, name).codec_params == _header_of(blob_of(other), name).codec_params
+    by_kernel = wire.decode(blob, name, pool.allocate, interpret)
+    by_reference = wire.decode(blob, name, pool.allocate, reference)
+    assert same_bytes(by_kernel, by_reference)

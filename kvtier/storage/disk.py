@@ -270,8 +270,7 @@ class FileTier:
         self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
         return obj
 
-    @staticmethod
-    def _read_buffered(path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
+    def _read_buffered(self, path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
         with open(path, "rb", buffering=0) as f:
             header_len, header_checksum = wire.read_prefix(f.read(wire.PREFIX_SIZE))
             header = wire.parse_header(f.read(header_len), key, header_checksum)
@@ -293,14 +292,13 @@ class FileTier:
                     wire.verify_payload(header, target)
                     obj.metadata = header.checksum
                 else:
-                    wire.decode_into(header, f.read(), obj)
+                    wire.decode_into(header, f.read(), obj, self.serde)
             except BaseException:
                 obj.ref_down()
                 raise
             return obj
 
-    @staticmethod
-    def _read_direct(path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
+    def _read_direct(self, path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:
             size = os.fstat(fd).st_size
@@ -308,7 +306,7 @@ class FileTier:
             try:
                 got = os.preadv(fd, [buffer], 0)
                 with memoryview(buffer) as view:
-                    return wire.decode(view[: min(got, size)], key, allocate)
+                    return wire.decode(view[: min(got, size)], key, allocate, self.serde)
             finally:
                 buffer.close()
         finally:

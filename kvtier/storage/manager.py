@@ -264,7 +264,7 @@ def open_lower_tiers(
     """
     from kvtier.storage.disk import FileTier
 
-    serde = make_serde(config.remote_serde)
+    serde = make_serde(config.remote_serde, config)
     tiers: list[LowerTier] = []
     if config.local_disk:
         tiers.append(
@@ -297,7 +297,7 @@ def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTie
     url = config.remote_url
     assert url is not None
     scheme = url.partition("://")[0].lower()
-    serde = make_serde(config.remote_serde)
+    serde = make_serde(config.remote_serde, config)
     if scheme == "fs":
         parts = urlsplit(url)
         if parts.netloc or not parts.path:

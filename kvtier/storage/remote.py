@@ -226,7 +226,7 @@ class RemoteTier:
     def _decode(self, key: CacheKey, blob: bytes, allocate: Allocate) -> MemoryObj | None:
         name = key.to_string()
         try:
-            return wire.decode(blob, name, allocate)
+            return wire.decode(blob, name, allocate, self.serde)
         except CorruptObject as exc:
             self._count(TierCounter.CORRUPT)
             self.stats.inc(Counter.CORRUPT_CHUNKS)

@@ -2,12 +2,13 @@
 
 A serde is chosen per tier (``remote_serde`` for the remote tier; the disk tiers use the
 same setting) and named in every object's header, so a reader always decodes with the
-codec the writer used, whatever its own setting. Today there is one:
+codec the writer used, whatever its own setting (a tier decodes its own codec with its
+configured serde, any other with that codec's defaults). The serdes:
 
 - ``naive``: the tensor's bytes as they are (lossless, zero-copy on the way out).
 - ``cachegen``: CacheGen-style quantization + rANS (lossy, bounded error per element; see
-  ``kvtier_kernels/cachegen.py``). Today the CPU reference codec runs it (tens of MB/s);
-  use it where bandwidth, not CPU, is the limit.
+  ``kvtier_kernels/cachegen.py``, docs/compression.md). On a GPU its rANS coder is a
+  Triton kernel; on the CPU the reference codec runs it (tens of MB/s).
 
 A chunk a codec cannot take (``ValueError`` from ``encode``, e.g. non-finite values for
 ``cachegen``) is written with ``naive`` instead: the header always names the codec used.
@@ -15,11 +16,14 @@ A chunk a codec cannot take (``ValueError`` from ``encode``, e.g. non-finite val
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvtier.storage.backend import Buffer
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
 
 
 class CorruptObject(ValueError):
@@ -75,22 +79,55 @@ class NaiveSerde:
 
 
 class CachegenSerde:
-    """CacheGen-style compression with the default per-layer level schedule."""
+    """CacheGen-style compression (``kvtier_kernels.cachegen``).
+
+    Args:
+        k_levels, v_levels: the ``cachegen_k_levels``/``cachegen_v_levels`` texts (empty:
+            the default schedule from the layer count).
+        device: ``auto`` (the GPU when torch sees one and Triton can drive it, else the
+            CPU), ``cpu`` or ``cuda``: where chunks are encoded and decoded.
+        backend: the kernel backend of the rANS coder (``auto``; ``interpret`` runs the
+            Triton kernels in the interpreter, for tests).
+
+    Raises:
+        ValueError: ``device``/``backend`` cannot be used on this machine.
+    """
 
     name = "cachegen"
     lossless = False
 
+    def __init__(
+        self, k_levels: str = "", v_levels: str = "", device: str = "auto", backend: str = "auto"
+    ):
+        from kvtier_kernels import registry
+
+        if device == "auto":
+            gpu = torch.cuda.is_available() and registry.resolve_backend("auto", "cuda") == "triton"
+            device = "cuda" if gpu else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("cachegen_device is cuda, but torch sees no GPU")
+        self.k_levels, self.v_levels = k_levels, v_levels
+        self.device = torch.device(device)
+        self.backend = registry.resolve_backend(backend, self.device)
+
     def encode(self, tensor: torch.Tensor) -> tuple[list[Buffer], dict[str, Any]]:
+        from kvtier.config import parse_levels
         from kvtier_kernels.cachegen import encode_chunk
 
-        payload, params = encode_chunk(tensor)
+        layers = tensor.shape[1] if tensor.dim() == 4 else 1
+        payload, params = encode_chunk(
+            tensor.to(self.device),
+            parse_levels(self.k_levels, layers, "cachegen_k_levels"),
+            parse_levels(self.v_levels, layers, "cachegen_v_levels"),
+            backend=self.backend,
+        )
         return [payload], params
 
     def decode(self, payload: memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
         from kvtier_kernels.cachegen import CodecError, decode_chunk
 
         try:
-            decode_chunk(payload, params, out)
+            decode_chunk(payload, params, out, backend=self.backend, device=self.device)
         except CodecError as exc:
             raise CorruptObject(f"cachegen payload rejected: {exc}") from None
 
@@ -98,15 +135,20 @@ class CachegenSerde:
 SERDES: dict[str, type] = {"naive": NaiveSerde, "cachegen": CachegenSerde}
 
 
-def make_serde(name: str) -> Serde:
-    """The serde called ``name``.
+def make_serde(name: str, config: KVTierConfig | None = None) -> Serde:
+    """The serde called ``name``, with ``config``'s settings for it (defaults without).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
+        ValueError: unknown name (the message lists the known ones), or settings that
+            cannot be used on this machine.
     """
-    try:
-        return SERDES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown serde {name!r} (remote_serde): known are {', '.join(SERDES)}"
-        ) from None
+    if name not in SERDES:
+        raise ValueError(f"unknown serde {name!r} (remote_serde): known are {', '.join(SERDES)}")
+    if name == "cachegen" and config is not None:
+        return CachegenSerde(
+            config.cachegen_k_levels,
+            config.cachegen_v_levels,
+            config.cachegen_device,
+            "interpret" if config.kernel_backend == "interpret" else "auto",
+        )
+    return SERDES[name]()

@@ -23,6 +23,7 @@ raises ``CorruptObject``, which the tiers turn into a counted, logged miss.
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 import time
@@ -37,6 +38,9 @@ import xxhash
 from kvtier.memory import MemoryObj
 from kvtier.storage.backend import Buffer
 from kvtier.storage.serde import CorruptObject, NaiveSerde, Serde, make_serde, tensor_bytes
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTR"
 VERSION = 1
@@ -99,7 +103,8 @@ def encode(
     concatenated (the payload parts are views, not copies, for the naive codec)."""
     try:
         payload, params = serde.encode(tensor)
-    except ValueError:  # a chunk this codec cannot take (e.g. non-finite) is stored raw
+    except ValueError as exc:  # a chunk this codec cannot take (e.g. non-finite): raw
+        warn_once(logger, f"codec {serde.name} cannot take a chunk ({exc}): stored naive")
         serde = NaiveSerde()
         payload, params = serde.encode(tensor)
     header = cbor2.dumps(
@@ -179,20 +184,28 @@ def verify_payload(header: Header, payload: Buffer) -> None:
         raise CorruptObject("payload checksum mismatch")
 
 
-def decode_into(header: Header, payload: Buffer, out: MemoryObj) -> None:
+def decode_into(
+    header: Header, payload: Buffer, out: MemoryObj, serde: Serde | None = None
+) -> None:
     """Verify ``payload`` and decode it into ``out`` (shaped by the header). Sets
-    ``out.metadata`` to the xxh3-64 of the decoded bytes, as a store would."""
+    ``out.metadata`` to the xxh3-64 of the decoded bytes, as a store would. ``serde``: the
+    tier's configured serde, used when the header names its codec (any other codec is
+    decoded with that codec's defaults)."""
     verify_payload(header, payload)
-    try:
-        serde = make_serde(header.codec)
-    except ValueError:
-        raise CorruptObject(f"unknown codec {header.codec!r}") from None
+    if serde is None or serde.name != header.codec:
+        try:
+            serde = make_serde(header.codec)
+        except ValueError:
+            raise CorruptObject(f"unknown codec {header.codec!r}") from None
     serde.decode(memoryview(payload), header.codec_params, out.tensor)
     out.metadata = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
 
 
-def decode(blob: Buffer, expected_key: str, allocate: Allocate) -> MemoryObj | None:
-    """The chunk stored in ``blob`` (one whole object) in a fresh buffer.
+def decode(
+    blob: Buffer, expected_key: str, allocate: Allocate, serde: Serde | None = None
+) -> MemoryObj | None:
+    """The chunk stored in ``blob`` (one whole object) in a fresh buffer (``serde`` as
+    for :func:`decode_into`).
 
     Returns None when no buffer could be allocated. Raises CorruptObject.
     """
@@ -205,7 +218,7 @@ def decode(blob: Buffer, expected_key: str, allocate: Allocate) -> MemoryObj | N
     if obj is None:
         return None
     try:
-        decode_into(header, view[PREFIX_SIZE + length :], obj)
+        decode_into(header, view[PREFIX_SIZE + length :], obj, serde)
     except BaseException:
         obj.ref_down()
         raise

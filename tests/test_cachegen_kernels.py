@@ -1,0 +1,584 @@
+"""rANS encode / decode kernels against the numpy reference codec, bit for bit.
+
+On a machine without a GPU the kernels run in Triton's interpreter (backend
+``"interpret"``, CPU tensors), so every shape here is tiny: a few lanes of a few symbols.
+Every comparison is against :func:`kvtier_kernels.cachegen.rans_encode` /
+:func:`~kvtier_kernels.cachegen.rans_decode`; rejected streams must be rejected exactly
+where the reference rejects them. ``gpu`` tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier_kernels import cachegen_kernels, registry
+from kvtier_kernels.cachegen import (
+    PROB_SCALE,
+    CodecError,
+    quantize_counts,
+    rans_decode,
+    rans_encode,
+)
+from kvtier_kernels.cachegen_kernels import (
+    LaunchConfig,
+    launch_config,
+    rans_decode_lanes,
+    rans_decode_reference,
+    rans_decode_triton,
+    rans_encode_lanes,
+    rans_encode_reference,
+    rans_encode_triton,
+)
+
+has_triton = importlib.util.find_spec("triton") is not None
+has_gpu = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton (interpreter or GPU)")
+
+BACKENDS = [pytest.param("interpret", marks=needs_triton), "torch"]
+DISTRIBUTIONS = ["uniform", "skewed", "dense"]
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+
+
+def make_lanes(
+    lanes: int, n: int, alphabet: int, distribution: str, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(symbols uint8 [lanes, n], freq uint32 [lanes, alphabet])``, a valid pair.
+
+    ``uniform``/``skewed`` (geometric) symbols are coded with their own histogram, so most
+    of a large alphabet has frequency 0; ``dense`` gives every symbol a frequency (counts
+    of another stream), as a table shared between streams would.
+    """
+    rng = np.random.default_rng(seed)
+    if distribution == "skewed":
+        symbols = np.minimum(rng.geometric(0.6, size=(lanes, n)) - 1, alphabet - 1)
+    else:
+        symbols = rng.integers(0, alphabet, size=(lanes, n))
+    symbols = symbols.astype(np.uint8)
+    if distribution == "dense":
+        counts = rng.integers(1, 50, size=(lanes, alphabet))
+    else:
+        counts = np.stack([np.bincount(row, minlength=alphabet) for row in symbols])
+        counts[counts.sum(1) == 0, 0] = 1  # n = 0: any valid table
+    freq = quantize_counts(counts)
+    assert (freq.sum(1) == PROB_SCALE).all()
+    return symbols, freq
+
+
+def as_tensors(
+    symbols: np.ndarray, freq: np.ndarray, freq_dtype: torch.dtype = torch.int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(symbols.copy()), torch.from_numpy(freq.astype(np.int64)).to(freq_dtype)
+
+
+def assert_stream_equal(
+    words: torch.Tensor, lengths: torch.Tensor, ref_words: np.ndarray, ref_lengths: np.ndarray
+) -> None:
+    """Equal lengths and words; a mismatch names the lane and word where it is."""
+    assert words.dtype == torch.int32 and lengths.dtype == torch.int64
+    got_lengths = lengths.cpu().numpy()
+    bad = np.flatnonzero(got_lengths != ref_lengths)
+    assert not bad.size, (
+        f"lane {bad[0]}: {got_lengths[bad[0]]} words, expected {ref_lengths[bad[0]]}"
+    )
+    got = words.cpu().numpy()
+    assert got.shape == ref_words.shape, f"{got.shape[0]} words, expected {ref_words.shape[0]}"
+    diff = np.flatnonzero(got != ref_words.astype(np.int32))
+    if diff.size:
+        lane = int(np.searchsorted(np.cumsum(ref_lengths), diff[0], side="right"))
+        start = int(np.cumsum(ref_lengths)[lane] - ref_lengths[lane])
+        pytest.fail(
+            f"lane {lane} word {diff[0] - start}: {got[diff[0]]}, expected {ref_words[diff[0]]}"
+        )
+
+
+def outcome(decode: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", symbols as numpy)`` or ``(exception type name, message)``."""
+    try:
+        result = decode()
+    except (CodecError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return "ok", result.cpu().numpy() if isinstance(result, torch.Tensor) else result
+
+
+def assert_same_outcome(expected: tuple[str, Any], got: tuple[str, Any]) -> None:
+    """Both decoded the same symbols, or both raised the same error type with the
+    reference's message (a short lane's message goes on to name the lane)."""
+    assert got[0] == expected[0], f"reference: {expected}, kernel: {got}"
+    if got[0] == "ok":
+        np.testing.assert_array_equal(got[1], expected[1])
+    else:
+        assert got[1].startswith(expected[1]), f"reference: {expected}, kernel: {got}"
+
+
+# ---------------------------------------------------------------------------------------
+# round trips: bit-exact words and lengths, then the symbols back
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+@pytest.mark.parametrize("alphabet", [1, 2, 17, 255])
+def test_roundtrip_matches_reference(backend: str, alphabet: int, distribution: str) -> None:
+    symbols, freq = make_lanes(5, 23, alphabet, distribution, seed=alphabet)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = as_tensors(symbols, freq)
+    words, lengths = rans_encode_lanes(sym_t, freq_t, backend=backend)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_lanes(words, lengths, freq_t, 23, backend=backend)
+    assert decoded.dtype == torch.uint8
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+@needs_triton
+@pytest.mark.parametrize("freq_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(("lanes", "n"), [(1, 1), (3, 1), (5, 7), (7, 2), (9, 0), (4, 40)])
+def test_lanes_not_a_multiple_of_block(lanes: int, n: int, freq_dtype: torch.dtype) -> None:
+    """BLOCK = 4 lanes: the last program's spare lanes must neither write nor count."""
+    symbols, freq = make_lanes(lanes, n, 17, "skewed", seed=lanes * 100 + n)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = as_tensors(symbols, freq, freq_dtype)
+    config = LaunchConfig(block_lanes=4, num_warps=1)
+    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+@needs_triton
+def test_strided_inputs() -> None:
+    """Non-contiguous symbols, freq and words are read through their strides."""
+    symbols, freq = make_lanes(6, 11, 9, "uniform", seed=7)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    sym_t = torch.from_numpy(np.ascontiguousarray(symbols.T)).t()  # stride (1, lanes)
+    freq_t = torch.zeros((6, 2 * 9), dtype=torch.int64)[:, ::2]
+    freq_t.copy_(torch.from_numpy(freq.astype(np.int64)))
+    words, lengths = rans_encode_lanes(sym_t, freq_t, backend="interpret")
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    spaced = torch.zeros(2 * len(words), dtype=torch.int64)
+    spaced[::2] = words
+    decoded = rans_decode_lanes(spaced[::2], lengths, freq_t, 11, backend="interpret")
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+@needs_triton
+@settings(max_examples=25, deadline=None)
+@given(
+    lanes=st.integers(1, 6),
+    n=st.integers(0, 12),
+    alphabet=st.integers(1, 255),
+    distribution=st.sampled_from(DISTRIBUTIONS),
+    block=st.sampled_from([1, 2, 8]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_property_roundtrip(
+    lanes: int, n: int, alphabet: int, distribution: str, block: int, seed: int
+) -> None:
+    symbols, freq = make_lanes(lanes, n, alphabet, distribution, seed)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = as_tensors(symbols, freq)
+    config = LaunchConfig(block_lanes=block, num_warps=1)
+    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+# ---------------------------------------------------------------------------------------
+# damaged streams: rejected exactly where the reference rejects them
+# ---------------------------------------------------------------------------------------
+
+
+def _damage_cases() -> list[tuple[str, Callable]]:
+    """(name, damage): damage(words, lengths, freq, n) -> the same four, damaged."""
+
+    def flip(at: int, bit: int) -> Callable:
+        def damage(words, lengths, freq, n):
+            words = words.copy()
+            words[at % len(words)] ^= np.uint16(1 << bit)
+            return words, lengths, freq, n
+
+        return damage
+
+    def other_table(seed: int) -> Callable:
+        def damage(words, lengths, freq, n):
+            return words, lengths, make_lanes(len(lengths), 40, freq.shape[1], "dense", seed)[1], n
+
+        return damage
+
+    def shift_lengths(words, lengths, freq, n):
+        return words, lengths + np.array([1, -1, 0, 0, 0]), freq, n
+
+    def short_lane(words, lengths, freq, n):
+        lengths = lengths.copy()
+        lengths[2] += lengths[1] - 1
+        lengths[1] = 1
+        return words, lengths, freq, n
+
+    def cut_last_lane(words, lengths, freq, n):
+        return words[:-1], lengths - np.array([0, 0, 0, 0, 1]), freq, n
+
+    def drop_last_lane(words, lengths, freq, n):
+        return words[: -int(lengths[-1])], lengths[:-1], freq[:-1], n
+
+    def swap_lanes(words, lengths, freq, n):
+        return words, lengths, freq[[1, 0, 2, 3, 4]], n
+
+    return [
+        *[
+            (f"flip word {at} bit {bit}", flip(at, bit))
+            for at in (0, 1, 5, 17, -1)
+            for bit in (0, 9)
+        ],
+        ("truncate one word", lambda w, le, f, n: (w[:-1], le, f, n)),
+        ("last lane one word short", cut_last_lane),
+        ("last lane dropped (valid)", drop_last_lane),
+        ("extra word", lambda w, le, f, n: (np.append(w, np.uint16(7)), le, f, n)),
+        ("lengths +1 -1", shift_lengths),
+        ("lane of 1 word", short_lane),
+        ("lengths all +1", lambda w, le, f, n: (w, le + 1, f, n)),
+        ("other table 1", other_table(1)),
+        ("other table 2", other_table(2)),
+        ("tables of two lanes swapped", swap_lanes),
+        ("one symbol fewer", lambda w, le, f, n: (w, le, f, n - 1)),
+        ("one symbol more", lambda w, le, f, n: (w, le, f, n + 1)),
+        ("no symbols", lambda w, le, f, n: (w, le, f, 0)),
+    ]
+
+
+DAMAGES = _damage_cases()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("damage", [d for _, d in DAMAGES], ids=[name for name, _ in DAMAGES])
+def test_damaged_stream_rejected_like_reference(backend: str, damage: Callable) -> None:
+    symbols, freq = make_lanes(5, 40, 33, "skewed", seed=3)
+    words, lengths = rans_encode(symbols, freq)
+    words, lengths, freq, n = damage(words, lengths, freq, 40)
+    expected = outcome(lambda: rans_decode(words, lengths, freq, n))
+    got = outcome(
+        lambda: rans_decode_lanes(
+            torch.from_numpy(words.astype(np.int32)),
+            torch.from_numpy(lengths.astype(np.int64)),
+            torch.from_numpy(freq.astype(np.int32)),
+            n,
+            backend=backend,
+        )
+    )
+    assert_same_outcome(expected, got)
+
+
+@needs_triton
+@settings(max_examples=30, deadline=None)
+@given(
+    distribution=st.sampled_from(DISTRIBUTIONS),
+    seed=st.integers(0, 2**32 - 1),
+    at=st.integers(0, 10**6),
+    mask=st.integers(1, 0xFFFF),
+    n_delta=st.sampled_from([0, 0, 0, -1, 1]),
+)
+def test_property_damaged_stream(
+    distribution: str, seed: int, at: int, mask: int, n_delta: int
+) -> None:
+    """A random flip (and sometimes a wrong n): the same symbols or the same rejection."""
+    symbols, freq = make_lanes(3, 9, 7, distribution, seed)
+    words, lengths = rans_encode(symbols, freq)
+    words[at % len(words)] ^= np.uint16(mask)
+    n = 9 + n_delta
+    expected = outcome(lambda: rans_decode(words, lengths, freq, n))
+    got = outcome(
+        lambda: rans_decode_triton(
+            torch.from_numpy(words.astype(np.int32)),
+            torch.from_numpy(lengths),
+            torch.from_numpy(freq.astype(np.int64)),
+            n,
+            interpret=True,
+            config=LaunchConfig(block_lanes=2, num_warps=1),
+        )
+    )
+    assert_same_outcome(expected, got)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lengths_not_one_per_lane(backend: str) -> None:
+    symbols, freq = make_lanes(3, 5, 4, "uniform")
+    words, lengths = rans_encode(symbols, freq)
+    with pytest.raises(CodecError, match="2 state words"):
+        rans_decode(words, lengths[:2], freq, 5)
+    with pytest.raises(CodecError, match="2 state words: 2 lengths for 3 lanes"):
+        rans_decode_lanes(
+            torch.from_numpy(words.astype(np.int32)),
+            torch.from_numpy(lengths[:2]),
+            torch.from_numpy(freq.astype(np.int64)),
+            5,
+            backend=backend,
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_short_lane_and_length_errors_name_the_problem(backend: str) -> None:
+    symbols, freq = make_lanes(4, 6, 3, "uniform")
+    words, lengths = rans_encode(symbols, freq)
+    words_t, freq_t = torch.from_numpy(words.astype(np.int32)), torch.from_numpy(freq)
+    short = torch.from_numpy(lengths).clone()
+    short[2] = 1
+    with pytest.raises(CodecError, match="2 state words; lane 2 has 1"):
+        rans_decode_lanes(words_t, short, freq_t.long(), 6, backend=backend)
+    long = torch.from_numpy(lengths) + torch.tensor([0, 0, 0, 1])
+    with pytest.raises(CodecError, match=f"sum to {len(words) + 1}, stream has {len(words)}"):
+        rans_decode_lanes(words_t, long, freq_t.long(), 6, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_words(backend: str) -> None:
+    freq = torch.full((2, 1), PROB_SCALE, dtype=torch.int64)
+    empty = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(CodecError, match="2 state words; lane 0 has 0"):
+        rans_decode_lanes(empty, torch.zeros(2, dtype=torch.int64), freq, 3, backend=backend)
+    with pytest.raises(CodecError, match="sum to 4, stream has 0"):
+        rans_decode_lanes(empty, torch.full((2,), 2), freq, 3, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------
+# invalid tables and arguments
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("symbol", "lanes_hit"), [(2, [2]), (3, [2, 3])])
+def test_encode_rejects_symbols_without_frequency(
+    backend: str, symbol: int, lanes_hit: list[int]
+) -> None:
+    """Symbol 2 has frequency 0 and symbol 3 is past the table: the first lane is named."""
+    freq = torch.tensor([[PROB_SCALE // 2, PROB_SCALE // 2, 0]] * 4)
+    symbols = torch.tensor([[0, 1, 1, 0]] * 4, dtype=torch.uint8)
+    symbols[lanes_hit, 1] = symbol
+    match = rf"lane 2 uses a symbol .* \({len(lanes_hit)} of 4 lanes\)"
+    with pytest.raises(ValueError, match=match):
+        rans_encode_lanes(symbols, freq, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direction", ["encode", "decode"])
+def test_rejects_tables_that_do_not_sum(backend: str, direction: str) -> None:
+    symbols, freq = make_lanes(3, 4, 3, "dense")
+    words, lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = as_tensors(symbols, freq)
+    freq_t[1, 0] += 1
+    with pytest.raises(
+        ValueError,
+        match=f"lane 1 must be non-negative and sum to PROB_SCALE={PROB_SCALE}; it sums to ",
+    ):
+        if direction == "encode":
+            rans_encode_lanes(sym_t, freq_t, backend=backend)
+        else:
+            w, le = torch.from_numpy(words.astype(np.int32)), torch.from_numpy(lengths)
+            rans_decode_lanes(w, le, freq_t, 4, backend=backend)
+
+
+@pytest.mark.parametrize(
+    ("symbols", "freq", "message"),
+    [
+        (torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, 4), "symbols must be a 2-D uint8"),
+        (torch.zeros(3, dtype=torch.uint8), torch.ones(2, 4), "symbols must be a 2-D uint8"),
+        (torch.zeros(2, 3, dtype=torch.uint8), torch.ones(2, 4), "freq must be a 2-D int32"),
+        (torch.zeros(2, 3, dtype=torch.uint8), torch.ones(3, 4, dtype=torch.int32), "lanes=2"),
+        (torch.zeros(2, 3, dtype=torch.uint8), torch.ones(2, 256, dtype=torch.int64), "<= 255"),
+        (torch.zeros(2, 3, dtype=torch.uint8), torch.ones(2, 0, dtype=torch.int64), "1 <= A"),
+    ],
+)
+def test_encode_argument_errors(symbols: torch.Tensor, freq: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rans_encode_lanes(symbols, freq, backend="torch")
+
+
+def test_decode_argument_errors() -> None:
+    freq = torch.full((2, 1), PROB_SCALE, dtype=torch.int64)
+    words, lengths = torch.zeros(4, dtype=torch.int32), torch.full((2,), 2)
+    with pytest.raises(ValueError, match="words must be a 1-D int32 or int64"):
+        rans_decode_lanes(words.to(torch.int16), lengths, freq, 1)
+    with pytest.raises(ValueError, match="lengths must be a 1-D"):
+        rans_decode_lanes(words, lengths[None], freq, 1)
+    with pytest.raises(ValueError, match="n must be an int >= 0"):
+        rans_decode_lanes(words, lengths, freq, -1)
+    with pytest.raises(TypeError, match=r"freq must be a torch\.Tensor"):
+        rans_decode_lanes(words, lengths, freq.numpy(), 1)
+
+
+@needs_triton
+def test_interpret_refuses_device_tensors_it_cannot_reach() -> None:
+    symbols = torch.zeros(1, 1, dtype=torch.uint8, device="meta")
+    freq = torch.full((1, 1), PROB_SCALE, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="'interpret' runs on CPU tensors"):
+        rans_encode_triton(symbols, freq, interpret=True)
+    with pytest.raises(ValueError, match="'triton' needs CUDA/ROCm tensors"):
+        rans_encode_triton(torch.zeros(1, 1, dtype=torch.uint8), torch.ones(1, 1), interpret=False)
+
+
+# ---------------------------------------------------------------------------------------
+# registry, launch parameters, import
+# ---------------------------------------------------------------------------------------
+
+
+def test_ops_are_registered() -> None:
+    assert {"rans_encode", "rans_decode"} <= set(registry.ops())
+    assert registry.get("rans_encode", "auto", torch.device("cpu")) is rans_encode_reference
+    assert registry.get("rans_decode", "torch") is rans_decode_reference
+    expected = ["torch", "triton", "interpret"] if has_triton else ["torch"]
+    assert registry.backends_for("rans_decode")[: len(expected)] == expected
+
+
+def test_launch_config_heuristic() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert launch_config(5, cpu) == LaunchConfig(8, 1)
+    assert launch_config(1 << 20, cpu).block_lanes == 4096
+    assert launch_config(1, gpu) == LaunchConfig(32, 1)
+    assert launch_config(64 * 1024, gpu) == LaunchConfig(64, 2)
+    assert launch_config(1 << 20, gpu) == LaunchConfig(128, 4)
+
+
+@needs_triton
+def test_invalid_launch_config() -> None:
+    symbols, freq = as_tensors(*make_lanes(2, 2, 2, "uniform"))
+    with pytest.raises(ValueError, match="block_lanes must be a power of two"):
+        rans_encode_triton(symbols, freq, interpret=True, config=LaunchConfig(3, 1))
+
+
+def test_import_does_not_import_triton() -> None:
+    code = (
+        "import sys, kvtier_kernels\n"
+        "from kvtier_kernels import registry\n"
+        "assert {'rans_encode', 'rans_decode'} <= set(registry.ops())\n"
+        "registry.get('rans_encode', 'auto', None)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'kvtier'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------
+# compiled kernels: lowering for NVIDIA and AMD targets, no GPU needed
+# ---------------------------------------------------------------------------------------
+
+# (pointer arguments, int arguments)
+_SIGNATURES = {
+    "rans_encode": (
+        {
+            "symbols": "*u8",
+            "freq": "*i32",
+            "cum_lo": "*i32",
+            "scratch": "*i32",
+            "lengths": "*i64",
+            "bad": "*i8",
+        },
+        ["s_sym_lane", "s_sym_pos", "s_freq_lane", "s_freq_sym", "num_lanes", "n", "alphabet"],
+    ),
+    "rans_decode": (
+        {
+            "words": "*i32",
+            "starts": "*i64",
+            "lengths": "*i64",
+            "freq": "*i64",
+            "cum_hi": "*i32",
+            "out": "*u8",
+            "bad": "*i8",
+        },
+        [
+            "s_word",
+            "s_freq_lane",
+            "s_freq_sym",
+            "s_out_lane",
+            "s_out_pos",
+            "num_lanes",
+            "n",
+            "num_words",
+        ],
+    ),
+}
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize(
+    ("op", "meta"),
+    [("rans_encode", {}), ("rans_decode", {"LOG2_SEARCH": 0}), ("rans_decode", {"LOG2_SEARCH": 8})],
+    ids=["encode", "decode-A1", "decode-A255"],
+)
+@pytest.mark.parametrize(
+    "target", [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx942", 64)], ids=str
+)
+def test_kernels_compile_for_gpu_targets(op: str, meta: dict[str, int], target: tuple) -> None:
+    """The kernels lower to cubin / hsaco, with no inline asm."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    pointers, ints = _SIGNATURES[op]
+    constants = {"PROB_BITS": 16, "RANS_LOW": 1 << 16, "BLOCK": 64, **meta}
+    signature = {
+        **pointers,
+        **dict.fromkeys(ints, "i32"),
+        **dict.fromkeys(constants, "constexpr"),
+    }
+    kernel = cachegen_kernels._kernel(op, interpret=False)
+    source = triton.compiler.ASTSource(kernel, signature, constants)
+    try:
+        compiled = triton.compile(source, target=GPUTarget(*target))
+    except RuntimeError as error:  # pragma: no cover - a triton build without this backend
+        pytest.skip(f"triton cannot lower for {target}: {error}")
+    assert compiled.asm["cubin" if target[0] == "cuda" else "hsaco"]
+    assert "inline_asm" not in compiled.asm["ttgir"]
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the compiled kernels (skipped without a GPU)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu, reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("freq_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(("lanes", "n", "alphabet"), [(1, 1, 1), (77, 5, 2), (4099, 256, 33)])
+def test_gpu_roundtrip_matches_reference(
+    lanes: int, n: int, alphabet: int, freq_dtype: torch.dtype
+) -> None:
+    symbols, freq = make_lanes(lanes, n, alphabet, "skewed", seed=lanes)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = (t.cuda() for t in as_tensors(symbols, freq, freq_dtype))
+    words, lengths = rans_encode_lanes(sym_t, freq_t, backend="triton")
+    assert words.is_cuda and lengths.is_cuda
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_lanes(words, lengths, freq_t, n, backend="triton")
+    np.testing.assert_array_equal(decoded.cpu().numpy(), symbols)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu, reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("damage", [d for _, d in DAMAGES], ids=[name for name, _ in DAMAGES])
+def test_gpu_damaged_stream_rejected_like_reference(damage: Callable) -> None:
+    symbols, freq = make_lanes(5, 40, 33, "skewed", seed=3)
+    words, lengths = rans_encode(symbols, freq)
+    words, lengths, freq, n = damage(words, lengths, freq, 40)
+    expected = outcome(lambda: rans_decode(words, lengths, freq, n))
+    got = outcome(
+        lambda: rans_decode_lanes(
+            torch.from_numpy(words.astype(np.int32)).cuda(),
+            torch.from_numpy(lengths.astype(np.int64)).cuda(),
+            torch.from_numpy(freq.astype(np.int32)).cuda(),
+            n,
+            backend="triton",
+        )
+    )
+    assert_same_outcome(expected, got)
