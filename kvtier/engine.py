@@ -350,6 +350,7 @@ class StoreTransfer:
         started = time.perf_counter()
         engine, result = self.engine, self.result
         try:
+            self.connector.stores_done()
             for chunk, obj, _ in self._staged:
                 if engine.config.verify_checksums:
                     obj.metadata = _checksum(obj)
@@ -376,6 +377,7 @@ class StoreTransfer:
         self._release()
 
     def _release(self) -> None:
+        self.connector.stores_done()  # no gather may still write a released buffer
         for _, obj, _ in self._staged:
             obj.unpin()
             obj.ref_down()
@@ -455,6 +457,7 @@ class RetrieveTransfer:
             return
         loaded = sum(obj.data_nbytes for _, obj in self._held)
         hit_tokens = sum(chunk.num_tokens for chunk, _ in self._held)
+        self.connector.loads_done()  # no scatter may still read a released buffer
         for _, obj in self._held:
             obj.ref_down()
         self._held = None
