@@ -173,7 +173,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     for op, row in ops.items():
         lead = f"  {op:<16} {', '.join(row['backends']):<26} {row['auto']:<8} "
         if not row["tunable"]:
-            print(f"{lead}no launch parameters")
+            print(f"{lead}built-in heuristics (not tunable)")
             continue
         effective = [f for f in row["tuning_files"] if f["status"] == "in effect"]
         if effective:

@@ -30,13 +30,18 @@ needs_vllm = pytest.mark.skipif(
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter runs here)"
 )
+needs_transformers = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("transformers", "matplotlib")),
+    reason="needs transformers and matplotlib (`make test` installs them)",
+)
 
 # name -> (time limit in seconds, marks). Runtimes on the project's 2-core CPU: 01 ~3 s,
-# 02 ~15 s, 03 ~7 s; the limits leave room for a slow or busy machine.
+# 02 ~15 s, 03 ~7 s, 04 ~25 s; the limits leave room for a slow or busy machine.
 NOTEBOOKS: dict[str, tuple[int, list]] = {
     "01_quickstart.py": (120, []),
     "02_vllm_engine.py": (300, [pytest.mark.vllm, needs_vllm]),
     "03_kernels.py": (180, [needs_triton]),
+    "04_compression.py": (240, [needs_transformers]),
 }
 
 

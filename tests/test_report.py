@@ -148,6 +148,7 @@ def test_committed_report_links_valid_pngs(committed):
         "throughput-cpu.png",
         "lookups-cpu.png",
         "hashing-cpu.png",
+        "compression-cpu.png",
     ]
     for png in pngs:
         _assert_png(png)
@@ -168,7 +169,7 @@ def test_committed_throughput_and_lookups_tables(committed):
     _, markdown, _, _ = committed
     throughput = _device_part(_section(markdown, "## Throughput"), "cpu")
     gbps = _committed_rows("GB/s")
-    assert len(gbps) == 10
+    assert len(gbps) == 19  # tiers 10, kernels 3, codec throughput 6
     for row in gbps:
         tier, op = report.tier_and_op(row["metric"])
         cells = _row_with(throughput, tier, op)
@@ -213,9 +214,20 @@ def test_committed_ttft_and_miss_tables(committed):
     assert "| 0.474 s | cold prefill 7.73 s | 0.0613× (16.3× faster) |" in headlines
 
 
-def test_committed_compression_has_no_results_yet(committed):
+def test_committed_compression_table(committed):
     _, markdown, _, _ = committed
-    assert "_No results yet._" in _section(markdown, "## Compression ratio vs error")
+    compression = _device_part(_section(markdown, "## Compression ratio vs error"), "cpu")
+    rows = _committed_rows("compression")
+    assert {r["codec"] for r in rows} == {
+        "cachegen (llama_kv)",
+        "cachegen (synthetic_kv)",
+        "int8 (llama_kv)",
+        "int8 (synthetic_kv)",
+    }
+    for row in rows:
+        cells = _row_with(compression, report.compression_label(report.Row("cpu", "cpu.json", row)))
+        assert cells[1] == f"{report.fmt(row['value'])} x"
+        assert cells[-1] == report.fmt_ratio(row["value"] / row["baseline_value"])
     assert "## Other results" not in markdown
 
 

@@ -1,0 +1,242 @@
+"""CacheGen codec benchmarks: compression ratio vs error, and encode / decode GB/s.
+
+The codec is ``kvtier_kernels/cachegen.py`` at its default per-layer level schedule
+(``default_levels``), the CPU reference (numpy rANS). Two chunks in ``KV_2LTD``
+(``[2, num_layers, num_tokens, hidden]``, bf16), from ``tests/kv_samples.py``:
+
+- ``llama_kv``: K (post-RoPE) and V of a real forward pass of a random-weight
+  ``transformers`` Llama: 8 layers, 8 KV heads x head size 128, 256 tokens (8 MiB);
+- ``synthetic_kv``: log-normal channel magnitudes with 4 outlier K channels and per-token
+  magnitudes: 32 layers x hidden 1024 x 256 tokens (32 MiB, the tier benchmarks' chunk).
+
+Rows (``perf/report.py`` puts ``compression …`` rows in its ratio-vs-error section and
+GB/s rows in its throughput section):
+
+- ``compression cachegen (<data>)``: value = raw bf16 bytes ÷ compressed bytes (payload +
+  the params as compact JSON, which stand in for their CBOR header field), unit ``x``;
+  baseline = the int8 row's ratio, so ``ratio`` is how much smaller cachegen is than
+  int8.
+- ``compression int8 (<data>)``: the plain 8-bit baseline of the same data, per-token
+  absmax int8 codes + one fp32 scale per (K/V, layer, token); baseline uncompressed bf16.
+- ``error`` (both): ``max |x - x̂| ÷ token absmax``, the largest error of any element
+  relative to the absmax of its (K/V, layer, token) row — the quantity the codec bounds
+  by ``1 / (2 n) + 2**-8`` (``n`` levels_half; ``2**-8``: rounding to bf16). The rows also
+  carry ``rel_frobenius_error`` (``‖x - x̂‖ ÷ ‖x‖``) and the bound.
+- ``cachegen encode`` / ``decode (CPU reference, <data>)``: GB/s of raw (bf16) KV, against
+  the int8 quantize / dequantize of the same chunk (torch) measured in the same run; the
+  rows also carry a raw ``torch`` copy of the same bytes (``raw_copy_gbps``).
+- ``cachegen fetch + CPU decode at 10 Gb/s (derived, <data>)``: NOT measured on a network.
+  From the measured decode GB/s and ratio: ``time_raw = bytes / 1.25e9``, ``time_compressed
+  = bytes / ratio / 1.25e9 + bytes / decode``; value = bytes ÷ time_compressed (GB/s of
+  raw KV delivered), baseline = raw fetch (1.25 GB/s), so ratio > 1 means compressing
+  wins. ``break_even_link_gbit_s`` is the link speed below which it wins.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import median_seconds
+
+from kvtier_kernels.cachegen import decode_chunk, default_levels, encode_chunk
+
+TOKENS = 256
+LLAMA_SHAPE = {"num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "head_size": 128}
+SYNTHETIC_SHAPE = {"layers": 32, "hidden": 1024}
+DATASETS = ("llama_kv", "synthetic_kv")
+# the CPU reference takes ~0.3 s (llama_kv) to ~2 s (synthetic_kv) per call
+ROUNDS = {"llama_kv": 5, "synthetic_kv": 3}
+LINK_BYTES_PER_S = 10e9 / 8  # 10 Gb/s
+BF16_ROUNDING = 2.0**-8  # relative rounding of x_hat to bf16, the chunk's dtype
+FP32_SLACK = 2.0**-20  # the codec's own arithmetic (see cachegen.py's error bound)
+ERROR_METRIC = "max |x - x̂| ÷ token absmax"
+
+
+def _kv_samples():
+    """``tests/kv_samples.py``, the codec's sample KV shared with the tests."""
+    tests = str(Path(__file__).parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import kv_samples
+
+    return kv_samples
+
+
+def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token absmax int8: ``x`` ``[2, L, T, D]`` → (codes int8 ``[2, L, T, D]``, scales
+    fp32 ``[2, L, T, 1]``); ``x ≈ codes * scales``."""
+    xf = x.float()
+    scales = xf.abs().amax(dim=-1, keepdim=True) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(xf / safe).to(torch.int8), scales
+
+
+def int8_dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(codes.float() * scales)
+
+
+def int8_nbytes(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    return codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
+    """(max |x - x̂| ÷ token absmax, ‖x - x̂‖ ÷ ‖x‖) of ``[2, L, T, D]`` chunks."""
+    xf, diff = x.float(), (x.float() - x_hat.float()).abs()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    per_token = torch.where(absmax > 0, diff / absmax, diff)
+    return per_token.max().item(), (diff.norm() / xf.norm()).item()
+
+
+@dataclass(slots=True)
+class Sample:
+    name: str
+    kv: torch.Tensor  # [2, L, T, D] bf16
+    payload: bytes
+    params: dict
+    decoded: torch.Tensor  # cachegen round trip, bf16
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def compressed_bytes(self) -> int:
+        return len(self.payload) + len(json.dumps(self.params, separators=(",", ":")))
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.compressed_bytes
+
+
+@pytest.fixture(scope="module", params=DATASETS)
+def sample(request) -> Sample:
+    kv_samples = _kv_samples()
+    if request.param == "llama_kv":
+        pytest.importorskip("transformers")
+        kv = kv_samples.llama_kv(**LLAMA_SHAPE, tokens=TOKENS)
+    else:
+        kv = kv_samples.synthetic_kv(**SYNTHETIC_SHAPE, tokens=TOKENS)
+    payload, params = encode_chunk(kv)
+    decoded = torch.empty_like(kv)
+    decode_chunk(payload, params, decoded)
+    return Sample(request.param, kv, payload, params, decoded)
+
+
+def _raw_copy_gbps(sample: Sample) -> float:
+    dst = torch.empty_like(sample.kv)
+    return sample.raw_bytes / median_seconds(lambda: dst.copy_(sample.kv)) / 1e9
+
+
+def test_compression_ratio_and_error(record, sample):
+    k_levels, v_levels = default_levels(sample.kv.shape[1])
+    cachegen_bound = 1 / (2 * min(k_levels + v_levels)) + FP32_SLACK + BF16_ROUNDING
+    cachegen_error, cachegen_fro = relative_error(sample.kv, sample.decoded)
+    assert cachegen_error <= cachegen_bound, f"{sample.name}: cachegen error above its bound"
+
+    codes, scales = int8_quantize(sample.kv)
+    int8_decoded = torch.empty_like(sample.kv)
+    int8_dequantize(codes, scales, int8_decoded)
+    int8_bound = 1 / (2 * 127) + FP32_SLACK + BF16_ROUNDING
+    int8_error, int8_fro = relative_error(sample.kv, int8_decoded)
+    assert int8_error <= int8_bound, f"{sample.name}: int8 error above its bound"
+    int8_ratio = sample.raw_bytes / int8_nbytes(codes, scales)
+
+    shape = list(sample.kv.shape)
+    record(
+        metric=f"compression int8 ({sample.name})",
+        value=int8_ratio,
+        unit="x",
+        baseline="uncompressed bf16",
+        baseline_value=1.0,
+        codec=f"int8 ({sample.name})",
+        dataset=sample.name,
+        shape=shape,
+        error=int8_error,
+        error_metric=ERROR_METRIC,
+        error_bound=int8_bound,
+        rel_frobenius_error=int8_fro,
+    )
+    record(
+        metric=f"compression cachegen ({sample.name})",
+        value=sample.ratio,
+        unit="x",
+        baseline=f"int8 absmax + fp32 scales ({sample.name})",
+        baseline_value=int8_ratio,
+        codec=f"cachegen ({sample.name})",
+        dataset=sample.name,
+        shape=shape,
+        k_levels=k_levels,
+        v_levels=v_levels,
+        compressed_bytes=sample.compressed_bytes,
+        raw_bytes=sample.raw_bytes,
+        error=cachegen_error,
+        error_metric=ERROR_METRIC,
+        error_bound=cachegen_bound,
+        rel_frobenius_error=cachegen_fro,
+    )
+
+
+def test_encode_throughput(benchmark, record, sample):
+    baseline_seconds = median_seconds(lambda: int8_quantize(sample.kv))
+    payload, _ = benchmark.pedantic(
+        encode_chunk, args=(sample.kv,), rounds=ROUNDS[sample.name], warmup_rounds=1
+    )
+    assert payload == sample.payload  # deterministic
+    gbps = sample.raw_bytes / benchmark.stats.stats.median / 1e9
+    record(
+        metric=f"cachegen encode (CPU reference, {sample.name})",
+        value=gbps,
+        unit="GB/s",
+        baseline="int8 absmax quantize (torch, same chunk)",
+        baseline_value=sample.raw_bytes / baseline_seconds / 1e9,
+        raw_copy_gbps=_raw_copy_gbps(sample),
+        dataset=sample.name,
+    )
+
+
+def test_decode_throughput(benchmark, record, sample):
+    codes, scales = int8_quantize(sample.kv)
+    out = torch.empty_like(sample.kv)
+    baseline_seconds = median_seconds(lambda: int8_dequantize(codes, scales, out))
+    benchmark.pedantic(
+        decode_chunk,
+        args=(sample.payload, sample.params, out),
+        rounds=ROUNDS[sample.name],
+        warmup_rounds=1,
+    )
+    assert torch.equal(out, sample.decoded)
+    decode_seconds = benchmark.stats.stats.median
+    decode_gbps = sample.raw_bytes / decode_seconds / 1e9
+    record(
+        metric=f"cachegen decode (CPU reference, {sample.name})",
+        value=decode_gbps,
+        unit="GB/s",
+        baseline="int8 dequantize (torch, same chunk)",
+        baseline_value=sample.raw_bytes / baseline_seconds / 1e9,
+        raw_copy_gbps=_raw_copy_gbps(sample),
+        dataset=sample.name,
+    )
+
+    # Derived, not measured on a network: fetch at 10 Gb/s, then decode on this CPU.
+    time_raw = sample.raw_bytes / LINK_BYTES_PER_S
+    time_compressed = sample.raw_bytes / sample.ratio / LINK_BYTES_PER_S + decode_seconds
+    # compressed wins iff bytes / link * (1 - 1 / ratio) > decode time
+    break_even = decode_gbps * 1e9 * (1 - 1 / sample.ratio) * 8 / 1e9
+    record(
+        metric=f"cachegen fetch + CPU decode at 10 Gb/s (derived, {sample.name})",
+        value=sample.raw_bytes / time_compressed / 1e9,
+        unit="GB/s",
+        baseline="raw fetch at 10 Gb/s (derived)",
+        baseline_value=sample.raw_bytes / time_raw / 1e9,
+        derived=True,
+        time_raw_s=time_raw,
+        time_compressed_s=time_compressed,
+        compressed_beats_raw=time_compressed < time_raw,
+        break_even_link_gbit_s=break_even,
+        dataset=sample.name,
+    )
