@@ -20,6 +20,13 @@ ordered against the engine's stream with events:
   (a pinned host buffer may otherwise be reused while the copy still reads it).
 
 Off the GPU both calls return at once: the copies are synchronous there.
+
+Copy engine: where ``kvtier tune`` found that one ``copy_(non_blocking=True)`` of
+contiguous pages beats the kernel from some run size on (its ``crossover_bytes``), runs of
+consecutive slots at least that large, between the cache and a pinned host chunk, are
+moved with ``copy_`` (the DMA engine, no SMs) and the kernel moves the rest. That needs a
+layout whose plane of a layer is one run of token rows (``[num_blocks * block_size,
+heads * head_size]``, e.g. flash-attn NHD or MLA); other layouts always use the kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from kvtier_kernels import PagedKV, gather, scatter
+from kvtier_kernels.tuning_lookup import copy_engine_crossover
 
 
 class _Streams:
@@ -64,13 +72,30 @@ class PagedKVConnector:
     Args:
         paged: the engine's KV cache with its layout.
         backend: kernel backend (``auto`` | ``triton`` | ``interpret`` | ``torch``).
+        copy_engine_min_bytes: ``{"store": bytes, "load": bytes}``, the run size from
+            which ``copy_`` moves contiguous pages instead of the kernel; default: the
+            tuned crossover of ``paged_gather`` / ``paged_scatter`` on this GPU (none on a
+            CPU, where only an explicit value enables it).
     """
 
-    def __init__(self, paged: PagedKV, backend: str = "auto"):
+    def __init__(
+        self,
+        paged: PagedKV,
+        backend: str = "auto",
+        copy_engine_min_bytes: dict[str, int | None] | None = None,
+    ):
         self.paged = paged
         self.backend = backend
         device = paged.device
         self._streams = _Streams(device) if device.type == "cuda" else None
+        if copy_engine_min_bytes is None:
+            copy_engine_min_bytes = {
+                "store": copy_engine_crossover("paged_gather", device),
+                "load": copy_engine_crossover("paged_scatter", device),
+            }
+        # every layer shares layer 0's shape and strides (PagedKV checks it)
+        token_rows = _token_rows(paged.layer_view(0)) is not None
+        self.copy_engine_min_bytes = copy_engine_min_bytes if token_rows else {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,7 +117,9 @@ class PagedKVConnector:
             layers: the engine layers ``chunk``'s layer dim holds (default: all).
         """
         with self._on("store"):
-            gather(self.paged, slot_mapping, chunk, layers, backend=self.backend)
+            rest = self._copy_runs("store", chunk, slot_mapping, layers)
+            if rest is not None:
+                gather(self.paged, rest, chunk, layers, backend=self.backend)
 
     def to_engine(
         self, chunk: torch.Tensor, slot_mapping: torch.Tensor, layers: range | None = None
@@ -101,7 +128,9 @@ class PagedKVConnector:
         negative slots are skipped (on a GPU: queued on the load stream, ahead of the
         engine's next work; call :meth:`loads_done` before releasing ``chunk``)."""
         with self._on("load"):
-            scatter(self.paged, slot_mapping, chunk, layers, backend=self.backend)
+            rest = self._copy_runs("load", chunk, slot_mapping, layers)
+            if rest is not None:
+                scatter(self.paged, rest, chunk, layers, backend=self.backend)
 
     def stores_done(self) -> None:
         """Block until every gather issued so far has written its chunk buffer."""
@@ -118,3 +147,64 @@ class PagedKVConnector:
             return contextlib.nullcontext()
         side = self._streams.store if direction == "store" else self._streams.load
         return self._streams.on(side)
+
+    def _copy_runs(
+        self,
+        direction: str,
+        chunk: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        layers: range | None,
+    ) -> torch.Tensor | None:
+        """Move the runs of consecutive slots worth a ``copy_`` (see the module
+        docstring); return the slots left for the kernel (moved ones set to -1), None when
+        nothing is left, or ``slot_mapping`` itself when no run qualifies."""
+        min_bytes = self.copy_engine_min_bytes.get(direction)
+        if min_bytes is None or not chunk.is_contiguous():
+            return slot_mapping
+        if self._streams is not None and not chunk.is_pinned():
+            return slot_mapping  # the crossover was measured against pinned host memory
+        slots = slot_mapping.tolist()
+        if slots and max(slots) >= self.paged.num_slots:
+            return slot_mapping  # the kernel's checks name the bad slot
+        row_bytes = chunk.shape[-1] * chunk.element_size()
+        runs = [r for r in _slot_runs(slots) if r[2] * row_bytes >= min_bytes]
+        if not runs:
+            return slot_mapping
+        layers = range(self.paged.num_layers) if layers is None else layers
+        rest = slot_mapping.clone()
+        for j, layer in enumerate(layers):
+            rows = _token_rows(self.paged.layer_view(layer))
+            assert rows is not None  # checked for the layout at construction
+            for plane in range(chunk.shape[0]):
+                for token, slot, n in runs:
+                    part, pages = chunk[plane, j, token : token + n], rows[plane, slot : slot + n]
+                    if direction == "store":
+                        part.copy_(pages, non_blocking=True)
+                    else:
+                        pages.copy_(part, non_blocking=True)
+        for token, _, n in runs:
+            rest[token : token + n] = -1
+        return rest if bool((rest >= 0).any()) else None
+
+
+def _token_rows(view: torch.Tensor) -> torch.Tensor | None:
+    """A layer's canonical view ``[KV, NB, BS, H, D]`` as ``[KV, NB * BS, H * D]`` token
+    rows without a copy, or None when the layout does not store a plane that way."""
+    kv, nb, bs, h, d = view.shape
+    rows = (h * d, d, 1)
+    if view.stride()[2:] != rows or (nb > 1 and view.stride(1) != bs * h * d):
+        return None
+    return view.as_strided((kv, nb * bs, h * d), (view.stride(0), h * d, 1))
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive non-negative slots: ``(first token, first slot, n)``."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for t in range(1, len(slots) + 1):
+        if t < len(slots) and slots[t] >= 0 and slots[t] == slots[t - 1] + 1:
+            continue
+        if slots[start] >= 0:
+            runs.append((start, slots[start], t - start))
+        start = t
+    return runs

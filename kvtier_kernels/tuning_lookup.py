@@ -177,6 +177,34 @@ def tuned_config(
         return None
 
 
+def copy_engine_crossover(op: str, device: torch.device) -> int | None:
+    """The run size (bytes) from which one ``copy_(non_blocking=True)`` of contiguous pages
+    beat ``op``'s kernel on ``device`` when ``kvtier tune`` measured it, or None (no file
+    with copy-engine figures for this GPU, the kernel always won, or not a GPU). Never
+    raises: a problem is a warning and None."""
+    if device.type != "cuda" or not _cuda_available():
+        return None
+    try:
+        name = device_name(device)
+        if name is None:
+            return None
+        for status in files_in_effect(op, "triton", name):
+            if status.status != "in effect":
+                continue
+            tuning_file = find_tuning_file(op, "triton", name, status.dtype)
+            figures = None if tuning_file is None else tuning_file.copy_engine
+            if figures is not None and figures.crossover_bytes is not None:
+                return figures.crossover_bytes
+        return None
+    except Exception as error:  # never break a transfer over a tuning file
+        warnings.warn(
+            f"copy-engine lookup for {op} failed ({error!r}); using the kernel only",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class FileStatus:
     """One tuning file on the search path, as ``kvtier kernels`` shows it.

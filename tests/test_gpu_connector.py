@@ -94,3 +94,90 @@ def test_gpu_gather_waits_for_the_engine_stream_and_the_engine_waits_for_a_load(
     seen = view[:, 1].float().sum()  # queued on the engine's stream after the load
     connector.loads_done()
     assert float(seen) == 5.0 * view[:, 1].numel()
+
+
+def copy_engine_connector(layout: str, min_bytes: int) -> PagedKVConnector:
+    paged = PagedKV.empty(
+        layout,
+        num_layers=LAYERS,
+        num_blocks=BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_heads=HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.bfloat16,
+    )
+    gen = torch.Generator().manual_seed(1)
+    for t in paged.tensors:
+        t.copy_(fill_random_(torch.empty_like(t), gen))
+    return PagedKVConnector(paged, "torch", {"store": min_bytes, "load": min_bytes})
+
+
+def test_copy_engine_runs_move_the_same_bytes_as_the_kernel():
+    """Runs of consecutive slots of at least ``min_bytes`` per (layer, plane) go through
+    ``copy_``, the rest through the kernel; the result is the kernel's, bit for bit."""
+    row_bytes = HEADS * HEAD_SIZE * 2
+    copier = copy_engine_connector("flash_nhd", 20 * row_bytes)
+    kernel_only = PagedKVConnector(copier.paged, "torch", {})
+    # runs of 40 (copied), 12 (too short: kernel), 1, a padding slot, 30 (copied)
+    slots = torch.cat(
+        [
+            torch.arange(100, 140),
+            torch.arange(300, 312),
+            torch.tensor([7, -1]),
+            torch.arange(500, 530),
+        ]
+    )
+    rest = copier._copy_runs(
+        "store", torch.empty(copier.chunk_shape(len(slots)), dtype=torch.bfloat16), slots, None
+    )
+    assert (rest[:40] == -1).all() and (rest[-30:] == -1).all()
+    assert torch.equal(rest[40:54], slots[40:54])
+
+    by_copy = torch.zeros(copier.chunk_shape(len(slots)), dtype=torch.bfloat16)
+    by_kernel = torch.zeros_like(by_copy)
+    copier.from_engine(by_copy, slots)
+    kernel_only.from_engine(by_kernel, slots)
+    assert torch.equal(bits(by_copy), bits(by_kernel))
+
+    target = torch.arange(540, 540 + len(slots))
+    target[52] = -1
+    before = [t.clone() for t in copier.paged.tensors]
+    copier.to_engine(by_copy, target)
+    after_copy = [t.clone() for t in copier.paged.tensors]
+    for t, b in zip(copier.paged.tensors, before, strict=True):
+        t.copy_(b)
+    kernel_only.to_engine(by_copy, target)
+    for a, t in zip(after_copy, copier.paged.tensors, strict=True):
+        assert torch.equal(bits(a), bits(t))
+
+
+@pytest.mark.parametrize("layout", ["vllm_nhd", "vllm_cpu", "flashinfer_nhd"])
+def test_layouts_without_token_rows_never_use_copy_engine(layout):
+    assert copy_engine_connector(layout, 1).copy_engine_min_bytes == {}
+    assert copy_engine_connector("flash_nhd", 1).copy_engine_min_bytes == {"store": 1, "load": 1}
+
+
+def test_no_tuned_crossover_means_kernel_only():
+    paged = copy_engine_connector("flash_nhd", 1).paged
+    assert PagedKVConnector(paged).copy_engine_min_bytes == {"store": None, "load": None}
+    too_far = torch.tensor([0, 1, 2, BLOCKS * BLOCK_SIZE])
+    chunk = torch.empty(paged.chunk_shape(4), dtype=paged.dtype)
+    with pytest.raises(ValueError, match="slot"):
+        copy_engine_connector("flash_nhd", 1).from_engine(chunk, too_far)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu, reason="needs a CUDA/ROCm GPU")
+def test_gpu_copy_engine_runs_with_a_pinned_chunk():
+    paged = copy_engine_connector("flash_nhd", 1).paged
+    paged = PagedKV(paged.layout, [t.cuda() for t in paged.tensors])
+    copier = PagedKVConnector(paged, "triton", {"store": 1024, "load": 1024})
+    kernel_only = PagedKVConnector(paged, "triton", {})
+    slots = torch.cat([torch.arange(64, 128), torch.tensor([3, -1, 9])])
+    by_copy = torch.zeros(paged.chunk_shape(len(slots)), dtype=paged.dtype).pin_memory()
+    by_kernel = torch.zeros_like(by_copy).pin_memory()
+    copier.from_engine(by_copy, slots)
+    kernel_only.from_engine(by_kernel, slots)
+    copier.stores_done()
+    kernel_only.stores_done()
+    assert torch.equal(bits(by_copy), bits(by_kernel))
