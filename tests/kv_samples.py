@@ -5,10 +5,14 @@
 - :func:`tiny_model_kv`: K and V of a small pre-norm transformer written out in torch.
 - :func:`llama_kv`: K and V of a real forward pass of a ``transformers`` Llama with random
   weights (built locally, nothing downloaded), as vLLM would cache them (K after RoPE).
+
+:func:`assert_within_bound` checks a decoded chunk against the codec's stated bound.
 """
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 
@@ -96,3 +100,24 @@ def _layer_tensor(cache, layer: int, which: str) -> torch.Tensor:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return getattr(cache.layers[layer], which)
     return (cache.key_cache if which == "keys" else cache.value_cache)[layer]
+
+
+OUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def assert_within_bound(chunk, out, params):
+    """|x - x_hat| <= scale/(2n) + 2^-20 scale + u scale, checked per (kv, layer)."""
+    x = chunk.float()
+    scale = x.abs().amax(-1, keepdim=True)
+    u = OUT_ROUNDING[out.dtype]
+    for kv, name in enumerate(("k_levels", "v_levels")):
+        for layer, n in enumerate(params[name]):
+            err = (out[kv, layer].float() - x[kv, layer]).abs()
+            bound = scale[kv, layer] * (1 / (2 * n) + 2.0**-20 + u)
+            excess = err - bound
+            if (excess > 0).any():
+                t, d = np.unravel_index(int(excess.argmax()), tuple(err.shape))
+                pytest.fail(
+                    f"{name[0]} layer {layer} token {t} channel {d}: error {err[t, d]:.4g} "
+                    f"exceeds bound {bound[t, 0]:.4g} (n={n})"
+                )

@@ -8,7 +8,7 @@ import cbor2
 import numpy as np
 import pytest
 import torch
-from kv_samples import synthetic_kv, tiny_model_kv
+from kv_samples import assert_within_bound, synthetic_kv, tiny_model_kv
 
 from kvtier_kernels.cachegen import (
     PROB_SCALE,
@@ -22,32 +22,12 @@ from kvtier_kernels.cachegen import (
     rans_encode,
 )
 
-OUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-
 
 def roundtrip(chunk, out_dtype=torch.float32, **levels):
     payload, params = encode_chunk(chunk, **levels)
     out = torch.empty(chunk.shape, dtype=out_dtype)
     decode_chunk(payload, params, out)
     return payload, params, out
-
-
-def assert_within_bound(chunk, out, params):
-    """|x - x_hat| <= scale/(2n) + 2^-20 scale + u scale, checked per (kv, layer)."""
-    x = chunk.float()
-    scale = x.abs().amax(-1, keepdim=True)
-    u = OUT_ROUNDING[out.dtype]
-    for kv, name in enumerate(("k_levels", "v_levels")):
-        for layer, n in enumerate(params[name]):
-            err = (out[kv, layer].float() - x[kv, layer]).abs()
-            bound = scale[kv, layer] * (1 / (2 * n) + 2.0**-20 + u)
-            excess = err - bound
-            if (excess > 0).any():
-                t, d = np.unravel_index(int(excess.argmax()), tuple(err.shape))
-                pytest.fail(
-                    f"{name[0]} layer {layer} token {t} channel {d}: error {err[t, d]:.4g} "
-                    f"exceeds bound {bound[t, 0]:.4g} (n={n})"
-                )
 
 
 # --- rANS symbols -------------------------------------------------------------------

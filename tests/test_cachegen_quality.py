@@ -35,8 +35,7 @@ import math
 
 import pytest
 import torch
-from kv_samples import llama_kv, synthetic_kv
-from test_cachegen import assert_within_bound
+from kv_samples import assert_within_bound, llama_kv, synthetic_kv
 
 from kvtier_kernels.cachegen import decode_chunk, default_levels, encode_chunk
 
