@@ -17,9 +17,9 @@ has_gpu = torch.cuda.is_available()
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 3, 40, 16, 2, 64
 
 
-def make_connector(device: str, backend: str) -> PagedKVConnector:
+def random_cache(layout: str, device: str = "cpu", seed: int = 0) -> PagedKV:
     paged = PagedKV.empty(
-        "vllm_nhd",
+        layout,
         num_layers=LAYERS,
         num_blocks=BLOCKS,
         block_size=BLOCK_SIZE,
@@ -28,10 +28,14 @@ def make_connector(device: str, backend: str) -> PagedKVConnector:
         dtype=torch.bfloat16,
         device=device,
     )
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for t in paged.tensors:
         t.copy_(fill_random_(torch.empty_like(t, device="cpu"), gen))
-    return PagedKVConnector(paged, backend)
+    return paged
+
+
+def make_connector(device: str, backend: str) -> PagedKVConnector:
+    return PagedKVConnector(random_cache("vllm_nhd", device), backend)
 
 
 def round_trip(connector: PagedKVConnector, pinned: bool) -> None:
@@ -97,18 +101,7 @@ def test_gpu_gather_waits_for_the_engine_stream_and_the_engine_waits_for_a_load(
 
 
 def copy_engine_connector(layout: str, min_bytes: int) -> PagedKVConnector:
-    paged = PagedKV.empty(
-        layout,
-        num_layers=LAYERS,
-        num_blocks=BLOCKS,
-        block_size=BLOCK_SIZE,
-        num_heads=HEADS,
-        head_size=HEAD_SIZE,
-        dtype=torch.bfloat16,
-    )
-    gen = torch.Generator().manual_seed(1)
-    for t in paged.tensors:
-        t.copy_(fill_random_(torch.empty_like(t), gen))
+    paged = random_cache(layout, seed=1)
     return PagedKVConnector(paged, "torch", {"store": min_bytes, "load": min_bytes})
 
 
