@@ -51,6 +51,7 @@ class TierCounter:
 
     PUT_CHUNKS = "put_chunks"
     PUT_BYTES = "put_bytes"
+    PUT_RAW_BYTES = "put_raw_bytes"
     PUT_SECONDS = "put_seconds"
     GET_HITS = "get_hits"
     GET_MISSES = "get_misses"

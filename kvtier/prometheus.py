@@ -52,10 +52,12 @@ HELP = {
     Counter.WRITEBACK_CHUNKS: "Lower-tier hits copied into the CPU tier.",
     TierCounter.PUT_CHUNKS: "Objects written to the tier.",
     TierCounter.PUT_BYTES: "Bytes written to the tier (headers included).",
+    TierCounter.PUT_RAW_BYTES: "KV bytes of the objects written, before the codec "
+    "(put_raw_bytes / put_bytes: the compression ratio).",
     TierCounter.PUT_SECONDS: "Time spent writing to the tier, measured.",
     TierCounter.GET_HITS: "Chunk reads the tier served.",
     TierCounter.GET_MISSES: "Chunk reads the tier could not serve.",
-    TierCounter.GET_BYTES: "Bytes of KV read from the tier.",
+    TierCounter.GET_BYTES: "Bytes of KV read from the tier (after decoding).",
     TierCounter.GET_SECONDS: "Time spent reading from the tier, measured.",
     TierCounter.LOOKUP_HITS: "Chunks lookups found in the tier.",
     TierCounter.DROPPED_QUEUE_FULL: "Stores dropped because the tier's write queue was full.",

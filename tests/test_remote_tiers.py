@@ -66,6 +66,9 @@ def share_and_load(url: str, pool, tier: str, **settings) -> None:
     writer = manager_for(url, writer_stats, **settings)
     objs = store_chunks(writer, pool, range(4))
     assert writer_stats.get(tier_counter(tier, TierCounter.PUT_CHUNKS)) == 4
+    raw = sum(obj.data_nbytes for obj in objs.values())
+    assert writer_stats.get(tier_counter(tier, TierCounter.PUT_RAW_BYTES)) == raw
+    assert writer_stats.get(tier_counter(tier, TierCounter.PUT_BYTES)) > raw  # + headers
     reader = manager_for(url, reader_stats, **settings)
     keys = [key(i) for i in range(6)]
     assert reader.lookup_prefix(keys) == 4

@@ -391,6 +391,11 @@ def test_cachegen_on_disk_loads_close_to_what_was_stored(tmp_path):
     first.close()
     files = list(tmp_path.rglob("*.kvt"))
     assert len(files) == 5 and all(b"cachegen" in f.read_bytes()[:400] for f in files)
+    written = first.stats.get(tier_counter("disk", TierCounter.PUT_BYTES))
+    raw = first.stats.get(tier_counter("disk", TierCounter.PUT_RAW_BYTES))
+    assert written == sum(f.stat().st_size for f in files)
+    # the KV the objects hold before the codec (at 8 tokens a chunk its tables outweigh it)
+    assert raw == 5 * reference[:, :, :8].numel() * reference.element_size()
 
     second = make_engine(local_disk=str(tmp_path), seed=1)  # reads whatever codec was used
     dst = torch.arange(100, 140)

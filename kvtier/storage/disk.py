@@ -376,6 +376,7 @@ class FileTier:
                     self.events.stored(self.name, key.chunk_hash)
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_CHUNKS))
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_BYTES), size)
+        self.stats.inc(tier_counter(self.name, TierCounter.PUT_RAW_BYTES), obj.data_nbytes)
         elapsed = time.perf_counter() - started
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_SECONDS), elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)

@@ -258,11 +258,12 @@ class RemoteTier:
         try:
             # One round trip saves re-sending chunks another engine already stored.
             present = self.store.exists_many(names)
-            items = [
-                (name, wire.encode(name, obj.tensor, self.serde))
+            kept = [
+                (name, obj)
                 for name, (_, obj), there in zip(names, batch, present, strict=True)
                 if not there
             ]
+            items = [(name, wire.encode(name, obj.tensor, self.serde)) for name, obj in kept]
             if items:
                 self.store.put_many(items)
         except Exception as exc:
@@ -271,6 +272,7 @@ class RemoteTier:
             return
         self._count(TierCounter.PUT_CHUNKS, len(items))
         self._count(TierCounter.PUT_BYTES, sum(len(p) for _, parts in items for p in parts))
+        self._count(TierCounter.PUT_RAW_BYTES, sum(obj.data_nbytes for _, obj in kept))
         elapsed = time.perf_counter() - started
         self._count(TierCounter.PUT_SECONDS, elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
