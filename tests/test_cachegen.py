@@ -146,6 +146,20 @@ def test_triton_coder_makes_and_reads_the_reference_bytes():
     assert torch.equal(by_kernel, by_reference)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("tokens", [1, 100, 256, 300])
+def test_gpu_codec_makes_and_reads_the_reference_bytes(tokens):
+    chunk = synthetic_kv(layers=3, tokens=tokens, hidden=192, seed=tokens)
+    payload, params = encode_chunk(chunk.cuda(), backend="triton")
+    assert (payload, params) == encode_chunk(chunk)
+    on_gpu = torch.empty(chunk.shape, dtype=torch.bfloat16, device="cuda")
+    decode_chunk(payload, params, on_gpu, backend="triton")
+    on_cpu = torch.empty(chunk.shape, dtype=torch.bfloat16)
+    decode_chunk(payload, params, on_cpu)
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+
+
 def test_realistic_data_ratio_and_error():
     """Measured on this data at the default schedule: 6.9x (synthetic, outliers, 256
     tokens) and 3.1x (tiny model, 128 tokens, where the per-lane tables weigh more)

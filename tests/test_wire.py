@@ -320,3 +320,19 @@ def test_cachegen_triton_coder_writes_the_reference_bytes(pool):
     by_kernel = wire.decode(blob, name, pool.allocate, interpret)
     by_reference = wire.decode(blob, name, pool.allocate, reference)
     assert same_bytes(by_kernel, by_reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_cachegen_on_the_gpu_writes_the_reference_bytes(pool):
+    obj = _kv_like(pool, 8, shape=(2, 4, 256, 512))
+    name = key(8).to_string()
+    gpu = make_serde("cachegen", load_config({"cachegen_device": "auto"}, env={}))
+    cpu = make_serde("cachegen", load_config({"cachegen_device": "cpu"}, env={}))
+    assert (gpu.device.type, gpu.backend, cpu.backend) == ("cuda", "triton", "torch")
+    parts, other = wire.encode(name, obj.tensor, gpu), wire.encode(name, obj.tensor, cpu)
+    assert blob_of(parts[1:]) == blob_of(other[1:])
+    blob = blob_of(parts)
+    assert same_bytes(
+        wire.decode(blob, name, pool.allocate, gpu), wire.decode(blob, name, pool.allocate, cpu)
+    )

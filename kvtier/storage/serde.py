@@ -16,6 +16,8 @@ A chunk a codec cannot take (``ValueError`` from ``encode``, e.g. non-finite val
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -109,25 +111,37 @@ class CachegenSerde:
         self.k_levels, self.v_levels = k_levels, v_levels
         self.device = torch.device(device)
         self.backend = registry.resolve_backend(backend, self.device)
+        self._local = threading.local()
+
+    def _stream(self) -> contextlib.AbstractContextManager[Any]:
+        """On a GPU, a side stream per calling thread (the tiers' I/O threads), so codec
+        work never queues behind the model's kernels on the default stream; its results
+        are copied to the host before a call returns."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(stream)
 
     def encode(self, tensor: torch.Tensor) -> tuple[list[Buffer], dict[str, Any]]:
         from kvtier.config import parse_levels
         from kvtier_kernels.cachegen import encode_chunk
 
         layers = tensor.shape[1] if tensor.dim() == 4 else 1
-        payload, params = encode_chunk(
-            tensor.to(self.device),
-            parse_levels(self.k_levels, layers, "cachegen_k_levels"),
-            parse_levels(self.v_levels, layers, "cachegen_v_levels"),
-            backend=self.backend,
-        )
+        k_levels = parse_levels(self.k_levels, layers, "cachegen_k_levels")
+        v_levels = parse_levels(self.v_levels, layers, "cachegen_v_levels")
+        with self._stream():
+            chunk = tensor.to(self.device)
+            payload, params = encode_chunk(chunk, k_levels, v_levels, backend=self.backend)
         return [payload], params
 
     def decode(self, payload: memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
         from kvtier_kernels.cachegen import CodecError, decode_chunk
 
         try:
-            decode_chunk(payload, params, out, backend=self.backend, device=self.device)
+            with self._stream():
+                decode_chunk(payload, params, out, backend=self.backend, device=self.device)
         except CodecError as exc:
             raise CorruptObject(f"cachegen payload rejected: {exc}") from None
 
