@@ -16,12 +16,12 @@ Measured on model A (float32, 2 layers, 2 KV heads x 32; default schedule: K lev
 - identical outputs 0/8; positions before the first divergence 0.273 (35 of 128; first
   token equal on 7 of 8 prompts); largest |logprob diff| of the chosen tokens there 0.552
   (0.006-0.289 on the first token).
-- controls, same prompts, not asserted here: an engine that stores (engine 1) or loads
-  with ``remote_serde: naive`` differs from no connector by 6.2e-6 at most (float32
-  rounding between batch shapes), with every output identical; with the levels raised
-  (``cachegen_k_levels``/``cachegen_v_levels``) the agreement climbs with them: 8 levels
-  0.242 of the positions, 32: 0.539, 127: 0.977 (7 of 8 outputs identical, max |logprob
-  diff| 0.074).
+- with the levels raised (``cachegen_k_levels``/``cachegen_v_levels``) the agreement climbs
+  with them: 8 levels 0.242 of the positions, 32: 0.539, 127: 0.977 (7 of 8 outputs
+  identical, max |logprob diff| 0.074; the second test asserts the 127-level case);
+- control, not asserted here: an engine that stores (engine 1) or loads with
+  ``remote_serde: naive`` differs from no connector by 6.2e-6 at most (float32 rounding
+  between batch shapes), with every output identical.
 
 Model A's random weights (drawn wide so that greedy outputs are a sharp test of the KV)
 make it far more sensitive to its KV than a trained model: a ~6-12% relative error on every
@@ -51,6 +51,8 @@ MIN_AGREEING_POSITIONS = 0.15  # measured 0.273
 MAX_LOGPROB_DIFF = 1.5  # measured 0.552
 MIN_LOGPROB_DIFF = 1e-3  # float32 rounding alone: 6.2e-6
 MIN_RATIO_F32 = 3.0  # measured 3.97
+MIN_AGREEING_POSITIONS_127 = 0.85  # measured 0.977 (7 of 8 outputs identical)
+MAX_LOGPROB_DIFF_127 = 0.3  # measured 0.074
 
 
 @dataclass(frozen=True)
@@ -128,18 +130,28 @@ def stored_headers(directory) -> list[dict]:
     return headers
 
 
-def test_engine_decodes_cachegen_chunks_from_disk(model_a, tmp_path):
+@pytest.fixture(scope="module")
+def prompts_and_reference(model_a):
+    """The prompts and their greedy outputs from an engine with no connector."""
     prompts = prompts_of(LENGTHS, seed=11)
-    run_id = f"kvtier-test-cachegen-{uuid.uuid4().hex[:8]}"
-    reference, _ = run_engine(model_a, prompts)
+    return prompts, run_engine(model_a, prompts)[0]
 
-    extra = {
+
+def cachegen_extra(directory, **levels) -> dict:
+    return {
         "chunk_size": CHUNK,
         "local_cpu": False,
         "max_local_cpu_size": 0.25,
-        "local_disk": str(tmp_path),
+        "local_disk": str(directory),
         "remote_serde": "cachegen",
+        **levels,
     }
+
+
+def test_engine_decodes_cachegen_chunks_from_disk(model_a, prompts_and_reference, tmp_path):
+    prompts, reference = prompts_and_reference
+    run_id = f"kvtier-test-cachegen-{uuid.uuid4().hex[:8]}"
+    extra = cachegen_extra(tmp_path)
     cold, cold_stats = run_engine(model_a, prompts, kvtier=extra, engine_id=f"{run_id}-1")
     assert all(r.num_cached_tokens == 0 for r in cold)
     assert [r.token_ids for r in cold] == [r.token_ids for r in reference]
@@ -171,3 +183,27 @@ def test_engine_decodes_cachegen_chunks_from_disk(model_a, tmp_path):
     assert got.prefix >= MIN_AGREEING_POSITIONS, "decoded KV far from the stored KV"
     # nonzero beyond float32 rounding: the KV was decoded lossy, not recomputed
     assert MIN_LOGPROB_DIFF < got.max_logprob_diff < MAX_LOGPROB_DIFF
+
+
+def test_at_127_levels_the_engine_reproduces_the_reference(
+    model_a, prompts_and_reference, tmp_path
+):
+    """The same path with ``cachegen_k_levels`` / ``cachegen_v_levels`` at 127 (errors
+    1/254 of a token's absmax): outputs nearly all identical, logprobs close. A decode that
+    misplaced or misscaled anything would show here."""
+    prompts, reference = prompts_and_reference
+    run_id = f"kvtier-test-cachegen127-{uuid.uuid4().hex[:8]}"
+    extra = cachegen_extra(tmp_path, cachegen_k_levels="127", cachegen_v_levels="127")
+    run_engine(model_a, prompts, kvtier=extra, engine_id=f"{run_id}-1")
+    assert {tuple(h["codec_params"]["k_levels"]) for h in stored_headers(tmp_path)} == {(127, 127)}
+    warm, warm_stats = run_engine(model_a, prompts, kvtier=extra, engine_id=f"{run_id}-2")
+    assert sum(r.num_cached_tokens for r in warm) == 3584
+    assert warm_stats.get("corrupt_chunks_rejected", 0) == 0
+    got = agreement(reference, warm)
+    print(
+        f"\ncachegen 127 levels: identical outputs {got.identical:.3f}; positions before "
+        f"divergence {got.prefix:.3f} {got.agreeing}; max |logprob diff| "
+        f"{got.max_logprob_diff:.4g}"
+    )
+    assert got.prefix >= MIN_AGREEING_POSITIONS_127
+    assert MIN_LOGPROB_DIFF < got.max_logprob_diff < MAX_LOGPROB_DIFF_127
