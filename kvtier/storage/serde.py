@@ -165,4 +165,11 @@ def make_serde(name: str, config: KVTierConfig | None = None) -> Serde:
             config.cachegen_device,
             "interpret" if config.kernel_backend == "interpret" else "auto",
         )
-    return SERDES[name]()
+    with _defaults_lock:  # one default instance per codec (readers of foreign objects)
+        if name not in _defaults:
+            _defaults[name] = SERDES[name]()
+        return _defaults[name]
+
+
+_defaults: dict[str, Serde] = {}
+_defaults_lock = threading.Lock()
