@@ -262,18 +262,31 @@ def _damage_cases() -> list[tuple[str, Callable]]:
 DAMAGES = _damage_cases()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        *BACKENDS,
+        pytest.param(
+            "triton",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not has_gpu, reason="needs a CUDA/ROCm GPU"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("damage", [d for _, d in DAMAGES], ids=[name for name, _ in DAMAGES])
 def test_damaged_stream_rejected_like_reference(backend: str, damage: Callable) -> None:
+    device = "cuda" if backend == "triton" else "cpu"
     symbols, freq = make_lanes(5, 40, 33, "skewed", seed=3)
     words, lengths = rans_encode(symbols, freq)
     words, lengths, freq, n = damage(words, lengths, freq, 40)
     expected = outcome(lambda: rans_decode(words, lengths, freq, n))
     got = outcome(
         lambda: rans_decode_lanes(
-            torch.from_numpy(words.astype(np.int32)),
-            torch.from_numpy(lengths.astype(np.int64)),
-            torch.from_numpy(freq.astype(np.int32)),
+            torch.from_numpy(words.astype(np.int32)).to(device),
+            torch.from_numpy(lengths.astype(np.int64)).to(device),
+            torch.from_numpy(freq.astype(np.int32)).to(device),
             n,
             backend=backend,
         )
@@ -562,23 +575,3 @@ def test_gpu_roundtrip_matches_reference(
     assert_stream_equal(words, lengths, ref_words, ref_lengths)
     decoded = rans_decode_lanes(words, lengths, freq_t, n, backend="triton")
     np.testing.assert_array_equal(decoded.cpu().numpy(), symbols)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu, reason="needs a CUDA/ROCm GPU")
-@pytest.mark.parametrize("damage", [d for _, d in DAMAGES], ids=[name for name, _ in DAMAGES])
-def test_gpu_damaged_stream_rejected_like_reference(damage: Callable) -> None:
-    symbols, freq = make_lanes(5, 40, 33, "skewed", seed=3)
-    words, lengths = rans_encode(symbols, freq)
-    words, lengths, freq, n = damage(words, lengths, freq, 40)
-    expected = outcome(lambda: rans_decode(words, lengths, freq, n))
-    got = outcome(
-        lambda: rans_decode_lanes(
-            torch.from_numpy(words.astype(np.int32)).cuda(),
-            torch.from_numpy(lengths.astype(np.int64)).cuda(),
-            torch.from_numpy(freq.astype(np.int32)).cuda(),
-            n,
-            backend="triton",
-        )
-    )
-    assert_same_outcome(expected, got)
