@@ -188,10 +188,8 @@ def copy_engine_crossover(op: str, device: torch.device) -> int | None:
         name = device_name(device)
         if name is None:
             return None
-        for status in files_in_effect(op, "triton", name):
-            if status.status != "in effect":
-                continue
-            tuning_file = find_tuning_file(op, "triton", name, status.dtype)
+        for dtype in sorted({dtype for _, dtype in _named_files(op, "triton", name)}):
+            tuning_file = find_tuning_file(op, "triton", name, dtype)  # the one in effect
             figures = None if tuning_file is None else tuning_file.copy_engine
             if figures is not None and figures.crossover_bytes is not None:
                 return figures.crossover_bytes
@@ -223,37 +221,44 @@ class FileStatus:
     detail: str
 
 
+def _named_files(op: str, backend: str, device: str) -> list[tuple[Path, str]]:
+    """``(path, dtype)`` of every file named for (op, backend, device name) on the search
+    path, in search order (a directory's files sorted by name)."""
+    prefix = f"op={op},backend={backend},device={_slug(device)},dtype="
+    return [
+        (path, path.name[len(prefix) : -len(".json")])
+        for directory in search_path()
+        if directory.is_dir()
+        for path in sorted(directory.glob(f"{prefix}*.json"))
+    ]
+
+
 def files_in_effect(op: str, backend: str, device: str) -> list[FileStatus]:
     """Every tuning file of (op, backend, device name) on the search path, any dtype."""
-    prefix = f"op={op},backend={backend},device={_slug(device)},dtype="
     statuses: list[FileStatus] = []
     in_effect: set[str] = set()
-    for directory in search_path():
-        if not directory.is_dir():
+    for path, dtype in _named_files(op, backend, device):
+        if dtype in in_effect:
+            statuses.append(FileStatus(path, dtype, "shadowed", "an earlier directory wins"))
             continue
-        for path in sorted(directory.glob(f"{prefix}*.json")):
-            dtype = path.name[len(prefix) : -len(".json")]
-            if dtype in in_effect:
-                statuses.append(FileStatus(path, dtype, "shadowed", "an earlier directory wins"))
-                continue
-            try:
-                tuning_file = load_tuning_file(path)
-                tuning_file.check_identity(op, backend, device, dtype)
-            except TuningFileError as error:
-                statuses.append(FileStatus(path, dtype, "ignored", str(error)))
-                continue
-            in_effect.add(dtype)
-            count = len(tuning_file.entries)
-            detail = f"{count} shape{'' if count == 1 else 's'}"
-            figures = tuning_file.copy_engine
-            if figures is not None:
-                crossover = figures.crossover_bytes
-                detail += (
-                    f"; copy engine wins from {_format_bytes(crossover)} runs"
-                    if crossover is not None
-                    else "; copy engine never won"
-                )
-            statuses.append(FileStatus(path, dtype, "in effect", detail))
+        try:
+            tuning_file = load_tuning_file(path)
+            tuning_file.check_identity(op, backend, device, dtype)
+        except TuningFileError as error:
+            statuses.append(FileStatus(path, dtype, "ignored", str(error)))
+            continue
+        in_effect.add(dtype)
+        count = len(tuning_file.entries)
+        detail = f"{count} shape{'' if count == 1 else 's'}"
+        figures = tuning_file.copy_engine
+        if figures is not None:
+            crossover = figures.crossover_bytes
+            detail += (
+                f"; copy engine wins from {_format_bytes(crossover)} runs"
+                if crossover is not None
+                else "; copy engine never won"
+            )
+        statuses.append(FileStatus(path, dtype, "in effect", detail))
     return statuses
 
 
