@@ -299,6 +299,9 @@ def _levels_text(value: Any) -> Any:
     return value.replace(" ", "") if isinstance(value, str) else value
 
 
+_LEVELS_ALLOWED = "empty, or comma-separated integers from 1 to 127 (one, or one per layer)"
+
+
 def _valid_levels_text(text: str) -> bool:
     if not text:
         return True
@@ -584,7 +587,7 @@ class KVTierConfig:
         "third of the layers, 8 after).",
         normalize=_levels_text,
         check=_valid_levels_text,
-        allowed="empty, or comma-separated integers from 1 to 127 (one, or one per layer)",
+        allowed=_LEVELS_ALLOWED,
     )
     cachegen_v_levels: str = _key(
         "",
@@ -594,7 +597,7 @@ class KVTierConfig:
         "8 after).",
         normalize=_levels_text,
         check=_valid_levels_text,
-        allowed="empty, or comma-separated integers from 1 to 127 (one, or one per layer)",
+        allowed=_LEVELS_ALLOWED,
     )
     cachegen_device: str = _key(
         "auto",

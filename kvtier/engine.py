@@ -350,7 +350,7 @@ class StoreTransfer:
         started = time.perf_counter()
         engine, result = self.engine, self.result
         try:
-            self.connector.stores_done()
+            self.connector.stores_done()  # the gathers have landed: read, publish, release
             for chunk, obj, _ in self._staged:
                 if engine.config.verify_checksums:
                     obj.metadata = _checksum(obj)
@@ -374,10 +374,10 @@ class StoreTransfer:
 
     def abort(self) -> None:
         """Drop the staged buffers without storing anything."""
+        self.connector.stores_done()  # no gather may still write a released buffer
         self._release()
 
     def _release(self) -> None:
-        self.connector.stores_done()  # no gather may still write a released buffer
         for _, obj, _ in self._staged:
             obj.unpin()
             obj.ref_down()
