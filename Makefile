@@ -53,11 +53,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The suite merges its figures into perf/results/*.json; the report (perf/report.md and
-# perf/plots/) is rendered from those files even when a benchmark failed, and make still
-# fails with pytest's status.
+# The suite merges its figures into perf/results/*.json (--save-results: a plain pytest run
+# of one benchmark file writes perf/results/scratch/ instead); the report (perf/report.md
+# and perf/plots/) is rendered from those files even when a benchmark failed, and make
+# still fails with pytest's status.
 bench: $(STAMP)
-	$(PY) -m pytest perf -q --benchmark-json=perf/results/latest.json; status=$$?; \
+	$(PY) -m pytest perf -q --save-results --benchmark-json=perf/results/latest.json; status=$$?; \
 	$(PY) perf/report.py && exit $$status
 
 clean:

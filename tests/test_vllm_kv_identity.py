@@ -1,0 +1,75 @@
+"""kvtier's guarantee, checked on the engine's own KV blocks (``KVProbe``): what a hit
+loads is bit-identical to what the cold prefill computed, and an engine that stores
+through kvtier computes exactly the KV of an engine without a connector.
+
+The model is bf16 with small random weights (near-tied logits): token equality between
+differently scheduled computations would be fragile there, the KV comparison is not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_engines import expected_loaded, prompts_of
+
+from kvtier.demo_vllm import build_llama
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK, CHUNK = 32, 64
+LENGTHS = [700, 304, 128, 63, 200, 40]  # one batch: long, ragged, shorter than a chunk
+
+
+@pytest.fixture(scope="module")
+def kv_identity(tmp_path_factory):
+    pytest.importorskip("vllm")
+    tmp = tmp_path_factory.mktemp("kv-identity")
+    model = build_llama(
+        tmp / "llama-bf16", num_layers=3, num_heads=4, num_kv_heads=2, head_size=64
+    )
+    prompts = prompts_of(LENGTHS, seed=7)
+    config = {
+        "model": str(model),
+        "prompts": prompts,
+        "block_size": BLOCK,
+        "chunk_size": CHUNK,
+        "dtype": "bfloat16",
+    }
+    out = tmp / "result.json"
+    script = Path(__file__).with_name("vllm_kv_identity.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps(config), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return prompts, json.loads(out.read_text())
+
+
+def test_loaded_kv_is_bit_identical_to_the_cold_prefill(kv_identity):
+    prompts, result = kv_identity
+    assert result["loaded"] == [
+        expected_loaded(len(p), chunk_size=CHUNK, block_size=BLOCK) for p in prompts
+    ]
+    for length, mismatch in zip(LENGTHS, result["loaded_mismatch"], strict=True):
+        assert mismatch is None, f"{length}-token prompt: KV differs at (layer, block) {mismatch}"
+
+
+def test_the_probe_sees_a_flipped_bit_where_it_is(kv_identity):
+    _, result = kv_identity
+    found, flipped = result["flipped"]
+    assert found == flipped
+
+
+def test_storing_leaves_the_engines_kv_as_without_a_connector(kv_identity):
+    """Same batch, same process and thread count: the engine with kvtier (storing every
+    chunk) holds the same KV bytes, and gives the same tokens, as one without."""
+    _, result = kv_identity
+    for length, mismatch in zip(LENGTHS, result["connector_vs_plain_mismatch"], strict=True):
+        assert mismatch is None, f"{length}-token prompt: KV differs at (layer, block) {mismatch}"
+    assert result["tokens"]["cold"] == result["tokens"]["plain"]
