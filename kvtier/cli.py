@@ -331,7 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="store → evict → retrieve on a synthetic paged KV cache, without vLLM",
     )
-    demo.add_argument("--tokens", type=int, default=None, help="prompt length (default 4128 with vLLM, 4096 with --synthetic)")
+    demo.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="prompt length (default 4128 with vLLM, 4096 with --synthetic)",
+    )
     demo.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk size (engine)")
     demo.add_argument("--layers", type=int, default=32, help="synthetic: layers")
     demo.add_argument("--kv-heads", type=int, default=8, help="synthetic: KV heads")

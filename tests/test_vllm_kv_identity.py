@@ -28,9 +28,7 @@ LENGTHS = [700, 304, 128, 63, 200, 40]  # one batch: long, ragged, shorter than 
 def kv_identity(tmp_path_factory):
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("kv-identity")
-    model = build_llama(
-        tmp / "llama-bf16", num_layers=3, num_heads=4, num_kv_heads=2, head_size=64
-    )
+    model = build_llama(tmp / "llama-bf16", num_layers=3, num_heads=4, num_kv_heads=2, head_size=64)
     prompts = prompts_of(LENGTHS, seed=7)
     config = {
         "model": str(model),

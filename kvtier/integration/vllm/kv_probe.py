@@ -115,9 +115,7 @@ class KVProbe:
         per_layer = []
         for layer in self.layer_caches():
             block_dim = list(layer.shape).index(num_blocks)
-            per_layer.append(
-                tuple(_digest(layer.select(block_dim, block)) for block in block_ids)
-            )
+            per_layer.append(tuple(_digest(layer.select(block_dim, block)) for block in block_ids))
         return KVDigests(block_size, tuple(per_layer))
 
     def layer_caches(self) -> list[torch.Tensor]:
