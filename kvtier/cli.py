@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 from kvtier.config import ConfigError, load_config
 
+KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
+
 
 def _version(dist: str) -> str:
     try:
@@ -47,11 +49,45 @@ def _devices() -> list[str]:
     return devices
 
 
+def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
+    """kvtier's part of a vLLM ``--kv-transfer-config`` JSON, checked as vLLM would use it.
+
+    Raises:
+        ConfigError: the JSON does not parse, or does not name kvtier's connector.
+    """
+    if kv_transfer_config is None:
+        return None
+    try:
+        transfer = json.loads(kv_transfer_config)
+    except ValueError as exc:
+        raise ConfigError([f"--kv-transfer-config is not JSON: {exc}"]) from None
+    if not isinstance(transfer, dict):
+        raise ConfigError(["--kv-transfer-config must be a JSON object"])
+    problems = []
+    if transfer.get("kv_connector") != "KVTierConnector":
+        problems.append(
+            f"kv_connector is {transfer.get('kv_connector')!r}; kvtier's is 'KVTierConnector'"
+        )
+    module = str(transfer.get("kv_connector_module_path"))
+    if module != KVTIER_MODULE and not module.startswith(KVTIER_MODULE + "."):
+        problems.append(
+            f"kv_connector_module_path is {transfer.get('kv_connector_module_path')!r}; "
+            f"kvtier's is {KVTIER_MODULE!r}"
+        )
+    extra = transfer.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        problems.append("kv_connector_extra_config must be a JSON object")
+    if problems:
+        raise ConfigError(problems)
+    return extra
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from kvtier_kernels import registry
 
     try:
-        config = load_config(config_file=args.config)
+        extra = _extra_config(args.kv_transfer_config)
+        config = load_config(overrides=extra, config_file=args.config)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -321,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, devices, kernel backends, config in effect")
     info.add_argument("--config", help="YAML config file (default: KVTIER_CONFIG_FILE)")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON",
+        help="check vLLM's --kv-transfer-config (the same JSON) before starting the engine, "
+        "and show the kvtier config it gives",
+    )
     info.set_defaults(func=cmd_info)
 
     demo = sub.add_parser(

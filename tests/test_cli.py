@@ -99,3 +99,32 @@ def test_console_script_demo_runs_a_real_engine():
     assert "512 tokens loaded from kvtier," in out
     assert "512 tokens loaded from kvtier's disk tier" in out
     assert "\nidentical\n" in out and "MISMATCH" not in out
+
+
+def _transfer(extra: object, **fields: object) -> str:
+    config = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+        **fields,
+    }
+    return json.dumps(config)
+
+
+def test_info_checks_a_kv_transfer_config_before_an_engine_starts(capsys):
+    assert main(["info", "--json", "--kv-transfer-config", _transfer({"chunk_size": 512})]) == 0
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert config["chunk_size"]["value"] == 512
+
+    assert main(["info", "--kv-transfer-config", _transfer({"chunk_sise": 64})]) == 2
+    assert "did you mean 'chunk_size'" in capsys.readouterr().err
+
+    wrong = _transfer({}, kv_connector="LMCacheConnectorV1", kv_connector_module_path="lmcache")
+    assert main(["info", "--kv-transfer-config", wrong]) == 2
+    err = capsys.readouterr().err
+    assert "kv_connector is 'LMCacheConnectorV1'" in err
+    assert "kv_connector_module_path is 'lmcache'" in err
+
+    assert main(["info", "--kv-transfer-config", "{not json"]) == 2
+    assert "is not JSON" in capsys.readouterr().err

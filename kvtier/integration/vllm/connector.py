@@ -349,7 +349,17 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return bool(extra_config.get("use_layerwise", False))
+        # NOTE: vLLM calls this while it builds its config (GPU, CUDA graphs on), before any
+        # engine process starts: a mistake in the extra config stops `vllm serve` here.
+        return load_config(overrides=dict(extra_config or {})).use_layerwise
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # NOTE: the first hook vLLM calls in the engine core on every backend (before memory
+        # profiling and the KV cache): a config mistake is reported here once, not by each
+        # worker after profiling. kvtier reads any layout, so it asks for none.
+        kvtier_config_from_vllm(vllm_config)
+        return None
 
     def shutdown(self) -> None:
         if self._metrics is not None:
