@@ -18,13 +18,14 @@ The chunk buffer may live on another device than the cache (e.g. pinned CPU memo
 GPU cache); its last dim must be contiguous (stride 1).
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
-``triton`` runs ``_gather_kernel`` / ``_scatter_kernel`` compiled, on CUDA/ROCm caches, with
-the chunk on the same GPU or in pinned host memory (read or written over the bus);
-``interpret`` runs the same kernels under Triton's interpreter on CPU tensors. One launch
+``triton`` runs ``paged_copy_kernel`` compiled (one kernel, ``TO_CHUNK`` picks the
+direction), on CUDA/ROCm caches, with the chunk on the same GPU or in pinned host memory
+(read or written over the bus);
+``interpret`` runs the same kernel under Triton's interpreter on CPU tensors. One launch
 covers every selected layer: grid ``(token tiles x row blocks, len(layers), KV)``, each
-program moving a ``BLOCK_T x BLOCK_R`` tile of integer words (see "Triton kernels").
+program moving a ``BLOCK_T x BLOCK_R`` tile of integer words (see "Triton kernel").
 
-Sections: torch reference (the definition of correct) -> Triton kernels -> launchers
+Sections: torch reference (the definition of correct) -> Triton kernel -> launchers
 (public, then Triton) -> registration.
 """
 
@@ -173,14 +174,15 @@ def scatter_reference(
 
 
 # ---------------------------------------------------------------------------------------
-# Triton kernels
+# Triton kernel
 #
 # Grid: (token tiles x row blocks, len(layers), KV). Program (p0, j, plane) moves the tile
 # chunk[plane, j, tile * BLOCK_T : +BLOCK_T, row_block * BLOCK_R : +BLOCK_R] (in words) to or
 # from cache layer layers[j], plane `plane`. A row is the H * D values of one token, moved as
 # `row_words` integer words (int8..int64, the widest that every stride, the head size and
 # every base address allow); head h, word d of a row sits at h * s_head + d * s_dim in the
-# cache and at h * head_words + d in the chunk.
+# cache and at h * head_words + d in the chunk. The constexpr TO_CHUNK picks the direction
+# (gather: cache -> chunk; scatter: chunk -> cache); the addressing is the same both ways.
 #
 # `layer_bases` is an int64 table of the byte address of each selected layer's canonical
 # view (`PagedKV.layer_base_pointers()`), cast in the kernel to a pointer to the word type:
@@ -188,13 +190,13 @@ def scatter_reference(
 # separate allocations. The interpreter follows those raw addresses too (CPU tensors).
 #
 # NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that importing
-# this module never imports triton. The kernels call only Triton builtins.
+# this module never imports triton. The kernel calls only Triton builtins.
 # ---------------------------------------------------------------------------------------
 
 tl: Any = None
 
 
-def _gather_kernel(
+def paged_copy_kernel(
     layer_bases,  # [len(layers)] int64: byte address of each layer's canonical view
     slot_mapping,  # [T] int64 or int32; negative = skip
     chunk,  # [KV, len(layers), T, row_words] integer words, last dim dense
@@ -211,6 +213,7 @@ def _gather_kernel(
     head_words,
     row_words,
     row_blocks,
+    TO_CHUNK: tl.constexpr,  # True: cache -> chunk (gather); False: chunk -> cache (scatter)
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -237,54 +240,12 @@ def _gather_kernel(
     chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
 
     cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
-    rows = tl.load(cache + cache_rows[:, None] + cache_cols[None, :], mask=mask)
-    tl.store(chunk + chunk_rows[:, None] + cols[None, :], rows, mask=mask)
-
-
-def _scatter_kernel(
-    layer_bases,  # [len(layers)] int64: byte address of each layer's canonical view
-    slot_mapping,  # [T] int64 or int32; negative = skip
-    chunk,  # [KV, len(layers), T, row_words] integer words, last dim dense
-    s_kv,  # cache canonical strides, in words
-    s_block,
-    s_slot,
-    s_head,
-    s_dim,
-    c_kv,  # chunk strides, in words
-    c_layer,
-    c_token,
-    num_tokens,
-    block_size,
-    head_words,
-    row_words,
-    row_blocks,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    tile_and_row_block = tl.program_id(0)
-    j = tl.program_id(1)
-    plane = tl.program_id(2).to(tl.int64)
-    tile = tile_and_row_block // row_blocks
-    row_block = tile_and_row_block - tile * row_blocks
-
-    tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    slots = tl.load(slot_mapping + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
-    row_limit = tl.where(slots >= 0, row_words, 0)
-    cols = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = cols[None, :] < row_limit[:, None]
-
-    slots = tl.maximum(slots, 0)
-    blocks = slots // block_size
-    offsets = slots - blocks * block_size
-    heads = cols // head_words
-    dims = cols - heads * head_words
-    cache_rows = plane * s_kv + blocks * s_block + offsets * s_slot
-    cache_cols = heads.to(tl.int64) * s_head + dims.to(tl.int64) * s_dim
-    chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
-
-    cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
-    rows = tl.load(chunk + chunk_rows[:, None] + cols[None, :], mask=mask)
-    tl.store(cache + cache_rows[:, None] + cache_cols[None, :], rows, mask=mask)
+    cache_ptrs = cache + cache_rows[:, None] + cache_cols[None, :]
+    chunk_ptrs = chunk + chunk_rows[:, None] + cols[None, :]
+    if TO_CHUNK:
+        tl.store(chunk_ptrs, tl.load(cache_ptrs, mask=mask), mask=mask)
+    else:
+        tl.store(cache_ptrs, tl.load(chunk_ptrs, mask=mask), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------
@@ -449,16 +410,8 @@ def launch_config(
     return LaunchConfig(block_tokens, block_row, next_power_of_2(num_warps))
 
 
-_KERNELS = {
-    "paged_gather": LazyKernel(_gather_kernel),
-    "paged_scatter": LazyKernel(_scatter_kernel),
-}
-
-
-def _kernel(op: str, interpret: bool) -> Any:
-    """The decorated kernel of ``op``, compiled or interpreted; decorated on first use."""
-    return _KERNELS[op].get(interpret)
-
+KERNEL = LazyKernel(paged_copy_kernel)
+"""The one kernel of both directions, decorated (compiled or interpreted) on first use."""
 
 _WORD_BYTES = (8, 4, 2, 1)
 _WORD_OF_BYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -605,7 +558,7 @@ def _launch_paged_copy(
     grid = (token_tiles * row_blocks, len(layers), paged.kv_planes)
 
     # launch
-    kernel = _kernel(op, interpret)
+    kernel = KERNEL.get(interpret)
     device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(paged.device)
     with device_guard:
         if not interpret:
@@ -621,6 +574,7 @@ def _launch_paged_copy(
             head_words,
             row_words,
             row_blocks,
+            TO_CHUNK=op == "paged_gather",
             BLOCK_T=block_tokens,
             BLOCK_R=config.block_row,
             num_warps=config.num_warps,
@@ -674,5 +628,5 @@ def scatter_triton(
 registry.register("paged_gather", "torch", gather_reference)
 registry.register("paged_scatter", "torch", scatter_reference)
 for _op, _launcher in (("paged_gather", gather_triton), ("paged_scatter", scatter_triton)):
-    registry.register(_op, "triton", loader=triton_loader(_KERNELS[_op], _launcher, False))
-    registry.register(_op, "interpret", loader=triton_loader(_KERNELS[_op], _launcher, True))
+    registry.register(_op, "triton", loader=triton_loader(KERNEL, _launcher, False))
+    registry.register(_op, "interpret", loader=triton_loader(KERNEL, _launcher, True))
