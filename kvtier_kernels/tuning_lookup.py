@@ -61,6 +61,11 @@ _override: tuple[Path, ...] | None = None
 _loaded: dict[tuple[Any, ...], TuningFile | None] = {}
 
 
+def _tuning_dir_env() -> str | None:
+    """``KVTIER_TUNING_DIR`` as set (the code base's one read of it)."""
+    return os.environ.get(TUNING_DIR_ENV)
+
+
 def default_user_dir() -> Path:
     """``$XDG_CACHE_HOME/kvtier/tuning``, or ``~/.cache/kvtier/tuning``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -69,7 +74,7 @@ def default_user_dir() -> Path:
 
 def user_dirs() -> tuple[Path, ...]:
     """Where ``kvtier tune`` writes and lookups look first (see the module doc)."""
-    env = os.environ.get(TUNING_DIR_ENV)
+    env = _tuning_dir_env()
     if env:
         return tuple(Path(p).expanduser() for p in env.split(os.pathsep) if p)
     return (default_user_dir(),)
@@ -90,7 +95,7 @@ def search_path() -> tuple[Path, ...]:
     return _search_path(
         _override,
         PACKAGED_DIR,
-        os.environ.get(TUNING_DIR_ENV),
+        _tuning_dir_env(),
         os.environ.get("XDG_CACHE_HOME"),
         os.environ.get("HOME"),
     )
@@ -100,7 +105,7 @@ def search_path_origins() -> list[tuple[Path, str]]:
     """Each directory of :func:`search_path` with where it comes from, as ``kvtier kernels``
     shows it: ``"packaged defaults"``, ``"KVTIER_TUNING_DIR"`` or ``"user cache
     (KVTIER_TUNING_DIR unset)"``."""
-    from_env = bool(os.environ.get(TUNING_DIR_ENV))
+    from_env = bool(_tuning_dir_env())
     rows = []
     for directory in search_path():
         if directory == PACKAGED_DIR:
