@@ -147,21 +147,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _search_path_rows() -> list[dict[str, object]]:
-    import os
-
     from kvtier_kernels import tuning_lookup
 
-    env = os.environ.get(tuning_lookup.TUNING_DIR_ENV)
-    rows = []
-    for directory in tuning_lookup.search_path():
-        if directory == tuning_lookup.PACKAGED_DIR:
-            kind = "packaged defaults"
-        elif env:
-            kind = tuning_lookup.TUNING_DIR_ENV
-        else:
-            kind = f"user cache ({tuning_lookup.TUNING_DIR_ENV} unset)"
-        rows.append({"path": str(directory), "kind": kind, "exists": directory.is_dir()})
-    return rows
+    return [
+        {"path": str(directory), "kind": origin, "exists": directory.is_dir()}
+        for directory, origin in tuning_lookup.search_path_origins()
+    ]
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
@@ -259,7 +250,8 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
 
 
 def _tune_shape(args: argparse.Namespace):
-    from kvtier_kernels import tuning
+    from kvtier_kernels.dtypes import parse_dtype
+    from kvtier_kernels.tuning.shapes import ModelShape, model_shape_from_config
 
     overrides = {
         "num_layers": args.layers,
@@ -267,20 +259,18 @@ def _tune_shape(args: argparse.Namespace):
         "head_size": args.head_size,
         "block_size": args.block_size,
         "chunk_size": args.chunk_size,
-        "dtype": tuning.parse_dtype(args.dtype) if args.dtype else None,
+        "dtype": parse_dtype(args.dtype) if args.dtype else None,
         "layout": args.layout,
         "rotary_dim": args.rotary_dim,
     }
     if args.model_config:
-        return tuning.model_shape_from_config(args.model_config, **overrides)
+        return model_shape_from_config(args.model_config, **overrides)
     defaults = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
-    return tuning.ModelShape(
-        **{**defaults, **{k: v for k, v in overrides.items() if v is not None}}
-    )
+    return ModelShape(**{**defaults, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from kvtier_kernels import tuning
+    from kvtier_kernels import tuning, tuning_files, tuning_lookup
 
     target = _tuning_target(args.device)
     if isinstance(target, str):
@@ -290,14 +280,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         shape = _tune_shape(args)
         ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-        unknown = sorted(set(ops) - set(tuning.TUNABLES))
+        tunable = tuning_files.TUNABLES
+        unknown = sorted(set(ops) - set(tunable))
         if unknown:
-            raise ValueError(f"--ops: unknown {unknown}; tunable ops: {', '.join(tuning.TUNABLES)}")
+            raise ValueError(f"--ops: unknown {unknown}; tunable ops: {', '.join(tunable)}")
     except ValueError as error:
         print(f"kvtier tune: {error}", file=sys.stderr)
         return 2
-    out_dir = args.out or tuning.user_dirs()[0]
-    print(f"kvtier tune on {tuning.device_name(device)} ({device}, backend {backend})")
+    out_dir = args.out or tuning_lookup.user_dirs()[0]
+    print(f"kvtier tune on {tuning_files.device_name(device)} ({device}, backend {backend})")
     print(f"shape: {shape.describe()}")
     report = tuning.tune(
         shape,

@@ -25,6 +25,7 @@ from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.metrics import Counter
 from kvtier_kernels import PagedKV, get_layout
+from kvtier_kernels.dtypes import bits
 
 
 class _BlockAllocator:
@@ -128,7 +129,7 @@ def run_demo(
     filled = engine.retrieve(prompt_a, slot_mapping=slots_a2)
     seconds = time.perf_counter() - t0
     loaded = engine.stats.get(Counter.LOADED_BYTES) - before.get(Counter.LOADED_BYTES, 0)
-    exact = torch.equal(_snapshot(paged, slots_a2).view(torch.int16), reference_a.view(torch.int16))
+    exact = torch.equal(bits(_snapshot(paged, slots_a2)), bits(reference_a))
     ok &= exact and filled == hit == num_tokens
     print(
         f"3. retrieve A   lookup hit {hit} tokens, loaded {filled} tokens  "
@@ -141,8 +142,7 @@ def run_demo(
     slots_b = pages.slots_for(num_tokens, block_size)
     filled_b = engine.retrieve(prompt_b, slot_mapping=slots_b)
     exact_b = torch.equal(
-        _snapshot(paged, slots_b[:shared]).view(torch.int16),
-        reference_a[:, :, :shared].view(torch.int16),
+        bits(_snapshot(paged, slots_b[:shared])), bits(reference_a[:, :, :shared])
     )
     _prefill(paged, slots_b[filled_b:], gen)  # the engine computes only B's own tokens
     stored_b = engine.store(prompt_b, slot_mapping=slots_b)

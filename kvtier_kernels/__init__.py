@@ -4,7 +4,8 @@ Importing this package registers every op's torch reference and never imports ``
 or touches a GPU driver; Triton kernels are loaded on first use through the registry.
 """
 
-import kvtier_kernels.cachegen_kernels  # noqa: F401 (registers the rANS ops)
+import kvtier_kernels.rans_decode
+import kvtier_kernels.rans_encode  # noqa: F401
 from kvtier_kernels import registry
 from kvtier_kernels.layouts import KV_2LTD, LAYOUTS, KVLayout, LayoutError, PagedKV, get_layout
 from kvtier_kernels.paged_copy import gather, scatter

@@ -23,10 +23,11 @@ encoder and decoder derive the same table from the same integers.
 
 Entropy coding: rANS, 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
 probabilities; at most one word is emitted per symbol. Lanes are independent: the coder is
-the kernel registry's ``rans_encode``/``rans_decode`` (``kvtier_kernels.cachegen_kernels``),
-whose ``torch`` backend is the numpy reference below (vectorized across lanes, a loop over
-the symbols of a lane) and whose ``triton`` backend (one GPU thread per lane) produces the
-same bytes. A lane's stream is its final encoder state (low word, high word) followed by
+the kernel registry's ``rans_encode``/``rans_decode`` (op files
+:mod:`kvtier_kernels.rans_encode` / :mod:`kvtier_kernels.rans_decode`, the bitstream in
+:mod:`kvtier_kernels.rans`), whose ``torch`` backend is a numpy reference (vectorized across
+lanes, a loop over the symbols of a lane) and whose ``triton`` backend (one GPU thread per
+lane) produces the same bytes. A lane's stream is its final encoder state (low word, high word) followed by
 the renormalization words in the order the decoder reads them; a decoded lane must end in
 the initial state ``2**16`` having read exactly its words, which catches most damage.
 
@@ -73,10 +74,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier_kernels.rans import PROB_BITS, PROB_SCALE, CodecError
+from kvtier_kernels.rans_decode import rans_decode_lanes
+from kvtier_kernels.rans_encode import rans_encode_lanes
+
 VERSION = 2
-PROB_BITS = 16
-PROB_SCALE = 1 << PROB_BITS
-RANS_LOW = 1 << 16  # lower bound of the state; the encoder starts and the decoder ends here
 MAX_LEVELS = 127  # alphabet 2n+1 <= 255 fits the uint8 symbols and bounds
 SECTIONS = ("scales", "bounds", "counts", "lengths", "words")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,15 +88,9 @@ __all__ = [
     "decode_chunk",
     "default_levels",
     "encode_chunk",
+    "params_checksum",
     "quantize_counts",
-    "rans_decode",
-    "rans_encode",
 ]
-
-
-class CodecError(ValueError):
-    """A compressed chunk (payload or params) that is inconsistent and must not be used."""
-
 
 # ---------------------------------------------------------------------------------------
 # schedule
@@ -152,100 +148,6 @@ def quantize_counts(counts: np.ndarray | torch.Tensor) -> np.ndarray | torch.Ten
 
 
 # ---------------------------------------------------------------------------------------
-# rANS
-# ---------------------------------------------------------------------------------------
-
-
-def rans_encode(symbols: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Encode each row of ``symbols`` ``[lanes, n]`` with its row of ``freq``
-    ``[lanes, A]`` (uint32, rows summing to ``PROB_SCALE``; every symbol used must have a
-    positive frequency). Returns ``(words, lengths)``: the lanes' streams concatenated
-    (uint16) and each lane's length in words (int64; ``2 <= length <= n + 2``)."""
-    lanes, n = symbols.shape
-    alphabet = freq.shape[1]
-    freq64 = freq.astype(np.uint64)
-    cum = np.zeros_like(freq64)
-    np.cumsum(freq64[:, :-1], axis=1, out=cum[:, 1:])
-    width = n + 2
-    buf = np.zeros(lanes * width, dtype=np.uint16)
-    base = np.arange(lanes, dtype=np.int64) * width
-    pos = np.full(lanes, width, dtype=np.int64)  # a lane's stream is buf[pos:width]
-    state = np.full(lanes, RANS_LOW, dtype=np.uint64)
-    row = np.arange(lanes, dtype=np.int64) * alphabet
-    for i in range(n - 1, -1, -1):
-        index = row + symbols[:, i]
-        f, c = freq64[:, :].reshape(-1)[index], cum.reshape(-1)[index]
-        emit = state >= (f << np.uint64(16))
-        # writing unconditionally is safe: an unused slot below pos is overwritten later
-        buf[base + pos - 1] = (state & np.uint64(0xFFFF)).astype(np.uint16)
-        pos -= emit
-        state = np.where(emit, state >> np.uint64(16), state)
-        state = ((state // f) << np.uint64(PROB_BITS)) + state % f + c
-    buf[base + pos - 2] = (state & np.uint64(0xFFFF)).astype(np.uint16)
-    buf[base + pos - 1] = (state >> np.uint64(16)).astype(np.uint16)
-    pos -= 2
-    keep = np.arange(width)[None, :] >= pos[:, None]
-    return buf.reshape(lanes, width)[keep], width - pos
-
-
-def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int) -> np.ndarray:
-    """Decode ``n`` symbols per lane from ``(words, lengths)`` as :func:`rans_encode`
-    made them with ``freq`` ``[lanes, A]``. Returns uint8 ``[lanes, n]``.
-
-    Raises:
-        CodecError: a lane reads past its words, leaves words unread, or does not end
-            in the initial state (the stream is not what ``freq`` encoded).
-    """
-    lanes, alphabet = freq.shape
-    lengths = lengths.astype(np.int64)
-    if len(lengths) != lanes or (lanes and lengths.min() < 2):
-        raise CodecError("every lane needs at least its 2 state words")
-    if int(lengths.sum()) != len(words):
-        raise CodecError(f"lane lengths sum to {int(lengths.sum())}, stream has {len(words)}")
-    words64 = np.append(words.astype(np.uint64), np.uint64(0))  # a safe target for misses
-    start = np.zeros(lanes, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=start[1:])
-    freq64 = freq.astype(np.uint64).reshape(-1)
-    search = 1 << max(0, (alphabet - 1).bit_length())  # power of two >= alphabet
-    cum_hi = np.full((lanes, search), PROB_SCALE, dtype=np.uint64)  # cum of a + 1
-    np.cumsum(freq.astype(np.uint64), axis=1, out=cum_hi[:, :alphabet])
-    cum_hi[:, alphabet - 1 :] = PROB_SCALE
-    cum_hi = cum_hi.reshape(-1)
-    row_search = np.arange(lanes, dtype=np.int64) * search
-    row = np.arange(lanes, dtype=np.int64) * alphabet
-    state = words64[start] | (words64[start + 1] << np.uint64(16))
-    read = np.full(lanes, 2, dtype=np.int64)
-    bad = np.zeros(lanes, dtype=bool)
-    out = np.empty((lanes, n), dtype=np.uint8)
-    mask = np.uint64(PROB_SCALE - 1)
-    for i in range(n):
-        slot = state & mask
-        sym = np.zeros(lanes, dtype=np.int64)  # the number of a with cum_hi[a] <= slot
-        step = search >> 1
-        while step:
-            probe = cum_hi[row_search + sym + step - 1]
-            sym += np.where(probe <= slot, step, 0)
-            step >>= 1
-        out[:, i] = sym
-        f = freq64[row + sym]
-        c = cum_hi[row_search + sym] - f
-        state = f * (state >> np.uint64(PROB_BITS)) + slot - c
-        need = state < RANS_LOW
-        have = read < lengths
-        bad |= need & ~have
-        word = words64[np.where(need & have, start + read, len(words))]
-        state = np.where(need, (state << np.uint64(16)) | word, state)
-        read += need
-    bad |= (read != lengths) | (state != RANS_LOW)
-    if bad.any():
-        raise CodecError(
-            f"rANS stream of lane {int(np.flatnonzero(bad)[0])} is inconsistent "
-            f"({int(bad.sum())} of {lanes} lanes)"
-        )
-    return out
-
-
-# ---------------------------------------------------------------------------------------
 # container
 # ---------------------------------------------------------------------------------------
 
@@ -269,7 +171,8 @@ def _padded_len(nbytes: int) -> int:
     return nbytes + (-nbytes % 4)
 
 
-def _checksum(params: dict[str, Any], payload: bytes | memoryview) -> int:
+def params_checksum(params: dict[str, Any], payload: bytes | memoryview) -> int:
+    """The ``crc`` of ``params`` (every field but ``crc``, as sorted JSON) and ``payload``."""
     fields = {k: v for k, v in params.items() if k != "crc"}
     head = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return zlib.crc32(payload, zlib.crc32(head))
@@ -315,8 +218,6 @@ def encode_chunk(
     Raises:
         ValueError: wrong shape, dtype, levels, or non-finite values.
     """
-    from kvtier_kernels.cachegen_kernels import rans_encode_lanes
-
     if chunk.dim() != 4 or chunk.shape[0] != 2:
         raise ValueError(
             f"chunk must be [2, num_layers, num_tokens, hidden] (KV_2LTD), got {list(chunk.shape)}"
@@ -372,7 +273,7 @@ def encode_chunk(
         "v_levels": v_levels,
         "sections": [len(s) for s in sections],
     }
-    params["crc"] = _checksum(params, payload)
+    params["crc"] = params_checksum(params, payload)
     return payload, params
 
 
@@ -393,8 +294,6 @@ def decode_chunk(
         CodecError: the params, the payload or ``out`` disagree with each other or with the
             bitstream (wrong version, shape, levels, section sizes, CRC, tables, streams).
     """
-    from kvtier_kernels.cachegen_kernels import rans_decode_lanes
-
     if not isinstance(params, dict):
         raise CodecError(f"params must be a map, got {type(params).__name__}")
     expected = {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}
@@ -426,7 +325,7 @@ def decode_chunk(
         raise CodecError(f"params sections {sizes!r} is not {len(SECTIONS)} byte lengths")
     if sum(sizes) != len(payload):
         raise CodecError(f"payload is {len(payload)} bytes, the sections add up to {sum(sizes)}")
-    if params["crc"] != _checksum(params, payload):
+    if params["crc"] != params_checksum(params, payload):
         raise CodecError("CRC mismatch: the params or the payload are damaged")
 
     lanes = 2 * num_layers * hidden

@@ -18,92 +18,49 @@ The chunk buffer may live on another device than the cache (e.g. pinned CPU memo
 GPU cache); its last dim must be contiguous (stride 1).
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
-``triton`` runs ``_gather_kernel`` / ``_scatter_kernel`` compiled, on CUDA/ROCm caches, with
-the chunk on the same GPU or in pinned host memory (read or written over the bus);
-``interpret`` runs the same kernels under Triton's interpreter on CPU tensors. One launch
+``triton`` runs ``paged_copy_kernel`` compiled (one kernel, ``TO_CHUNK`` picks the
+direction), on CUDA/ROCm caches, with the chunk on the same GPU or in pinned host memory
+(read or written over the bus);
+``interpret`` runs the same kernel under Triton's interpreter on CPU tensors. One launch
 covers every selected layer: grid ``(token tiles x row blocks, len(layers), KV)``, each
-program moving a ``BLOCK_T x BLOCK_R`` tile of integer words (see "Triton kernels").
+program moving a ``BLOCK_T x BLOCK_R`` tile of integer words (see "Triton kernel").
 
-Sections: torch reference (the definition of correct) -> Triton kernels -> launchers
+Sections: torch reference (the definition of correct) -> Triton kernel -> launchers
 (public, then Triton) -> registration.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvtier_kernels import registry, tuning
+from kvtier_kernels import registry, tuning_lookup
 from kvtier_kernels._launch import (
     LazyKernel,
     check_launch_config,
     next_power_of_2,
     triton_loader,
 )
+from kvtier_kernels.dtypes import INT_OF_SIZE
 from kvtier_kernels.layouts import PagedKV
+from kvtier_kernels.paged_rows import as_words, layer_table, read_rows, valid_slots, word_view
+from kvtier_kernels.tuning_files import Tunable, register_tunable
 
 __all__ = [
+    "KERNEL",
     "LaunchConfig",
     "gather",
     "gather_reference",
     "gather_triton",
     "launch_config",
+    "paged_copy_kernel",
     "scatter",
     "scatter_reference",
     "scatter_triton",
 ]
-
-_WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
-
-
-def _as_words(
-    cache_view: torch.Tensor, chunk_rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reinterpret both tensors as the widest integer dtype both strides allow.
-
-    Moving integers is bit-exact for every dtype (fp8 included, NaN payloads kept), and a
-    wider word moves the same bytes in fewer elements: a bf16 row of 128 becomes 32 int64.
-    """
-    for dtype in _WORD_DTYPES:
-        if dtype.itemsize < cache_view.element_size():
-            break
-        try:
-            return cache_view.view(dtype), chunk_rows.view(dtype)
-        except RuntimeError:  # a stride, size or offset not divisible at this width
-            continue
-    raise AssertionError(f"no integer view of {cache_view.dtype}")
-
-
-def _valid_slots(
-    slot_mapping: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Return (token indices of the valid slots, or None when all are valid; valid slots)."""
-    slots = slot_mapping.to(device=device, dtype=torch.int64)
-    valid = slots >= 0
-    if bool(valid.all()):
-        return None, slots
-    token_index = valid.nonzero().squeeze(1)
-    return token_index, slots[token_index]
-
-
-def _read_rows(view: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``[KV, len(slots), H, D]`` copy of the rows at ``slots`` of a canonical view."""
-    kv, nb, bs, heads, head_size = view.shape
-    s_kv, s_nb, s_bs, s_h, s_d = view.stride()
-    blocks_merge = nb == 1 or bs == 1 or s_nb == bs * s_bs
-    rows_contiguous = s_d == 1 and (heads == 1 or s_h == head_size)
-    if blocks_merge and rows_contiguous:
-        # NOTE: index_select over one merged slot dim is several times faster than the
-        # two-tensor advanced index below, but only when each slot's H * D row is dense.
-        slot_stride = s_bs if bs > 1 else s_nb
-        merged = view.as_strided((kv, nb * bs, heads, head_size), (s_kv, slot_stride, s_h, s_d))
-        return merged.index_select(1, slots)
-    return view[:, slots // bs, slots % bs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,16 +82,16 @@ def gather_reference(
     """
     layers = range(paged.num_layers) if layers is None else layers
     kv = paged.kv_planes
-    token_index, slots = _valid_slots(slot_mapping, paged.device)
+    token_index, slots = valid_slots(slot_mapping, paged.device)
     if slots.numel() == 0:
         return out
     if token_index is not None:
         token_index = token_index.to(out.device)
     for j, layer in enumerate(layers):
-        view, out_rows = _as_words(
+        view, out_rows = as_words(
             paged.layer_view(layer), out[:, j]
         )  # [KV,NB,BS,H,Dw], [KV,T,H*Dw]
-        rows = _read_rows(view, slots).reshape(kv, -1, out_rows.shape[-1]).to(out.device)
+        rows = read_rows(view, slots).reshape(kv, -1, out_rows.shape[-1]).to(out.device)
         if token_index is None:
             out_rows.copy_(rows)
         else:
@@ -157,14 +114,14 @@ def scatter_reference(
     """
     layers = range(paged.num_layers) if layers is None else layers
     kv = paged.kv_planes
-    token_index, slots = _valid_slots(slot_mapping, paged.device)
+    token_index, slots = valid_slots(slot_mapping, paged.device)
     if slots.numel() == 0:
         return
     if token_index is not None:
         token_index = token_index.to(src.device)
     blocks, offsets = slots // paged.block_size, slots % paged.block_size
     for j, layer in enumerate(layers):
-        view, src_rows = _as_words(
+        view, src_rows = as_words(
             paged.layer_view(layer), src[:, j]
         )  # [KV,NB,BS,H,Dw], [KV,T,H*Dw]
         if token_index is not None:
@@ -173,14 +130,15 @@ def scatter_reference(
 
 
 # ---------------------------------------------------------------------------------------
-# Triton kernels
+# Triton kernel
 #
 # Grid: (token tiles x row blocks, len(layers), KV). Program (p0, j, plane) moves the tile
 # chunk[plane, j, tile * BLOCK_T : +BLOCK_T, row_block * BLOCK_R : +BLOCK_R] (in words) to or
 # from cache layer layers[j], plane `plane`. A row is the H * D values of one token, moved as
 # `row_words` integer words (int8..int64, the widest that every stride, the head size and
 # every base address allow); head h, word d of a row sits at h * s_head + d * s_dim in the
-# cache and at h * head_words + d in the chunk.
+# cache and at h * head_words + d in the chunk. The constexpr TO_CHUNK picks the direction
+# (gather: cache -> chunk; scatter: chunk -> cache); the addressing is the same both ways.
 #
 # `layer_bases` is an int64 table of the byte address of each selected layer's canonical
 # view (`PagedKV.layer_base_pointers()`), cast in the kernel to a pointer to the word type:
@@ -188,13 +146,13 @@ def scatter_reference(
 # separate allocations. The interpreter follows those raw addresses too (CPU tensors).
 #
 # NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that importing
-# this module never imports triton. The kernels call only Triton builtins.
+# this module never imports triton. The kernel calls only Triton builtins.
 # ---------------------------------------------------------------------------------------
 
 tl: Any = None
 
 
-def _gather_kernel(
+def paged_copy_kernel(
     layer_bases,  # [len(layers)] int64: byte address of each layer's canonical view
     slot_mapping,  # [T] int64 or int32; negative = skip
     chunk,  # [KV, len(layers), T, row_words] integer words, last dim dense
@@ -211,6 +169,7 @@ def _gather_kernel(
     head_words,
     row_words,
     row_blocks,
+    TO_CHUNK: tl.constexpr,  # True: cache -> chunk (gather); False: chunk -> cache (scatter)
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -237,54 +196,12 @@ def _gather_kernel(
     chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
 
     cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
-    rows = tl.load(cache + cache_rows[:, None] + cache_cols[None, :], mask=mask)
-    tl.store(chunk + chunk_rows[:, None] + cols[None, :], rows, mask=mask)
-
-
-def _scatter_kernel(
-    layer_bases,  # [len(layers)] int64: byte address of each layer's canonical view
-    slot_mapping,  # [T] int64 or int32; negative = skip
-    chunk,  # [KV, len(layers), T, row_words] integer words, last dim dense
-    s_kv,  # cache canonical strides, in words
-    s_block,
-    s_slot,
-    s_head,
-    s_dim,
-    c_kv,  # chunk strides, in words
-    c_layer,
-    c_token,
-    num_tokens,
-    block_size,
-    head_words,
-    row_words,
-    row_blocks,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    tile_and_row_block = tl.program_id(0)
-    j = tl.program_id(1)
-    plane = tl.program_id(2).to(tl.int64)
-    tile = tile_and_row_block // row_blocks
-    row_block = tile_and_row_block - tile * row_blocks
-
-    tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    slots = tl.load(slot_mapping + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
-    row_limit = tl.where(slots >= 0, row_words, 0)
-    cols = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = cols[None, :] < row_limit[:, None]
-
-    slots = tl.maximum(slots, 0)
-    blocks = slots // block_size
-    offsets = slots - blocks * block_size
-    heads = cols // head_words
-    dims = cols - heads * head_words
-    cache_rows = plane * s_kv + blocks * s_block + offsets * s_slot
-    cache_cols = heads.to(tl.int64) * s_head + dims.to(tl.int64) * s_dim
-    chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
-
-    cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
-    rows = tl.load(chunk + chunk_rows[:, None] + cols[None, :], mask=mask)
-    tl.store(cache + cache_rows[:, None] + cache_cols[None, :], rows, mask=mask)
+    cache_ptrs = cache + cache_rows[:, None] + cache_cols[None, :]
+    chunk_ptrs = chunk + chunk_rows[:, None] + cols[None, :]
+    if TO_CHUNK:
+        tl.store(chunk_ptrs, tl.load(cache_ptrs, mask=mask), mask=mask)
+    else:
+        tl.store(cache_ptrs, tl.load(chunk_ptrs, mask=mask), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------
@@ -417,6 +334,10 @@ class LaunchConfig:
     num_warps: int
 
 
+# launch_config(op, row_words, word_dtype, device): a row of words is all it sees.
+for _op in ("paged_gather", "paged_scatter"):
+    register_tunable(Tunable(_op, ("row_words",), None, ("block_tokens", "block_row", "num_warps")))
+
 _GPU_TILE_BYTES = 8192  # bytes per program on a GPU: 256 threads x 32 B at 8 warps
 _INTERPRETER_TILE_BYTES = 1 << 16  # the interpreter pays ~1 ms per program: fewer, bigger ones
 
@@ -432,13 +353,14 @@ def launch_config(
     ``device`` is the cache's device (CPU means the interpreter).
 
     A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
-    row length (``kvtier_kernels.tuning``: files named by op, backend, device and word
-    type). Otherwise (and always with ``tuned=False``, what the tuner compares against) the
+    row length (:func:`kvtier_kernels.tuning_lookup.tuned_config`: files named by op,
+    backend, device and word type). Otherwise (and always with ``tuned=False``, what the tuner compares against) the
     built-in heuristic gives each program one tile of about 8 KiB (a whole row when it
     fits, several tokens when rows are short), with one warp per KiB; under the
     interpreter, where each program costs about a millisecond, tiles of up to 64 KiB.
     """
-    found = tuning.tuned_config(op, device, dtype, {"row_words": row_elems}) if tuned else None
+    key = {"row_words": row_elems}
+    found = tuning_lookup.tuned_config(op, device, dtype, key) if tuned else None
     if found is not None:
         return LaunchConfig(**found)
     itemsize = dtype.itemsize
@@ -449,94 +371,8 @@ def launch_config(
     return LaunchConfig(block_tokens, block_row, next_power_of_2(num_warps))
 
 
-_KERNELS = {
-    "paged_gather": LazyKernel(_gather_kernel),
-    "paged_scatter": LazyKernel(_scatter_kernel),
-}
-
-
-def _kernel(op: str, interpret: bool) -> Any:
-    """The decorated kernel of ``op``, compiled or interpreted; decorated on first use."""
-    return _KERNELS[op].get(interpret)
-
-
-_WORD_BYTES = (8, 4, 2, 1)
-_WORD_OF_BYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerTable:
-    bases: torch.Tensor  # [len(layers)] int64 byte addresses, on the cache's device
-    alignment: int  # largest word size (8, 4, 2, 1) that divides every address
-
-
-_tables: OrderedDict[tuple, _LayerTable] = OrderedDict()
-_tables_lock = threading.Lock()
-_MAX_TABLES = 64
-
-
-def _layer_table(paged: PagedKV, layers: range) -> _LayerTable:
-    """The base-address table of ``layers``, cached per (addresses, strides, dtype, layers).
-
-    The key holds every tensor's address, shape, strides and dtype (strides count
-    elements), so a cached table is right by construction; building one costs a canonical view per layer and a host-to-device
-    copy, which a serving engine should not pay per chunk.
-    """
-    key = (
-        paged.layout.name,
-        paged.dtype,
-        paged.device,
-        tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in paged.tensors),
-        (layers.start, layers.stop, layers.step),
-    )
-    with _tables_lock:
-        table = _tables.get(key)
-        if table is not None:
-            _tables.move_to_end(key)
-            return table
-    every_layer = paged.layer_base_pointers()
-    bases = every_layer[list(layers)]
-    alignment = next(w for w in _WORD_BYTES if all(int(b) % w == 0 for b in bases.tolist()))
-    table = _LayerTable(bases.to(paged.device), alignment)
-    with _tables_lock:
-        _tables[key] = table
-        while len(_tables) > _MAX_TABLES:
-            _tables.popitem(last=False)
-    return table
-
-
-def _word_view(
-    paged: PagedKV, chunk: torch.Tensor, alignment: int
-) -> tuple[torch.Tensor, tuple[int, ...], int]:
-    """Pick the widest integer word both sides allow; return (chunk as words, cache
-    canonical strides in words, word bytes)."""
-    view = paged.layer_view(0)
-    itemsize = paged.dtype.itemsize
-    # Strides of size-1 dims are never multiplied by a non-zero index: drop them.
-    strides = [s if n > 1 else 0 for n, s in zip(view.shape, view.stride(), strict=True)]
-    s_dim = strides[4]
-    for word_bytes in _WORD_BYTES:
-        if word_bytes < itemsize:
-            break
-        ratio = word_bytes // itemsize
-        if word_bytes > alignment or (paged.head_size * itemsize) % word_bytes:
-            continue
-        if ratio > 1 and s_dim != 1:
-            continue
-        if any((s * itemsize) % word_bytes for s in strides[:4]):
-            continue
-        try:
-            words = chunk.view(_WORD_OF_BYTES[word_bytes])
-        except RuntimeError:  # a chunk stride or offset not divisible at this width
-            continue
-        if words.data_ptr() % word_bytes:
-            continue
-        cache_strides = (
-            *(s * itemsize // word_bytes for s in strides[:4]),
-            1 if ratio > 1 else s_dim,
-        )
-        return words, cache_strides, word_bytes
-    raise AssertionError(f"no integer word view of {paged.dtype}")
+KERNEL = LazyKernel(paged_copy_kernel)
+"""The one kernel of both directions, decorated (compiled or interpreted) on first use."""
 
 
 def _check_placement(paged: PagedKV, chunk: torch.Tensor, chunk_name: str, interpret: bool) -> None:
@@ -589,13 +425,13 @@ def _launch_paged_copy(
         return
 
     # allocate: nothing big; the cached address table and, if needed, the slots on device.
-    table = _layer_table(paged, layers)
-    words, cache_strides, word_bytes = _word_view(paged, chunk, table.alignment)
+    table = layer_table(paged, layers)
+    words, cache_strides, word_bytes = word_view(paged, chunk, table.alignment)
     slots = slot_mapping.to(paged.device, non_blocking=True)
     head_words = paged.head_size * paged.dtype.itemsize // word_bytes
     row_words = paged.num_heads * head_words
     if config is None:
-        config = launch_config(op, row_words, _WORD_OF_BYTES[word_bytes], paged.device)
+        config = launch_config(op, row_words, INT_OF_SIZE[word_bytes], paged.device)
     check_launch_config(config, ("block_tokens", "block_row"))
     block_tokens = min(config.block_tokens, next_power_of_2(num_tokens))
 
@@ -605,7 +441,7 @@ def _launch_paged_copy(
     grid = (token_tiles * row_blocks, len(layers), paged.kv_planes)
 
     # launch
-    kernel = _kernel(op, interpret)
+    kernel = KERNEL.get(interpret)
     device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(paged.device)
     with device_guard:
         if not interpret:
@@ -621,6 +457,7 @@ def _launch_paged_copy(
             head_words,
             row_words,
             row_blocks,
+            TO_CHUNK=op == "paged_gather",
             BLOCK_T=block_tokens,
             BLOCK_R=config.block_row,
             num_warps=config.num_warps,
@@ -674,5 +511,5 @@ def scatter_triton(
 registry.register("paged_gather", "torch", gather_reference)
 registry.register("paged_scatter", "torch", scatter_reference)
 for _op, _launcher in (("paged_gather", gather_triton), ("paged_scatter", scatter_triton)):
-    registry.register(_op, "triton", loader=triton_loader(_KERNELS[_op], _launcher, False))
-    registry.register(_op, "interpret", loader=triton_loader(_KERNELS[_op], _launcher, True))
+    registry.register(_op, "triton", loader=triton_loader(KERNEL, _launcher, False))
+    registry.register(_op, "interpret", loader=triton_loader(KERNEL, _launcher, True))

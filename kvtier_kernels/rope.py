@@ -20,7 +20,7 @@ of a chunk) but its last dim must be dense (stride 1). Bytes moved:
 ``inv_freq`` are negligible).
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
-``triton`` runs ``_rerotate_kernel`` compiled, on CUDA/ROCm tensors; ``interpret`` runs the
+``triton`` runs ``rerotate_kernel`` compiled, on CUDA/ROCm tensors; ``interpret`` runs the
 same kernel under Triton's interpreter on CPU tensors. One launch covers every layer and
 head: grid ``(token tiles x pair blocks, num_layers, num_heads)``.
 
@@ -37,19 +37,22 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import registry, tuning
+from kvtier_kernels import registry, tuning_lookup
 from kvtier_kernels._launch import (
     LazyKernel,
     check_launch_config,
     next_power_of_2,
     triton_loader,
 )
+from kvtier_kernels.tuning_files import Tunable, register_tunable
 
 __all__ = [
+    "KERNEL",
     "SUPPORTED_DTYPES",
     "LaunchConfig",
     "launch_config",
     "rerotate",
+    "rerotate_kernel",
     "rerotate_reference",
     "rerotate_triton",
     "rope_inv_freq",
@@ -136,7 +139,7 @@ def rerotate_reference(
 tl: Any = None
 
 
-def _rerotate_kernel(
+def rerotate_kernel(
     k,  # [num_layers, T, H * D], rotated in place
     old_positions,  # [T] int64
     new_positions,  # [T] int64
@@ -341,6 +344,16 @@ class LaunchConfig:
     num_warps: int
 
 
+# launch_config(half_rotary, num_tokens, dtype, device)
+register_tunable(
+    Tunable(
+        "rope_rerotate",
+        ("half_rotary",),
+        "num_tokens",
+        ("block_tokens", "block_pairs", "num_warps"),
+    )
+)
+
 _GPU_TILE_PAIRS = 1024  # pairs per program on a GPU: 8 KiB of fp32 math at 4 warps
 _INTERPRETER_TILE_PAIRS = 1 << 14  # the interpreter pays ~1 ms per program: fewer, bigger ones
 
@@ -356,15 +369,15 @@ def launch_config(
     """Launch parameters for rotating ``half_rotary`` pairs per head of ``num_tokens`` tokens.
 
     A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
-    ``half_rotary`` (``kvtier_kernels.tuning``: files named by op, backend, device and
-    ``dtype``; the entry tuned for the closest token count, its ``block_tokens`` capped at
+    ``half_rotary`` (:func:`kvtier_kernels.tuning_lookup.tuned_config`: files named by op,
+    backend, device and ``dtype``; the entry tuned for the closest token count, its ``block_tokens`` capped at
     the tokens there are). Otherwise (and always with ``tuned=False``, what the tuner
     compares against) the built-in heuristic: a whole head's pairs per program when they
     fit (up to 128), and enough tokens for about 1024 pairs per program (16 Ki under the
     interpreter, where each program costs about a millisecond).
     """
     key = {"half_rotary": half_rotary, "num_tokens": num_tokens}
-    found = tuning.tuned_config("rope_rerotate", device, dtype, key) if tuned else None
+    found = tuning_lookup.tuned_config("rope_rerotate", device, dtype, key) if tuned else None
     if found is not None:
         config = LaunchConfig(**found)
         capped = min(config.block_tokens, next_power_of_2(max(1, num_tokens)))
@@ -376,12 +389,8 @@ def launch_config(
     return LaunchConfig(block_tokens, block_pairs, next_power_of_2(num_warps))
 
 
-_KERNEL = LazyKernel(_rerotate_kernel)
-
-
-def _kernel(interpret: bool) -> Any:
-    """The decorated kernel, compiled or interpreted; decorated on first use."""
-    return _KERNEL.get(interpret)
+KERNEL = LazyKernel(rerotate_kernel)
+"""The re-rotation kernel, decorated (compiled or interpreted) on first use."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -458,7 +467,7 @@ def rerotate_triton(
     grid = (token_tiles * pair_blocks, num_layers, num_heads)
 
     # launch
-    kernel = _kernel(interpret)
+    kernel = KERNEL.get(interpret)
     device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(k.device)
     with device_guard:
         if not interpret:
@@ -488,7 +497,5 @@ def rerotate_triton(
 # ---------------------------------------------------------------------------------------
 
 registry.register("rope_rerotate", "torch", rerotate_reference)
-registry.register("rope_rerotate", "triton", loader=triton_loader(_KERNEL, rerotate_triton, False))
-registry.register(
-    "rope_rerotate", "interpret", loader=triton_loader(_KERNEL, rerotate_triton, True)
-)
+registry.register("rope_rerotate", "triton", loader=triton_loader(KERNEL, rerotate_triton, False))
+registry.register("rope_rerotate", "interpret", loader=triton_loader(KERNEL, rerotate_triton, True))

@@ -1,7 +1,7 @@
 """The per-device tuning files: which ops are tunable, how files are named, and how they
-are read, checked, merged and written. The lookup the launchers call is in
-:mod:`kvtier_kernels.tuning_lookup`; the sweep that writes the files in
-:mod:`kvtier_kernels.tuning`.
+are read and checked. The search path, the lookup the launchers call and the writing of
+files are in :mod:`kvtier_kernels.tuning_lookup`; the sweep that makes them is
+:mod:`kvtier_kernels.tuning` (used only by ``kvtier tune``).
 
 Files: one per (op, backend, device, dtype), named::
 
@@ -14,7 +14,8 @@ so their files are named by the *word* type the launcher picks (``int64`` whenev
 row is a multiple of 8 bytes); RoPE files by the storage dtype of the keys. The format is
 in ``docs/kernels.md``; :class:`TuningFile` reads, checks and writes it.
 
-Importing this module imports neither triton nor the op modules, and touches no GPU driver.
+Each op file declares its :class:`Tunable` with :func:`register_tunable`; this module
+imports no op file, no triton, and touches no GPU driver.
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
-import tempfile
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvtier_kernels.dtypes import dtype_name
 
 SCHEMA_VERSION = 1
 """Value of the ``kvtier_tuning`` field; a file with another value is ignored."""
@@ -63,20 +63,20 @@ class Tunable:
         return self.key_fields + ((self.nearest_field,) if self.nearest_field else ())
 
 
-_PAGED_FIELDS = ("block_tokens", "block_row", "num_warps")
-TUNABLES: dict[str, Tunable] = {
-    # launch_config(op, row_words, word_dtype, device): a row of words is all it sees.
-    "paged_gather": Tunable("paged_gather", ("row_words",), None, _PAGED_FIELDS),
-    "paged_scatter": Tunable("paged_scatter", ("row_words",), None, _PAGED_FIELDS),
-    # launch_config(half_rotary, num_tokens, dtype, device)
-    "rope_rerotate": Tunable(
-        "rope_rerotate",
-        ("half_rotary",),
-        "num_tokens",
-        ("block_tokens", "block_pairs", "num_warps"),
-    ),
-}
-"""Every op that has tunable launch parameters."""
+TUNABLES: dict[str, Tunable] = {}
+"""Every op that has tunable launch parameters, in the order their op files registered."""
+
+
+def register_tunable(tunable: Tunable) -> Tunable:
+    """Declare ``tunable`` (called by its op file at import); return it.
+
+    Raises:
+        ValueError: another declaration for the same op.
+    """
+    if TUNABLES.get(tunable.op, tunable) != tunable:
+        raise ValueError(f"op {tunable.op!r} is already tunable as {TUNABLES[tunable.op]}")
+    TUNABLES[tunable.op] = tunable
+    return tunable
 
 
 # ---------------------------------------------------------------------------------------
@@ -86,18 +86,16 @@ TUNABLES: dict[str, Tunable] = {
 _UNSAFE = re.compile(r"[^A-Za-z0-9.+-]+")
 
 
-def _slug(name: str) -> str:
-    return _UNSAFE.sub("_", name).strip("_") or "unknown"
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``"bfloat16"`` for ``torch.bfloat16`` (a string passes through)."""
-    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+def file_prefix(op: str, backend: str, device: str) -> str:
+    """What the names of the tuning files of (op, backend, device name) start with; the
+    dtype and ``.json`` follow."""
+    slug = _UNSAFE.sub("_", device).strip("_") or "unknown"
+    return f"op={op},backend={backend},device={slug},dtype="
 
 
 def file_name(op: str, backend: str, device: str, dtype: torch.dtype | str) -> str:
     """The file name of the tuning file for (op, backend, device name, dtype)."""
-    return f"op={op},backend={backend},device={_slug(device)},dtype={dtype_name(dtype)}.json"
+    return f"{file_prefix(op, backend, device)}{dtype_name(dtype)}.json"
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,7 +116,7 @@ def device_name(device: torch.device | str) -> str | None:
     (the interpreter), None for anything else or a GPU device without a GPU present.
 
     NOTE: for a GPU this initialises CUDA/HIP (a launcher calling it is about to launch on
-    that device anyway); :func:`tuned_config` never calls it for a GPU that is not there.
+    that device anyway); it never does for a GPU device when torch sees no GPU.
     """
     device = torch.device(device)
     if device.type == "cpu":
@@ -127,10 +125,6 @@ def device_name(device: torch.device | str) -> str | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _gpu_name(index)
-
-
-def _backend_for(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "interpret"
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,6 +227,19 @@ class TuningFile:
         target = max(1, int(key[near]))
         best = min(same, key=lambda e: (abs(math.log2(e.key[near] / target)), e.key[near]))
         return best.config
+
+    def merged_over(self, old: TuningFile) -> TuningFile:
+        """This file, plus the entries of ``old`` for shape keys it lacks (sorted by key), and
+        ``old``'s copy-engine figures when it has none."""
+        fields = TUNABLES[self.op].shape_fields
+        new_keys = {tuple(e.key[f] for f in fields) for e in self.entries}
+        kept = [e for e in old.entries if tuple(e.key[f] for f in fields) not in new_keys]
+        return dataclasses.replace(
+            self,
+            entries=sorted(kept + self.entries, key=lambda e: tuple(e.key[f] for f in fields)),
+            copy_engine=self.copy_engine or old.copy_engine,
+            _matches={},
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document (see ``docs/kernels.md``)."""
@@ -371,47 +378,3 @@ def load_tuning_file(path: str | Path) -> TuningFile:
     if path.name != tuning_file.name:
         raise TuningFileError(f"its content is for {tuning_file.name!r}")
     return tuning_file
-
-
-def save_tuning_file(tuning_file: TuningFile, directory: str | Path, *, merge: bool = True) -> Path:
-    """Write ``tuning_file`` into ``directory`` (created if missing) atomically; return the path.
-
-    With ``merge``, entries of a valid existing file for other shape keys are kept (and its
-    copy-engine figures, when the new file has none). Lookups see the new file at once.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / tuning_file.name
-    if merge and path.exists():
-        try:
-            old = load_tuning_file(path)
-        except TuningFileError as error:
-            warnings.warn(f"replacing unusable tuning file {path}: {error}", stacklevel=2)
-        else:
-            fields = TUNABLES[tuning_file.op].shape_fields
-            new_keys = {tuple(e.key[f] for f in fields) for e in tuning_file.entries}
-            kept = [e for e in old.entries if tuple(e.key[f] for f in fields) not in new_keys]
-            tuning_file = dataclasses.replace(
-                tuning_file,
-                entries=sorted(
-                    kept + tuning_file.entries,
-                    key=lambda e: tuple(e.key[f] for f in fields),
-                ),
-                copy_engine=tuning_file.copy_engine or old.copy_engine,
-                _matches={},
-            )
-    text = json.dumps(tuning_file.to_json(), indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # NOTE: the next lookup must see what was just written (imported here: the lookup
-    # module imports this one).
-    from kvtier_kernels.tuning_lookup import clear_cache
-
-    clear_cache()
-    return path

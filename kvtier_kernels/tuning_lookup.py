@@ -1,5 +1,5 @@
-"""Where tuning files are searched for, and the lookup every Triton launcher calls
-(:func:`tuned_config`). The files themselves are :mod:`kvtier_kernels.tuning_files`.
+"""Where tuning files are searched for and written, and the lookup every Triton launcher
+calls (:func:`tuned_config`). The file format is :mod:`kvtier_kernels.tuning_files`.
 
 Search path, first match wins (a later file for the same name is shadowed):
 
@@ -12,33 +12,34 @@ Search path, first match wins (a later file for the same name is shadowed):
 front of them (kvtier's ``tuning_dir`` config key does this). A file that cannot be read,
 is malformed, or is for another op, backend, device or dtype than its name says is
 skipped with a warning (once) and the search goes on; nothing here ever raises into a
-launcher.
+launcher. This is the one place that reads ``KVTIER_TUNING_DIR``.
 
 Importing this module imports neither triton nor the op modules, and touches no GPU driver.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
+import tempfile
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvtier_kernels.dtypes import dtype_name
 from kvtier_kernels.tuning_files import (
     TuningFile,
     TuningFileError,
-    _backend_for,
-    _cuda_available,
-    _slug,
     device_name,
-    dtype_name,
     file_name,
+    file_prefix,
     load_tuning_file,
 )
 
@@ -50,9 +51,19 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
 # search path and lookup
 # ---------------------------------------------------------------------------------------
 
+
+def _backend_for(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "interpret"
+
+
 _lock = threading.Lock()
 _override: tuple[Path, ...] | None = None
 _loaded: dict[tuple[Any, ...], TuningFile | None] = {}
+
+
+def _tuning_dir_env() -> str | None:
+    """``KVTIER_TUNING_DIR`` as set (the code base's one read of it)."""
+    return os.environ.get(TUNING_DIR_ENV)
 
 
 def default_user_dir() -> Path:
@@ -63,7 +74,7 @@ def default_user_dir() -> Path:
 
 def user_dirs() -> tuple[Path, ...]:
     """Where ``kvtier tune`` writes and lookups look first (see the module doc)."""
-    env = os.environ.get(TUNING_DIR_ENV)
+    env = _tuning_dir_env()
     if env:
         return tuple(Path(p).expanduser() for p in env.split(os.pathsep) if p)
     return (default_user_dir(),)
@@ -84,10 +95,27 @@ def search_path() -> tuple[Path, ...]:
     return _search_path(
         _override,
         PACKAGED_DIR,
-        os.environ.get(TUNING_DIR_ENV),
+        _tuning_dir_env(),
         os.environ.get("XDG_CACHE_HOME"),
         os.environ.get("HOME"),
     )
+
+
+def search_path_origins() -> list[tuple[Path, str]]:
+    """Each directory of :func:`search_path` with where it comes from, as ``kvtier kernels``
+    shows it: ``"packaged defaults"``, ``"KVTIER_TUNING_DIR"`` or ``"user cache
+    (KVTIER_TUNING_DIR unset)"``."""
+    from_env = bool(_tuning_dir_env())
+    rows = []
+    for directory in search_path():
+        if directory == PACKAGED_DIR:
+            origin = "packaged defaults"
+        elif from_env:
+            origin = TUNING_DIR_ENV
+        else:
+            origin = f"user cache ({TUNING_DIR_ENV} unset)"
+        rows.append((directory, origin))
+    return rows
 
 
 def set_search_path(directories: Sequence[str | Path] | None) -> None:
@@ -104,6 +132,19 @@ def prepend_search_path(directories: Sequence[str | Path]) -> None:
     undoes it."""
     first = tuple(Path(d).expanduser() for d in directories)
     set_search_path(first + tuple(d for d in search_path() if d not in first))
+
+
+@contextlib.contextmanager
+def searching_first(directory: str | Path | None) -> Iterator[None]:
+    """Within the ``with`` block, search ``directory`` before the current search path (None:
+    leave it as it is); the search path in effect before is restored afterwards."""
+    saved = _override
+    if directory is not None:
+        set_search_path((Path(directory), *search_path()))
+    try:
+        yield
+    finally:
+        set_search_path(saved)
 
 
 def clear_cache() -> None:
@@ -160,10 +201,8 @@ def tuned_config(
     ``dtype`` is the dtype the op's files are named by; ``key`` holds the op's
     ``Tunable.shape_fields``. Never raises: a problem is a warning and None.
     """
-    if device.type == "cuda" and not _cuda_available():
-        return None  # e.g. a heuristic asked about a GPU this machine does not have
     try:
-        name = device_name(device)
+        name = device_name(device)  # None for a GPU this machine does not have
         if name is None:
             return None
         tuning_file = find_tuning_file(op, _backend_for(device), name, dtype)
@@ -182,10 +221,10 @@ def copy_engine_crossover(op: str, device: torch.device) -> int | None:
     beat ``op``'s kernel on ``device`` when ``kvtier tune`` measured it, or None (no file
     with copy-engine figures for this GPU, the kernel always won, or not a GPU). Never
     raises: a problem is a warning and None."""
-    if device.type != "cuda" or not _cuda_available():
+    if device.type != "cuda":
         return None
     try:
-        name = device_name(device)
+        name = device_name(device)  # None when torch sees no GPU
         if name is None:
             return None
         for dtype in sorted({dtype for _, dtype in _named_files(op, "triton", name)}):
@@ -224,7 +263,7 @@ class FileStatus:
 def _named_files(op: str, backend: str, device: str) -> list[tuple[Path, str]]:
     """``(path, dtype)`` of every file named for (op, backend, device name) on the search
     path, in search order (a directory's files sorted by name)."""
-    prefix = f"op={op},backend={backend},device={_slug(device)},dtype="
+    prefix = file_prefix(op, backend, device)
     return [
         (path, path.name[len(prefix) : -len(".json")])
         for directory in search_path()
@@ -254,7 +293,7 @@ def files_in_effect(op: str, backend: str, device: str) -> list[FileStatus]:
         if figures is not None:
             crossover = figures.crossover_bytes
             detail += (
-                f"; copy engine wins from {_format_bytes(crossover)} runs"
+                f"; copy engine wins from {format_bytes(crossover)} runs"
                 if crossover is not None
                 else "; copy engine never won"
             )
@@ -262,9 +301,39 @@ def files_in_effect(op: str, backend: str, device: str) -> list[FileStatus]:
     return statuses
 
 
-def _format_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes for people: ``"512 B"``, ``"1.5 KiB"``, ..., ``"2.0 GiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:g} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def save_tuning_file(tuning_file: TuningFile, directory: str | Path, *, merge: bool = True) -> Path:
+    """Write ``tuning_file`` into ``directory`` (created if missing) atomically; return the path.
+
+    With ``merge``, entries of a valid existing file for other shape keys are kept (and its
+    copy-engine figures, when the new file has none). Lookups see the new file at once.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / tuning_file.name
+    if merge and path.exists():
+        try:
+            old = load_tuning_file(path)
+        except TuningFileError as error:
+            warnings.warn(f"replacing unusable tuning file {path}: {error}", stacklevel=2)
+        else:
+            tuning_file = tuning_file.merged_over(old)
+    text = json.dumps(tuning_file.to_json(), indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    clear_cache()  # NOTE: the next lookup must see what was just written
+    return path

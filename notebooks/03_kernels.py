@@ -38,6 +38,7 @@ import tempfile
 import torch
 
 from kvtier_kernels import PagedKV, gather, registry, rerotate, scatter
+from kvtier_kernels.dtypes import bits
 from kvtier_kernels.paged_copy import launch_config
 
 # %% [markdown]
@@ -139,10 +140,6 @@ def random_cache(layout: str, seed: int) -> PagedKV:
     for tensor in paged.tensors:
         tensor.copy_(torch.randn(tensor.shape, generator=gen).to(tensor.dtype))
     return paged
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
 
 
 LAYOUTS = ("vllm_cpu", "vllm_nhd", "flash_nhd", "flashinfer_hnd")

@@ -47,6 +47,7 @@ import pytest
 import torch
 
 from kvtier_kernels import PagedKV, gather, rerotate, scatter, tuning
+from kvtier_kernels.dtypes import bits, fill_random_bits_
 from kvtier_kernels.paged_copy import gather_reference, scatter_reference
 from kvtier_kernels.rope import rerotate_reference
 
@@ -124,19 +125,9 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)  # bf16: compares NaN payloads too
-
-
-def _random_bits_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    words = torch.randint(-(2**15), 2**15, t.shape, generator=gen, dtype=torch.int16)
-    _bits(t).copy_(words)
-    return t
-
-
 def _assert_chunk_equal(got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor) -> None:
     """Bit-compare two chunks; a mismatch is named by layer, plane, token, slot, head."""
-    diff = _bits(got.cpu()) != _bits(want.cpu())
+    diff = bits(got.cpu()) != bits(want.cpu())
     if diff.any():
         plane, layer, token, col = (int(i) for i in diff.nonzero()[0])
         raise AssertionError(
@@ -149,7 +140,7 @@ def _assert_chunk_equal(got: torch.Tensor, want: torch.Tensor, slots: torch.Tens
 def _assert_cache_equal(got: PagedKV, want: PagedKV) -> None:
     """Bit-compare two caches; a mismatch is named by layer, plane, block, offset, head."""
     for layer in range(got.num_layers):
-        diff = _bits(got.layer_view(layer)) != _bits(want.layer_view(layer))
+        diff = bits(got.layer_view(layer)) != bits(want.layer_view(layer))
         if diff.any():
             plane, block, offset, head, dim = (int(i) for i in diff.nonzero()[0])
             raise AssertionError(
@@ -177,7 +168,7 @@ def paged() -> PagedKV:
     )
     gen = torch.Generator().manual_seed(0)
     for layer in cache.tensors:
-        layer.copy_(_random_bits_(torch.empty(layer.shape, dtype=DTYPE), gen))
+        layer.copy_(fill_random_bits_(torch.empty(layer.shape, dtype=DTYPE), gen))
     return cache
 
 
@@ -202,7 +193,7 @@ def _ceiling(op: str, placement: str, nbytes: int) -> tuple[str, Callable[[], ob
     """(name, copy) of the copy of ``nbytes`` that bounds ``op`` with the chunk at
     ``placement``."""
     elems = nbytes // DTYPE.itemsize
-    src = _random_bits_(torch.empty(elems, dtype=DTYPE), torch.Generator().manual_seed(2))
+    src = fill_random_bits_(torch.empty(elems, dtype=DTYPE), torch.Generator().manual_seed(2))
     if placement == "pinned":
         device_buffer, host_buffer = src.to(DEVICE), src.pin_memory()
         dst, src = (host_buffer, device_buffer) if op == "gather" else (device_buffer, host_buffer)
@@ -264,7 +255,7 @@ def _check_paged_copy(op: str, paged: PagedKV, slots, chunk, backend: str) -> No
         _sync()
         _assert_chunk_equal(chunk, want, slots)
         return
-    _random_bits_(chunk, torch.Generator().manual_seed(3))  # differs from what is cached
+    fill_random_bits_(chunk, torch.Generator().manual_seed(3))  # differs from what is cached
     got = PagedKV(paged.layout, [t.clone() for t in paged.tensors])
     want = PagedKV(paged.layout, [t.clone() for t in paged.tensors])
     scatter_reference(want, slots, chunk.to(DEVICE))
@@ -315,7 +306,7 @@ def test_rope_rerotate(backend, record, medians):
     want = rerotate_reference(k.clone(), old, new, head_size=HEAD_SIZE)
     got = rerotate(k.clone(), old, new, head_size=HEAD_SIZE, backend=backend)
     if backend == "torch":
-        assert torch.equal(_bits(got), _bits(want)), "the torch backend is not the reference"
+        assert torch.equal(bits(got), bits(want)), "the torch backend is not the reference"
     else:  # one bf16 ulp is at most 2**-7 of the value
         torch.testing.assert_close(
             got.float(), want.float(), rtol=2**-7, atol=1e-6,

@@ -8,22 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvtier_kernels.dtypes import bits
+from kvtier_kernels.dtypes import fill_random_bits_ as fill_random_
 from kvtier_kernels.layouts import PagedKV
-
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-storage integer view of ``t`` (compares NaN / fp8 payloads exactly)."""
-    return t.view(_INT[t.element_size()])
-
-
-def fill_random_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill ``t`` (any strides) with random bit patterns, NaNs and all."""
-    raw = bits(t)
-    info = torch.iinfo(raw.dtype)
-    raw.copy_(torch.randint(info.min, info.max, raw.shape, generator=gen, dtype=torch.int64))
-    return t
 
 
 def clone_cache(paged: PagedKV) -> PagedKV:

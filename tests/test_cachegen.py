@@ -11,16 +11,16 @@ import torch
 from kv_samples import assert_within_bound, synthetic_kv, tiny_model_kv
 
 from kvtier_kernels.cachegen import (
-    PROB_SCALE,
     CodecError,
-    _checksum,
     decode_chunk,
     default_levels,
     encode_chunk,
+    params_checksum,
     quantize_counts,
-    rans_decode,
-    rans_encode,
 )
+from kvtier_kernels.rans import PROB_SCALE
+from kvtier_kernels.rans_decode import rans_decode
+from kvtier_kernels.rans_encode import rans_encode
 
 
 def roundtrip(chunk, out_dtype=torch.float32, **levels):
@@ -200,7 +200,7 @@ def test_encoder_rejects_bad_input():
 
 def seal(params, payload):
     """``params`` with a matching CRC, so that damage reaches the structural checks."""
-    return {**params, "crc": _checksum(params, payload)}
+    return {**params, "crc": params_checksum(params, payload)}
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 On a machine without a GPU the kernels run in Triton's interpreter (backend
 ``"interpret"``, CPU tensors), so every shape here is tiny: a few lanes of a few symbols.
-Every comparison is against :func:`kvtier_kernels.cachegen.rans_encode` /
-:func:`~kvtier_kernels.cachegen.rans_decode`; rejected streams must be rejected exactly
+Every comparison is against the numpy references :func:`kvtier_kernels.rans_encode.rans_encode`
+/ :func:`kvtier_kernels.rans_decode.rans_decode`; rejected streams must be rejected exactly
 where the reference rejects them. ``gpu`` tests run the compiled kernels.
 """
 
@@ -21,20 +21,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier_kernels import cachegen_kernels, registry
-from kvtier_kernels.cachegen import (
-    PROB_SCALE,
-    CodecError,
-    quantize_counts,
+from kvtier_kernels import rans_decode as rans_decode_op
+from kvtier_kernels import rans_encode as rans_encode_op
+from kvtier_kernels import registry
+from kvtier_kernels.cachegen import quantize_counts
+from kvtier_kernels.rans import PROB_SCALE, CodecError, LaunchConfig, launch_config
+from kvtier_kernels.rans_decode import (
     rans_decode,
-    rans_encode,
-)
-from kvtier_kernels.cachegen_kernels import (
-    LaunchConfig,
-    launch_config,
     rans_decode_lanes,
     rans_decode_reference,
     rans_decode_triton,
+)
+from kvtier_kernels.rans_encode import (
+    rans_encode,
     rans_encode_lanes,
     rans_encode_reference,
     rans_encode_triton,
@@ -545,7 +544,8 @@ def test_kernels_compile_for_gpu_targets(op: str, meta: dict[str, int], target: 
         **dict.fromkeys(ints, "i32"),
         **dict.fromkeys(constants, "constexpr"),
     }
-    kernel = cachegen_kernels._kernel(op, interpret=False)
+    kernel = {"rans_encode": rans_encode_op, "rans_decode": rans_decode_op}[op].KERNEL
+    kernel = kernel.get(interpret=False)
     source = triton.compiler.ASTSource(kernel, signature, constants)
     try:
         compiled = triton.compile(source, target=GPUTarget(*target))

@@ -410,8 +410,8 @@ def test_interpreter_scope_runs_triton_library_helpers() -> None:
 # compiled kernels: lowering for NVIDIA and AMD targets, no GPU needed
 # ---------------------------------------------------------------------------------------
 
-# pointers, then strides and sizes (passed as ints), then the two constexpr block sizes
-_INT_ARGS = list(inspect.signature(paged_copy._gather_kernel).parameters)[3:-2]
+# pointers, then strides and sizes (passed as ints), then the direction and the two block sizes
+_INT_ARGS = list(inspect.signature(paged_copy.paged_copy_kernel).parameters)[3:-3]
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -420,20 +420,22 @@ _INT_ARGS = list(inspect.signature(paged_copy._gather_kernel).parameters)[3:-2]
     "target", [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx942", 64)], ids=str
 )
 def test_kernels_compile_for_gpu_targets(op: str, target: tuple) -> None:
-    """The kernels lower to cubin / hsaco, with no inline asm."""
+    """The kernel lowers to cubin / hsaco in both directions, with no inline asm."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel = paged_copy._kernel(op, interpret=False)
+    kernel = paged_copy.KERNEL.get(interpret=False)
     signature = {
         "layer_bases": "*i64",
         "slot_mapping": "*i32",
         "chunk": "*i64",
         **dict.fromkeys(_INT_ARGS, "i64"),
+        "TO_CHUNK": "constexpr",
         "BLOCK_T": "constexpr",
         "BLOCK_R": "constexpr",
     }
-    source = triton.compiler.ASTSource(kernel, signature, {"BLOCK_T": 4, "BLOCK_R": 64})
+    constants = {"TO_CHUNK": op == "paged_gather", "BLOCK_T": 4, "BLOCK_R": 64}
+    source = triton.compiler.ASTSource(kernel, signature, constants)
     try:
         compiled = triton.compile(source, target=GPUTarget(*target))
     except RuntimeError as error:  # pragma: no cover - a triton build without this backend

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtier_kernels import registry, rope
+from kvtier_kernels.dtypes import bits
 from kvtier_kernels.rope import (
     LaunchConfig,
     rerotate,
@@ -29,7 +30,6 @@ needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton (interpre
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STYLES = [pytest.param(True, id="neox"), pytest.param(False, id="gptj")]
 
-_INT = {2: torch.int16, 4: torch.int32}
 _MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
@@ -118,10 +118,6 @@ def assert_rotated_close(
             f"{float(want64[layer, token, col])!r} (tolerance "
             f"{float(tolerance if isinstance(tolerance, float) else tolerance[layer, token, col]):.3g})"
         )
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INT[t.element_size()])
 
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -421,7 +417,7 @@ def test_launch_config_heuristic(device: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 # pointers, then strides and sizes (passed as ints), then the three constexprs
-_INT_ARGS = list(inspect.signature(rope._rerotate_kernel).parameters)[4:-3]
+_INT_ARGS = list(inspect.signature(rope.rerotate_kernel).parameters)[4:-3]
 
 
 @needs_triton
@@ -434,7 +430,7 @@ def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel = rope._kernel(interpret=False)
+    kernel = rope.KERNEL.get(interpret=False)
     signature = {
         "k": "*bf16",
         "old_positions": "*i64",

@@ -23,22 +23,15 @@ import torch
 from kv_helpers import assert_chunk_equal, fill_random_
 
 from kvtier.cli import main
-from kvtier_kernels import (
-    paged_copy,
-    registry,
-    rope,
-    tuning,
-    tuning_files,
-    tuning_lookup,
-    tuning_problems,
-    tuning_shapes,
-)
+from kvtier_kernels import paged_copy, registry, rope, tuning, tuning_files, tuning_lookup
 from kvtier_kernels.layouts import PagedKV
 from kvtier_kernels.paged_copy import LaunchConfig as CopyConfig
 from kvtier_kernels.rope import LaunchConfig as RopeConfig
+from kvtier_kernels.tuning.copy_engine import find_crossover, measure_copy_engine
+from kvtier_kernels.tuning.paged_copy import PagedCopyProblem, paged_copy_candidates
+from kvtier_kernels.tuning.rope import RopeProblem, rope_candidates
+from kvtier_kernels.tuning.shapes import ModelShape, model_shape_from_config
 from kvtier_kernels.tuning_files import TuningEntry, TuningFile
-from kvtier_kernels.tuning_problems import PagedCopyProblem, RopeProblem
-from kvtier_kernels.tuning_shapes import ModelShape
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)"
@@ -98,7 +91,7 @@ def make_entry(key: dict, config: dict) -> TuningEntry:
 
 def write_file(directory: Path, op: str, dtype: str, entries: list[TuningEntry]) -> Path:
     tuning_file = TuningFile(op, "interpret", "cpu", dtype, entries)
-    return tuning_files.save_tuning_file(tuning_file, directory)
+    return tuning_lookup.save_tuning_file(tuning_file, directory)
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,15 +183,15 @@ def test_tune_writes_one_file_per_op_that_round_trips_and_is_used(tuning_dir: Pa
 
 def test_every_generated_candidate_is_valid() -> None:
     for row_words, word_bytes in ((2, 8), (40, 8), (256, 8), (288, 8), (80, 2)):
-        configs = tuning_problems.paged_copy_candidates(row_words, word_bytes, 256)
-        quick = tuning_problems.paged_copy_candidates(row_words, word_bytes, 256, quick=True)
+        configs = paged_copy_candidates(row_words, word_bytes, 256)
+        quick = paged_copy_candidates(row_words, word_bytes, 256, quick=True)
         assert configs and set(quick) <= set(configs) and len(set(configs)) == len(configs)
         for c in configs:
             paged_copy.check_launch_config(c, ("block_tokens", "block_row"))
             assert c.block_tokens * c.block_row * word_bytes <= 32768, c
             assert c.block_row <= 2 * row_words and c.block_tokens <= 64, c
     for half, tokens in ((4, 4), (32, 256), (40, 256), (64, 17)):
-        configs = tuning_problems.rope_candidates(half, tokens)
+        configs = rope_candidates(half, tokens)
         assert configs
         for c in configs:
             rope.check_launch_config(c, ("block_tokens", "block_pairs"))
@@ -214,16 +207,16 @@ def test_every_generated_candidate_is_valid() -> None:
 
 def test_build_problems_skips_rope_where_it_does_not_apply() -> None:
     mla = ModelShape(num_layers=2, num_kv_heads=1, head_size=576, layout="mla", rotary_dim=0)
-    problems, notes = tuning_problems.build_problems(mla, device=CPU, backend="interpret")
+    problems, notes = tuning.build_problems(mla, device=CPU, backend="interpret")
     assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
     assert notes == ["rope_rerotate skipped: the model has no rotary dims to re-rotate"]
     fp8 = dataclasses.replace(TINY, dtype=torch.float8_e4m3fn)
-    problems, notes = tuning_problems.build_problems(fp8, device=CPU, backend="interpret")
+    problems, notes = tuning.build_problems(fp8, device=CPU, backend="interpret")
     assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
     assert problems[0].dtype == torch.int64  # 8 fp8 values per row: one int64 word
     assert "float8_e4m3fn" in notes[0]
     with pytest.raises(ValueError, match="not tunable"):
-        tuning_problems.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
+        tuning.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,22 +250,23 @@ def test_launchers_launch_with_the_tuned_config(
     assert not torch.cuda.is_initialized()
 
     launches = []
-    real_kernel = paged_copy._kernel
+    real_kernel = paged_copy.KERNEL
 
-    def recording_kernel(op, interpret):
-        kernel = real_kernel(op, interpret)
+    class RecordingKernel:
+        def get(self, interpret):
+            kernel = real_kernel.get(interpret)
 
-        class Recorder:
-            def __getitem__(self, grid):
-                def launch(*args, **meta):
-                    launches.append((grid, meta))
-                    return kernel[grid](*args, **meta)
+            class Recorder:
+                def __getitem__(self, grid):
+                    def launch(*args, **meta):
+                        launches.append((grid, meta))
+                        return kernel[grid](*args, **meta)
 
-                return launch
+                    return launch
 
-        return Recorder()
+            return Recorder()
 
-    monkeypatch.setattr(paged_copy, "_kernel", recording_kernel)
+    monkeypatch.setattr(paged_copy, "KERNEL", RecordingKernel())
     paged = PagedKV.empty(
         "vllm_nhd", num_layers=2, num_blocks=4, block_size=2, num_heads=1, head_size=8
     )
@@ -420,7 +414,7 @@ def test_model_config_files(tmp_path: Path) -> None:
         "torch_dtype": "bfloat16",
     }
     (tmp_path / "config.json").write_text(json.dumps(llama))
-    shape = tuning_shapes.model_shape_from_config(tmp_path, chunk_size=128)  # a model directory
+    shape = model_shape_from_config(tmp_path, chunk_size=128)  # a model directory
     assert (shape.num_layers, shape.num_kv_heads, shape.head_size, shape.rope_dim) == (
         32,
         8,
@@ -435,7 +429,7 @@ def test_model_config_files(tmp_path: Path) -> None:
         "partial_rotary_factor": 0.4,
         "dtype": "float16",
     }
-    shape = tuning_shapes.model_shape_from_config(phi)
+    shape = model_shape_from_config(phi)
     assert (shape.num_kv_heads, shape.head_size, shape.rope_dim, shape.dtype) == (
         32,
         80,
@@ -451,7 +445,7 @@ def test_model_config_files(tmp_path: Path) -> None:
             "hidden_size": 2560,
         }
     }
-    shape = tuning_shapes.model_shape_from_config(gemma, dtype=torch.float32)
+    shape = model_shape_from_config(gemma, dtype=torch.float32)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_size) == (4, 4, 256)
     deepseek = {
         "num_hidden_layers": 61,
@@ -460,25 +454,25 @@ def test_model_config_files(tmp_path: Path) -> None:
         "qk_rope_head_dim": 64,
         "torch_dtype": "bfloat16",
     }
-    shape = tuning_shapes.model_shape_from_config(deepseek)
+    shape = model_shape_from_config(deepseek)
     assert (shape.layout, shape.num_kv_heads, shape.head_size, shape.rope_dim) == ("mla", 1, 576, 0)
     with pytest.raises(ValueError, match="no num_hidden_layers"):
-        tuning_shapes.model_shape_from_config({"num_attention_heads": 2})
+        model_shape_from_config({"num_attention_heads": 2})
     with pytest.raises(ValueError, match="cannot read model config"):
-        tuning_shapes.model_shape_from_config(tmp_path / "missing.json")
+        model_shape_from_config(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="rotary_dim must be an even number"):
-        tuning_shapes.model_shape_from_config(llama, rotary_dim=130)
+        model_shape_from_config(llama, rotary_dim=130)
 
 
 def test_find_crossover() -> None:
     def points(*pairs):
         return [{"bytes": 1 << i, "kernel_us": k, "copy_us": c} for i, (k, c) in enumerate(pairs)]
 
-    assert tuning.find_crossover(points((1, 5), (2, 4), (8, 6), (16, 9))) == 4
-    assert tuning.find_crossover(points((1, 5), (9, 4), (3, 6), (16, 9))) == 8  # must stay won
-    assert tuning.find_crossover(points((1, 5), (2, 4))) is None
-    assert tuning.find_crossover(points((9, 5), (9, 4))) == 1
-    assert tuning.find_crossover([]) is None
+    assert find_crossover(points((1, 5), (2, 4), (8, 6), (16, 9))) == 4
+    assert find_crossover(points((1, 5), (9, 4), (3, 6), (16, 9))) == 8  # must stay won
+    assert find_crossover(points((1, 5), (2, 4))) is None
+    assert find_crossover(points((9, 5), (9, 4))) == 1
+    assert find_crossover([]) is None
 
 
 def test_copy_engine_measurement_times_both_paths(tuning_dir: Path) -> None:
@@ -492,9 +486,7 @@ def test_copy_engine_measurement_times_both_paths(tuning_dir: Path) -> None:
             return [2e-6]
         return [3e-6 if len(calls) <= 6 else 1e-6]
 
-    figures = tuning.measure_copy_engine(
-        TINY, device=CPU, backend="interpret", timer=timer, max_bytes=256
-    )
+    figures = measure_copy_engine(TINY, device=CPU, backend="interpret", timer=timer, max_bytes=256)
     assert calls == ["kernel", "copy"] * 6  # 1, 2, 4 blocks of 64 B; both directions
     gather, scatter = figures["paged_gather"], figures["paged_scatter"]
     assert [p["bytes"] for p in gather.points] == [64, 128, 256]
@@ -624,15 +616,15 @@ def test_the_extreme_candidates_compile_for_gpu_targets(op: str, target: tuple) 
     from triton.backends.compiler import GPUTarget
 
     if op == "paged_gather":
-        kernel, fn = paged_copy._kernel(op, interpret=False), paged_copy._gather_kernel
+        kernel, fn = paged_copy.KERNEL.get(interpret=False), paged_copy.paged_copy_kernel
         pointers = {"layer_bases": "*i64", "slot_mapping": "*i64", "chunk": "*i64"}
-        candidates = tuning_problems.paged_copy_candidates(256, 8, 256)  # Llama-3-8B, bf16
+        candidates = paged_copy_candidates(256, 8, 256)  # Llama-3-8B, bf16
         tile = {"BLOCK_T": "block_tokens", "BLOCK_R": "block_row"}
     else:
-        kernel, fn = rope._kernel(interpret=False), rope._rerotate_kernel
+        kernel, fn = rope.KERNEL.get(interpret=False), rope.rerotate_kernel
         pointers = {"k": "*bf16", "old_positions": "*i64", "new_positions": "*i64"}
         pointers["inv_freq"] = "*fp32"
-        candidates = tuning_problems.rope_candidates(64, 256)
+        candidates = rope_candidates(64, 256)
         tile = {"BLOCK_T": "block_tokens", "BLOCK_P": "block_pairs"}
     params = list(inspect.signature(fn).parameters)
     constexprs = [p for p in params if p.isupper()]
@@ -656,12 +648,12 @@ def test_the_extreme_candidates_compile_for_gpu_targets(op: str, target: tuple) 
         assert compiled.asm["cubin" if target[0] == "cuda" else "hsaco"]
 
 
-def test_tuning_reexports_the_public_names_of_its_parts() -> None:
+def test_each_tunable_op_declares_itself_and_has_a_sweep_entry() -> None:
     for name in tuning.__all__:
         assert hasattr(tuning, name), name
-    # the launchers call tuning.tuned_config; the search path lives in tuning_lookup
-    assert tuning.tuned_config is tuning_lookup.tuned_config
-    assert tuning.set_search_path is tuning_lookup.set_search_path
+    # the op files declare their tunables at import; the sweep has one entry for each
+    assert list(tuning_files.TUNABLES) == ["paged_gather", "paged_scatter", "rope_rerotate"]
+    assert set(tuning.SWEEPS) == set(tuning_files.TUNABLES)
 
 
 def test_prepend_search_path(tuning_dir: Path, tmp_path: Path) -> None:
@@ -679,11 +671,11 @@ def test_prepend_search_path(tuning_dir: Path, tmp_path: Path) -> None:
 
 def test_importing_the_tuning_code_stays_light() -> None:
     code = (
-        "import sys, torch, kvtier.cli, kvtier_kernels.tuning as tuning\n"
-        "from kvtier_kernels import paged_copy, rope\n"
+        "import sys, torch, kvtier.cli, kvtier_kernels.tuning\n"
+        "from kvtier_kernels import paged_copy, rope, tuning_lookup\n"
         "paged_copy.launch_config('paged_gather', 256, torch.int64, torch.device('cuda'))\n"
         "rope.launch_config(64, 256, torch.bfloat16, torch.device('cpu'))\n"
-        "tuning.search_path()\n"
+        "tuning_lookup.search_path()\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'vllm'))\n"
         "assert not bad, bad\n"
         "assert not torch.cuda.is_initialized()\n"

@@ -1,21 +1,24 @@
-"""Per-device launch parameters for the Triton kernels: the files, their lookup at run
-time, and the sweep that writes them (``kvtier tune``).
+"""The sweep behind ``kvtier tune``: build one problem per tunable op and shape, check
+every candidate launch config against the op's torch reference (bit-exact for copies,
+within a stated tolerance for RoPE), time the ones that pass, and write the fastest into
+per-device JSON tuning files (:mod:`kvtier_kernels.tuning_files`) that the launchers read
+through :mod:`kvtier_kernels.tuning_lookup`. There is no ``@triton.autotune``: its
+first-call benchmarking would stall a serving engine.
 
-Every Triton launcher asks its op's ``launch_config(...)`` for tile sizes and warps; that
-function first calls :func:`tuned_config` here, and an entry of a matching per-device JSON
-file wins over the op's built-in heuristic. There is no ``@triton.autotune``: its
-first-call benchmarking would stall a serving engine. The files are written ahead of time
-by :func:`tune`, which checks every candidate against the torch reference (bit-exact for
+Used only by ``kvtier tune`` (and tests); no launcher imports it. Modules:
 
-This module is the sweep (timing, the copy-engine crossover, :func:`tune`) and re-exports
-the public names of the modules it is built from:
+- this one: timing (:func:`event_timer`), :func:`tune_problem`, :func:`run_problems`,
+  :func:`tune`, and :data:`SWEEPS`, the sweep entry of each tunable op;
+- :mod:`~kvtier_kernels.tuning.shapes`: :class:`ModelShape` and model configs;
+- :mod:`~kvtier_kernels.tuning.problem`: what every sweep entry shares;
+- :mod:`~kvtier_kernels.tuning.paged_copy`, :mod:`~kvtier_kernels.tuning.rope`: the entries;
+- :mod:`~kvtier_kernels.tuning.copy_engine`: the copy-engine crossover.
 
-- :mod:`kvtier_kernels.tuning_files`: tunable ops, file names, reading and writing files;
-- :mod:`kvtier_kernels.tuning_lookup`: the search path and :func:`tuned_config`;
-- :mod:`kvtier_kernels.tuning_shapes`: :class:`ModelShape` and model configs;
-- :mod:`kvtier_kernels.tuning_problems`: candidates and the per-op problems.
+Adding a tunable op: its op file declares a ``Tunable`` and reads its tuned config with
+``tuning_lookup.tuned_config``; its sweep entry is a module here plus one line in
+:data:`SWEEPS`.
 
-Importing this module imports neither triton nor the op modules, and touches no GPU driver.
+Importing this package imports neither triton nor vLLM, and touches no GPU driver.
 """
 
 from __future__ import annotations
@@ -27,114 +30,89 @@ import functools
 import importlib.metadata
 import platform
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtier_kernels import tuning_lookup
-from kvtier_kernels.layouts import PagedKV, get_layout
+from kvtier_kernels.dtypes import dtype_name
+from kvtier_kernels.tuning import paged_copy, rope
+from kvtier_kernels.tuning.copy_engine import measure_copy_engine
+from kvtier_kernels.tuning.problem import Progress, Timer, TuningProblem
+from kvtier_kernels.tuning.shapes import ModelShape
 from kvtier_kernels.tuning_files import (
-    SCHEMA_VERSION,
     TUNABLES,
     CopyEngineFigures,
     TuningEntry,
     TuningFile,
-    TuningFileError,
     device_name,
-    dtype_name,
-    file_name,
-    load_tuning_file,
-    save_tuning_file,
 )
-from kvtier_kernels.tuning_lookup import (
-    PACKAGED_DIR,
-    TUNING_DIR_ENV,
-    FileStatus,
-    _format_bytes,
-    clear_cache,
-    default_user_dir,
-    files_in_effect,
-    find_tuning_file,
-    prepend_search_path,
-    search_path,
-    set_search_path,
-    tuned_config,
-    user_dirs,
-)
-from kvtier_kernels.tuning_problems import (
-    PagedCopyProblem,
-    RopeProblem,
-    TuningProblem,
-    _fill_random_bits_,
-    _sync,
-    build_problems,
-    paged_copy_candidates,
-    rope_candidates,
-)
-from kvtier_kernels.tuning_shapes import (
-    ModelShape,
-    model_shape_from_config,
-    parse_dtype,
-    read_model_config,
-)
+from kvtier_kernels.tuning_lookup import save_tuning_file, searching_first
 
 __all__ = [
-    "PACKAGED_DIR",
-    "SCHEMA_VERSION",
-    "TUNABLES",
-    "TUNING_DIR_ENV",
-    "CopyEngineFigures",
-    "FileStatus",
-    "ModelShape",
-    "PagedCopyProblem",
+    "SWEEPS",
     "ProblemResult",
-    "RopeProblem",
+    "Progress",
+    "Timer",
     "TuneReport",
-    "TuningEntry",
-    "TuningFile",
-    "TuningFileError",
-    "TuningProblem",
     "build_problems",
-    "clear_cache",
-    "default_user_dir",
-    "device_name",
-    "dtype_name",
     "event_timer",
-    "file_name",
-    "files_in_effect",
-    "find_crossover",
-    "find_tuning_file",
-    "load_tuning_file",
-    "measure_copy_engine",
-    "model_shape_from_config",
-    "paged_copy_candidates",
-    "parse_dtype",
-    "prepend_search_path",
-    "read_model_config",
-    "rope_candidates",
     "run_problems",
-    "save_tuning_file",
-    "search_path",
-    "set_search_path",
     "tune",
     "tune_problem",
-    "tuned_config",
-    "user_dirs",
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# the sweep entries
+# ---------------------------------------------------------------------------------------
+
+Sweep = Callable[..., "TuningProblem | str"]
+"""``sweep(op, shape, device, backend, *, chunk_memory, quick)``: the problem for ``op``
+at ``shape``, or a note saying why the op is skipped for it."""
+
+SWEEPS: dict[str, Sweep] = {
+    "paged_gather": paged_copy.sweep,
+    "paged_scatter": paged_copy.sweep,
+    "rope_rerotate": rope.sweep,
+}
+"""The sweep entry of each tunable op (``tuning_files.TUNABLES``)."""
+
+
+def build_problems(
+    shape: ModelShape,
+    *,
+    device: torch.device | str,
+    backend: str,
+    ops: Sequence[str] = tuple(TUNABLES),
+    chunk_memory: str = "pinned",
+    quick: bool = False,
+) -> tuple[list[TuningProblem], list[str]]:
+    """The problems :func:`tune` runs for ``shape``, and notes on ops it skips (RoPE for
+    fp8 caches or models without RoPE). Nothing is allocated on ``device`` yet.
+
+    Raises:
+        ValueError: an op that is not tunable.
+    """
+    device = torch.device(device)
+    problems: list[TuningProblem] = []
+    notes: list[str] = []
+    for op in ops:
+        if op not in TUNABLES or op not in SWEEPS:
+            raise ValueError(f"op {op!r} is not tunable; tunable ops: {', '.join(TUNABLES)}")
+        found = SWEEPS[op](op, shape, device, backend, chunk_memory=chunk_memory, quick=quick)
+        if isinstance(found, str):
+            notes.append(found)
+        else:
+            problems.append(found)
+    return problems, notes
 
 
 # ---------------------------------------------------------------------------------------
 # timing and the sweep
 # ---------------------------------------------------------------------------------------
-
-Timer = Callable[[Callable[[], None], int, int], list[float]]
-"""``timer(fn, warmup, repeats)``: call ``fn`` ``warmup`` times untimed, then return the
-seconds of each of ``repeats`` timed calls."""
-
-Progress = Callable[[str], None]
 
 
 def event_timer(device: torch.device | str, *, flush_bytes: int = 256 << 20) -> Timer:
@@ -317,132 +295,6 @@ def run_problems(
 
 
 # ---------------------------------------------------------------------------------------
-# copy engine against the kernel
-# ---------------------------------------------------------------------------------------
-
-
-def find_crossover(points: Sequence[Mapping[str, float]]) -> int | None:
-    """The smallest ``bytes`` from which on ``copy_us < kernel_us`` at every point
-    (``points`` in any order), or None when the kernel wins at the largest size."""
-    ordered = sorted(points, key=lambda p: p["bytes"])
-    crossover = None
-    for point in reversed(ordered):
-        if point["copy_us"] < point["kernel_us"]:
-            crossover = int(point["bytes"])
-        else:
-            break
-    return crossover
-
-
-def _pages_layout(layout: str) -> str:
-    """``layout`` if one layer's blocks are contiguous runs in memory, else ``vllm_nhd``."""
-    kv_layout = get_layout(layout)
-    storage = (kv_layout.storage or kv_layout.dims).split()
-    return layout if storage[0] == "NB" and not kv_layout.cross_layer else "vllm_nhd"
-
-
-def measure_copy_engine(
-    shape: ModelShape,
-    *,
-    device: torch.device | str,
-    backend: str,
-    timer: Timer,
-    warmup: int = 5,
-    repeats: int = 25,
-    max_bytes: int = 64 << 20,
-    progress: Progress | None = None,
-) -> dict[str, CopyEngineFigures]:
-    """Time, per size of a contiguous run of pages of one layer (1, 2, 4, ... blocks up to
-    ``max_bytes``), the kernel (with the launch parameters in effect) against one
-    ``copy_(non_blocking=True)`` of the same bytes, both ways between the device and
-    pinned host memory; return the figures per op (``paged_gather``: device to host,
-    ``paged_scatter``: host to device).
-
-    The cache uses ``shape.layout`` when its blocks are contiguous runs (NB outermost in
-    memory), else ``vllm_nhd``.
-    """
-    from kvtier_kernels import registry
-
-    say = progress or (lambda _message: None)
-    device = torch.device(device)
-    layout = _pages_layout(shape.layout)
-    kv = get_layout(layout).kv_planes
-    s = shape
-    block_elems = kv * s.block_size * s.num_kv_heads * s.head_size
-    block_bytes = block_elems * s.dtype.itemsize
-    max_blocks = 1 << max(0, (max(1, max_bytes // block_bytes)).bit_length() - 1)
-    paged = PagedKV.empty(
-        layout,
-        num_layers=1,
-        num_blocks=max_blocks,
-        block_size=s.block_size,
-        num_heads=s.num_kv_heads,
-        head_size=s.head_size,
-        dtype=s.dtype,
-        device=device,
-    )
-    _fill_random_bits_(paged.tensors[0], torch.Generator().manual_seed(1))
-    layer = paged.tensors[0]
-    pinned = device.type == "cuda"
-    host_pages = torch.empty(max_blocks * block_elems, dtype=s.dtype, pin_memory=pinned)
-    host_chunk = torch.empty(max_blocks * block_elems, dtype=s.dtype, pin_memory=pinned)
-    base = layer.storage_offset()
-    if layer.stride(get_layout(layout).axes.index("NB")) != block_elems:
-        raise AssertionError(f"layout {layout}: blocks are not contiguous runs of {block_elems}")
-    figures = {}
-    for op, direction in (("paged_gather", "device_to_host"), ("paged_scatter", "host_to_device")):
-        impl = registry.get(op, backend, device)
-        points = []
-        blocks = 1
-        while blocks <= max_blocks:
-            tokens = blocks * s.block_size
-            slots = torch.arange(tokens, device=device)
-            chunk = host_chunk[: kv * tokens * s.num_kv_heads * s.head_size].view(
-                paged.chunk_shape(tokens)
-            )
-            pages = layer.as_strided((blocks * block_elems,), (1,), base)  # blocks [0, blocks)
-            host = host_pages[: blocks * block_elems]
-            source, target = (pages, host) if op == "paged_gather" else (host, pages)
-
-            def kernel(slots=slots, chunk=chunk, impl=impl) -> None:
-                impl(paged, slots, chunk)
-
-            def copy(source=source, target=target) -> None:
-                target.copy_(source, non_blocking=True)
-
-            kernel_s = statistics.median(timer(kernel, warmup, repeats))
-            copy_s = statistics.median(timer(copy, warmup, repeats))
-            nbytes = blocks * block_bytes
-            points.append(
-                {
-                    "bytes": nbytes,
-                    "kernel_us": round(kernel_s * 1e6, 3),
-                    "copy_us": round(copy_s * 1e6, 3),
-                }
-            )
-            say(
-                f"copy engine {direction}: {_format_bytes(nbytes):>10}  kernel "
-                f"{kernel_s * 1e6:9.2f} us  copy_ {copy_s * 1e6:9.2f} us"
-            )
-            blocks *= 2
-        figures[op] = CopyEngineFigures(
-            direction=direction,
-            crossover_bytes=find_crossover(points),
-            points=points,
-            shape={
-                "layout": layout,
-                "block_bytes": block_bytes,
-                "block_size": s.block_size,
-                "num_kv_heads": s.num_kv_heads,
-                "head_size": s.head_size,
-                "cache_dtype": dtype_name(s.dtype),
-            },
-        )
-    _sync(device)
-    return figures
-
-
-# ---------------------------------------------------------------------------------------
 # the whole pipeline
 # ---------------------------------------------------------------------------------------
 
@@ -515,10 +367,7 @@ def tune(
     if copy_engine and paged_files:
         # NOTE: the output directory may not be on the search path: put it first while
         # measuring, so that the kernel runs with the configs just tuned.
-        saved = tuning_lookup._override
-        if out_dir is not None:
-            set_search_path((Path(out_dir), *search_path()))
-        try:
+        with searching_first(out_dir):
             figures = measure_copy_engine(
                 shape,
                 device=device,
@@ -529,8 +378,6 @@ def tune(
                 max_bytes=copy_engine_max_bytes,
                 progress=progress,
             )
-        finally:
-            set_search_path(saved)
         for f in paged_files:
             f.copy_engine = figures.get(f.op)
         if out_dir is not None:

@@ -1,6 +1,6 @@
 """The KV geometry ``kvtier tune`` sweeps for: :class:`ModelShape`, read from a
 HuggingFace-style ``config.json`` (:func:`model_shape_from_config`) or given field by
-field, and the KV dtype names the CLI accepts (:func:`parse_dtype`).
+field. KV dtype names: :func:`kvtier_kernels.dtypes.parse_dtype`.
 """
 
 from __future__ import annotations
@@ -14,47 +14,10 @@ from typing import Any
 
 import torch
 
+from kvtier_kernels.dtypes import dtype_name, parse_dtype
 from kvtier_kernels.layouts import get_layout
-from kvtier_kernels.tuning_files import dtype_name
 
-# ---------------------------------------------------------------------------------------
-# model shapes
-# ---------------------------------------------------------------------------------------
-
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
-for _alias, _attr in (
-    ("float8_e4m3fn", "float8_e4m3fn"),
-    ("fp8", "float8_e4m3fn"),
-    ("fp8_e4m3", "float8_e4m3fn"),
-    ("float8_e5m2", "float8_e5m2"),
-    ("fp8_e5m2", "float8_e5m2"),
-):
-    if hasattr(torch, _attr):
-        _DTYPES[_alias] = getattr(torch, _attr)
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16"`` / ``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16``, and so on.
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).lower().removeprefix("torch.")
-    try:
-        return _DTYPES[key]
-    except KeyError:
-        raise ValueError(f"unknown KV dtype {name!r}; known: {', '.join(_DTYPES)}") from None
+__all__ = ["ModelShape", "model_shape_from_config", "read_model_config"]
 
 
 @dataclass(frozen=True, slots=True)

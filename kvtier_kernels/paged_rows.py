@@ -1,0 +1,174 @@
+"""Rows of a paged KV cache: how the paged copies (:mod:`kvtier_kernels.paged_copy`) find
+them and move them as integer words.
+
+Moving integers is bit-exact for every dtype (fp8 included, NaN payloads kept), and a wider
+word moves the same bytes in fewer elements: a bf16 row of 128 values is 32 int64 words.
+
+- :func:`valid_slots`, :func:`read_rows`, :func:`as_words`: the slots to move, the rows at
+  them, and the widest integer view of a cache view and chunk rows (the torch reference);
+- :func:`layer_table`, :func:`word_view`, :func:`launch_words`: the per-layer base-address
+  table the Triton kernel reads through (cached), and the word type and strides it moves
+  rows in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvtier_kernels.dtypes import INT_OF_SIZE
+from kvtier_kernels.layouts import PagedKV
+
+__all__ = [
+    "LayerTable",
+    "as_words",
+    "launch_words",
+    "layer_table",
+    "read_rows",
+    "valid_slots",
+    "word_view",
+]
+
+
+def valid_slots(
+    slot_mapping: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Return (token indices of the valid slots, or None when all are valid; valid slots)."""
+    slots = slot_mapping.to(device=device, dtype=torch.int64)
+    valid = slots >= 0
+    if bool(valid.all()):
+        return None, slots
+    token_index = valid.nonzero().squeeze(1)
+    return token_index, slots[token_index]
+
+
+def read_rows(view: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[KV, len(slots), H, D]`` copy of the rows at ``slots`` of a canonical view."""
+    kv, nb, bs, heads, head_size = view.shape
+    s_kv, s_nb, s_bs, s_h, s_d = view.stride()
+    blocks_merge = nb == 1 or bs == 1 or s_nb == bs * s_bs
+    rows_contiguous = s_d == 1 and (heads == 1 or s_h == head_size)
+    if blocks_merge and rows_contiguous:
+        # NOTE: index_select over one merged slot dim is several times faster than the
+        # two-tensor advanced index below, but only when each slot's H * D row is dense.
+        slot_stride = s_bs if bs > 1 else s_nb
+        merged = view.as_strided((kv, nb * bs, heads, head_size), (s_kv, slot_stride, s_h, s_d))
+        return merged.index_select(1, slots)
+    return view[:, slots // bs, slots % bs]
+
+
+_WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+def as_words(
+    cache_view: torch.Tensor, chunk_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reinterpret both tensors as the widest integer dtype both strides allow.
+
+    Moving integers is bit-exact for every dtype (fp8 included, NaN payloads kept), and a
+    wider word moves the same bytes in fewer elements: a bf16 row of 128 becomes 32 int64.
+    """
+    for dtype in _WORD_DTYPES:
+        if dtype.itemsize < cache_view.element_size():
+            break
+        try:
+            return cache_view.view(dtype), chunk_rows.view(dtype)
+        except RuntimeError:  # a stride, size or offset not divisible at this width
+            continue
+    raise AssertionError(f"no integer view of {cache_view.dtype}")
+
+
+_WORD_BYTES = (8, 4, 2, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTable:
+    """The byte address of each selected layer's canonical view, and their alignment."""
+
+    bases: torch.Tensor  # [len(layers)] int64 byte addresses, on the cache's device
+    alignment: int  # largest word size (8, 4, 2, 1) that divides every address
+
+
+_tables: OrderedDict[tuple, LayerTable] = OrderedDict()
+_tables_lock = threading.Lock()
+_MAX_TABLES = 64
+
+
+def layer_table(paged: PagedKV, layers: range) -> LayerTable:
+    """The base-address table of ``layers``, cached per (addresses, strides, dtype, layers).
+
+    The key holds every tensor's address, shape, strides and dtype (strides count
+    elements), so a cached table is right by construction; building one costs a canonical view per layer and a host-to-device
+    copy, which a serving engine should not pay per chunk.
+    """
+    key = (
+        paged.layout.name,
+        paged.dtype,
+        paged.device,
+        tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in paged.tensors),
+        (layers.start, layers.stop, layers.step),
+    )
+    with _tables_lock:
+        table = _tables.get(key)
+        if table is not None:
+            _tables.move_to_end(key)
+            return table
+    every_layer = paged.layer_base_pointers()
+    bases = every_layer[list(layers)]
+    alignment = next(w for w in _WORD_BYTES if all(int(b) % w == 0 for b in bases.tolist()))
+    table = LayerTable(bases.to(paged.device), alignment)
+    with _tables_lock:
+        _tables[key] = table
+        while len(_tables) > _MAX_TABLES:
+            _tables.popitem(last=False)
+    return table
+
+
+def word_view(
+    paged: PagedKV, chunk: torch.Tensor, alignment: int
+) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """Pick the widest integer word both sides allow; return (chunk as words, cache
+    canonical strides in words, word bytes)."""
+    view = paged.layer_view(0)
+    itemsize = paged.dtype.itemsize
+    # Strides of size-1 dims are never multiplied by a non-zero index: drop them.
+    strides = [s if n > 1 else 0 for n, s in zip(view.shape, view.stride(), strict=True)]
+    s_dim = strides[4]
+    for word_bytes in _WORD_BYTES:
+        if word_bytes < itemsize:
+            break
+        ratio = word_bytes // itemsize
+        if word_bytes > alignment or (paged.head_size * itemsize) % word_bytes:
+            continue
+        if ratio > 1 and s_dim != 1:
+            continue
+        if any((s * itemsize) % word_bytes for s in strides[:4]):
+            continue
+        try:
+            words = chunk.view(INT_OF_SIZE[word_bytes])
+        except RuntimeError:  # a chunk stride or offset not divisible at this width
+            continue
+        if words.data_ptr() % word_bytes:
+            continue
+        cache_strides = (
+            *(s * itemsize // word_bytes for s in strides[:4]),
+            1 if ratio > 1 else s_dim,
+        )
+        return words, cache_strides, word_bytes
+    raise AssertionError(f"no integer word view of {paged.dtype}")
+
+
+def launch_words(
+    paged: PagedKV, chunk: torch.Tensor, layers: range | None = None
+) -> tuple[torch.dtype, int]:
+    """``(word dtype, words per token row)`` that the Triton launcher moves between
+    ``paged`` and ``chunk`` in: what :func:`launch_config` is asked about and the paged
+    copies' tuning files are named and keyed by."""
+    layers = range(paged.num_layers) if layers is None else layers
+    _, _, word_bytes = word_view(paged, chunk, layer_table(paged, layers).alignment)
+    return INT_OF_SIZE[
+        word_bytes
+    ], paged.num_heads * paged.head_size * paged.dtype.itemsize // word_bytes

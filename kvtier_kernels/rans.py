@@ -1,0 +1,193 @@
+"""The rANS bitstream that CacheGen's entropy coder writes, and what its two ops share.
+
+Ops (one file each): ``rans_encode`` (:mod:`kvtier_kernels.rans_encode`) and
+``rans_decode`` (:mod:`kvtier_kernels.rans_decode`). Each lane is an independent rANS
+stream: 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit probabilities
+(``PROB_BITS = 16``), at most one word emitted per symbol. A lane's stream is its final
+encoder state (low word, high word) followed by the renormalization words in the order the
+decoder reads them; a decoded lane must end in the initial state ``RANS_LOW`` having read
+exactly its words, which catches most damage::
+
+    symbols   [lanes, n]      uint8; lane l coded with freq[l]
+    freq      [lanes, A]      int32/int64, rows sum to PROB_SCALE, A <= 255
+    words     [sum(lengths)]  int32 holding 16-bit words: the lanes' streams concatenated
+    lengths   [lanes]         int64, 2 <= lengths[l] <= n + 2
+
+Each op's ``torch`` backend runs its numpy reference (vectorized across lanes, a loop over
+the symbols of a lane) on CPU copies; ``triton`` runs its kernel compiled on CUDA/ROCm
+tensors (one GPU thread per lane); ``interpret`` runs it under Triton's interpreter on CPU
+tensors. Integer-only math (int64 state), so every backend gives the same bits by
+construction.
+
+This module holds the constants, :class:`CodecError`, the table checks every backend runs
+(the numpy codec assumes valid tables) and the launch parameters of both kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from kvtier_kernels._launch import LazyKernel, check_launch_config, next_power_of_2
+
+__all__ = [
+    "FREQ_DTYPES",
+    "MAX_ALPHABET",
+    "PROB_BITS",
+    "PROB_SCALE",
+    "RANS_LOW",
+    "CodecError",
+    "LaunchConfig",
+    "bad_table_rows",
+    "check_freq",
+    "check_placement",
+    "check_same_device",
+    "first_lane",
+    "launch",
+    "launch_config",
+    "raise_bad_table",
+]
+
+PROB_BITS = 16
+PROB_SCALE = 1 << PROB_BITS
+RANS_LOW = 1 << 16  # lower bound of the state; the encoder starts and the decoder ends here
+MAX_ALPHABET = 255
+FREQ_DTYPES = (torch.int32, torch.int64)
+
+
+class CodecError(ValueError):
+    """A compressed chunk (payload or params) that is inconsistent and must not be used."""
+
+
+# ---------------------------------------------------------------------------------------
+# data checks shared by every backend (the numpy codec assumes valid tables)
+# ---------------------------------------------------------------------------------------
+
+
+def first_lane(flags: torch.Tensor) -> int:
+    """The index of the first True in ``flags`` (one host sync)."""
+    return int(flags.nonzero()[0, 0])
+
+
+def bad_table_rows(freq: torch.Tensor) -> torch.Tensor:
+    """bool ``[lanes]``: rows of ``freq`` that are not a probability table (on its device)."""
+    return (freq.sum(1, dtype=torch.int64) != PROB_SCALE) | (freq < 0).any(1)
+
+
+def raise_bad_table(bad_rows: torch.Tensor, freq: torch.Tensor) -> NoReturn:
+    """Raise the ValueError that names the first row of ``freq`` flagged in ``bad_rows``."""
+    lane = first_lane(bad_rows)
+    raise ValueError(
+        f"freq row of lane {lane} must be non-negative and sum to PROB_SCALE={PROB_SCALE}; "
+        f"it sums to {int(freq[lane].sum(dtype=torch.int64))} "
+        f"({int(bad_rows.sum())} of {len(freq)} rows are bad)"
+    )
+
+
+def check_freq(freq: Any, lanes: int | None) -> None:
+    """Check the type, dtype and shape of ``freq`` (``lanes`` rows unless None)."""
+    if not isinstance(freq, torch.Tensor):
+        raise TypeError(f"freq must be a torch.Tensor, got {type(freq).__name__}")
+    if freq.dim() != 2 or freq.dtype not in FREQ_DTYPES:
+        raise ValueError(
+            f"freq must be a 2-D int32 or int64 tensor [lanes, A]; "
+            f"got shape {tuple(freq.shape)} dtype {freq.dtype}"
+        )
+    if (lanes is not None and freq.shape[0] != lanes) or not 1 <= freq.shape[1] <= MAX_ALPHABET:
+        raise ValueError(
+            f"freq must have shape [lanes={lanes}, A] with 1 <= A <= {MAX_ALPHABET}; "
+            f"got {tuple(freq.shape)}"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor is on one device (the message lists them)."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must be on one device; got {devices}")
+
+
+# ---------------------------------------------------------------------------------------
+# launch parameters and the launch of either kernel
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Launch parameters of one rANS encode or decode launch.
+
+    Attributes:
+        block_lanes: lanes per program (``BLOCK``), a power of two; one lane per thread
+            on a GPU.
+        num_warps: warps per program, one of 1, 2, 4, 8, 16.
+    """
+
+    block_lanes: int
+    num_warps: int
+
+
+_GPU_MAX_BLOCK = 128  # 4 warps of one lane per thread
+_GPU_MIN_PROGRAMS = 1024  # ~8 programs per SM on a 132-SM H100 before blocks grow
+_INTERPRETER_MAX_BLOCK = 4096  # the interpreter pays per program and op: few, wide ones
+
+
+def launch_config(lanes: int, device: torch.device) -> LaunchConfig:
+    """Launch parameters for coding ``lanes`` lanes on ``device`` (CPU means the
+    interpreter): a built-in heuristic, the same for encode and decode.
+
+    Each lane is a serial chain of dependent loads and int64 divisions, so a GPU wants many
+    resident warps rather than wide ones: one lane per thread, blocks of 32 lanes (one
+    warp) growing to 128 only while that still leaves at least 1024 programs. Under the
+    interpreter every program costs about a millisecond per op: one program for up to
+    4096 lanes. (Not in the tuning files: ``kvtier tune`` has no rANS problem yet.)
+    """
+    if device.type != "cuda":
+        return LaunchConfig(min(next_power_of_2(max(1, lanes)), _INTERPRETER_MAX_BLOCK), 1)
+    block = 32
+    while block < _GPU_MAX_BLOCK and lanes >= 2 * block * _GPU_MIN_PROGRAMS:
+        block *= 2
+    return LaunchConfig(block, block // 32)
+
+
+def check_placement(device: torch.device, interpret: bool) -> None:
+    """Raise ValueError when the kernel could not reach tensors on ``device``."""
+    if interpret and device.type != "cpu":
+        raise ValueError(
+            f"kernel backend 'interpret' runs on CPU tensors; the tensors are on {device} "
+            "(use 'triton' for GPU tensors)"
+        )
+    if not interpret and device.type != "cuda":
+        raise ValueError(
+            f"kernel backend 'triton' needs CUDA/ROCm tensors; the tensors are on {device} "
+            "(use 'interpret' or 'torch')"
+        )
+
+
+def launch(
+    kernel: LazyKernel,
+    lanes: int,
+    device: torch.device,
+    interpret: bool,
+    config: LaunchConfig | None,
+    *args: Any,
+    **meta: Any,
+) -> None:
+    """Launch ``kernel`` over ``lanes`` lanes (grid ``(cdiv(lanes, BLOCK),)``) with ``args``
+    and the constexprs ``PROB_BITS``, ``RANS_LOW``, ``meta`` and ``BLOCK``."""
+    config = launch_config(lanes, device) if config is None else config
+    check_launch_config(config, ("block_lanes",))
+    grid = (-(-lanes // config.block_lanes),)
+    decorated = kernel.get(interpret)
+    device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(device)
+    with device_guard:
+        decorated[grid](
+            *args,
+            PROB_BITS=PROB_BITS,
+            RANS_LOW=RANS_LOW,
+            **meta,
+            BLOCK=config.block_lanes,
+            num_warps=config.num_warps,
+        )

@@ -1,0 +1,400 @@
+"""rANS decode of CacheGen symbols, lane-parallel: the ``rans_decode`` op.
+
+The inverse of :mod:`kvtier_kernels.rans_encode`: ``n`` symbols per lane are decoded from
+``(words, lengths)`` with the lane's row of ``freq``, and a lane that reads past its words,
+leaves words unread or does not end in ``RANS_LOW`` is rejected with
+:class:`~kvtier_kernels.rans.CodecError` (the bitstream is in :mod:`kvtier_kernels.rans`).
+
+Bytes moved: the decoder reads each word once, ``log2(A)`` cumulative-table probes plus one
+frequency per symbol, and writes ``lanes * n`` symbol bytes.
+
+Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the numpy reference
+:func:`rans_decode` on CPU copies; ``triton`` runs ``rans_decode_kernel`` compiled on
+CUDA/ROCm tensors; ``interpret`` runs it under Triton's interpreter on CPU tensors.
+
+Sections: numpy reference (the definition of correct) -> torch reference -> Triton kernel
+-> launchers (public, then Triton) -> registration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+from kvtier_kernels import registry
+from kvtier_kernels._launch import LazyKernel, triton_loader
+from kvtier_kernels.rans import (
+    PROB_BITS,
+    PROB_SCALE,
+    RANS_LOW,
+    CodecError,
+    LaunchConfig,
+    bad_table_rows,
+    check_freq,
+    check_placement,
+    check_same_device,
+    first_lane,
+    launch,
+    raise_bad_table,
+)
+
+__all__ = [
+    "KERNEL",
+    "rans_decode",
+    "rans_decode_kernel",
+    "rans_decode_lanes",
+    "rans_decode_reference",
+    "rans_decode_triton",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# numpy reference
+# ---------------------------------------------------------------------------------------
+
+
+def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int) -> np.ndarray:
+    """Decode ``n`` symbols per lane from ``(words, lengths)`` as :func:`rans_encode`
+    made them with ``freq`` ``[lanes, A]``. Returns uint8 ``[lanes, n]``.
+
+    Raises:
+        CodecError: a lane reads past its words, leaves words unread, or does not end
+            in the initial state (the stream is not what ``freq`` encoded).
+    """
+    lanes, alphabet = freq.shape
+    lengths = lengths.astype(np.int64)
+    if len(lengths) != lanes or (lanes and lengths.min() < 2):
+        raise CodecError("every lane needs at least its 2 state words")
+    if int(lengths.sum()) != len(words):
+        raise CodecError(f"lane lengths sum to {int(lengths.sum())}, stream has {len(words)}")
+    words64 = np.append(words.astype(np.uint64), np.uint64(0))  # a safe target for misses
+    start = np.zeros(lanes, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=start[1:])
+    freq64 = freq.astype(np.uint64).reshape(-1)
+    search = 1 << max(0, (alphabet - 1).bit_length())  # power of two >= alphabet
+    cum_hi = np.full((lanes, search), PROB_SCALE, dtype=np.uint64)  # cum of a + 1
+    np.cumsum(freq.astype(np.uint64), axis=1, out=cum_hi[:, :alphabet])
+    cum_hi[:, alphabet - 1 :] = PROB_SCALE
+    cum_hi = cum_hi.reshape(-1)
+    row_search = np.arange(lanes, dtype=np.int64) * search
+    row = np.arange(lanes, dtype=np.int64) * alphabet
+    state = words64[start] | (words64[start + 1] << np.uint64(16))
+    read = np.full(lanes, 2, dtype=np.int64)
+    bad = np.zeros(lanes, dtype=bool)
+    out = np.empty((lanes, n), dtype=np.uint8)
+    mask = np.uint64(PROB_SCALE - 1)
+    for i in range(n):
+        slot = state & mask
+        sym = np.zeros(lanes, dtype=np.int64)  # the number of a with cum_hi[a] <= slot
+        step = search >> 1
+        while step:
+            probe = cum_hi[row_search + sym + step - 1]
+            sym += np.where(probe <= slot, step, 0)
+            step >>= 1
+        out[:, i] = sym
+        f = freq64[row + sym]
+        c = cum_hi[row_search + sym] - f
+        state = f * (state >> np.uint64(PROB_BITS)) + slot - c
+        need = state < RANS_LOW
+        have = read < lengths
+        bad |= need & ~have
+        word = words64[np.where(need & have, start + read, len(words))]
+        state = np.where(need, (state << np.uint64(16)) | word, state)
+        read += need
+    bad |= (read != lengths) | (state != RANS_LOW)
+    if bad.any():
+        raise CodecError(
+            f"rANS stream of lane {int(np.flatnonzero(bad)[0])} is inconsistent "
+            f"({int(bad.sum())} of {lanes} lanes)"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# torch reference: the numpy codec on CPU copies
+# ---------------------------------------------------------------------------------------
+
+
+def _raise_short_lanes(lengths: torch.Tensor) -> NoReturn:
+    lane = first_lane(lengths < 2)
+    raise CodecError(
+        f"every lane needs at least its 2 state words; lane {lane} has {int(lengths[lane])}"
+    )
+
+
+def _raise_length_mismatch(total: int, num_words: int) -> NoReturn:
+    raise CodecError(f"lane lengths sum to {total}, stream has {num_words}")
+
+
+def _raise_bad_streams(bad_lanes: torch.Tensor) -> NoReturn:
+    raise CodecError(
+        f"rANS stream of lane {first_lane(bad_lanes)} is inconsistent "
+        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes)"
+    )
+
+
+def rans_decode_reference(
+    words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
+    lengths: torch.Tensor,  # [lanes] int64/int32
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+    n: int,
+) -> torch.Tensor:
+    """:func:`rans_decode` on CPU copies; returns uint8 ``[lanes,
+    n]`` on ``words``' device. Shapes are assumed valid (:func:`rans_decode_lanes` checks
+    them).
+
+    Raises:
+        ValueError: a freq row is negative or does not sum to ``PROB_SCALE``.
+        CodecError: where the reference rejects the stream.
+    """
+    freq_cpu, lengths_cpu = freq.cpu(), lengths.cpu().to(torch.int64)
+    bad_rows = bad_table_rows(freq_cpu)
+    if bad_rows.any():
+        raise_bad_table(bad_rows, freq_cpu)
+    # the reference's own length checks, worded as the Triton backend words them
+    if (lengths_cpu < 2).any():
+        _raise_short_lanes(lengths_cpu)
+    if int(lengths_cpu.sum()) != len(words):
+        _raise_length_mismatch(int(lengths_cpu.sum()), len(words))
+    symbols = rans_decode(
+        words.cpu().numpy().astype(np.uint16),
+        lengths_cpu.numpy(),
+        freq_cpu.numpy().astype(np.uint32),
+        n,
+    )
+    return torch.from_numpy(symbols).to(words.device)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernel
+#
+# Grid: (cdiv(lanes, BLOCK),). Program p decodes lanes p * BLOCK : +BLOCK, one lane per
+# vector element, looping forward over the lane's symbols. State arithmetic is int64;
+# every value stays below 2**32, so int64 gives the reference's uint64 results bit for bit.
+#
+# Symbol lookup is a branch-free binary search over the lane's row of `cum_hi`
+# (cum_hi[a] = freq[0] + ... + freq[a], padded with PROB_SCALE to SEARCH = 2**LOG2_SEARCH
+# entries, the last real entry forced to PROB_SCALE as in the reference): sym ends as the
+# number of entries <= slot, found in LOG2_SEARCH probes. A probe at an index >= A - 1
+# reads PROB_SCALE > slot and is never taken, so sym <= A - 1 whatever the table holds.
+# (A slot -> symbol table would save the probes but take 64 KiB per lane: 16 GiB for the
+# 262144 lanes of a 32-layer, 4096-wide chunk; cum_hi takes at most 1 KiB per lane.)
+# `bad` flags exactly the reference's rejections: a read past the lane's words, unread
+# words, a final state other than RANS_LOW. Lengths are checked after the launch (one host
+# sync), so reads are also kept inside `words` for inconsistent lengths.
+#
+# NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that
+# importing this module never imports triton. Masks combine vector conditions only
+# (Triton 3.9's interpreter rejects `block_mask & scalar`).
+# ---------------------------------------------------------------------------------------
+
+tl: Any = None
+
+
+def rans_decode_kernel(
+    words,  # [num_words] int32/int64 16-bit words
+    starts,  # [lanes] int64: where each lane's stream starts in words
+    lengths,  # [lanes] int64
+    freq,  # [lanes, A] int32/int64
+    cum_hi,  # [lanes, SEARCH] int32, contiguous: freq[0] + ... + freq[a], padded
+    out,  # [lanes, n] uint8 (out)
+    bad,  # [lanes] int8 (out): 1 = the reference rejects this lane's stream
+    s_word,  # words stride, in elements
+    s_freq_lane,  # freq strides, in elements
+    s_freq_sym,
+    s_out_lane,  # out strides, in elements
+    s_out_pos,
+    num_lanes,
+    n,
+    num_words,
+    PROB_BITS: tl.constexpr,
+    RANS_LOW: tl.constexpr,
+    LOG2_SEARCH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_lane = lanes < num_lanes
+    lane64 = lanes.to(tl.int64)
+    table = lane64 * (1 << LOG2_SEARCH)
+    start = tl.load(starts + lane64, mask=in_lane, other=0)
+    length = tl.load(lengths + lane64, mask=in_lane, other=2)
+    head = in_lane & (start >= 0) & (start + 1 < num_words)
+    low = tl.load(words + start * s_word, mask=head, other=0).to(tl.int64) & 0xFFFF
+    high = tl.load(words + (start + 1) * s_word, mask=head, other=0).to(tl.int64) & 0xFFFF
+    state = low | (high << 16)
+    read = tl.full([BLOCK], 2, tl.int64)
+    flags = tl.full([BLOCK], 0, tl.int32)
+    out_at = lane64 * s_out_lane
+    for _ in range(n):
+        slot = state & ((1 << PROB_BITS) - 1)
+        sym = tl.full([BLOCK], 0, tl.int64)
+        for k in tl.static_range(LOG2_SEARCH):
+            step = 1 << (LOG2_SEARCH - 1 - k)
+            probe = tl.load(cum_hi + table + sym + (step - 1), mask=in_lane, other=0)
+            sym = sym + tl.where(probe.to(tl.int64) <= slot, step, 0)
+        tl.store(out + out_at, sym.to(tl.uint8), mask=in_lane)
+        out_at += s_out_pos
+        f = tl.load(freq + lane64 * s_freq_lane + sym * s_freq_sym, mask=in_lane, other=0)
+        f = f.to(tl.int64)
+        c = tl.load(cum_hi + table + sym, mask=in_lane, other=0).to(tl.int64) - f
+        state = f * (state >> PROB_BITS) + slot - c
+        need = state < RANS_LOW
+        flags = flags | (need & (read >= length)).to(tl.int32)
+        at = start + read
+        take = need & (read < length) & (at >= 0) & (at < num_words)
+        word = tl.load(words + at * s_word, mask=take, other=0).to(tl.int64) & 0xFFFF
+        state = tl.where(need, (state << 16) | word, state)
+        read = read + need.to(tl.int64)
+    flags = flags | ((read != length) | (state != RANS_LOW)).to(tl.int32)
+    tl.store(bad + lane64, flags.to(tl.int8), mask=in_lane)
+
+
+KERNEL = LazyKernel(rans_decode_kernel)
+"""The decode kernel, decorated (compiled or interpreted) on first use."""
+
+
+# ---------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------
+
+
+def rans_decode_lanes(
+    words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
+    lengths: torch.Tensor,  # [lanes] int64/int32
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+    n: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode ``n`` symbols per lane from ``(words, lengths)`` as :func:`rans_encode_lanes`
+    made them with ``freq``; the inverse of it and bit-exact with
+    :func:`rans_decode`.
+
+    Args:
+        words: int32/int64 ``[total_words]``, 16-bit words (higher bits are ignored, as the
+            reference's uint16 drops them).
+        lengths: int64/int32 ``[lanes]``, each lane's words.
+        freq: int32/int64 ``[lanes, A]`` as for :func:`rans_encode_lanes`.
+        n: symbols per lane, ``>= 0``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"interpret"`` (see registry).
+
+    Returns:
+        uint8 ``[lanes, n]`` on ``words``' device.
+
+    Raises:
+        CodecError: exactly where the reference rejects the stream: ``lengths`` not one
+            per lane, a lane with fewer than 2 words, lengths not summing to
+            ``len(words)``, or a lane that reads past its words, leaves words unread or
+            does not end in ``RANS_LOW`` (the message names the first bad lane).
+        TypeError / ValueError: a wrong type, shape, dtype or device, or a freq row that is
+            not a probability table (checked first).
+    """
+    for name, tensor in (("words", words), ("lengths", lengths)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 1 or tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{name} must be a 1-D int32 or int64 tensor; "
+                f"got shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+            )
+    check_freq(freq, None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0; got {n!r}")
+    check_same_device(words=words, lengths=lengths, freq=freq)
+    if len(lengths) != len(freq):
+        raise CodecError(
+            f"every lane needs at least its 2 state words: {len(lengths)} lengths "
+            f"for {len(freq)} lanes"
+        )
+    impl = registry.get("rans_decode", backend, words.device)
+    return impl(words, lengths, freq, n)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton launcher
+# ---------------------------------------------------------------------------------------
+
+
+def rans_decode_triton(
+    words: torch.Tensor,  # [total_words] int32/int64
+    lengths: torch.Tensor,  # [lanes] int64/int32
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+    n: int,
+    *,
+    interpret: bool | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`rans_decode_reference`: one launch and one host sync (the
+    length checks and the bad-lane flags). ``interpret``/``config`` as for
+    :func:`rans_encode_triton`. Shapes are assumed valid (:func:`rans_decode_lanes`
+    checks them).
+
+    Raises:
+        ValueError / CodecError: as :func:`rans_decode_reference`, or tensors this backend
+            cannot reach, or an invalid ``config``.
+    """
+    # validate: shapes and dtypes are checked by rans_decode_lanes(); data after the launch
+    device = words.device
+    interpret = device.type == "cpu" if interpret is None else interpret
+    check_placement(device, interpret)
+    lanes, alphabet = freq.shape
+    num_words = words.numel()
+
+    # allocate
+    lengths64 = lengths.to(torch.int64)
+    starts = lengths64.cumsum(0) - lengths64
+    log2_search = (alphabet - 1).bit_length()
+    cum_hi = torch.full((lanes, 1 << log2_search), PROB_SCALE, dtype=torch.int32, device=device)
+    cum_hi[:, : alphabet - 1] = freq[:, : alphabet - 1].to(torch.int64).cumsum(1).to(torch.int32)
+    out = torch.empty((lanes, n), dtype=torch.uint8, device=device)
+    bad = torch.zeros(lanes, dtype=torch.int8, device=device)
+
+    # grid + launch (with no words every lane is short or the lengths mismatch: no launch)
+    if lanes and num_words:
+        launch(
+            KERNEL,
+            lanes,
+            device,
+            interpret,
+            config,
+            words,  # [num_words]
+            starts,  # [lanes] int64
+            lengths64,  # [lanes] int64
+            freq,  # [lanes, A]
+            cum_hi,  # [lanes, SEARCH] int32
+            out,  # [lanes, n] uint8
+            bad,  # [lanes] int8
+            words.stride(0),
+            *freq.stride(),
+            *out.stride(),
+            lanes,
+            n,
+            num_words,
+            LOG2_SEARCH=log2_search,
+        )
+
+    bad_rows = bad_table_rows(freq)
+    short = lengths64 < 2
+    checks = torch.stack([bad_rows.sum(), short.sum(), lengths64.sum(), bad.sum(dtype=torch.int64)])
+    bad_row_count, short_count, total, bad_lane_count = checks.tolist()  # the one host sync
+    if bad_row_count:
+        raise_bad_table(bad_rows, freq)
+    if short_count:
+        _raise_short_lanes(lengths64)
+    if total != num_words:
+        _raise_length_mismatch(total, num_words)
+    if bad_lane_count:
+        _raise_bad_streams(bad != 0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------
+
+registry.register("rans_decode", "torch", rans_decode_reference)
+registry.register("rans_decode", "triton", loader=triton_loader(KERNEL, rans_decode_triton, False))
+registry.register(
+    "rans_decode", "interpret", loader=triton_loader(KERNEL, rans_decode_triton, True)
+)

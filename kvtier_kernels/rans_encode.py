@@ -1,0 +1,331 @@
+"""rANS encode of CacheGen symbols, lane-parallel: the ``rans_encode`` op.
+
+Each row (lane) of ``symbols`` ``[lanes, n]`` is coded with its row of ``freq``
+``[lanes, A]`` into one stream of the bitstream :mod:`kvtier_kernels.rans` describes; the
+lanes' streams are concatenated into ``words`` with one length per lane.
+
+Bytes moved: the encoder reads the symbols once (``lanes * n``), one frequency and one
+cumulative frequency per symbol (cache-resident tables), writes at most ``n + 2`` int32
+words per lane into a scratch buffer and compacts them (read + write of the kept words).
+
+Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the numpy reference
+:func:`rans_encode` on CPU copies; ``triton`` runs ``rans_encode_kernel`` compiled on
+CUDA/ROCm tensors; ``interpret`` runs it under Triton's interpreter on CPU tensors.
+
+Sections: numpy reference (the definition of correct) -> torch reference -> Triton kernel
+-> launchers (public, then Triton) -> registration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+from kvtier_kernels import registry
+from kvtier_kernels._launch import LazyKernel, triton_loader
+from kvtier_kernels.rans import (
+    MAX_ALPHABET,
+    PROB_BITS,
+    RANS_LOW,
+    LaunchConfig,
+    bad_table_rows,
+    check_freq,
+    check_placement,
+    check_same_device,
+    first_lane,
+    launch,
+    raise_bad_table,
+)
+
+__all__ = [
+    "KERNEL",
+    "rans_encode",
+    "rans_encode_kernel",
+    "rans_encode_lanes",
+    "rans_encode_reference",
+    "rans_encode_triton",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# numpy reference
+# ---------------------------------------------------------------------------------------
+
+
+def rans_encode(symbols: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode each row of ``symbols`` ``[lanes, n]`` with its row of ``freq``
+    ``[lanes, A]`` (uint32, rows summing to ``PROB_SCALE``; every symbol used must have a
+    positive frequency). Returns ``(words, lengths)``: the lanes' streams concatenated
+    (uint16) and each lane's length in words (int64; ``2 <= length <= n + 2``)."""
+    lanes, n = symbols.shape
+    alphabet = freq.shape[1]
+    freq64 = freq.astype(np.uint64)
+    cum = np.zeros_like(freq64)
+    np.cumsum(freq64[:, :-1], axis=1, out=cum[:, 1:])
+    width = n + 2
+    buf = np.zeros(lanes * width, dtype=np.uint16)
+    base = np.arange(lanes, dtype=np.int64) * width
+    pos = np.full(lanes, width, dtype=np.int64)  # a lane's stream is buf[pos:width]
+    state = np.full(lanes, RANS_LOW, dtype=np.uint64)
+    row = np.arange(lanes, dtype=np.int64) * alphabet
+    for i in range(n - 1, -1, -1):
+        index = row + symbols[:, i]
+        f, c = freq64[:, :].reshape(-1)[index], cum.reshape(-1)[index]
+        emit = state >= (f << np.uint64(16))
+        # writing unconditionally is safe: an unused slot below pos is overwritten later
+        buf[base + pos - 1] = (state & np.uint64(0xFFFF)).astype(np.uint16)
+        pos -= emit
+        state = np.where(emit, state >> np.uint64(16), state)
+        state = ((state // f) << np.uint64(PROB_BITS)) + state % f + c
+    buf[base + pos - 2] = (state & np.uint64(0xFFFF)).astype(np.uint16)
+    buf[base + pos - 1] = (state >> np.uint64(16)).astype(np.uint16)
+    pos -= 2
+    keep = np.arange(width)[None, :] >= pos[:, None]
+    return buf.reshape(lanes, width)[keep], width - pos
+
+
+# ---------------------------------------------------------------------------------------
+# torch reference: the numpy codec on CPU copies
+# ---------------------------------------------------------------------------------------
+
+
+def _raise_unusable_symbols(bad_lanes: torch.Tensor) -> NoReturn:
+    raise ValueError(
+        f"lane {first_lane(bad_lanes)} uses a symbol outside its freq row or with frequency 0 "
+        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes); every symbol used needs a "
+        "positive frequency"
+    )
+
+
+def rans_encode_reference(
+    symbols: torch.Tensor,  # [lanes, n] uint8
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rans_encode` on CPU copies; returns ``(words,
+    lengths)`` (int32, int64) on ``symbols``' device. Shapes are assumed valid
+    (:func:`rans_encode_lanes` checks them).
+
+    Raises:
+        ValueError: a freq row is negative or does not sum to ``PROB_SCALE``, or a lane
+            uses a symbol outside its row or with frequency 0.
+    """
+    freq_cpu = freq.cpu()
+    bad_rows = bad_table_rows(freq_cpu)
+    if bad_rows.any():
+        raise_bad_table(bad_rows, freq_cpu)
+    sym = symbols.cpu().numpy()
+    table = freq_cpu.numpy().astype(np.uint32)
+    lanes, alphabet = table.shape
+    usable = np.zeros((lanes, MAX_ALPHABET + 1), dtype=bool)  # a uint8 symbol indexes it
+    usable[:, :alphabet] = table > 0
+    bad_lanes = ~usable[np.arange(lanes)[:, None], sym].all(1)
+    if bad_lanes.any():
+        _raise_unusable_symbols(torch.from_numpy(bad_lanes))
+    words, lengths = rans_encode(sym, table)
+    device = symbols.device
+    return (
+        torch.from_numpy(words.astype(np.int32)).to(device),
+        torch.from_numpy(lengths.astype(np.int64)).to(device),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernel
+#
+# Grid: (cdiv(lanes, BLOCK),). Program p codes lanes p * BLOCK : +BLOCK, one lane per
+# vector element, looping over the lane's symbols from the last to the first. State
+# arithmetic is int64 (``f << 16`` reaches 2**32 and ``state // f`` must be exact); every
+# value stays below 2**32, so int64 gives the reference's uint64 results bit for bit.
+#
+# Lane l writes its stream downward into scratch[l, pos : n + 2] (pos starts at n + 2; a
+# renormalization word is stored only when one is emitted) and ends with its final state's
+# low and high words; its length is n + 2 - pos. The launcher compacts the lanes' regions
+# into one stream. `bad` flags a lane that used a symbol outside its row or with frequency
+# 0 (the division then runs on 1, to stay defined).
+#
+# NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that
+# importing this module never imports triton. Masks combine vector conditions only
+# (Triton 3.9's interpreter rejects `block_mask & scalar`).
+# ---------------------------------------------------------------------------------------
+
+tl: Any = None
+
+
+def rans_encode_kernel(
+    symbols,  # [lanes, n] uint8
+    freq,  # [lanes, A] int32/int64
+    cum_lo,  # [lanes, A] int32, contiguous: freq[0] + ... + freq[a - 1]
+    scratch,  # [lanes, n + 2] int32, contiguous: each lane's stream at its end
+    lengths,  # [lanes] int64 (out)
+    bad,  # [lanes] int8 (out): 1 = a symbol outside the row or with frequency 0
+    s_sym_lane,  # symbols strides, in elements
+    s_sym_pos,
+    s_freq_lane,  # freq strides, in elements
+    s_freq_sym,
+    num_lanes,
+    n,
+    alphabet,
+    PROB_BITS: tl.constexpr,
+    RANS_LOW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_lane = lanes < num_lanes
+    lane64 = lanes.to(tl.int64)
+    width = n + 2
+    region = lane64 * width
+    state = tl.full([BLOCK], RANS_LOW, tl.int64)
+    pos = tl.full([BLOCK], 0, tl.int64) + width
+    flags = tl.full([BLOCK], 0, tl.int32)
+    sym_at = lane64 * s_sym_lane + (lane64 * 0 + n - 1) * s_sym_pos  # int64: the last symbol
+    for _ in range(n):
+        sym = tl.load(symbols + sym_at, mask=in_lane, other=0).to(tl.int64)
+        sym_at -= s_sym_pos
+        known = in_lane & (sym < alphabet)
+        f = tl.load(freq + lane64 * s_freq_lane + sym * s_freq_sym, mask=known, other=0)
+        f = f.to(tl.int64)
+        c = tl.load(cum_lo + lane64 * alphabet + sym, mask=known, other=0).to(tl.int64)
+        flags = flags | (f <= 0).to(tl.int32)
+        f = tl.maximum(f, 1)
+        emit = state >= (f << 16)
+        tl.store(scratch + region + pos - 1, (state & 0xFFFF).to(tl.int32), mask=in_lane & emit)
+        pos = pos - emit.to(tl.int64)
+        state = tl.where(emit, state >> 16, state)
+        state = ((state // f) << PROB_BITS) + state % f + c
+    tl.store(scratch + region + pos - 2, (state & 0xFFFF).to(tl.int32), mask=in_lane)
+    tl.store(scratch + region + pos - 1, (state >> 16).to(tl.int32), mask=in_lane)
+    tl.store(lengths + lane64, width - pos + 2, mask=in_lane)
+    tl.store(bad + lane64, flags.to(tl.int8), mask=in_lane)
+
+
+KERNEL = LazyKernel(rans_encode_kernel)
+"""The encode kernel, decorated (compiled or interpreted) on first use."""
+
+
+# ---------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------
+
+
+def rans_encode_lanes(
+    symbols: torch.Tensor,  # [lanes, n] uint8
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rANS-encode each lane (row) of ``symbols`` with its row of ``freq``.
+
+    Args:
+        symbols: uint8 ``[lanes, n]``.
+        freq: int32/int64 ``[lanes, A]``, ``1 <= A <= 255``, rows non-negative and summing
+            to ``PROB_SCALE``; every symbol a lane uses must have a positive frequency.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"interpret"`` (see registry).
+
+    Returns:
+        ``(words, lengths)`` on ``symbols``' device, equal to
+        :func:`rans_encode`'s: int32 ``[sum(lengths)]`` holding
+        the 16-bit words of the lanes' streams concatenated, and int64 ``[lanes]``.
+
+    Raises:
+        TypeError / ValueError: a wrong type, shape, dtype or device (the message names the
+            tensor and the expected shape), a freq row that is not a probability table, or
+            a lane using a symbol without frequency (names the first such lane).
+    """
+    if not isinstance(symbols, torch.Tensor):
+        raise TypeError(f"symbols must be a torch.Tensor, got {type(symbols).__name__}")
+    if symbols.dim() != 2 or symbols.dtype != torch.uint8:
+        raise ValueError(
+            f"symbols must be a 2-D uint8 tensor [lanes, n]; "
+            f"got shape {tuple(symbols.shape)} dtype {symbols.dtype}"
+        )
+    check_freq(freq, symbols.shape[0])
+    check_same_device(symbols=symbols, freq=freq)
+    impl = registry.get("rans_encode", backend, symbols.device)
+    return impl(symbols, freq)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton launcher
+# ---------------------------------------------------------------------------------------
+
+
+def rans_encode_triton(
+    symbols: torch.Tensor,  # [lanes, n] uint8
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+    *,
+    interpret: bool | None = None,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`rans_encode_reference`: one launch, then an on-device
+    compaction of the lanes' streams and one host sync (the stream's length and the
+    validity flags). ``interpret`` picks Triton's interpreter (CPU tensors) or the compiled
+    kernel (GPU tensors); None picks by the device. ``config`` overrides
+    :func:`launch_config`. Shapes are assumed valid (:func:`rans_encode_lanes` checks them).
+
+    Raises:
+        ValueError: as :func:`rans_encode_reference`, or tensors this backend cannot reach,
+            or an invalid ``config``.
+    """
+    # validate: shapes and dtypes are checked by rans_encode_lanes(); tables after the launch
+    device = symbols.device
+    interpret = device.type == "cpu" if interpret is None else interpret
+    check_placement(device, interpret)
+    lanes, n = symbols.shape
+    alphabet = freq.shape[1]
+
+    # allocate
+    width = n + 2
+    freq64 = freq.to(torch.int64)
+    cum_lo = (freq64.cumsum(1) - freq64).to(torch.int32)  # [lanes, A]
+    scratch = torch.empty((lanes, width), dtype=torch.int32, device=device)
+    lengths = torch.zeros(lanes, dtype=torch.int64, device=device)
+    bad = torch.zeros(lanes, dtype=torch.int8, device=device)
+
+    # grid + launch
+    if lanes:
+        launch(
+            KERNEL,
+            lanes,
+            device,
+            interpret,
+            config,
+            symbols,  # [lanes, n] uint8
+            freq,  # [lanes, A]
+            cum_lo,  # [lanes, A] int32
+            scratch,  # [lanes, n + 2] int32
+            lengths,  # [lanes] int64
+            bad,  # [lanes] int8
+            *symbols.stride(),
+            *freq.stride(),
+            lanes,
+            n,
+            alphabet,
+        )
+
+    bad_rows = bad_table_rows(freq)
+    checks = torch.stack([lengths.sum(), bad_rows.sum(), bad.sum(dtype=torch.int64)])
+    total, bad_row_count, bad_lane_count = checks.tolist()  # the one host sync
+    if bad_row_count:
+        raise_bad_table(bad_rows, freq)
+    if bad_lane_count:
+        _raise_unusable_symbols(bad != 0)
+
+    # compact: lane l's word k (k counted over the whole stream) sits at flat scratch index
+    # l * width + width - ends[l] + k.
+    ends = lengths.cumsum(0)
+    shift = torch.arange(1, lanes + 1, dtype=torch.int64, device=device) * width - ends
+    index = torch.arange(total, dtype=torch.int64, device=device)
+    index += shift.repeat_interleave(lengths, output_size=total)
+    return scratch.view(-1)[index], lengths
+
+
+# ---------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------
+
+registry.register("rans_encode", "torch", rans_encode_reference)
+registry.register("rans_encode", "triton", loader=triton_loader(KERNEL, rans_encode_triton, False))
+registry.register(
+    "rans_encode", "interpret", loader=triton_loader(KERNEL, rans_encode_triton, True)
+)
