@@ -34,7 +34,7 @@ from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Stats
 from kvtier.storage import remotes
 from kvtier.storage.cpu import LocalCPUTier
-from kvtier.storage.remote import RemoteOpener
+from kvtier.storage.remote import RemoteOpener, RemoteRequest
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import LowerTier
 
@@ -297,10 +297,6 @@ def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTie
     url = config.remote_url
     assert url is not None
     open_remote: RemoteOpener = remotes.load_module(url).open_remote
-    return open_remote(
-        url,
-        config,
-        serde=make_serde(config.remote_serde, config),
-        stats=stats,
-        space=quote(namespace, safe="-_."),
-    )
+    serde = make_serde(config.remote_serde, config)
+    space = quote(namespace, safe="-_.")
+    return open_remote(RemoteRequest(url, config, serde, stats, space))

@@ -47,12 +47,9 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvtier.config import KVTierConfig
-from kvtier.metrics import Stats
 from kvtier.storage.backend import Buffer, StoreUnavailable
 from kvtier.storage.redis_url import parse_url
-from kvtier.storage.remote import RemoteTier, open_blob_tier
-from kvtier.storage.serde import Serde
+from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 log = logging.getLogger(__name__)
 
@@ -473,20 +470,18 @@ class RedisStore:
     __str__ = __repr__
 
 
-def open_remote(
-    url: str, config: KVTierConfig, *, serde: Serde, stats: Stats, space: str
-) -> RemoteTier:
-    """A Redis/Valkey ``remote_url`` as a tier (a ``RemoteOpener``, see ``remotes``)."""
+def open_remote(request: RemoteRequest) -> RemoteTier:
+    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
     store = RedisStore(
-        url,
-        namespace=f"kvtier:{space}:",
-        timeout_s=config.remote_timeout_ms / 1000,
-        username=config.remote_username,
-        password=config.remote_password,
-        ttl_s=config.remote_ttl_secs,
-        max_connections=config.remote_max_concurrency,
-        tls_ca_file=config.remote_tls_ca_file,
-        tls_cert_file=config.remote_tls_cert_file,
-        tls_key_file=config.remote_tls_key_file,
+        request.url,
+        namespace=f"kvtier:{request.space}:",
+        timeout_s=request.config.remote_timeout_ms / 1000,
+        username=request.config.remote_username,
+        password=request.config.remote_password,
+        ttl_s=request.config.remote_ttl_secs,
+        max_connections=request.config.remote_max_concurrency,
+        tls_ca_file=request.config.remote_tls_ca_file,
+        tls_cert_file=request.config.remote_tls_cert_file,
+        tls_key_file=request.config.remote_tls_key_file,
     )
-    return open_blob_tier(store, url, config, serde=serde, stats=stats)
+    return open_blob_tier(store, request)

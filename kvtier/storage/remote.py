@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
@@ -44,23 +45,28 @@ logger = logging.getLogger(__name__)
 RECONNECT_FIRST_S = 0.1
 
 
-class RemoteOpener(Protocol):
-    """``open_remote`` of a remote scheme's module (the schemes: ``storage.remotes``).
+@dataclass(frozen=True, slots=True)
+class RemoteRequest:
+    """What a remote scheme's ``open_remote`` is given (the schemes: ``storage.remotes``).
 
-    Args:
+    Attributes:
         url: the ``remote_url``.
         config: the validated config (timeouts, credentials, queue sizes).
         serde: the codec new objects are written with.
         stats: counters.
         space: the namespace (the model name) percent-encoded, to sit in a key prefix.
-
-    Raises:
-        ValueError: a bad URL or setting (the message names the config key).
     """
 
-    def __call__(
-        self, url: str, config: KVTierConfig, *, serde: Serde, stats: Stats, space: str
-    ) -> LowerTier: ...
+    url: str
+    config: KVTierConfig
+    serde: Serde
+    stats: Stats
+    space: str
+
+
+# ``open_remote`` of a scheme's module: the tier of ``request.url``. Raises ValueError for a
+# bad URL or setting (the message names the config key).
+RemoteOpener = Callable[[RemoteRequest], LowerTier]
 
 
 class _Down(Exception):
@@ -335,16 +341,15 @@ class RemoteTier:
         self.store.close()
 
 
-def open_blob_tier(
-    store: BlobStore, url: str, config: KVTierConfig, *, serde: Serde, stats: Stats
-) -> RemoteTier:
-    """``store``, opened from ``url``, as a tier with ``config``'s remote timeouts,
+def open_blob_tier(store: BlobStore, request: RemoteRequest) -> RemoteTier:
+    """``store``, opened for ``request``, as a tier with the config's remote timeouts,
     concurrency and queue size."""
+    config = request.config
     return RemoteTier(
         store,
-        describe=redact_url(url),
-        serde=serde,
-        stats=stats,
+        describe=redact_url(request.url),
+        serde=request.serde,
+        stats=request.stats,
         timeout_s=config.remote_timeout_ms / 1000,
         reconnect_max_s=config.remote_reconnect_max_ms / 1000,
         concurrency=config.remote_max_concurrency,

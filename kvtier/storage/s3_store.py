@@ -30,11 +30,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
-from kvtier.config import KVTierConfig
-from kvtier.metrics import Stats
 from kvtier.storage.backend import Buffer, StoreUnavailable
-from kvtier.storage.remote import RemoteTier, open_blob_tier
-from kvtier.storage.serde import Serde
+from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
 
@@ -437,21 +434,20 @@ class S3Store:
         )
 
 
-def open_remote(
-    url: str, config: KVTierConfig, *, serde: Serde, stats: Stats, space: str
-) -> RemoteTier:
-    """An ``s3://`` ``remote_url`` as a tier (a ``RemoteOpener``, see ``remotes``)."""
+def open_remote(request: RemoteRequest) -> RemoteTier:
+    """An ``s3://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    config = request.config
     store = S3Store(
-        url,
-        namespace=f"kvtier/{space}/",
+        request.url,
         timeout_s=max(config.remote_timeout_ms / 1000, 1.0),
+        namespace=f"kvtier/{request.space}/",
         endpoint_url=config.s3_endpoint_url,
         region=config.s3_region,
         access_key_id=config.s3_access_key_id,
         secret_access_key=config.s3_secret_access_key,
         max_concurrency=config.remote_max_concurrency,
     )
-    return open_blob_tier(store, url, config, serde=serde, stats=stats)
+    return open_blob_tier(store, request)
 
 
 def _error_code(exc: ClientError) -> str:

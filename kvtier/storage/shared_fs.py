@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from kvtier.config import KVTierConfig
-from kvtier.metrics import Stats
 from kvtier.storage.disk import FileTier
-from kvtier.storage.serde import Serde
+from kvtier.storage.remote import RemoteRequest
 
 
 def parse_fs_url(url: str) -> str:
@@ -27,17 +25,15 @@ def parse_fs_url(url: str) -> str:
     return parts.path
 
 
-def open_remote(
-    url: str, config: KVTierConfig, *, serde: Serde, stats: Stats, space: str
-) -> FileTier:
-    """The shared directory of ``url`` as a tier (a ``RemoteOpener``; ``space`` is unused:
-    every key names its model)."""
+def open_remote(request: RemoteRequest) -> FileTier:
+    """The shared directory of ``request.url`` as a tier (its ``RemoteOpener``, see
+    ``remotes``); ``request.space`` is unused, as every key names its model."""
     return FileTier(
-        parse_fs_url(url),
+        parse_fs_url(request.url),
         name="fs",
         capacity_bytes=None,
-        serde=serde,
-        stats=stats,
-        queue_capacity=config.store_queue_size,
+        serde=request.serde,
+        stats=request.stats,
+        queue_capacity=request.config.store_queue_size,
         config_key="remote_url",
     )
