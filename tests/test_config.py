@@ -13,21 +13,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.config import (
-    CONFIG_KEYS,
-    LMCACHE_ALIASES,
+from kvtier import config_docs
+from kvtier.config import CONFIG_KEYS, LMCACHE_ALIASES, ConfigError, KVTierConfig, load_config
+from kvtier.config_keys import parse_levels
+from kvtier.config_lmcache import (
     LMCACHE_NO_EFFECT_KEYS,
     LMCACHE_PLANNED_KEYS,
     LMCACHE_UNSUPPORTED_KEYS,
-    RESERVED_ENV_VARS,
-    ConfigError,
-    KVTierConfig,
-    _is_switched_off,
-    config_reference_markdown,
-    lmcache_reference_markdown,
-    load_config,
-    parse_levels,
+    is_switched_off,
 )
+from kvtier.config_sources import RESERVED_ENV_VARS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -792,11 +787,11 @@ def test_lookup_timeout_is_validated() -> None:
 
 
 def test_switched_off_compares_bools_to_bools() -> None:
-    assert not _is_switched_off(True, 1)  # True == 1, but true is not an LMCache default of 1
-    assert not _is_switched_off(1, True)
-    assert _is_switched_off(True, True)
-    assert _is_switched_off(0.0, 5.0)
-    assert not _is_switched_off([0], None)
+    assert not is_switched_off(True, 1)  # True == 1, but true is not an LMCache default of 1
+    assert not is_switched_off(1, True)
+    assert is_switched_off(True, True)
+    assert is_switched_off(0.0, 5.0)
+    assert not is_switched_off([0], None)
 
 
 def test_lmcache_tables_are_disjoint_and_cover_aliases() -> None:
@@ -839,20 +834,21 @@ def test_from_dict_accepts_lmcache_names_and_ignores_env(monkeypatch: pytest.Mon
     assert cfg.ignored_lmcache_keys == ("numa_mode",)
 
 
-def _generated_block(doc: str, name: str) -> str:
-    match = re.search(
-        rf"<!-- BEGIN GENERATED: {name} -->\n(.*?)<!-- END GENERATED: {name} -->", doc, re.S
-    )
-    assert match, f"docs/configuration.md has no generated block {name!r}"
-    return match.group(1)
-
-
 def test_docs_are_in_sync_with_the_registry() -> None:
     doc = DOC.read_text()
-    hint = "regenerate with kvtier.config.config_reference_markdown()"
-    assert _generated_block(doc, "config_reference_markdown") == config_reference_markdown(), hint
-    hint = "regenerate with kvtier.config.lmcache_reference_markdown()"
-    assert _generated_block(doc, "lmcache_reference_markdown") == lmcache_reference_markdown(), hint
+    for name, make in config_docs.GENERATORS.items():
+        block = config_docs.generated_block(doc, name)
+        assert block is not None, f"docs/configuration.md has no generated block {name!r}"
+        assert block == make(), "regenerate with: python -m kvtier.config_docs"
+
+
+def test_docs_generator_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
+    stale = re.sub(r"\| `chunk_size` \|[^\n]*\n", "", DOC.read_text(), count=1)
+    path = write(tmp_path, stale, name="configuration.md")
+    assert config_docs.main([str(path)]) == 0
+    assert path.read_text() == DOC.read_text()
+    with pytest.raises(ValueError, match="config_reference_markdown"):
+        config_docs.regenerate("no blocks here")
 
 
 def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path) -> None:
