@@ -9,7 +9,7 @@ The registry ``CONFIG_KEYS`` is derived from those fields, so a new key is one n
     overrides      a mapping, e.g. vLLM's ``kv_transfer_config.kv_connector_extra_config``
     environment    ``KVTIER_<KEY>`` variables (``KVTIER_CHUNK_SIZE=512``)
     YAML file      ``config_file`` argument, else ``overrides["config_file"]``,
-                   else ``$KVTIER_CONFIG_FILE``
+                   else ``$KVTIER_CONFIG_FILE``, else LMCache's ``$LMCACHE_CONFIG_FILE``
     defaults       the ``KeySpec`` defaults
 
 NOTE: this module is the only place in kvtier that reads environment variables, and it
@@ -423,8 +423,9 @@ class KVTierConfig:
 
     def source_of(self, key: str) -> str:
         """Where ``key``'s value came from: ``default``, ``override``, ``env var KVTIER_X``,
-        ``file PATH`` (with ``(as lmcache_name)`` when set under an LMCache alias), or
-        ``argument`` for a value given to the constructor. Raises KeyError for unknown keys.
+        ``file PATH`` or ``LMCACHE_CONFIG_FILE file PATH`` (with ``(as lmcache_name)`` when
+        set under an LMCache alias), or ``argument`` for a value given to the constructor.
+        Raises KeyError for unknown keys.
         """
         spec = CONFIG_KEYS[key]
         if key in self.sources:
@@ -479,9 +480,12 @@ def load_config(
     Args:
         overrides: highest-precedence values, kvtier or LMCache key names (vLLM's
             ``kv_connector_extra_config``). May hold ``config_file``.
-        config_file: YAML file to read; beats ``overrides["config_file"]`` and
-            ``$KVTIER_CONFIG_FILE``. An LMCache YAML config is accepted.
-        env: environment to read ``KVTIER_*`` variables from; defaults to ``os.environ``.
+        config_file: YAML file to read; beats ``overrides["config_file"]``,
+            ``$KVTIER_CONFIG_FILE`` and ``$LMCACHE_CONFIG_FILE`` (read only when none of
+            kvtier's is given; one warning says so when it is ignored). An LMCache YAML
+            config is accepted.
+        env: environment to read ``KVTIER_*`` and ``LMCACHE_CONFIG_FILE`` from; defaults
+            to ``os.environ``.
 
     Returns:
         The config; ``cfg.sources`` records where each value came from.

@@ -8,6 +8,7 @@ Every reader collects its problems in the caller's list instead of raising, so t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,8 +26,12 @@ from kvtier.config_lmcache import (
     lmcache_aliases,
 )
 
+logger = logging.getLogger(__name__)
+
 CONFIG_FILE_KEY = "config_file"
 CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
+# LMCache's own variable naming its YAML file; read when kvtier is given no file.
+LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
 # KVTIER_* variables that are not config keys; load_config accepts them without a value check.
 RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, "KVTIER_LOG_LEVEL"})
 
@@ -36,19 +41,21 @@ Settings = dict[str, tuple[Any, str]]
 
 @dataclass(frozen=True, slots=True)
 class ConfigFile:
-    """The YAML file a configuration reads."""
+    """The YAML file a configuration reads; ``from_lmcache``: named by LMCACHE_CONFIG_FILE."""
 
     path: str
+    from_lmcache: bool = False
 
     @property
     def origin(self) -> str:
-        """The source label of its values: ``file PATH``."""
-        return f"file {self.path}"
+        """The source label of its values: ``file PATH`` or ``LMCACHE_CONFIG_FILE file PATH``."""
+        prefix = f"{LMCACHE_CONFIG_FILE_ENV_VAR} " if self.from_lmcache else ""
+        return f"{prefix}file {self.path}"
 
     @property
     def described(self) -> str:
         """How problems with the file itself name it."""
-        return f"config file {self.path}"
+        return self.origin if self.from_lmcache else f"config file {self.path}"
 
 
 def resolve_config_file(
@@ -58,19 +65,33 @@ def resolve_config_file(
     problems: list[str],
 ) -> ConfigFile | None:
     """The YAML file to read: ``config_file``, else ``from_overrides`` (the overrides'
-    ``config_file``), else ``$KVTIER_CONFIG_FILE``; None for none."""
+    ``config_file``), else ``$KVTIER_CONFIG_FILE``, else ``$LMCACHE_CONFIG_FILE``; None
+    for none. When kvtier is given a file of its own, LMCACHE_CONFIG_FILE is ignored with
+    one warning."""
     if config_file is not None:
-        return ConfigFile(os.fspath(config_file))
-    if from_overrides is not None:
-        if isinstance(from_overrides, str | os.PathLike):
-            return ConfigFile(os.fspath(from_overrides))
-        problems.append(
-            f"{CONFIG_FILE_KEY}: {from_overrides!r} from override is not allowed; "
-            "expected a file path"
+        chosen, given_as = os.fspath(config_file), "the config_file argument"
+    elif from_overrides is not None:
+        if not isinstance(from_overrides, str | os.PathLike):
+            problems.append(
+                f"{CONFIG_FILE_KEY}: {from_overrides!r} from override is not allowed; "
+                "expected a file path"
+            )
+            return None
+        chosen, given_as = os.fspath(from_overrides), f"{CONFIG_FILE_KEY} from override"
+    else:
+        chosen, given_as = env.get(CONFIG_FILE_ENV_VAR) or None, CONFIG_FILE_ENV_VAR
+    lmcache_file = env.get(LMCACHE_CONFIG_FILE_ENV_VAR) or None
+    if chosen is None:
+        return None if lmcache_file is None else ConfigFile(lmcache_file, from_lmcache=True)
+    if lmcache_file is not None:
+        logger.warning(
+            "%s (%s) is ignored in favour of %s (%s)",
+            LMCACHE_CONFIG_FILE_ENV_VAR,
+            lmcache_file,
+            given_as,
+            chosen,
         )
-        return None
-    path = env.get(CONFIG_FILE_ENV_VAR) or None
-    return None if path is None else ConfigFile(path)
+    return ConfigFile(chosen)
 
 
 def read_yaml_file(file: ConfigFile, problems: list[str]) -> Mapping[Any, Any]:
