@@ -13,21 +13,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.config import (
-    CONFIG_KEYS,
-    LMCACHE_ALIASES,
+from kvtier import config_docs
+from kvtier.config import CONFIG_KEYS, LMCACHE_ALIASES, ConfigError, KVTierConfig, load_config
+from kvtier.config_keys import parse_levels
+from kvtier.config_lmcache import (
     LMCACHE_NO_EFFECT_KEYS,
     LMCACHE_PLANNED_KEYS,
     LMCACHE_UNSUPPORTED_KEYS,
-    RESERVED_ENV_VARS,
-    ConfigError,
-    KVTierConfig,
-    _is_switched_off,
-    config_reference_markdown,
-    lmcache_reference_markdown,
-    load_config,
-    parse_levels,
+    is_switched_off,
 )
+from kvtier.config_sources import RESERVED_ENV_VARS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -241,6 +236,80 @@ def test_config_file_of_wrong_type_in_overrides() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"config_file": 3}, env={})
     assert_one_problem_mentions(excinfo.value, "config_file", "3", "override", "file path")
+
+
+def test_lmcache_config_file_is_read_when_kvtier_names_no_file(tmp_path: Path) -> None:
+    path = write(tmp_path, LMCACHE_YAML, "lmcache.yaml")
+    cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(path), "KVTIER_CACHE_POLICY": "FIFO"})
+    assert (cfg.chunk_size, cfg.max_local_cpu_size, cfg.save_unfull_chunk) == (512, 20.0, True)
+    assert cfg.cache_policy == "FIFO"  # KVTIER_* variables beat the file, as for any file
+    assert cfg.source_of("chunk_size") == f"LMCACHE_CONFIG_FILE file {path}"
+    origin = f"LMCACHE_CONFIG_FILE file {path} (as max_local_cache_size)"
+    assert cfg.source_of("max_local_cpu_size") == origin
+    assert "lmcache_instance_id" in cfg.ignored_lmcache_keys
+    rows = {line.split()[0]: line for line in cfg.describe().splitlines()}
+    assert rows["max_local_cpu_size"].endswith(origin)  # what `kvtier info` shows
+    # An empty LMCACHE_CONFIG_FILE means no file.
+    assert load_config(env={"LMCACHE_CONFIG_FILE": ""}) == KVTierConfig()
+
+
+def test_lmcache_config_file_from_os_environ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, "chunk_size: 64\n", "lmcache.yaml")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(path))
+    assert load_config().chunk_size == 64
+    assert KVTierConfig.from_dict({}).chunk_size == 256  # from_dict reads no environment
+
+
+@pytest.mark.parametrize("given_as", ["KVTIER_CONFIG_FILE", "override", "argument"])
+def test_kvtier_config_file_wins_over_lmcache_config_file_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, given_as: str
+) -> None:
+    ours = write(tmp_path, "chunk_size: 16\n", "kvtier.yaml")
+    theirs = write(tmp_path, "chunk_size: 512\nlocal_cpu: false\n", "lmcache.yaml")
+    env = {"LMCACHE_CONFIG_FILE": str(theirs)}
+    overrides, config_file = {}, None
+    if given_as == "KVTIER_CONFIG_FILE":
+        env["KVTIER_CONFIG_FILE"] = str(ours)
+    elif given_as == "override":
+        overrides = {"config_file": str(ours)}
+    else:
+        config_file = ours
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(overrides, config_file=config_file, env=env)
+    assert (cfg.chunk_size, cfg.local_cpu) == (16, True)
+    assert cfg.source_of("chunk_size") == f"file {ours}"
+    warnings = [r.getMessage() for r in caplog.records if "LMCACHE_CONFIG_FILE" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"LMCACHE_CONFIG_FILE ({theirs}) is ignored in favour of" in warnings[0]
+    assert str(ours) in warnings[0]
+    if given_as == "KVTIER_CONFIG_FILE":
+        assert "in favour of KVTIER_CONFIG_FILE" in warnings[0]
+
+
+def test_no_warning_about_lmcache_config_file_when_it_is_used_or_absent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, "chunk_size: 16\n")
+    with caplog.at_level(logging.WARNING):
+        load_config(env={"LMCACHE_CONFIG_FILE": str(path)})
+        load_config(env={"KVTIER_CONFIG_FILE": str(path), "LMCACHE_CONFIG_FILE": ""})
+    assert not caplog.records
+
+
+def test_lmcache_config_file_problems_name_the_variable(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"LMCACHE_CONFIG_FILE": str(missing)})
+    assert_one_problem_mentions(excinfo.value, f"LMCACHE_CONFIG_FILE file {missing}", "exist")
+    path = write(tmp_path, "enable_pd: true\nchunk_sise: 8\n", "lmcache.yaml")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"LMCACHE_CONFIG_FILE": str(path)})
+    problems = problems_of(excinfo)
+    assert len(problems) == 2, problems
+    assert all(f"LMCACHE_CONFIG_FILE file {path}" in p for p in problems), problems
+    assert "PD disaggregation" in problems[0] and "did you mean 'chunk_size'" in problems[1]
 
 
 def test_describe_reports_values_and_sources(tmp_path: Path) -> None:
@@ -792,11 +861,11 @@ def test_lookup_timeout_is_validated() -> None:
 
 
 def test_switched_off_compares_bools_to_bools() -> None:
-    assert not _is_switched_off(True, 1)  # True == 1, but true is not an LMCache default of 1
-    assert not _is_switched_off(1, True)
-    assert _is_switched_off(True, True)
-    assert _is_switched_off(0.0, 5.0)
-    assert not _is_switched_off([0], None)
+    assert not is_switched_off(True, 1)  # True == 1, but true is not an LMCache default of 1
+    assert not is_switched_off(1, True)
+    assert is_switched_off(True, True)
+    assert is_switched_off(0.0, 5.0)
+    assert not is_switched_off([0], None)
 
 
 def test_lmcache_tables_are_disjoint_and_cover_aliases() -> None:
@@ -839,20 +908,21 @@ def test_from_dict_accepts_lmcache_names_and_ignores_env(monkeypatch: pytest.Mon
     assert cfg.ignored_lmcache_keys == ("numa_mode",)
 
 
-def _generated_block(doc: str, name: str) -> str:
-    match = re.search(
-        rf"<!-- BEGIN GENERATED: {name} -->\n(.*?)<!-- END GENERATED: {name} -->", doc, re.S
-    )
-    assert match, f"docs/configuration.md has no generated block {name!r}"
-    return match.group(1)
-
-
 def test_docs_are_in_sync_with_the_registry() -> None:
     doc = DOC.read_text()
-    hint = "regenerate with kvtier.config.config_reference_markdown()"
-    assert _generated_block(doc, "config_reference_markdown") == config_reference_markdown(), hint
-    hint = "regenerate with kvtier.config.lmcache_reference_markdown()"
-    assert _generated_block(doc, "lmcache_reference_markdown") == lmcache_reference_markdown(), hint
+    for name, make in config_docs.GENERATORS.items():
+        block = config_docs.generated_block(doc, name)
+        assert block is not None, f"docs/configuration.md has no generated block {name!r}"
+        assert block == make(), "regenerate with: python -m kvtier.config_docs"
+
+
+def test_docs_generator_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
+    stale = re.sub(r"\| `chunk_size` \|[^\n]*\n", "", DOC.read_text(), count=1)
+    path = write(tmp_path, stale, name="configuration.md")
+    assert config_docs.main([str(path)]) == 0
+    assert path.read_text() == DOC.read_text()
+    with pytest.raises(ValueError, match="config_reference_markdown"):
+        config_docs.regenerate("no blocks here")
 
 
 def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path) -> None:

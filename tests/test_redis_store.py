@@ -33,7 +33,8 @@ from redis_server import (
 )
 
 from kvtier.storage.backend import BlobStore, StoreUnavailable
-from kvtier.storage.redis_store import MANIFEST_MAGIC, PART_SEP, RedisStore, parse_url
+from kvtier.storage.redis_store import MANIFEST_MAGIC, PART_SEP, RedisStore
+from kvtier.storage.redis_url import parse_url
 
 pytestmark = [
     pytest.mark.redis,

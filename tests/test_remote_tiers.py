@@ -6,6 +6,7 @@ found and loaded, bit-exact, by another — as a second engine on another machin
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import pytest
@@ -13,9 +14,9 @@ from redis_server import REDIS_MISSING, RedisServer, redis_available
 from s3_server import S3Server, isolate_aws_environment
 from tier_helpers import fill, key, make_pool, same_bytes
 
-from kvtier.config import load_config
+from kvtier.config import ConfigError, load_config
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
-from kvtier.storage import wire
+from kvtier.storage import remotes, wire
 from kvtier.storage.backend import join_parts
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde
@@ -328,3 +329,49 @@ def test_s3_killed_and_restarted_mid_run(s3, pool):
     manager.cpu.clear()
     assert manager.lookup_prefix([key(2)]) == 1
     manager.close()
+
+
+# -- the registry of remote stores ---------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", remotes.remote_schemes())
+def test_every_registered_scheme_opens_through_its_module(scheme):
+    assert remotes.scheme_of(f"{scheme.upper()}://somewhere").name == scheme
+    assert callable(remotes.load_module(f"{scheme}://somewhere").open_remote)
+
+
+def test_the_config_takes_exactly_the_registered_schemes():
+    for scheme in remotes.remote_schemes():
+        assert load_config({"remote_url": f"{scheme}://h/x"}, env={}).remote_url
+    allowed = "expected a URL with scheme " + ", ".join(remotes.remote_schemes())
+    for url in ("lm://localhost:65432", "redis:/h", "localhost:6379"):
+        with pytest.raises(ConfigError, match=allowed):
+            load_config({"remote_url": url}, env={})
+    with pytest.raises(ValueError, match=allowed):
+        remotes.load_module("lm://localhost:65432")
+
+
+def test_a_missing_client_library_names_its_pip_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "kvtier.storage.s3_store")
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now fails
+    with pytest.raises(ValueError, match=r"\(boto3\): pip install 'kvtier\[s3\]'"):
+        remotes.load_module("s3://bucket/prefix")
+
+
+def test_a_scheme_is_registered_once():
+    with pytest.raises(ValueError, match="'redis' is registered already"):
+        remotes.register("Redis", "kvtier.storage.elsewhere")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://user:pw@h:1/0", "redis://user:***@h:1/0"),
+        ("redis-cluster://:p@ss@a:1,b:2", "redis-cluster://:***@a:1,b:2"),
+        ("redis://user@h:1/0", "redis://user@h:1/0"),
+        ("s3://bucket/a:b@c", "s3://bucket/a:b@c"),
+        ("no scheme", "no scheme"),
+    ],
+)
+def test_redact_url_hides_only_the_password(url, shown):
+    assert remotes.redact_url(url) == shown

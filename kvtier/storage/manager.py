@@ -23,16 +23,18 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import torch
 
-from kvtier.config import KVTierConfig, redact_url
+from kvtier.config import KVTierConfig
 from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Stats
+from kvtier.storage import remotes
 from kvtier.storage.cpu import LocalCPUTier
+from kvtier.storage.remote import RemoteOpener, RemoteRequest
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import LowerTier
 
@@ -291,75 +293,10 @@ def open_lower_tiers(
 
 
 def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTier:
-    from kvtier.storage.disk import FileTier
-    from kvtier.storage.remote import RemoteTier
-
+    """The tier of ``config.remote_url``, opened by its scheme's module (``remotes``)."""
     url = config.remote_url
     assert url is not None
-    scheme = url.partition("://")[0].lower()
+    open_remote: RemoteOpener = remotes.load_module(url).open_remote
     serde = make_serde(config.remote_serde, config)
-    if scheme == "fs":
-        parts = urlsplit(url)
-        if parts.netloc or not parts.path:
-            raise ValueError(
-                f"remote_url {url!r}: give an absolute path after fs://, "
-                "e.g. fs:///mnt/shared/kvtier"
-            )
-        path = parts.path
-        return FileTier(
-            path,
-            name="fs",
-            capacity_bytes=None,
-            serde=serde,
-            stats=stats,
-            queue_capacity=config.store_queue_size,
-            config_key="remote_url",
-        )
-    timeout_s = config.remote_timeout_ms / 1000
     space = quote(namespace, safe="-_.")
-    if scheme == "s3":
-        store = _import_store("s3", "S3Store", "s3")(
-            url,
-            namespace=f"kvtier/{space}/",
-            timeout_s=max(timeout_s, 1.0),
-            endpoint_url=config.s3_endpoint_url,
-            region=config.s3_region,
-            access_key_id=config.s3_access_key_id,
-            secret_access_key=config.s3_secret_access_key,
-            max_concurrency=config.remote_max_concurrency,
-        )
-    else:
-        store = _import_store("redis", "RedisStore", "redis")(
-            url,
-            namespace=f"kvtier:{space}:",
-            timeout_s=timeout_s,
-            username=config.remote_username,
-            password=config.remote_password,
-            ttl_s=config.remote_ttl_secs,
-            max_connections=config.remote_max_concurrency,
-            tls_ca_file=config.remote_tls_ca_file,
-            tls_cert_file=config.remote_tls_cert_file,
-            tls_key_file=config.remote_tls_key_file,
-        )
-    return RemoteTier(
-        store,
-        describe=redact_url(url),
-        serde=serde,
-        stats=stats,
-        timeout_s=timeout_s,
-        reconnect_max_s=config.remote_reconnect_max_ms / 1000,
-        concurrency=config.remote_max_concurrency,
-        queue_capacity=config.store_queue_size,
-    )
-
-
-def _import_store(module: str, cls: str, extra: str):
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(f"kvtier.storage.{module}_store"), cls)
-    except ImportError as exc:
-        raise ValueError(
-            f"remote_url needs an optional dependency that is not installed ({exc.name}): "
-            f"pip install 'kvtier[{extra}]'"
-        ) from None
+    return open_remote(RemoteRequest(url, config, serde, stats, space))

@@ -25,21 +25,48 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.backend import BlobStore, StoreUnavailable
+from kvtier.storage.remotes import redact_url
 from kvtier.storage.serde import CorruptObject, Serde
-from kvtier.storage.tier import PendingWrite, WriteQueue
+from kvtier.storage.tier import LowerTier, PendingWrite, WriteQueue
 from kvtier.storage.wire import Allocate
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_FIRST_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRequest:
+    """What a remote scheme's ``open_remote`` is given (the schemes: ``storage.remotes``).
+
+    Attributes:
+        url: the ``remote_url``.
+        config: the validated config (timeouts, credentials, queue sizes).
+        serde: the codec new objects are written with.
+        stats: counters.
+        space: the namespace (the model name) percent-encoded, to sit in a key prefix.
+    """
+
+    url: str
+    config: KVTierConfig
+    serde: Serde
+    stats: Stats
+    space: str
+
+
+# ``open_remote`` of a scheme's module: the tier of ``request.url``. Raises ValueError for a
+# bad URL or setting (the message names the config key).
+RemoteOpener = Callable[[RemoteRequest], LowerTier]
 
 
 class _Down(Exception):
@@ -312,3 +339,19 @@ class RemoteTier:
         self._io.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+
+
+def open_blob_tier(store: BlobStore, request: RemoteRequest) -> RemoteTier:
+    """``store``, opened for ``request``, as a tier with the config's remote timeouts,
+    concurrency and queue size."""
+    config = request.config
+    return RemoteTier(
+        store,
+        describe=redact_url(request.url),
+        serde=request.serde,
+        stats=request.stats,
+        timeout_s=config.remote_timeout_ms / 1000,
+        reconnect_max_s=config.remote_reconnect_max_ms / 1000,
+        concurrency=config.remote_max_concurrency,
+        queue_capacity=config.store_queue_size,
+    )

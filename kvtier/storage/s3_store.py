@@ -31,10 +31,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
 from kvtier.storage.backend import Buffer, StoreUnavailable
+from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["S3Store"]
+__all__ = ["S3Store", "open_remote"]
 
 URL_FORM = "s3://bucket[/prefix]"
 # S3's naming rules: 3-63 of lowercase letters, digits, dots and hyphens, starting and ending
@@ -431,6 +432,22 @@ class S3Store:
         return StoreUnavailable(
             f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
         )
+
+
+def open_remote(request: RemoteRequest) -> RemoteTier:
+    """An ``s3://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    config = request.config
+    store = S3Store(
+        request.url,
+        timeout_s=max(config.remote_timeout_ms / 1000, 1.0),
+        namespace=f"kvtier/{request.space}/",
+        endpoint_url=config.s3_endpoint_url,
+        region=config.s3_region,
+        access_key_id=config.s3_access_key_id,
+        secret_access_key=config.s3_secret_access_key,
+        max_concurrency=config.remote_max_concurrency,
+    )
+    return open_blob_tier(store, request)
 
 
 def _error_code(exc: ClientError) -> str:

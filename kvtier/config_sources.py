@@ -1,0 +1,189 @@
+"""The sources of a configuration, each read into validated settings for ``load_config``:
+which YAML file to read (:func:`resolve_config_file`), the file itself, a mapping of
+kvtier and LMCache keys (overrides, or a file's contents) and the ``KVTIER_*`` variables.
+
+Every reader collects its problems in the caller's list instead of raising, so that
+``load_config`` reports the problems of all sources together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvtier.config_keys import ENV_PREFIX, KeySpec, coerce, suggest
+from kvtier.config_lmcache import (
+    LMCACHE_NO_EFFECT_KEYS,
+    LMCACHE_PLANNED_KEYS,
+    LMCACHE_UNSUPPORTED_KEYS,
+    check_lmcache_feature_key,
+    is_lmcache_feature_key,
+    lmcache_aliases,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE_KEY = "config_file"
+CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
+# LMCache's own variable naming its YAML file; read when kvtier is given no file.
+LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
+# KVTIER_* variables that are not config keys; load_config accepts them without a value check.
+RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, "KVTIER_LOG_LEVEL"})
+
+# One source's settings: kvtier key -> (validated value, source label).
+Settings = dict[str, tuple[Any, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    """The YAML file a configuration reads; ``from_lmcache``: named by LMCACHE_CONFIG_FILE."""
+
+    path: str
+    from_lmcache: bool = False
+
+    @property
+    def origin(self) -> str:
+        """The source label of its values: ``file PATH`` or ``LMCACHE_CONFIG_FILE file PATH``."""
+        prefix = f"{LMCACHE_CONFIG_FILE_ENV_VAR} " if self.from_lmcache else ""
+        return f"{prefix}file {self.path}"
+
+    @property
+    def described(self) -> str:
+        """How problems with the file itself name it."""
+        return self.origin if self.from_lmcache else f"config file {self.path}"
+
+
+def resolve_config_file(
+    config_file: str | os.PathLike[str] | None,
+    from_overrides: Any,
+    env: Mapping[str, str],
+    problems: list[str],
+) -> ConfigFile | None:
+    """The YAML file to read: ``config_file``, else ``from_overrides`` (the overrides'
+    ``config_file``), else ``$KVTIER_CONFIG_FILE``, else ``$LMCACHE_CONFIG_FILE``; None
+    for none. When kvtier is given a file of its own, LMCACHE_CONFIG_FILE is ignored with
+    one warning."""
+    if config_file is not None:
+        chosen, given_as = os.fspath(config_file), "the config_file argument"
+    elif from_overrides is not None:
+        if not isinstance(from_overrides, str | os.PathLike):
+            problems.append(
+                f"{CONFIG_FILE_KEY}: {from_overrides!r} from override is not allowed; "
+                "expected a file path"
+            )
+            return None
+        chosen, given_as = os.fspath(from_overrides), f"{CONFIG_FILE_KEY} from override"
+    else:
+        chosen, given_as = env.get(CONFIG_FILE_ENV_VAR) or None, CONFIG_FILE_ENV_VAR
+    lmcache_file = env.get(LMCACHE_CONFIG_FILE_ENV_VAR) or None
+    if chosen is None:
+        return None if lmcache_file is None else ConfigFile(lmcache_file, from_lmcache=True)
+    if lmcache_file is not None:
+        logger.warning(
+            "%s (%s) is ignored in favour of %s (%s)",
+            LMCACHE_CONFIG_FILE_ENV_VAR,
+            lmcache_file,
+            given_as,
+            chosen,
+        )
+    return ConfigFile(chosen)
+
+
+def read_yaml_file(file: ConfigFile, problems: list[str]) -> Mapping[Any, Any]:
+    """The top-level mapping of ``file``; empty after adding a problem."""
+    try:
+        with open(file.path, encoding="utf-8") as stream:
+            data = yaml.safe_load(stream)
+    except FileNotFoundError:
+        problems.append(f"{file.described} does not exist")
+        return {}
+    except OSError as err:
+        problems.append(f"{file.described} cannot be read: {err.strerror or err}")
+        return {}
+    except yaml.YAMLError as err:
+        problems.append(f"{file.described} is not valid YAML: {err}")
+        return {}
+    if data is None:  # an empty file
+        return {}
+    if not isinstance(data, Mapping):
+        problems.append(
+            f"{file.described} must hold a mapping of keys to values at the top level, "
+            f"not a {type(data).__name__}"
+        )
+        return {}
+    return data
+
+
+def read_mapping(
+    data: Mapping[Any, Any],
+    origin: str,
+    keys: Mapping[str, KeySpec],
+    problems: list[str],
+    ignored: set[str],
+) -> Settings:
+    """Validate one mapping (overrides or a YAML file) of kvtier and LMCache keys.
+
+    Args:
+        data: the mapping.
+        origin: how sources and problems name it (``override``, ``file PATH``).
+        keys: the config keys (``CONFIG_KEYS``).
+        problems: where problems are added.
+        ignored: where the no-effect LMCache keys found are added.
+    """
+    aliases = lmcache_aliases(keys)
+    settings: Settings = {}
+    given_as: dict[str, str] = {}  # kvtier key -> the name it was given under
+    for name, raw in data.items():
+        if not isinstance(name, str):
+            problems.append(f"key {name!r} in {origin} is not a string")
+            continue
+        key = name if name in keys else aliases.get(name)
+        if key is not None:
+            if key in given_as:
+                problems.append(f"{origin} sets {key} twice, as {given_as[key]!r} and as {name!r}")
+                continue
+            given_as[key] = name
+            label = origin if name == key else f"{origin} (as {name})"
+            settings[key] = (coerce(keys[key], raw, origin=label, problems=problems), label)
+        elif name in LMCACHE_NO_EFFECT_KEYS:
+            ignored.add(name)
+        elif is_lmcache_feature_key(name):
+            if problem := check_lmcache_feature_key(name, raw, origin):
+                problems.append(problem)
+        elif name == CONFIG_FILE_KEY:
+            problems.append(f"{CONFIG_FILE_KEY!r} cannot be set inside {origin}")
+        else:
+            known = _known_names(keys, aliases)
+            problems.append(f"unknown key {name!r} in {origin}{suggest(name, known)}")
+    return settings
+
+
+def read_env(env: Mapping[str, str], keys: Mapping[str, KeySpec], problems: list[str]) -> Settings:
+    """Validate the ``KVTIER_*`` variables of ``env`` against ``keys``."""
+    env_vars = {spec.env_var: spec.name for spec in keys.values()}
+    settings: Settings = {}
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV_VARS:
+            continue
+        key = env_vars.get(var)
+        if key is None:
+            candidates = [*env_vars, *RESERVED_ENV_VARS]
+            problems.append(f"unknown environment variable {var}{suggest(var, candidates)}")
+            continue
+        label = f"env var {var}"
+        value = coerce(keys[key], env[var], origin=label, problems=problems, from_env=True)
+        settings[key] = (value, label)
+    return settings
+
+
+def _known_names(keys: Mapping[str, KeySpec], aliases: Mapping[str, str]) -> list[str]:
+    """Every key name any input may use; the candidates for "did you mean" suggestions."""
+    return sorted(
+        {CONFIG_FILE_KEY, *keys, *aliases, *LMCACHE_NO_EFFECT_KEYS}
+        | {*LMCACHE_UNSUPPORTED_KEYS, *LMCACHE_PLANNED_KEYS}
+    )

@@ -1,0 +1,117 @@
+"""The registry of remote stores: which ``remote_url`` schemes kvtier takes, and which
+module opens each one.
+
+As in vLLM's ``kv_offload/factory.py``, a scheme is registered by name with the module
+that implements it, and that module is imported only when a remote of its scheme is
+opened: redis-py loads only for a Redis remote, boto3 only for an S3 one.
+``KVTierConfig`` asks this registry whether a ``remote_url`` names a known scheme;
+``StorageManager`` asks it for the module that opens the URL.
+
+A new scheme is one module plus one ``register`` line below. The module defines
+``open_remote`` with the signature of ``kvtier.storage.remote.RemoteOpener``: it parses
+the URL (a ValueError names ``remote_url`` and the accepted form) and returns the tier.
+A byte store (a ``BlobStore``) becomes a tier through ``remote.open_blob_tier``.
+
+NOTE: this module imports nothing from kvtier: the config, which every other module
+imports, asks it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteScheme:
+    """One ``remote_url`` scheme.
+
+    Attributes:
+        name: the scheme, lower case (``redis``).
+        module: the module that defines ``open_remote`` for it (imported on first use).
+        extra: the pip extra (``pip install 'kvtier[extra]'``) that installs its client
+            library, or None when it needs none.
+    """
+
+    name: str
+    module: str
+    extra: str | None = None
+
+
+_SCHEMES: dict[str, RemoteScheme] = {}
+
+
+def register(names: str | Iterable[str], module: str, extra: str | None = None) -> None:
+    """Make URLs of each scheme in ``names`` open through ``module``.
+
+    Raises:
+        ValueError: a scheme is registered already.
+    """
+    for name in [names] if isinstance(names, str) else names:
+        scheme = name.lower()
+        if scheme in _SCHEMES:
+            raise ValueError(f"remote scheme {scheme!r} is registered already")
+        _SCHEMES[scheme] = RemoteScheme(scheme, module, extra)
+
+
+# Valkey speaks the Redis protocol: its schemes are aliases of Redis's.
+register(
+    ("redis", "rediss", "redis-cluster", "valkey", "valkeys", "valkey-cluster", "unix"),
+    "kvtier.storage.redis_store",
+    extra="redis",
+)
+register("s3", "kvtier.storage.s3_store", extra="s3")
+register("fs", "kvtier.storage.shared_fs")
+
+
+def remote_schemes() -> tuple[str, ...]:
+    """Every registered scheme, in registration order."""
+    return tuple(_SCHEMES)
+
+
+def scheme_of(url: str) -> RemoteScheme | None:
+    """The registered scheme of ``url`` (matched case-insensitively), or None."""
+    name, sep, _ = url.partition("://")
+    return _SCHEMES.get(name.lower()) if sep else None
+
+
+def is_remote_url(url: str) -> bool:
+    """Whether ``url`` has a registered scheme (its rest is checked when it is opened)."""
+    return scheme_of(url) is not None
+
+
+def load_module(url: str) -> ModuleType:
+    """The module that opens ``url``, imported now.
+
+    Raises:
+        ValueError: the scheme is not registered, or its client library is not installed
+            (the message names the pip extra that installs it).
+    """
+    scheme = scheme_of(url)
+    if scheme is None:
+        allowed = ", ".join(_SCHEMES)
+        raise ValueError(f"remote_url {redact_url(url)!r}: expected a URL with scheme {allowed}")
+    try:
+        return importlib.import_module(scheme.module)
+    except ImportError as exc:
+        if scheme.extra is None:
+            raise
+        raise ValueError(
+            f"remote_url needs an optional dependency that is not installed ({exc.name}): "
+            f"pip install 'kvtier[{scheme.extra}]'"
+        ) from None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password in its user-info replaced by ``***`` (logs, tables)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = rest.find("/")
+    authority, tail = (rest, "") if end < 0 else (rest[:end], rest[end:])
+    userinfo, at, hosts = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hosts}{tail}"

@@ -1,0 +1,39 @@
+"""The shared-filesystem remote, ``remote_url: fs:///mnt/shared/kvtier``: a directory that
+many machines mount (NFS, Lustre, ...), used as a file tier (``disk.FileTier``) without a
+size bound or an index, since many machines write to it.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from kvtier.storage.disk import FileTier
+from kvtier.storage.remote import RemoteRequest
+
+
+def parse_fs_url(url: str) -> str:
+    """The directory of ``fs:///path``.
+
+    Raises:
+        ValueError: naming ``remote_url``: no absolute path, or a host before it.
+    """
+    parts = urlsplit(url)
+    if parts.netloc or not parts.path:
+        raise ValueError(
+            f"remote_url {url!r}: give an absolute path after fs://, e.g. fs:///mnt/shared/kvtier"
+        )
+    return parts.path
+
+
+def open_remote(request: RemoteRequest) -> FileTier:
+    """The shared directory of ``request.url`` as a tier (its ``RemoteOpener``, see
+    ``remotes``); ``request.space`` is unused, as every key names its model."""
+    return FileTier(
+        parse_fs_url(request.url),
+        name="fs",
+        capacity_bytes=None,
+        serde=request.serde,
+        stats=request.stats,
+        queue_capacity=request.config.store_queue_size,
+        config_key="remote_url",
+    )
