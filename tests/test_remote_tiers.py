@@ -220,8 +220,13 @@ def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
     manager.close()
 
 
-def test_unreachable_remote_at_start_up_does_not_stop_the_engine(pool):
-    manager = manager_for("redis://127.0.0.1:1/0")  # nothing listens on port 1
+def test_unreachable_remote_at_start_up_does_not_stop_the_engine(pool, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        manager = manager_for("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    # Said once at start-up, not at the first store: the tier, its URL, misses until it answers.
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.storage.remote"]
+    assert "redis://127.0.0.1:1/0" in line and "at start-up" in line
+    assert "misses" in line and "until it answers" in line
     started = time.monotonic()
     assert manager.lookup_prefix([key(1)]) == 0
     assert time.monotonic() - started < 2.0
@@ -338,6 +343,16 @@ def test_s3_killed_and_restarted_mid_run(s3, pool):
 def test_every_registered_scheme_opens_through_its_module(scheme):
     assert remotes.scheme_of(f"{scheme.upper()}://somewhere").name == scheme
     assert callable(remotes.load_module(f"{scheme}://somewhere").open_remote)
+
+
+def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
+    from kvtier.storage.redis_url import parse_url
+
+    for scheme in ("redis", "rediss", "redis-cluster", "rediss-cluster", "valkeys-cluster"):
+        url = f"{scheme}://h:6379"
+        assert remotes.scheme_of(url) is not None, scheme
+        assert load_config({"remote_url": url}, env={}).remote_url == url
+        parse_url(url)  # and the store's own parser takes it
 
 
 def test_the_config_takes_exactly_the_registered_schemes():

@@ -156,6 +156,22 @@ class RemoteTier:
             reason,
         )
 
+    def check_at_start(self) -> bool:
+        """Ping the store once, waiting at most ``timeout_s``: one that does not answer is
+        reported now, in one line, and is down (misses, dropped stores) until it answers,
+        rather than discovered at the first store. Returns whether it answered."""
+        future = self._meta.submit(self.store.ping)
+        try:
+            future.result(timeout=self.timeout_s)
+        except Exception as exc:
+            future.cancel()
+            if isinstance(exc, StoreUnavailable):
+                exc = StoreUnavailable(f"at start-up: {exc}")
+            self._fault("the start-up ping", exc)
+            return False
+        logger.info("kvtier %s tier %s answers", self.name, self.describe)
+        return True
+
     def _reconnect(self) -> None:
         down_since = time.monotonic()
         pause = RECONNECT_FIRST_S
@@ -345,7 +361,7 @@ def open_blob_tier(store: BlobStore, request: RemoteRequest) -> RemoteTier:
     """``store``, opened for ``request``, as a tier with the config's remote timeouts,
     concurrency and queue size."""
     config = request.config
-    return RemoteTier(
+    tier = RemoteTier(
         store,
         describe=redact_url(request.url),
         serde=request.serde,
@@ -355,3 +371,5 @@ def open_blob_tier(store: BlobStore, request: RemoteRequest) -> RemoteTier:
         concurrency=config.remote_max_concurrency,
         queue_capacity=config.store_queue_size,
     )
+    tier.check_at_start()
+    return tier

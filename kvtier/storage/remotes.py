@@ -58,7 +58,11 @@ def register(names: str | Iterable[str], module: str, extra: str | None = None) 
 
 # Valkey speaks the Redis protocol: its schemes are aliases of Redis's.
 register(
-    ("redis", "rediss", "redis-cluster", "valkey", "valkeys", "valkey-cluster", "unix"),
+    (
+        *("redis", "rediss", "redis-cluster", "rediss-cluster"),
+        *("valkey", "valkeys", "valkey-cluster", "valkeys-cluster"),
+        "unix",
+    ),
     "kvtier.storage.redis_store",
     extra="redis",
 )
