@@ -2,7 +2,7 @@
 
 The codec is ``kvtier_kernels/cachegen.py`` at its default per-layer level schedule
 (``default_levels``), the CPU reference (numpy rANS). Two chunks in ``KV_2LTD``
-(``[2, num_layers, num_tokens, hidden]``, bf16), from ``tests/kv_samples.py``:
+(``[2, num_layers, num_tokens, hidden]``, bf16), from ``tests/support/samples.py``:
 
 - ``llama_kv``: K (post-RoPE) and V of a real forward pass of a random-weight
   ``transformers`` Llama: 8 layers, 8 KV heads x head size 128, 256 tokens (8 MiB);
@@ -58,11 +58,11 @@ ERROR_METRIC = "max |x - x̂| ÷ token absmax"
 
 
 def _kv_samples():
-    """``tests/kv_samples.py``, the codec's sample KV shared with the tests."""
+    """``tests/support/samples.py``, the codec's sample KV shared with the tests."""
     tests = str(Path(__file__).parents[1] / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-    import kv_samples
+    from support import samples as kv_samples
 
     return kv_samples
 

@@ -221,7 +221,7 @@ def _test_servers_on_path() -> None:
 @pytest.fixture(scope="module")
 def redis_url():
     _test_servers_on_path()
-    from redis_server import REDIS_MISSING, RedisServer, redis_available
+    from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 
     if not redis_available():
         pytest.skip(REDIS_MISSING)
@@ -301,7 +301,7 @@ def s3_server():
     pytest.importorskip("boto3")
     pytest.importorskip("moto")
     _test_servers_on_path()
-    from s3_server import S3Server, isolate_aws_environment
+    from support.s3_server import S3Server, isolate_aws_environment
 
     with pytest.MonkeyPatch.context() as env:
         isolate_aws_environment(env)

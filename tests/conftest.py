@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from vllm_engines import generate, make_llm, prompts_of, shutdown
-from vllm_models import make_tiny_llama
+from support.engines import generate, make_llm, prompts_of, shutdown
+from support.models import make_tiny_llama
 
 # vLLM's CPU backend reserves one core more for an engine with a KV connector than for one
 # without, so the two would run different OpenMP thread counts, and float results depend

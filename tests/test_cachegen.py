@@ -8,7 +8,7 @@ import cbor2
 import numpy as np
 import pytest
 import torch
-from kv_samples import assert_within_bound, synthetic_kv, tiny_model_kv
+from support.samples import assert_within_bound, synthetic_kv, tiny_model_kv
 
 from kvtier_kernels.cachegen import (
     CodecError,

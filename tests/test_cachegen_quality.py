@@ -2,7 +2,7 @@
 implies, error against the level count, and the compression ratio.
 
 Data: K and V of real forward passes of random-weight ``transformers`` Llamas
-(``kv_samples.llama_kv``; K post-RoPE) over head sizes 64 and 128, 2/4/8 KV heads, 3-12
+(``support.samples.llama_kv``; K post-RoPE) over head sizes 64 and 128, 2/4/8 KV heads, 3-12
 layers and 16/100/256 tokens, and synthetic KV with outlier K channels and an odd width.
 
 Relative error from the bound. For one (plane, layer) with ``T`` tokens of ``D``
@@ -35,7 +35,7 @@ import math
 
 import pytest
 import torch
-from kv_samples import assert_within_bound, llama_kv, synthetic_kv
+from support.samples import assert_within_bound, llama_kv, synthetic_kv
 
 from kvtier_kernels.cachegen import decode_chunk, default_levels, encode_chunk
 

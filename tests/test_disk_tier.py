@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tier_helpers import fill, key, make_pool, same_bytes
+from support.tiers import fill, key, make_pool, same_bytes
 
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage.disk import SUFFIX, FileTier
@@ -194,7 +194,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    from tier_helpers import fill, key, make_pool
+    from support.tiers import fill, key, make_pool
     from kvtier.metrics import Stats
     from kvtier.storage.disk import FileTier
     from kvtier.storage.serde import NaiveSerde, tensor_bytes
@@ -237,7 +237,7 @@ ENDLESS_WRITER = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    from tier_helpers import fill, key, make_pool
+    from support.tiers import fill, key, make_pool
     from kvtier.metrics import Stats
     from kvtier.storage.disk import FileTier
     from kvtier.storage.serde import NaiveSerde

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from kv_helpers import fill_random_
+from support.kv import fill_random_
 from test_vllm_scheduler_side import new_step
 from test_vllm_worker_side import run_step
 
@@ -517,7 +517,7 @@ def test_a_chunk_copied_up_from_disk_is_announced_from_the_lookup_hit(ev, tmp_pa
 def test_local_disk_records_writes_and_losses(tmp_path):
     """The disk tier announces what it wrote and withdraws what it evicts, removes or
     clears; files it did not write itself are never announced by it."""
-    from tier_helpers import fill, key, make_pool
+    from support.tiers import fill, key, make_pool
 
     from kvtier.storage.disk import FileTier
     from kvtier.storage.serde import NaiveSerde

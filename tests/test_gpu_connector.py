@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_helpers import bits, fill_random_
+from support.kv import bits, fill_random_
 
 from kvtier.gpu_connector import PagedKVConnector
 from kvtier_kernels import PagedKV

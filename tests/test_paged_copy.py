@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kv_helpers import (
+from support.kv import (
     assert_cache_equal,
     assert_chunk_equal,
     bits,

@@ -1,4 +1,4 @@
-"""RedisStore against real redis-server processes (see ``redis_server.py``).
+"""RedisStore against real redis-server processes (see ``support/redis_server.py``).
 
 Covers the ``BlobStore`` contract (batched round trips, misses, namespaces, clear), TTL,
 split values, authentication, TLS, Unix sockets, Redis Cluster, concurrency and the
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import redis
-from redis_server import (
+from support.redis_server import (
     CLUSTER_MISSING,
     REDIS_MISSING,
     TLS_MISSING,

@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
-from redis_server import REDIS_MISSING, RedisServer, redis_available
-from s3_server import S3Server, isolate_aws_environment
-from tier_helpers import fill, key, make_pool, same_bytes
+from support.redis_server import REDIS_MISSING, RedisServer, redis_available
+from support.s3_server import S3Server, isolate_aws_environment
+from support.tiers import fill, key, make_pool, same_bytes
 
 from kvtier.config import ConfigError, load_config
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter

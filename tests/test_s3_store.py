@@ -1,4 +1,4 @@
-"""S3Store against a real S3-compatible server (moto, in its own process; see s3_server)."""
+"""S3Store against a real S3-compatible server (moto, in its own process; see support/s3_server.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from s3_server import S3Server, free_port, isolate_aws_environment
+from support.s3_server import S3Server, free_port, isolate_aws_environment
 
 from kvtier.keys import CacheKey
 from kvtier.storage.backend import BlobStore, StoreUnavailable

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
+from support.tiers import fill, key, make_pool, same_bytes
 from test_engine import assert_kv_equal, kv_at, make_engine
-from tier_helpers import fill, key, make_pool, same_bytes
 
 from kvtier.config import load_config
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter

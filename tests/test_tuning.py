@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import assert_chunk_equal, fill_random_
+from support.kv import assert_chunk_equal, fill_random_
 
 from kvtier.cli import main
 from kvtier_kernels import paged_copy, registry, rope, tuning, tuning_files, tuning_lookup

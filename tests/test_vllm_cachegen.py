@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import cbor2
 import pytest
 from conftest import BLOCK, CHUNK
-from vllm_engines import expected_loaded, make_llm, prompts_of, shutdown, worker_stats
+from support.engines import expected_loaded, make_llm, prompts_of, shutdown, worker_stats
 
 from kvtier.storage import wire
 

@@ -17,9 +17,9 @@ from collections import defaultdict
 
 import pytest
 from conftest import BLOCK, CHUNK
-from redis_server import free_port
+from support.engines import expected_loaded, generate, make_llm, shutdown, worker_stats
+from support.redis_server import free_port
 from test_prometheus import scrape_url
-from vllm_engines import expected_loaded, generate, make_llm, shutdown, worker_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

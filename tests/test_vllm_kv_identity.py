@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_engines import expected_loaded, prompts_of
+from support.engines import expected_loaded, prompts_of
 
 from kvtier.demo_vllm import build_llama
 

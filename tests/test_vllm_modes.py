@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import BLOCK, CHUNK
-from vllm_engines import expected_loaded, generate, make_llm, prompts_of, shutdown
-from vllm_models import make_tiny_llama
+from support.engines import expected_loaded, generate, make_llm, prompts_of, shutdown
+from support.models import make_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

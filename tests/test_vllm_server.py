@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 from conftest import BLOCK, CHUNK
-from vllm_engines import expected_loaded, kv_transfer_config, prompts_of
+from support.engines import expected_loaded, kv_transfer_config, prompts_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

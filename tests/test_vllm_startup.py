@@ -20,7 +20,7 @@ def _start_engine(model: Path, extra: dict) -> subprocess.CompletedProcess:
         f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
-        from vllm_engines import make_llm
+        from support.engines import make_llm
         if __name__ == "__main__":
             make_llm({str(model)!r}, kvtier={extra!r})
         """

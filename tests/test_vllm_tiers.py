@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import BLOCK, CHUNK
-from redis_server import REDIS_MISSING, RedisServer, redis_available
-from vllm_engines import expected_loaded, generate, make_llm, shutdown, worker_stats
+from support.engines import expected_loaded, generate, make_llm, shutdown, worker_stats
+from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kv_helpers import bits, fill_random_
+from support.kv import bits, fill_random_
 
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata

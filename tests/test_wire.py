@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tier_helpers import fill, key, make_pool, same_bytes
+from support.tiers import fill, key, make_pool, same_bytes
 
 from kvtier.config import load_config
 from kvtier.storage import wire

@@ -16,8 +16,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this 
 def main() -> None:
     model, prompt_json, chunk_index, out_path = sys.argv[1:5]
     prompt = json.loads(prompt_json)
+    from support.engines import generate, make_llm
     from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm_engines import generate, make_llm
 
     from kvtier.token_db import ChunkedTokenDatabase
 

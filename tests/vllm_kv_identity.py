@@ -22,7 +22,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this 
 def main() -> None:
     config = json.loads(sys.argv[1])
     out_path = sys.argv[2]
-    from vllm_engines import generate, make_llm, shutdown
+    from support.engines import generate, make_llm, shutdown
 
     from kvtier.integration.vllm.kv_probe import KVProbe, first_mismatch
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import boto3
 from botocore.config import Config
-from redis_server import free_port  # one loopback-port picker for every test server
+
+from support.redis_server import free_port  # one loopback-port picker for every test server
 
 __all__ = ["S3Server", "free_port", "isolate_aws_environment"]
 

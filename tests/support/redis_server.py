@@ -2,7 +2,7 @@
 
 A plain helper module (not a conftest), imported like the other test helpers::
 
-    from redis_server import REDIS_MISSING, RedisServer, redis_available
+    from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 
     pytestmark = [
         pytest.mark.redis,
