@@ -33,7 +33,10 @@ CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
 # LMCache's own variable naming its YAML file; read when kvtier is given no file.
 LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
 # KVTIER_* variables that are not config keys; load_config accepts them without a value check.
-RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, "KVTIER_LOG_LEVEL"})
+# Not config keys. KVTIER_TUNING_DIR is the kernels' own variable, read by
+# ``kvtier_kernels.tuning_lookup`` alone; the ``tuning_dir`` key (extra config or YAML)
+# goes before it on the search path.
+RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, "KVTIER_LOG_LEVEL", "KVTIER_TUNING_DIR"})
 
 # One source's settings: kvtier key -> (validated value, source label).
 Settings = dict[str, tuple[Any, str]]

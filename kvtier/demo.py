@@ -161,11 +161,12 @@ def run_demo(
     _prefill(paged, slots_c, gen)
     engine.store(prompt_c, slot_mapping=slots_c)
     evicted = engine.stats.get(Counter.EVICTIONS) - evictions_before
+    gauges = engine.metrics()["gauges"]
     print(
         f"5. more traffic stored prompt C; {evicted:.0f} chunks evicted ({config.cache_policy}); "
         f"now A hits {engine.lookup(prompt_a)} tokens, B hits {engine.lookup(prompt_b)} tokens; "
-        f"tier holds {len(engine.storage.cpu)} chunks, "
-        f"{engine.storage.cpu.used_bytes / 2**30:.2f} GiB"
+        f"tier holds {gauges['cpu_chunks']:.0f} chunks, "
+        f"{gauges['cpu_pool_used_bytes'] / 2**30:.2f} GiB"
     )
 
     snap = engine.stats.snapshot()

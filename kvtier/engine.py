@@ -13,7 +13,6 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,21 +27,18 @@ from kvtier.hashing import ChunkHasher, TokenIds
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats
+from kvtier.prometheus import export
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import checksum_of
 from kvtier.token_db import Chunk, ChunkedTokenDatabase, RequestExtras
 from kvtier.warn import warn_once
-from kvtier_kernels import PagedKV, tuning_lookup
+from kvtier_kernels import PagedKV
+from kvtier_kernels.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
 Mask = torch.Tensor | np.ndarray | Sequence[bool] | None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"`` (the form used in keys)."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +87,6 @@ class CacheEngine:
         pin_memory: bool | None = None,
         events: TierEventLog | None = None,
     ):
-        if config.tuning_dir is not None:  # process-wide: the launchers' tuning lookup
-            tuning_lookup.prepend_search_path(config.tuning_dir.split(os.pathsep))
         self.config = config
         self.metadata = metadata
         self.stats = stats or Stats()
@@ -265,14 +259,56 @@ class CacheEngine:
 
     def lookup(self, tokens: TokenIds, extras: RequestExtras | None = None) -> int:
         """How many leading tokens of ``tokens`` some tier holds (chunk-aligned, plus a
-        stored partial last chunk when ``save_unfull_chunk``)."""
+        stored partial last chunk when ``save_unfull_chunk``). Counted as one lookup."""
         chunks = self._chunks(tokens, None, extras)
-        hits = self.storage.lookup_prefix([c.key for c in chunks], prefetch=True)
+        hits = self._held_prefix([c.key for c in chunks])
         self.stats.inc(Counter.LOOKUP_REQUESTS)
         self.stats.inc(Counter.LOOKUP_TOKENS, len(tokens))
         hit_tokens = chunks[hits - 1].end if hits else 0
         self.stats.inc(Counter.LOOKUP_HIT_TOKENS, hit_tokens)
         return hit_tokens
+
+    def lookup_hashes(self, hashes: Sequence[bytes]) -> int:
+        """How many leading chunks of a chain of chunk hashes some tier holds; those found
+        only in a lower tier start moving into memory (prefetch).
+
+        NOTE: the one lookup path: ``lookup`` and vLLM's scheduler (whose hashes come over
+        the lookup socket) both end here. It counts nothing: ``lookup`` counts its own
+        calls, and in vLLM the scheduler counts once for all ranks.
+        """
+        token_db = self._require_token_db()
+        return self._held_prefix([token_db.key(h) for h in hashes])
+
+    def _held_prefix(self, keys: list[CacheKey]) -> int:
+        return self.storage.lookup_prefix(keys, prefetch=True)
+
+    def chunks_from_hashes(
+        self, first_chunk: int, hashes: Sequence[bytes], end: int
+    ) -> list[Chunk]:
+        """The chunks named by ``hashes`` (chunk ``first_chunk`` onwards), the last one ending
+        at token ``end`` at most: what ``begin_store`` / ``begin_retrieve`` take when the
+        tokens were hashed elsewhere (vLLM's scheduler)."""
+        return self._require_token_db().chunks_from_hashes(first_chunk, list(hashes), end)
+
+    def chunk_keys(self, tokens: TokenIds, extras: RequestExtras | None = None) -> list[CacheKey]:
+        """The storage key of each chunk of ``tokens`` (whole chunks, plus a partial last
+        chunk when ``save_unfull_chunk``)."""
+        return [chunk.key for chunk in self._chunks(tokens, None, extras)]
+
+    def metrics(self) -> dict:
+        """This engine's counters, histograms and tier gauges as plain data
+        (``prometheus.export``), labelled with its rank."""
+        return export(
+            self.stats,
+            gauges=self.storage.gauges(),
+            tiers=self.storage.lower_tier_names,
+            rank=str(self.metadata.rank),
+        )
+
+    def clear(self) -> None:
+        """Drop every chunk from every tier (chunks in use are released when their users
+        are done)."""
+        self.storage.clear()
 
     def close(self) -> None:
         """Release every stored chunk and the memory pool."""
@@ -353,7 +389,7 @@ class StoreTransfer:
             self.connector.stores_done()  # the gathers have landed: read, publish, release
             for chunk, obj, _ in self._staged:
                 if engine.config.verify_checksums:
-                    obj.metadata = _checksum(obj)
+                    obj.checksum = _checksum(obj)
                 if engine.storage.put(chunk.key, obj):
                     result.stored_chunks += 1
                     result.stored_tokens += chunk.num_tokens
@@ -430,7 +466,7 @@ class RetrieveTransfer:
             problem = (
                 f"shape {tuple(obj.shape)} {obj.dtype}, expected {expected} {self.connector.dtype}"
             )
-        elif self.engine.config.verify_checksums and obj.metadata != _checksum(obj):
+        elif self.engine.config.verify_checksums and obj.checksum != _checksum(obj):
             problem = "a checksum mismatch (its bytes changed after it was stored)"
         else:
             return True

@@ -32,12 +32,13 @@ heads * head_size]``, e.g. flash-attn NHD or MLA); other layouts always use the 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
 
 from kvtier_kernels import PagedKV, gather, scatter
-from kvtier_kernels.tuning_lookup import copy_engine_crossover
+from kvtier_kernels.tuning_lookup import copy_engine_crossover, prepend_search_path
 
 
 class _Streams:
@@ -208,3 +209,14 @@ def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
             runs.append((start, slots[start], t - start))
         start = t
     return runs
+
+
+def use_tuning_dir(tuning_dir: str | None) -> None:
+    """Put the config's ``tuning_dir`` (``os.pathsep``-separated) first on the kernels'
+    tuning search path, for this whole process. Idempotent.
+
+    NOTE: the search path is process-wide (every launcher reads it), so the process's owner
+    applies it once (the vLLM worker, the CLI); a ``CacheEngine`` never does.
+    """
+    if tuning_dir is not None:
+        prepend_search_path(tuning_dir.split(os.pathsep))

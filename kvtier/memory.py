@@ -54,7 +54,6 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -92,8 +91,10 @@ class MemoryObj:
         nbytes: allocated size in bytes, rounded up to ``pool.alignment`` (>= `data_nbytes`).
         shape: the tensor shape.
         dtype: the tensor dtype.
-        metadata: free-form, owned by the caller (e.g. the chunk's layout name or its number
-            of valid tokens); the pool never reads it.
+        checksum: xxh3-64 of the chunk's bytes as the engine gathered them (wire format's
+            checksum), set by whoever fills the buffer (a store, or a tier that decoded it);
+            a load verifies it before the engine sees the bytes. None: not known yet. The
+            pool never reads it.
     """
 
     pool: HostMemoryPool
@@ -101,7 +102,7 @@ class MemoryObj:
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    metadata: Any = None
+    checksum: int | None = None
     _ref_count: int = field(default=1, init=False)
     _pin_count: int = field(default=0, init=False)
     _freed: bool = field(default=False, init=False)

@@ -16,8 +16,8 @@ sample carries a ``rank`` label. See docs/observability.md for the full list.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from kvtier.metrics import LATENCY_BUCKETS, Counter, Histogram, Stats, TierCounter
 
@@ -76,32 +76,26 @@ HELP = {
 }
 
 
-def export(stats: Stats, storage: Any = None, **labels: str) -> dict:
+def export(
+    stats: Stats,
+    *,
+    gauges: Mapping[str, float] | None = None,
+    tiers: Sequence[str] = (),
+    **labels: str,
+) -> dict:
     """One process's metrics as plain data: ``{"labels", "counters", "histograms",
-    "gauges"}``. ``storage`` (a ``StorageManager``) adds the tiers' gauges."""
+    "gauges"}``. ``tiers`` (the lower tiers' names) get every tier counter, at 0 until
+    something happens; ``gauges`` come from ``StorageManager.gauges``."""
     # Every counter is exported from the start, at 0 until something happens.
     counters: dict[str, float] = dict.fromkeys(_ENGINE_COUNTERS, 0)
-    for tier in getattr(storage, "lower", ()):
-        counters.update(dict.fromkeys((f"{tier.name}_{what}" for what in _TIER_COUNTERS), 0))
+    for tier in tiers:
+        counters.update(dict.fromkeys((f"{tier}_{what}" for what in _TIER_COUNTERS), 0))
     counters.update({k: v for k, v in stats.snapshot().items() if k not in _DERIVED})
-    gauges: dict[str, float] = {}
-    if storage is not None:
-        pool = storage.cpu.pool
-        gauges["cpu_pool_capacity_bytes"] = pool.capacity
-        gauges["cpu_pool_used_bytes"] = pool.used_bytes()
-        gauges["cpu_chunks"] = len(storage.cpu)
-        gauges["cpu_pinned_chunks"] = storage.cpu.pinned_count()
-        for tier in storage.lower:
-            gauges[f"{tier.name}_up"] = float(getattr(tier, "is_up", True))
-            gauges[f"{tier.name}_pending_writes"] = tier.pending_writes
-            used = getattr(tier, "used_bytes", None)
-            if used is not None and getattr(tier, "capacity_bytes", None) is not None:
-                gauges[f"{tier.name}_used_bytes"] = used
     return {
         "labels": dict(labels),
         "counters": counters,
         "histograms": stats.histograms(),
-        "gauges": gauges,
+        "gauges": dict(gauges or {}),
     }
 
 
@@ -216,10 +210,14 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve_engine_metrics(engine: Any, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+class MetricsSource(Protocol):
+    """What ``serve_engine_metrics`` reads: ``CacheEngine.metrics``."""
+
+    def metrics(self) -> dict: ...
+
+
+def serve_engine_metrics(
+    engine: MetricsSource, host: str = "127.0.0.1", port: int = 0
+) -> MetricsServer:
     """Serve one in-process ``CacheEngine``'s metrics (kvtier without vLLM)."""
-
-    def sources() -> list[dict]:
-        return [export(engine.stats, engine.storage, rank=str(engine.metadata.rank))]
-
-    return MetricsServer(host, port, sources)
+    return MetricsServer(host, port, lambda: [engine.metrics()])

@@ -113,7 +113,7 @@ def test_engine_store(benchmark, record, engine_setup, raw_copy_gbps):
     engine, tokens, slots, _ = engine_setup
 
     def store():
-        engine.storage.clear()
+        engine.clear()
         engine.store(tokens, slot_mapping=slots)
 
     benchmark(store)
@@ -129,7 +129,7 @@ def test_engine_store(benchmark, record, engine_setup, raw_copy_gbps):
 
 def test_engine_retrieve(benchmark, record, engine_setup, raw_copy_gbps):
     engine, tokens, slots, _ = engine_setup
-    engine.storage.clear()
+    engine.clear()
     engine.store(tokens, slot_mapping=slots)
     target = slots.roll(len(slots) // 2)  # load into other pages than the source
 

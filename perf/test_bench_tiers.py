@@ -101,7 +101,7 @@ def chunks(pool):
     for i in range(CHUNKS):
         obj = pool.allocate(SHAPE, DTYPE)
         obj.tensor.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)))
-        obj.metadata = checksum_of(tensor_bytes(obj.tensor))
+        obj.checksum = checksum_of(tensor_bytes(obj.tensor))
         objs.append(obj)
     yield objs
     for obj in objs:

@@ -927,19 +927,23 @@ def test_docs_generator_rewrites_only_the_generated_blocks(tmp_path: Path) -> No
 
 def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path) -> None:
     from kvtier.engine import CacheEngine, EngineMetadata
+    from kvtier.gpu_connector import use_tuning_dir
     from kvtier_kernels import tuning_lookup
 
     env_dir, config_dir = tmp_path / "env", tmp_path / "config"
-    env = {"KVTIER_TUNING_DIR": str(env_dir)}  # the key's env var is the kernels' own
-    assert load_config(env=env).tuning_dir == str(env_dir)
+    env = {"KVTIER_TUNING_DIR": str(env_dir)}  # the kernels' own variable, not a config key
+    assert load_config(env=env).tuning_dir is None
     cfg = load_config({"tuning_dir": str(config_dir), "max_local_cpu_size": 0.01}, env=env)
-    assert cfg.tuning_dir == str(config_dir)  # an override beats the env var
+    assert cfg.tuning_dir == str(config_dir)
+    before = tuning_lookup.search_path()
     try:
-        CacheEngine(cfg, EngineMetadata("m"))
+        CacheEngine(cfg, EngineMetadata("m")).close()
+        assert tuning_lookup.search_path() == before  # an engine leaves the process alone
+        use_tuning_dir(cfg.tuning_dir)  # what the vLLM worker and the CLI do
         path = tuning_lookup.search_path()
         assert path[0] == config_dir
         assert path[-1] == tuning_lookup.PACKAGED_DIR
-        CacheEngine(cfg, EngineMetadata("m"))  # applying it again changes nothing
+        use_tuning_dir(cfg.tuning_dir)  # applying it again changes nothing
         assert tuning_lookup.search_path() == path
     finally:
         tuning_lookup.set_search_path(None)

@@ -61,7 +61,7 @@ def test_round_trip_and_lookup(tmp_path, pool):
     got = tier.get_many([key(i) for i in range(7)], pool.allocate)
     for i in range(5):
         assert got[i] is not None and same_bytes(got[i], objs[i]), f"chunk {i}"
-        assert got[i].metadata == objs[i].metadata
+        assert got[i].checksum == objs[i].checksum
     assert got[5:] == [None, None]
     assert counter(stats, TierCounter.PUT_CHUNKS) == 5
     assert counter(stats, TierCounter.GET_HITS) == 5

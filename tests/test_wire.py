@@ -49,7 +49,7 @@ def test_round_trip_is_bit_exact(pool, dtype, shape):
     parts = wire.encode(name, obj.tensor, NaiveSerde())
     back = wire.decode(blob_of(parts), name, pool.allocate)
     assert back is not None and same_bytes(back, obj)
-    assert back.metadata == obj.metadata  # the engine's checksum survives the trip
+    assert back.checksum == obj.checksum  # the engine's checksum survives the trip
     _, header_checksum = wire.read_prefix(parts[0][: wire.PREFIX_SIZE])
     header = wire.parse_header(bytes(parts[0][wire.PREFIX_SIZE :]), name, header_checksum)
     assert header.shape == shape and header.dtype == dtype and header.codec == "naive"
@@ -243,7 +243,7 @@ def test_cachegen_round_trip_is_within_its_bound_and_smaller(pool):
     scale = original.abs().amax(dim=-1, keepdim=True)
     # the codec's bound with its default schedule (at least 8 levels per side) + bf16
     assert bool(((original - decoded).abs() <= scale / 16 + scale * 2**-8).all())
-    assert back.metadata == checksum_of(tensor_bytes(back.tensor))  # the engine re-checks
+    assert back.checksum == checksum_of(tensor_bytes(back.tensor))  # the engine re-checks
 
 
 def test_a_chunk_cachegen_cannot_take_is_stored_raw(pool):

@@ -19,15 +19,12 @@ def main() -> None:
     from support.engines import generate, make_llm
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvtier.token_db import ChunkedTokenDatabase
-
     llm = make_llm(model, block_size=32, kvtier={"chunk_size": 64})
     generate(llm, [prompt])
-    worker = get_kv_transfer_group()._worker
+    worker = get_kv_transfer_group()._worker.mover
     engine = worker.engine
-    db: ChunkedTokenDatabase = engine.token_db
-    key = db.chunks(prompt)[int(chunk_index)].key
-    obj = engine.storage.get(key)
+    key = engine.chunk_keys(prompt)[int(chunk_index)]
+    obj = engine.storage.get(key)  # the stored object itself: the fault is injected there
     assert obj is not None, "the chunk to corrupt was not stored"
     raw = obj.tensor.reshape(-1).view(torch_uint8())
     raw[:16] ^= 0x5A  # flip bits in place: the stored object itself changes

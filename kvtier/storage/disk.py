@@ -290,7 +290,7 @@ class FileTier:
                     if got < len(target) or f.read(1):
                         raise CorruptObject("file length disagrees with its header")
                     wire.verify_payload(header, target)
-                    obj.metadata = header.checksum
+                    obj.checksum = header.checksum
                 else:
                     wire.decode_into(header, f.read(), obj, self.serde)
             except BaseException:

@@ -100,7 +100,31 @@ class StorageManager:
 
     @property
     def tier_names(self) -> list[str]:
-        return (["cpu"] if self.retain_in_cpu else []) + [t.name for t in self.lower]
+        return (["cpu"] if self.retain_in_cpu else []) + self.lower_tier_names
+
+    @property
+    def lower_tier_names(self) -> list[str]:
+        """Names of the tiers below memory (disk, remote), in lookup order."""
+        return [t.name for t in self.lower]
+
+    def gauges(self) -> dict[str, float]:
+        """What the tiers hold now: the CPU pool's capacity and use, chunks (and pinned
+        ones) in memory, and per lower tier whether it is up, its queued writes and (when
+        capped) the bytes it holds."""
+        pool = self.cpu.pool
+        gauges = {
+            "cpu_pool_capacity_bytes": float(pool.capacity),
+            "cpu_pool_used_bytes": float(pool.used_bytes()),
+            "cpu_chunks": float(len(self.cpu)),
+            "cpu_pinned_chunks": float(self.cpu.pinned_count()),
+        }
+        for tier in self.lower:
+            gauges[f"{tier.name}_up"] = float(getattr(tier, "is_up", True))
+            gauges[f"{tier.name}_pending_writes"] = float(tier.pending_writes)
+            used = getattr(tier, "used_bytes", None)
+            if used is not None and getattr(tier, "capacity_bytes", None) is not None:
+                gauges[f"{tier.name}_used_bytes"] = float(used)
+        return gauges
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A staging buffer for one chunk, or None when memory is exhausted."""

@@ -188,7 +188,7 @@ def decode_into(
     header: Header, payload: Buffer, out: MemoryObj, serde: Serde | None = None
 ) -> None:
     """Verify ``payload`` and decode it into ``out`` (shaped by the header). Sets
-    ``out.metadata`` to the xxh3-64 of the decoded bytes, as a store would. ``serde``: the
+    ``out.checksum`` to the xxh3-64 of the decoded bytes, as a store would. ``serde``: the
     tier's configured serde, used when the header names its codec (any other codec is
     decoded with that codec's defaults)."""
     verify_payload(header, payload)
@@ -198,7 +198,7 @@ def decode_into(
         except ValueError:
             raise CorruptObject(f"unknown codec {header.codec!r}") from None
     serde.decode(memoryview(payload), header.codec_params, out.tensor)
-    out.metadata = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
+    out.checksum = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
 
 
 def decode(

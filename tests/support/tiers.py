@@ -29,7 +29,7 @@ def fill(pool: HostMemoryPool, seed: int, shape=CHUNK_SHAPE, dtype=torch.bfloat1
     gen = torch.Generator().manual_seed(seed)
     raw = tensor_bytes(obj.tensor)
     raw[:] = torch.randint(0, 256, (len(raw),), generator=gen, dtype=torch.uint8).numpy().data
-    obj.metadata = checksum_of(raw)
+    obj.checksum = checksum_of(raw)
     return obj
 
 

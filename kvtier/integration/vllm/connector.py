@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.config import KVTierConfig, load_config
-from kvtier.engine import EngineMetadata
-from kvtier.integration.vllm.events import KVEventTracker, KVTierKVEvents, rank_events
-from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
-from kvtier.integration.vllm.scheduler import SchedulerSide, StepPlan
-from kvtier.integration.vllm.worker import WorkerSide
-from kvtier.prometheus import MetricsServer
-from kvtier_kernels import LAYOUTS
+from kvtier.integration.vllm.events import KVTierKVEvents
+from kvtier.integration.vllm.roles import SchedulerRole, WorkerRole
+from kvtier.integration.vllm.scheduler import StepPlan
 
 try:
     import vllm
@@ -122,23 +117,6 @@ def kvtier_config_from_vllm(vllm_config: VllmConfig) -> KVTierConfig:
     return load_config(overrides=extra)
 
 
-def _engine_tag(vllm_config: VllmConfig) -> str:
-    parallel = vllm_config.parallel_config
-    engine_id = vllm_config.kv_transfer_config.engine_id or "engine"
-    return f"{engine_id}-dp{getattr(parallel, 'data_parallel_rank', 0) or 0}"
-
-
-def _world(vllm_config: VllmConfig) -> int:
-    parallel = vllm_config.parallel_config
-    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-
-
-def _kv_events_enabled(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM publishes KV events (``kv_events_config.enable_kv_cache_events``)."""
-    events = getattr(vllm_config, "kv_events_config", None)
-    return bool(events is not None and events.enable_kv_cache_events)
-
-
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier as a vLLM KV connector (see the module docstring)."""
 
@@ -156,182 +134,101 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"{len(groups)} (hybrid attention)"
             )
         self.kvtier_config = config = kvtier_config_from_vllm(vllm_config)
-        model_name = config.model_name or str(vllm_config.model_config.model)
-        transfer = self._kv_transfer_config
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        self._client: RpcClient | None = None
         self._last_stats: dict[str, float] = {}
-        self._metrics: MetricsServer | None = None
-        self._metrics_client: RpcClient | None = None
-        self._events: KVEventTracker | None = None
-        events_on = _kv_events_enabled(vllm_config)
-        tag = _engine_tag(vllm_config)
+        self._scheduler: SchedulerRole | None = None
+        self._worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
-            endpoints = [endpoint_for(tag, rank) for rank in range(_world(vllm_config))]
-            self._client = RpcClient(endpoints, config.lookup_timeout_ms / 1000)
-            self._scheduler = SchedulerSide(
-                config,
-                self._lookup,
-                can_load=transfer.is_kv_consumer,
-                can_save=transfer.is_kv_producer,
-                block_size=vllm_config.cache_config.block_size,
-                whole_blocks=not _token_major_layout(config),
-            )
-            if events_on:
-                self._events = KVEventTracker(
-                    _world(vllm_config), config.chunk_size, vllm_config.cache_config.block_size
-                )
-                self._scheduler.chunk_observer = self._events.record_chunks
-            self._metrics = self._serve_metrics(config, endpoints, vllm_config)
-            if transfer.kv_load_failure_policy != "recompute":
-                # NOTE: a chunk kvtier cannot load is a cache miss, never a failed
-                # request; vLLM reads this after building the scheduler's connector.
-                logger.info("kvtier: kv_load_failure_policy set to 'recompute'")
-                transfer.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerRole(config, vllm_config)
         else:
-            rank = _worker_rank(vllm_config)
-            metadata = EngineMetadata(model_name, _world(vllm_config), rank)
-            self._worker = WorkerSide(
-                config, metadata, endpoint_for(tag, rank), record_events=events_on
-            )
+            self._worker = WorkerRole(config, vllm_config)
         logger.info("kvtier connector (%s role): %s", role.name.lower(), config.summary())
         logger.debug("kvtier config in effect:\n%s", config.describe())
 
     # -- scheduler side --------------------------------------------------------------
 
-    def _serve_metrics(
-        self, config: KVTierConfig, endpoints: list[str], vllm_config: VllmConfig
-    ) -> MetricsServer | None:
-        """The Prometheus endpoint (``metrics_port``), served from this process: each
-        scrape asks every worker rank for its metrics over the lookup sockets."""
-        if config.metrics_port is None:
-            return None
-        client = self._metrics_client = RpcClient(endpoints, config.lookup_timeout_ms / 1000)
-        lock = threading.Lock()  # one scrape at a time on the client's sockets
-
-        def sources() -> list[dict]:
-            own = {"labels": {"rank": "scheduler"}, "counters": self._scheduler_counters()}
-            with lock:
-                replies = client.call_all("metrics")
-            if replies is None:
-                logger.warning("kvtier metrics: a worker rank did not answer; serving partial")
-                replies = []
-            return [own, *replies]
-
-        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
-        port = config.metrics_port + dp_rank if config.metrics_port else 0
-        return MetricsServer(config.metrics_host, port, sources)
-
-    def _scheduler_counters(self) -> dict[str, float]:
-        """The scheduler process's own counters: lookups and KV events."""
-        scheduler = self._scheduler
-        counters: dict[str, float] = {
-            "lookup_tokens": scheduler.lookup_tokens if scheduler else 0,
-            "lookup_hit_tokens": scheduler.lookup_hit_tokens if scheduler else 0,
-        }
-        if self._events is not None:
-            counters.update(self._events.counters)
-        return counters
-
-    def _lookup(self, hashes: list[bytes]) -> int:
-        assert self._client is not None
-        replies = self._client.call_all("lookup", hashes=hashes)
-        if replies is None:
-            return 0
-        return min(int(reply.get("hits", 0)) for reply in replies)
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.plan.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
         block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+        self._scheduler.plan.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        self._scheduler.on_preempted(getattr(scheduler_output, "preempted_req_ids", None))
-        return KVTierConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+        self._scheduler.plan.on_preempted(getattr(scheduler_output, "preempted_req_ids", None))
+        return KVTierConnectorMetadata(self._scheduler.plan.build_plan(scheduler_output))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves complete within the step that computed the KV, so blocks can go now.
         assert self._scheduler is not None
-        self._scheduler.request_finished(request)
+        self._scheduler.plan.request_finished(request)
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' output of a step: merge their tier records (KV events)."""
-        events = connector_output.kv_cache_events
-        if self._events is not None and isinstance(events, KVTierKVEvents):
-            self._events.add(events.get_all_events())
+        if self._scheduler is not None:
+            self._scheduler.add_worker_events(connector_output.kv_cache_events)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtier's ``BlockStored`` / ``BlockRemoved`` events since the last call."""
-        return self._events.take() if self._events is not None else ()
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: empty every rank's tiers."""
-        if self._client is None:
-            return None
-        return self._client.call_all("clear") is not None
+        return self._scheduler.clear_tiers() if self._scheduler is not None else None
 
     # -- worker side -----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        backend = _attention_backend(self._vllm_config, kv_caches)
-        self._worker.register_kv_caches(
-            kv_caches, backend, _layout_tags(self._vllm_config, backend)
-        )
+        self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVTierConnectorMetadata)
-        self._worker.start_load(metadata.plan)
+        self._worker.mover.start_load(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        self._worker.wait_for_layer_load(layer_name)
+        self._worker.mover.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         assert self._worker is not None
-        self._worker.save_layer(layer_name)
+        self._worker.mover.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.wait_for_save()
+        self._worker.mover.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        loaded = self._worker.get_finished()
+        loaded = self._worker.mover.get_finished()
         return None, (loaded or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
-        return self._worker.take_load_errors()
+        return self._worker.mover.take_load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> KVTierKVEvents | None:
         """This rank's tier records since the last step (None: none, or events off)."""
-        if self._worker is None:
-            return None
-        return rank_events(self._worker.metadata.rank, self._worker.take_tier_events())
+        return self._worker.take_events() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
         if self._worker is not None:
-            now = self._worker.stats.snapshot()
+            now = self._worker.mover.stats.snapshot()
         elif self._scheduler is not None:
-            now = self._scheduler_counters()
+            now = self._scheduler.counters()
         else:
             return None
         delta = {
@@ -362,69 +259,6 @@ class KVTierConnector(KVConnectorBase_V1):
         return None
 
     def shutdown(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._worker is not None:
-            self._worker.shutdown()
-        for client in (self._client, self._metrics_client):
-            if client is not None:
-                client.close()
-
-
-def _worker_rank(vllm_config: VllmConfig) -> int:
-    """This worker's rank among the engine's ``tp * pp`` ranks."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        return get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
-    except (ImportError, AssertionError, AttributeError):
-        if _world(vllm_config) > 1:
-            raise
-        return 0
-
-
-def _token_major_layout(config: KVTierConfig) -> bool:
-    """Whether the workers' KV layout addresses single tokens inside a block (decided in
-    the scheduler process, which has no KV tensors: by the forced layout or the platform)."""
-    if config.kv_layout is not None:
-        return LAYOUTS[config.kv_layout].token_major
-    from vllm.platforms import current_platform
-
-    return not current_platform.is_cpu()
-
-
-def _layout_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, str], ...]:
-    """Key tags for chunks whose bytes depend on more than model and dtype: the CPU
-    backend tiles blocks per instruction set, so its chunks carry that ISA."""
-    if backend != "CPU_ATTN":
-        return ()
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(
-            vllm_config.model_config.dtype,
-            vllm_config.cache_config.block_size,
-            vllm_config.model_config.get_head_size(),
-            vllm_config.cache_config.cache_dtype,
-        )
-    except Exception:
-        import platform
-
-        isa = f"unknown-{platform.machine()}"
-    return (("cpu_attn_isa", str(isa)),)
-
-
-def _attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> str | None:
-    """Name of the attention backend of the layers in ``kv_caches`` (None if unknown)."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-        backends = get_current_attn_backends(vllm_config, list(kv_caches))
-    except Exception:
-        logger.warning("kvtier: could not ask vLLM for the attention backend", exc_info=True)
-        return None
-    names = {backend.get_name() for backend in backends}
-    if len(names) != 1:
-        raise ValueError(f"kvtier needs one attention backend for every layer; got {sorted(names)}")
-    return names.pop()
+        for role in (self._scheduler, self._worker):
+            if role is not None:
+                role.close()

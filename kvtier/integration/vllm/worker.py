@@ -30,10 +30,10 @@ import torch
 from kvtier.config import KVTierConfig
 from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTransfer
 from kvtier.events import TierEvent, TierEventLog
+from kvtier.gpu_connector import use_tuning_dir
 from kvtier.integration.vllm.rpc import RpcServer
 from kvtier.integration.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
 from kvtier.metrics import Stats
-from kvtier.prometheus import export
 from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,7 @@ class WorkerSide:
             self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_size = paged.block_size
+        use_tuning_dir(self.config.tuning_dir)  # this worker process's kernel tuning files
         self.engine = CacheEngine(
             self.config, self.metadata, paged, stats=self.stats, events=self.events
         )
@@ -178,9 +179,7 @@ class WorkerSide:
                     "lookup": self._serve_lookup,
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
-                    "metrics": lambda args: export(
-                        self.stats, self.engine.storage, rank=str(self.metadata.rank)
-                    ),
+                    "metrics": lambda args: self._require_engine().metrics(),
                 },
             )
             self._server.start()
@@ -191,20 +190,19 @@ class WorkerSide:
         return self.engine
 
     def _serve_lookup(self, args: dict) -> dict:
-        engine = self._require_engine()
-        keys = [engine.token_db.key(h) for h in args["hashes"]]
-        return {"hits": engine.storage.lookup_prefix(keys, prefetch=True)}
+        return {"hits": self._require_engine().lookup_hashes(args["hashes"])}
 
     def _serve_clear(self, args: dict) -> dict:
         with self._lock:
-            self._require_engine().storage.clear()
+            self._require_engine().clear()
         return {}
 
     # -- loads -----------------------------------------------------------------------
 
     def _chunks(self, spec: LoadSpec | SaveSpec):
-        engine = self._require_engine()
-        return engine.token_db.chunks_from_hashes(spec.first_chunk, spec.hashes, spec.chunks_end)
+        return self._require_engine().chunks_from_hashes(
+            spec.first_chunk, spec.hashes, spec.chunks_end
+        )
 
     def _failed_blocks(self, load: LoadSpec, loaded_end: int) -> set[int]:
         """Blocks of ``[start, end)`` that the loaded run ``[.., loaded_end)`` did not fill."""
