@@ -115,20 +115,31 @@ def transfer_config(extra: dict[str, Any], *, engine_id: str | None = None) -> d
     return config
 
 
-def make_engine(model: Path, *, max_model_len: int, kvtier: dict[str, Any] | None = None):
-    """A bf16 ``vllm.LLM`` on the demo's settings; ``kvtier`` is the connector's config
-    (None: no connector)."""
+def make_engine(
+    model: Path,
+    *,
+    max_model_len: int,
+    kvtier: dict[str, Any] | None = None,
+    engine_id: str | None = None,
+    dtype: str = "bfloat16",
+    block_size: int = BLOCK_SIZE,
+    kv_cache_memory_bytes: int = 1 << 30,
+    **kwargs: Any,
+):
+    """A ``vllm.LLM`` for a local random-weight model, prompts as token ids, eager mode;
+    ``kvtier`` is the connector's config (None: no connector). Defaults: the demo's."""
     from vllm import LLM
 
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,
-        kv_cache_memory_bytes=1 << 30,
-        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        block_size=block_size,
         max_model_len=max_model_len,
         enforce_eager=True,
-        dtype="bfloat16",
-        kv_transfer_config=None if kvtier is None else transfer_config(kvtier),
+        dtype=dtype,
+        kv_transfer_config=None if kvtier is None else transfer_config(kvtier, engine_id=engine_id),
+        **kwargs,
     )
 
 

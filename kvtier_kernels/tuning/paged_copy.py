@@ -206,9 +206,6 @@ class PagedCopyProblem(TuningProblem):
         self._tensors = {}
 
 
-# Re-rotation tolerance: |got - want| <= _ROPE_ATOL + _ROPE_RTOL * |want| in fp32, and one
-
-
 def sweep(
     op: str,
     shape: ModelShape,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.demo_vllm import make_engine, transfer_config
 from kvtier.demo_vllm import shutdown_engine as shutdown  # noqa: F401 - for the test modules
-from kvtier.demo_vllm import transfer_config
 
 
 @dataclass(frozen=True)
@@ -46,20 +46,16 @@ def make_llm(
     max_model_len: int = 2048,
     **kwargs: Any,
 ):
-    """A ``vllm.LLM`` on the CPU; ``kvtier`` is the connector's extra config (None: no
-    connector)."""
-    from vllm import LLM
-
-    transfer = None if kvtier is None else kv_transfer_config(kvtier, engine_id=engine_id)
-    return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=128 << 20,
-        block_size=block_size,
+    """A ``vllm.LLM`` on the CPU for the tests (float32, a small KV cache, a fresh engine
+    id); ``kvtier`` is the connector's extra config (None: no connector)."""
+    return make_engine(
+        model,
         max_model_len=max_model_len,
-        enforce_eager=True,
+        kvtier=kvtier,
+        engine_id=engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}",
         dtype=dtype,
-        kv_transfer_config=transfer,
+        block_size=block_size,
+        kv_cache_memory_bytes=128 << 20,
         seed=0,
         **kwargs,
     )
