@@ -1,8 +1,10 @@
 """``KVTierConnector``: kvtier behind vLLM's ``KVConnectorBase_V1``.
 
 vLLM builds two instances: one with the SCHEDULER role in the engine-core process (it
-decides what to load and save: ``scheduler.SchedulerSide``) and one with the WORKER role
-in each worker process (it moves the KV: ``worker.WorkerSide``). The scheduler learns what
+decides what to load and save) and one with the WORKER role in each worker process (it
+moves the KV). This facade only passes each hook on to its role object
+(``roles.SchedulerRole`` around ``scheduler.SchedulerSide``, ``roles.WorkerRole`` around
+``worker.WorkerSide``), which own the wiring. The scheduler learns what
 the workers' tiers hold through a local RPC socket per rank (``rpc``): a lookup that fails
 or takes longer than ``lookup_timeout_ms`` is a miss. With tensor or pipeline parallelism
 every rank stores its own shard, and a chunk counts as a hit only when every rank has it.
