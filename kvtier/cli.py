@@ -38,6 +38,17 @@ def _package_version(package: str) -> str:
     return "not installed"
 
 
+def _torch_build() -> str:
+    """Which torch this is: a CPU, CUDA or ROCm build, and its runtime version."""
+    import torch
+
+    if torch.version.hip:
+        return f"ROCm {torch.version.hip}"
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda}"
+    return "CPU"
+
+
 def _devices() -> list[str]:
     import torch
 
@@ -45,8 +56,26 @@ def _devices() -> list[str]:
     if torch.cuda.is_available():
         runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
         for i in range(torch.cuda.device_count()):
-            devices.append(f"cuda:{i} {torch.cuda.get_device_name(i)} ({runtime})")
+            props = torch.cuda.get_device_properties(i)
+            arch = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
+            devices.append(f"cuda:{i} {props.name} ({arch}, {runtime})")
     return devices
+
+
+def _auto_backends(registry) -> dict[str, dict[str, str]]:
+    """Per op, the backend ``kernel_backend: auto`` picks here and why."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto = registry.resolve_backend("auto", device)
+    why = registry.available_backends()["triton"]
+    rows = {}
+    for op in registry.ops():
+        if auto in registry.backends_for(op):
+            rows[op] = {"backend": auto, "why": f"triton: {why}"}
+        else:
+            rows[op] = {"backend": "torch", "why": f"no Triton kernel here (triton: {why})"}
+    return rows
 
 
 def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
@@ -97,9 +126,12 @@ def cmd_info(args: argparse.Namespace) -> int:
             "python": platform.python_version(),
             **{name: _package_version(name) for name in ("torch", "triton", "numpy", "vllm")},
         },
+        "torch_build": _torch_build(),
         "devices": _devices(),
         "kernel_backends": registry.available_backends(),
         "kernel_ops": {op: registry.backends_for(op) for op in registry.ops()},
+        "kernel_auto": _auto_backends(registry),
+        "tuning_search_path": _search_path_rows(),
         "config": [
             {"key": key, "value": value, "source": config.source_of(key)}
             for key, value in config.to_dict().items()
@@ -113,15 +145,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("\nversions:")
     for name, version in info["versions"].items():
         print(f"  {name:<8} {version}")
+    print(f"  torch build: {info['torch_build']}")
     print("\ndevices:")
     for device in info["devices"]:
         print(f"  {device}")
     print("\nkernel backends:")
     for backend, status in info["kernel_backends"].items():
         print(f"  {backend:<10} {status}")
-    print("\nkernel ops:")
+    print("\nkernel ops (backends here; what auto picks, and why):")
     for op, backends in info["kernel_ops"].items():
-        print(f"  {op:<16} {', '.join(backends)}")
+        auto = info["kernel_auto"][op]
+        print(f"  {op:<16} {', '.join(backends):<26} auto: {auto['backend']} ({auto['why']})")
+    print("\ntuning files searched in (kvtier kernels lists the files in effect):")
+    for row in info["tuning_search_path"]:
+        print(f"  {row['path']}  [{row['kind']}]{'' if row['exists'] else '  (missing)'}")
     print("\nconfig in effect:")
     for row in info["config"]:
         print(f"  {row['key']:<20} {row['value']!s:<16} ({row['source']})")

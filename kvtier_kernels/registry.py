@@ -98,14 +98,16 @@ def ops() -> list[str]:
 
 
 def backends_for(op: str) -> list[str]:
-    """Backends registered for ``op``, in :data:`BACKENDS` order.
+    """Backends registered for ``op`` that can run here, in :data:`BACKENDS` order
+    (``triton`` and ``interpret`` only when Triton is installed).
 
     Raises:
         KeyError: ``op`` is not registered (the message lists the registered ops).
     """
+    runnable = BACKENDS if _triton_installed() else ("torch",)
     with _lock:
         impls = _op_impls(op)
-        return [b for b in BACKENDS if b in impls]
+        return [b for b in runnable if b in impls]
 
 
 def _triton_installed() -> bool:

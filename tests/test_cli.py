@@ -128,3 +128,18 @@ def test_info_checks_a_kv_transfer_config_before_an_engine_starts(capsys):
 
     assert main(["info", "--kv-transfer-config", "{not json"]) == 2
     assert "is not JSON" in capsys.readouterr().err
+
+
+def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
+    import torch
+
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    expected_build = "CPU" if not (torch.version.cuda or torch.version.hip) else None
+    if expected_build:
+        assert info["torch_build"] == expected_build
+    on_gpu = torch.cuda.is_available()
+    for op, auto in info["kernel_auto"].items():
+        assert auto["backend"] == ("triton" if on_gpu else "torch"), op
+        assert auto["why"]
+    assert info["tuning_search_path"][-1]["kind"] == "packaged defaults"
