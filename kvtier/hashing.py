@@ -44,12 +44,14 @@ def sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-def _tokens_as_tuple(tokens: TokenIds) -> tuple[int, ...]:
-    if isinstance(tokens, torch.Tensor):
-        return tuple(tokens.tolist())
-    if isinstance(tokens, np.ndarray):
-        return tuple(tokens.tolist())
-    return tuple(int(t) for t in tokens)
+def _sha256_cbor_chunk(parent: bytes, tokens: TokenIds, extra: ExtraKeys) -> bytes:
+    if isinstance(tokens, torch.Tensor | np.ndarray):
+        tokens = tokens.tolist()
+    try:
+        # Python ints (what ``tolist`` gives): CBOR-encoded without a per-token step
+        return sha256_cbor((parent, tuple(tokens), extra))
+    except cbor2.CBOREncodeError:  # e.g. NumPy integers in a list
+        return sha256_cbor((parent, tuple(int(t) for t in tokens), extra))
 
 
 def _tokens_as_le_int64(tokens: TokenIds) -> bytes:
@@ -93,7 +95,7 @@ class ChunkHasher:
     def hash_chunk(self, parent: bytes, tokens: TokenIds, extra: ExtraKeys = None) -> bytes:
         """``h_i = H(parent, tokens, extra)`` for one chunk."""
         if self.algorithm == "sha256_cbor":
-            return sha256_cbor((parent, _tokens_as_tuple(tokens), extra))
+            return _sha256_cbor_chunk(parent, tokens, extra)
         h = xxhash.xxh3_128()
         h.update(parent)
         h.update(_tokens_as_le_int64(tokens))

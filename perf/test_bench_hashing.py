@@ -37,3 +37,33 @@ def test_chunk_hashing(benchmark, record, algorithm):
         baseline_value=NUM_TOKENS / baseline_seconds / 1e6,
     )
     benchmark.extra_info["mtokens_per_s"] = NUM_TOKENS / seconds / 1e6
+
+
+@pytest.mark.parametrize("vllm_block_size", [16, CHUNK_SIZE])
+def test_sha256_cbor_vs_vllms_block_hash(benchmark, record, vllm_block_size):
+    """kvtier's sha256_cbor chunk hashes (same bytes as vLLM's) against vLLM's own
+    ``hash_block_tokens`` over the same tokens, at vLLM's default GPU block size and at
+    kvtier's chunk size, in the same run."""
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
+
+    kv_cache_utils.init_none_hash(vllm_sha256_cbor)
+    tokens = torch.randint(0, 128_000, (NUM_TOKENS,), generator=torch.Generator().manual_seed(0))
+    db = _db("sha256_cbor")
+    benchmark(db.chunk_hashes, tokens)
+    seconds = benchmark.stats.stats.median
+
+    def vllm_hashes() -> None:
+        as_list, parent = tokens.tolist(), kv_cache_utils.NONE_HASH
+        for start in range(0, NUM_TOKENS, vllm_block_size):
+            block = as_list[start : start + vllm_block_size]
+            parent = kv_cache_utils.hash_block_tokens(vllm_sha256_cbor, parent, block, None)
+
+    baseline_seconds = median_seconds(vllm_hashes, repeat=7, warmup=1)
+    record(
+        metric=f"sha256_cbor chunk hashing vs vLLM hash_block_tokens ({vllm_block_size}-token blocks)",
+        value=NUM_TOKENS / seconds / 1e6,
+        unit="Mtokens/s",
+        baseline=f"vLLM hash_block_tokens, {vllm_block_size}-token blocks (same run)",
+        baseline_value=NUM_TOKENS / baseline_seconds / 1e6,
+    )

@@ -29,6 +29,36 @@ def test_sha256_cbor_matches_vllm_golden_values():
     assert h1.hex() == VLLM_BLOCK_1_WITH_EXTRA
 
 
+def test_sha256_cbor_chunk_hashes_equal_vllms_own_function_byte_for_byte():
+    """Against vLLM's ``hash_block_tokens`` itself (not stored values), on a long prompt
+    of random ids across every CBOR integer width, through the token database's path."""
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
+
+    from kvtier.keys import CacheKey
+    from kvtier.token_db import ChunkedTokenDatabase
+
+    kv_cache_utils.init_none_hash(vllm_sha256_cbor)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 200_000, 4096)
+    tokens[:40] = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, *range(30)]
+    db = ChunkedTokenDatabase(256, ChunkHasher("sha256_cbor"), CacheKey("m", 1, 0, "bf16", b""))
+    ours = db.chunk_hashes(torch.from_numpy(tokens))
+    parent, theirs = kv_cache_utils.NONE_HASH, []
+    as_list = tokens.tolist()
+    for start in range(0, len(as_list), 256):
+        parent = kv_cache_utils.hash_block_tokens(
+            vllm_sha256_cbor, parent, as_list[start : start + 256], None
+        )
+        theirs.append(bytes(parent))
+    assert ours == theirs
+    # NumPy integers in a plain list hash like Python ints
+    hasher = ChunkHasher("sha256_cbor")
+    assert hasher.hash_chunk(b"p", [np.int64(t) for t in as_list[:9]]) == hasher.hash_chunk(
+        b"p", as_list[:9]
+    )
+
+
 @pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
 def test_token_container_types_hash_the_same(algorithm):
     hasher = ChunkHasher(algorithm)
