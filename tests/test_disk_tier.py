@@ -97,6 +97,37 @@ def test_restart_rebuilds_the_index(tmp_path, pool):
     second.close()
 
 
+def test_a_bounded_tier_answers_lookups_from_its_index(tmp_path, pool, monkeypatch):
+    """No filesystem call for a name the index knows; a name it does not know (another
+    process's file) is asked for; a file deleted behind its back is one failed read, then
+    forgotten."""
+    tier = make_tier(tmp_path, capacity_bytes=10 * CHUNK_FILE_BYTES)
+    put_all(tier, pool, range(3))
+    other = make_tier(tmp_path / "other")
+    put_all(other, pool, [7])
+    (only,) = chunk_files(tmp_path / "other")
+    target = tier.path_of(tier.file_name(key(7)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(only, target)  # as if another process sharing the directory wrote it
+    stats_seen = []
+    real_stat = os.stat
+    monkeypatch.setattr(
+        os, "stat", lambda path, *a, **k: stats_seen.append(path) or real_stat(path, *a, **k)
+    )
+    assert tier.contains_many([key(0), key(1), key(2)]) == [True] * 3
+    assert stats_seen == []
+    assert tier.contains_many([key(7), key(9)]) == [True, False]
+    assert len(stats_seen) == 2
+    assert tier.contains_many([key(7)]) == [True] and len(stats_seen) == 2  # now indexed
+    monkeypatch.undo()
+    tier.path_of(tier.file_name(key(1))).unlink()  # deleted behind the index's back
+    assert tier.contains_many([key(1)]) == [True]
+    assert tier.get_many([key(1)], pool.allocate) == [None]
+    assert tier.contains_many([key(1)]) == [False]
+    other.close()
+    tier.close()
+
+
 def test_capacity_evicts_in_lru_order(tmp_path, pool):
     stats = Stats()
     tier = make_tier(tmp_path, stats, capacity_bytes=int(3.5 * CHUNK_FILE_BYTES))

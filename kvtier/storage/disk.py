@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -128,7 +129,9 @@ class FileTier:
     # -- layout ----------------------------------------------------------------------
 
     @staticmethod
+    @functools.lru_cache(maxsize=1 << 14)  # the recent prompts' chunks: lookups repeat them
     def file_name(key: CacheKey) -> str:
+        """The file of ``key``: xxh3-128 of its canonical string, in hex."""
         return xxhash.xxh3_128_hexdigest(key.to_string().encode())
 
     def path_of(self, file_name: str) -> Path:
@@ -219,18 +222,34 @@ class FileTier:
     # -- reads -----------------------------------------------------------------------
 
     def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
-        present = []
-        for key in keys:
-            file_name = self.file_name(key)
+        """Whether each key's file is there. A capacity-bounded tier answers from its
+        in-memory index (a use, for eviction order) and asks the filesystem only about
+        names it does not know (written by another process sharing the directory).
+
+        NOTE: a file deleted behind the index's back is a hit here and a miss at the read
+        (the index forgets it then): the load fails and vLLM recomputes those blocks.
+        """
+        names = [self.file_name(key) for key in keys]
+        present = [False] * len(names)
+        unknown = range(len(names))
+        if self.capacity_bytes is not None:
+            with self._lock:
+                unknown = []
+                for i, file_name in enumerate(names):
+                    if file_name in self._sizes:
+                        self._policy.touch(file_name)
+                        present[i] = True
+                    else:
+                        unknown.append(i)
+        for i in unknown:
             try:
-                size = os.stat(self._path_str(file_name)).st_size
+                size = os.stat(self._path_str(names[i])).st_size
             except OSError:
-                present.append(False)
                 continue
-            present.append(True)
+            present[i] = True
             if self.capacity_bytes is not None:
                 with self._lock:
-                    self._index_add(file_name, size)  # maybe written by another process
+                    self._index_add(names[i], size)  # written by another process
         self.stats.inc(tier_counter(self.name, TierCounter.LOOKUP_HITS), sum(present))
         return present
 
@@ -247,7 +266,11 @@ class FileTier:
             obj = (self._read_direct if self.o_direct else self._read_buffered)(
                 path, key.to_string(), allocate
             )
-        except FileNotFoundError:
+        except FileNotFoundError:  # deleted behind the index's back: forget it
+            with self._lock:
+                if self.capacity_bytes is not None:
+                    self._index_drop(file_name)
+                self._record_removed(file_name)
             obj = None
         except CorruptObject as exc:
             self._reject(file_name, path, exc)
