@@ -15,6 +15,7 @@ percent-encoded, so the string never contains a path separator and splits unambi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from urllib.parse import quote, unquote
 
@@ -66,18 +67,7 @@ class CacheKey:
 
     def to_string(self) -> str:
         """The canonical string form (see the module docstring)."""
-        parts = [
-            KEY_FORMAT,
-            _enc(self.model_name),
-            str(self.world_size),
-            str(self.rank),
-            _enc(self.kv_dtype),
-            self.chunk_hash.hex(),
-        ]
-        if self.layer is not None:
-            parts.append(f"L{self.layer}")
-        parts.extend(f"{_enc(k)}={_enc(v)}" for k, v in self.tags)
-        return _SEP.join(parts)
+        return _canonical_string(self)
 
     __str__ = to_string
 
@@ -122,3 +112,19 @@ class CacheKey:
     def chunk_key(self) -> CacheKey:
         """The whole-chunk key this (possibly layer-wise) key belongs to."""
         return replace(self, layer=None) if self.layer is not None else self
+
+
+@functools.lru_cache(maxsize=1 << 15)  # lookups and stores name the same recent chunks again
+def _canonical_string(key: CacheKey) -> str:
+    parts = [
+        KEY_FORMAT,
+        _enc(key.model_name),
+        str(key.world_size),
+        str(key.rank),
+        _enc(key.kv_dtype),
+        key.chunk_hash.hex(),
+    ]
+    if key.layer is not None:
+        parts.append(f"L{key.layer}")
+    parts.extend(f"{_enc(k)}={_enc(v)}" for k, v in key.tags)
+    return _SEP.join(parts)
