@@ -17,7 +17,8 @@ layout descriptor accepts. Bytes moved per direction:
 The chunk buffer may live on another device than the cache (e.g. pinned CPU memory for a
 GPU cache); its last dim must be contiguous (stride 1).
 
-Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
+Backends (see :mod:`kvtier_kernels.registry`): ``torch`` moves head rows with one
+``index_select``/``index_copy_`` per plane and layer where it can, else the reference;
 ``triton`` runs ``paged_copy_kernel`` compiled (one kernel, ``TO_CHUNK`` picks the
 direction), on CUDA/ROCm caches, with the chunk on the same GPU or in pinned host memory
 (read or written over the bus);
@@ -46,7 +47,14 @@ from kvtier_kernels._launch import (
 )
 from kvtier_kernels.dtypes import INT_OF_SIZE
 from kvtier_kernels.layouts import PagedKV
-from kvtier_kernels.paged_rows import as_words, layer_table, read_rows, valid_slots, word_view
+from kvtier_kernels.paged_rows import (
+    as_words,
+    copy_head_rows,
+    layer_table,
+    read_rows,
+    valid_slots,
+    word_view,
+)
 from kvtier_kernels.tuning_files import Tunable, register_tunable
 
 __all__ = [
@@ -54,11 +62,13 @@ __all__ = [
     "LaunchConfig",
     "gather",
     "gather_reference",
+    "gather_torch",
     "gather_triton",
     "launch_config",
     "paged_copy_kernel",
     "scatter",
     "scatter_reference",
+    "scatter_torch",
     "scatter_triton",
 ]
 
@@ -508,8 +518,23 @@ def scatter_triton(
 # registration
 # ---------------------------------------------------------------------------------------
 
-registry.register("paged_gather", "torch", gather_reference)
-registry.register("paged_scatter", "torch", scatter_reference)
+
+def _torch_backend(reference, to_chunk: bool):
+    """The torch backend: ``paged_rows.copy_head_rows`` where it applies, else ``reference``."""
+
+    def run(paged: PagedKV, slot_mapping: torch.Tensor, chunk: torch.Tensor, layers=None):
+        layers = range(paged.num_layers) if layers is None else layers
+        if not copy_head_rows(paged, slot_mapping, chunk, layers, to_chunk):
+            return reference(paged, slot_mapping, chunk, layers)
+        return chunk if to_chunk else None
+
+    return run
+
+
+gather_torch = _torch_backend(gather_reference, to_chunk=True)
+scatter_torch = _torch_backend(scatter_reference, to_chunk=False)
+registry.register("paged_gather", "torch", gather_torch)
+registry.register("paged_scatter", "torch", scatter_torch)
 for _op, _launcher in (("paged_gather", gather_triton), ("paged_scatter", scatter_triton)):
     registry.register(_op, "triton", loader=triton_loader(KERNEL, _launcher, False))
     registry.register(_op, "interpret", loader=triton_loader(KERNEL, _launcher, True))

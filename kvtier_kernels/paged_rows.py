@@ -6,6 +6,8 @@ word moves the same bytes in fewer elements: a bf16 row of 128 values is 32 int6
 
 - :func:`valid_slots`, :func:`read_rows`, :func:`as_words`: the slots to move, the rows at
   them, and the widest integer view of a cache view and chunk rows (the torch reference);
+- :func:`copy_head_rows`: the torch backend's fast path, one ``index_select`` /
+  ``index_copy_`` per KV plane and layer over the cache seen as rows of one head's values;
 - :func:`layer_table`, :func:`word_view`, :func:`launch_words`: the per-layer base-address
   table the Triton kernel reads through (cached), and the word type and strides it moves
   rows in.
@@ -25,6 +27,7 @@ from kvtier_kernels.layouts import PagedKV
 __all__ = [
     "LayerTable",
     "as_words",
+    "copy_head_rows",
     "launch_words",
     "layer_table",
     "read_rows",
@@ -79,6 +82,65 @@ def as_words(
         except RuntimeError:  # a stride, size or offset not divisible at this width
             continue
     raise AssertionError(f"no integer view of {cache_view.dtype}")
+
+
+def _head_row_table(view: torch.Tensor) -> torch.Tensor | None:
+    """The storage under a canonical layer view ``[KV, NB, BS, H, D]`` as rows of ``D``
+    values (``[rows, D]``), when each head's ``D`` values are contiguous and every other
+    stride is a whole number of rows; else None."""
+    head_size = view.shape[-1]
+    *outer, s_dim = view.stride()
+    if s_dim != 1 or any(stride % head_size for stride in outer):
+        return None
+    elements = view.untyped_storage().nbytes() // view.element_size() - view.storage_offset()
+    return view.as_strided((elements // head_size, head_size), (head_size, 1))
+
+
+def copy_head_rows(
+    paged: PagedKV,
+    slot_mapping: torch.Tensor,  # [T]; every slot >= 0
+    chunk: torch.Tensor,  # [KV, len(layers), T, H * D] on the cache's device
+    layers: range,
+    to_chunk: bool,
+) -> bool:
+    """Move every slot's KV between the cache and the chunk as ``H`` head rows per token
+    and plane: one ``index_select`` (gather) or ``index_copy_`` (scatter) per plane and
+    layer, straight between cache and chunk, one pass over the bytes.
+
+    Returns False, having moved nothing, when the fast path does not apply (a negative
+    slot, the chunk on another device or with non-contiguous rows, head rows that are not
+    contiguous in the cache); the caller then takes the reference path.
+    """
+    if chunk.device != paged.device or not len(layers):
+        return False
+    slots = slot_mapping.to(device=paged.device, dtype=torch.int64)
+    if slots.numel() == 0 or bool((slots < 0).any()):
+        return False
+    head_rows = None
+    moves = []
+    for j, layer in enumerate(layers):
+        view, chunk_rows = as_words(paged.layer_view(layer), chunk[:, j])
+        table = _head_row_table(view)
+        if table is None or not all(plane.is_contiguous() for plane in chunk_rows):
+            return False
+        if head_rows is None:  # [KV, T * H] row of (plane, slot, head); the same every layer
+            kv, _, bs, heads, head_size = view.shape
+            s_kv, s_nb, s_bs, s_h, _ = view.stride()
+            token = (slots // bs) * s_nb + (slots % bs) * s_bs
+            head_rows = (
+                torch.arange(kv, device=slots.device)[:, None, None] * s_kv
+                + token[None, :, None]
+                + torch.arange(heads, device=slots.device)[None, None, :] * s_h
+            ).reshape(kv, -1) // head_size
+        moves.append((table, chunk_rows))
+    for table, chunk_rows in moves:
+        for plane, rows in zip(chunk_rows, head_rows, strict=True):
+            plane_rows = plane.view(-1, table.shape[1])  # [T * H, D]: the chunk is row-major
+            if to_chunk:
+                torch.index_select(table, 0, rows, out=plane_rows)
+            else:
+                table.index_copy_(0, rows, plane_rows)
+    return True
 
 
 _WORD_BYTES = (8, 4, 2, 1)

@@ -21,6 +21,7 @@ from support.kv import (
 from kvtier_kernels import paged_copy
 from kvtier_kernels.layouts import LAYOUTS, PagedKV
 from kvtier_kernels.paged_copy import gather, gather_reference, scatter, scatter_reference
+from kvtier_kernels.paged_rows import copy_head_rows
 
 NUM_LAYERS = 3
 NUM_TOKENS = 37  # a partial chunk: not a multiple of any block size used here
@@ -118,6 +119,47 @@ def test_scatter_matches_loop_and_touches_only_named_slots(
     scatter(paged, slots, src, layers)
     # Whole caches compared: unnamed slots, padding tokens and layer 0 stay unchanged.
     assert_cache_equal(paged, expected)
+
+
+@pytest.mark.parametrize(("name", "heads", "head_size"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_torch_backend_moves_head_rows_bit_exactly(
+    name: str, heads: int, head_size: int, dtype: torch.dtype, block_size: int
+) -> None:
+    """No padding: the torch backend's one-pass head-row path (every layout kvtier knows
+    has contiguous head rows) against the loop, both directions, random slots."""
+    paged = make_cache(name, dtype, block_size, heads, head_size)
+    slots = make_slots(paged.num_slots, NUM_TOKENS, pad_every=None, seed=block_size + 7)
+    layers = range(1, NUM_LAYERS)
+    out = empty_chunk(paged, NUM_TOKENS, len(layers), seed=12)
+    assert copy_head_rows(paged, slots, out, layers, to_chunk=True)
+    expected = empty_chunk(paged, NUM_TOKENS, len(layers), seed=13)
+    loop_gather(paged, slots, expected, layers)
+    assert_chunk_equal(out, expected, paged, slots, layers)
+    src = empty_chunk(paged, NUM_TOKENS, len(layers), seed=14)
+    want = clone_cache(paged)
+    loop_scatter(want, slots, src, layers)
+    scatter(paged, slots, src, layers, backend="torch")
+    assert_cache_equal(paged, want)  # layer 0 and every unnamed slot unchanged
+
+
+def test_head_rows_path_declines_what_it_cannot_do() -> None:
+    """Padding, or a chunk whose rows are not dense: nothing moved, the reference runs."""
+    paged = make_cache("vllm_cpu", torch.bfloat16, 16, 2, 80)
+    layers = range(NUM_LAYERS)
+    out = empty_chunk(paged, NUM_TOKENS, NUM_LAYERS, seed=15)
+    before = out.clone()
+    padded = make_slots(paged.num_slots, NUM_TOKENS, pad_every=5, seed=16)
+    assert not copy_head_rows(paged, padded, out, layers, to_chunk=True)
+    strided = empty_chunk(paged, NUM_TOKENS * 2, NUM_LAYERS, seed=17)[:, :, ::2]
+    full = make_slots(paged.num_slots, NUM_TOKENS, pad_every=None, seed=18)
+    assert not copy_head_rows(paged, full, strided, layers, to_chunk=True)
+    assert torch.equal(bits(out), bits(before))
+    expected = strided.clone()
+    loop_gather(paged, full, expected, layers)
+    gather(paged, full, strided, backend="torch")  # through the reference
+    assert_chunk_equal(strided, expected, paged, full, layers)
 
 
 @pytest.mark.parametrize(("name", "heads", "head_size"), SHAPES)
@@ -334,5 +376,5 @@ def test_gpu_cache_with_pinned_host_chunk(name: str) -> None:
 def test_module_registers_torch_backend() -> None:
     from kvtier_kernels import registry
 
-    assert registry.get("paged_gather", "torch") is paged_copy.gather_reference
-    assert registry.get("paged_scatter", "torch") is paged_copy.scatter_reference
+    assert registry.get("paged_gather", "torch") is paged_copy.gather_torch
+    assert registry.get("paged_scatter", "torch") is paged_copy.scatter_torch
