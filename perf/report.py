@@ -793,12 +793,13 @@ class Report:
             "hashing",
             "Chunk hashing: tokens/s",
             "Prefix-chained chunk hashes of a long prompt (`perf/test_bench_hashing.py`), each "
-            "algorithm against the other measured in the same run.",
+            "against a baseline measured in the same run: the other algorithm, or vLLM's own "
+            "`hash_block_tokens` over the same tokens (identical bytes).",
             ["Algorithm"],
             lambda r: [hashing_label(r)],
             lambda r: (),
             "chunk hashing throughput",
-            series=("this algorithm", "the other algorithm (same run)"),
+            series=("kvtier", "baseline (same run)"),
         )
 
     def compression(self) -> None:

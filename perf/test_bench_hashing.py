@@ -61,7 +61,8 @@ def test_sha256_cbor_vs_vllms_block_hash(benchmark, record, vllm_block_size):
 
     baseline_seconds = median_seconds(vllm_hashes, repeat=7, warmup=1)
     record(
-        metric=f"sha256_cbor chunk hashing vs vLLM hash_block_tokens ({vllm_block_size}-token blocks)",
+        metric="chunk hashing",
+        algorithm=f"sha256_cbor vs vLLM, {vllm_block_size}-token blocks",
         value=NUM_TOKENS / seconds / 1e6,
         unit="Mtokens/s",
         baseline=f"vLLM hash_block_tokens, {vllm_block_size}-token blocks (same run)",
