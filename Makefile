@@ -15,7 +15,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 STAMP := $(VENV)/.kvtier-installed
 EXTRAS ?= test,bench
 
-.PHONY: demo test lint format bench install services clean
+# The oldest Triton kvtier claims (pyproject: triton>=3.5): the kernels' interpreter tests
+# in a second venv with it, beside the current one in .venv.
+OLDEST_TRITON ?= triton==3.5.0
+OLDEST_VENV ?= .venv-oldest-triton
+KERNEL_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_cachegen_kernels.py
+
+.PHONY: demo test test-oldest-triton lint format bench install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +51,13 @@ services:
 test: $(STAMP) services
 	$(PY) -m pytest -q
 
+test-oldest-triton:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "$(OLDEST_TRITON)"
+	$(OLDEST_VENV)/bin/python -m pip install -q -e ".[test]" "$(OLDEST_TRITON)"
+	$(OLDEST_VENV)/bin/python -c "import triton; print('kernel tests on triton', triton.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -62,4 +75,4 @@ bench: $(STAMP)
 	$(PY) perf/report.py && exit $$status
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

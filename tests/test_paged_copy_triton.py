@@ -36,6 +36,7 @@ from kvtier_kernels.paged_copy import (
     LaunchConfig,
     gather,
     gather_reference,
+    gather_torch,
     gather_triton,
     launch_config,
     scatter,
@@ -303,8 +304,8 @@ def test_registry_serves_triton_backends_lazily() -> None:
     impl = registry.get("paged_gather", "interpret", "cpu")
     assert impl.func is gather_triton and impl.keywords == {"interpret": True}
     assert registry.get("paged_scatter", "interpret", "cpu").func is scatter_triton
-    # auto on a CPU cache stays on the reference
-    assert registry.get("paged_gather", "auto", "cpu") is gather_reference
+    # auto on a CPU cache stays on the torch backend (head rows, else the reference)
+    assert registry.get("paged_gather", "auto", "cpu") is gather_torch
 
 
 def test_launchers_called_directly_pick_the_interpreter_for_cpu_tensors() -> None:
