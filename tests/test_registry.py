@@ -24,10 +24,8 @@ def fresh_op() -> str:
 def test_paged_copy_ops_are_registered() -> None:
     assert {"paged_gather", "paged_scatter"} <= set(registry.ops())
     assert "torch" in registry.backends_for("paged_gather")
-    assert registry.get("paged_gather", "torch") is paged_copy.gather_reference
-    assert (
-        registry.get("paged_scatter", "auto", torch.device("cpu")) is paged_copy.scatter_reference
-    )
+    assert registry.get("paged_gather", "torch") is paged_copy.gather_torch
+    assert registry.get("paged_scatter", "auto", torch.device("cpu")) is paged_copy.scatter_torch
 
 
 def test_lazy_loader_runs_once_on_first_get() -> None:
