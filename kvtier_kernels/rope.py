@@ -54,6 +54,7 @@ __all__ = [
     "rerotate",
     "rerotate_kernel",
     "rerotate_reference",
+    "rerotate_torch",
     "rerotate_triton",
     "rope_inv_freq",
 ]
@@ -97,14 +98,43 @@ def rerotate_reference(
     Arguments are assumed valid (:func:`rerotate` validates them).
     """
     rotary_dim = head_size if rotary_dim is None else rotary_dim
+    cos, sin = _cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq)
+    _rotate(k, cos, sin, head_size, rotary_dim, is_neox_style)
+    return k
+
+
+def rerotate_torch(
+    k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
+    old_positions: torch.Tensor,  # [T] int64
+    new_positions: torch.Tensor,  # [T] int64
+    *,
+    head_size: int,
+    rotary_dim: int | None = None,
+    base: float = 10000.0,
+    inv_freq: torch.Tensor | None = None,
+    is_neox_style: bool = True,
+) -> torch.Tensor:
+    """The torch backend: the reference's arithmetic one layer at a time, so its fp32
+    temporaries stay in cache (about 4x faster on a CPU than all layers at once), with
+    bit-identical results (every operation is elementwise)."""
+    rotary_dim = head_size if rotary_dim is None else rotary_dim
+    cos, sin = _cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq)
+    for layer in k.split(1):
+        _rotate(layer, cos, sin, head_size, rotary_dim, is_neox_style)
+    return k
+
+
+def _cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq):
+    """cos and sin of each token's rotation, ``[1, T, 1, R/2]`` fp32 on ``k``'s device."""
     if inv_freq is None:
         inv_freq = rope_inv_freq(rotary_dim, base)
-    half = rotary_dim // 2
     delta = new_positions.to(k.device, torch.int64) - old_positions.to(k.device, torch.int64)
     angle = delta.to(torch.float32)[:, None] * inv_freq.to(k.device, torch.float32)[None, :]
-    cos = angle.cos()[None, :, None, :]  # [1, T, 1, R/2]
-    sin = angle.sin()[None, :, None, :]
+    return angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
 
+
+def _rotate(k, cos, sin, head_size: int, rotary_dim: int, is_neox_style: bool) -> None:
+    half = rotary_dim // 2
     heads = k.unflatten(-1, (k.shape[-1] // head_size, head_size))  # [L, T, H, D], a view
     rotary = heads[..., :rotary_dim]
     if is_neox_style:
@@ -118,7 +148,6 @@ def rerotate_reference(
     rotated2 = f2 * cos + f1 * sin
     x1.copy_(rotated1)
     x2.copy_(rotated2)
-    return k
 
 
 # ---------------------------------------------------------------------------------------
@@ -496,6 +525,6 @@ def rerotate_triton(
 # registration
 # ---------------------------------------------------------------------------------------
 
-registry.register("rope_rerotate", "torch", rerotate_reference)
+registry.register("rope_rerotate", "torch", rerotate_torch)
 registry.register("rope_rerotate", "triton", loader=triton_loader(KERNEL, rerotate_triton, False))
 registry.register("rope_rerotate", "interpret", loader=triton_loader(KERNEL, rerotate_triton, True))

@@ -224,6 +224,23 @@ def check_interpret(
     )
 
 
+@pytest.mark.parametrize("is_neox_style", STYLES)
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_backend_is_the_reference_bit_for_bit(
+    is_neox_style: bool, head_size: int, partial: bool, dtype: torch.dtype
+) -> None:
+    """The torch backend runs the reference's arithmetic a layer at a time: same bits."""
+    rotary_dim = head_size // 2 if partial else head_size
+    chunk, _ = make_k_plane(3, 37, 2 * head_size, dtype, seed=head_size + 1)
+    old, new = make_positions(37, 4096, seed=6)
+    kwargs = dict(head_size=head_size, rotary_dim=rotary_dim, is_neox_style=is_neox_style)
+    want = rerotate_reference(chunk[0].clone(), old, new, **kwargs)
+    got = rerotate(chunk[0], old, new, **kwargs, backend="torch")
+    assert_bits_equal(got, want, "torch backend vs reference")
+
+
 @needs_triton
 @pytest.mark.parametrize("is_neox_style", STYLES)
 @pytest.mark.parametrize("head_size", [64, 80, 128])
@@ -374,7 +391,7 @@ def test_registry_serves_triton_backends_lazily() -> None:
     assert registry.backends_for("rope_rerotate") == ["torch", "triton", "interpret"]
     impl = registry.get("rope_rerotate", "interpret", "cpu")
     assert impl.func is rerotate_triton and impl.keywords == {"interpret": True}
-    assert registry.get("rope_rerotate", "auto", "cpu") is rerotate_reference
+    assert registry.get("rope_rerotate", "auto", "cpu") is rope.rerotate_torch
     with pytest.raises(ValueError, match="'triton' cannot run on device 'cpu'"):
         rerotate(_K, _POS, _POS, head_size=64, backend="triton")
 
