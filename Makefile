@@ -21,7 +21,7 @@ OLDEST_TRITON ?= triton==3.5.0
 OLDEST_VENV ?= .venv-oldest-triton
 KERNEL_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_cachegen_kernels.py
 
-.PHONY: demo test test-oldest-triton lint format bench install services clean
+.PHONY: demo test gpu-check test-oldest-triton lint format bench install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ services:
 
 test: $(STAMP) services
 	$(PY) -m pytest -q
+
+# Every Triton kernel compiled for sm80, sm90, gfx90a, gfx942 and gfx1100 without a GPU, its
+# machine code inspected (128-bit accesses, no spills, 64-bit offsets). Also part of `make test`.
+gpu-check: $(STAMP)
+	$(PY) -m pytest -q tests/test_gpu_compile.py tests/test_cachegen_kernels.py -k "compile or spill or width or 128"
 
 test-oldest-triton:
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)

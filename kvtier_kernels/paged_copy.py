@@ -49,9 +49,9 @@ from kvtier_kernels.dtypes import INT_OF_SIZE
 from kvtier_kernels.layouts import PagedKV
 from kvtier_kernels.paged_rows import (
     as_words,
-    copy_head_rows,
     layer_table,
     read_rows,
+    torch_backend,
     valid_slots,
     word_view,
 )
@@ -180,6 +180,7 @@ def paged_copy_kernel(
     row_words,
     row_blocks,
     TO_CHUNK: tl.constexpr,  # True: cache -> chunk (gather); False: chunk -> cache (scatter)
+    ALIGNED: tl.constexpr,  # every layer base is 16-byte aligned: 128-bit cache accesses
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -191,10 +192,10 @@ def paged_copy_kernel(
 
     tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     slots = tl.load(slot_mapping + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
-    # Skipped tokens get an empty row: the skip folds into the bound, not into `mask & cond`.
-    row_limit = tl.where(slots >= 0, row_words, 0)
     cols = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = cols[None, :] < row_limit[:, None]
+    # A per-token condition ANDed as a column, not folded into the bound: a bound taken
+    # through tl.where loses its divisibility and with it every vector access.
+    mask = (cols[None, :] < row_words) & (slots >= 0)[:, None]
 
     slots = tl.maximum(slots, 0)
     blocks = slots // block_size
@@ -206,6 +207,10 @@ def paged_copy_kernel(
     chunk_rows = plane * c_kv + j.to(tl.int64) * c_layer + tokens.to(tl.int64) * c_token
 
     cache = tl.load(layer_bases + j).to(tl.pointer_type(chunk.dtype.element_ty))
+    if ALIGNED:
+        # NOTE: a base read from a table carries no alignment the compiler can see; without
+        # this hint every cache access is one word wide. The launcher checks the addresses.
+        cache = tl.multiple_of(cache, 16)
     cache_ptrs = cache + cache_rows[:, None] + cache_cols[None, :]
     chunk_ptrs = chunk + chunk_rows[:, None] + cols[None, :]
     if TO_CHUNK:
@@ -468,6 +473,7 @@ def _launch_paged_copy(
             row_words,
             row_blocks,
             TO_CHUNK=op == "paged_gather",
+            ALIGNED=table.alignment >= 16,
             BLOCK_T=block_tokens,
             BLOCK_R=config.block_row,
             num_warps=config.num_warps,
@@ -519,20 +525,8 @@ def scatter_triton(
 # ---------------------------------------------------------------------------------------
 
 
-def _torch_backend(reference, to_chunk: bool):
-    """The torch backend: ``paged_rows.copy_head_rows`` where it applies, else ``reference``."""
-
-    def run(paged: PagedKV, slot_mapping: torch.Tensor, chunk: torch.Tensor, layers=None):
-        layers = range(paged.num_layers) if layers is None else layers
-        if not copy_head_rows(paged, slot_mapping, chunk, layers, to_chunk):
-            return reference(paged, slot_mapping, chunk, layers)
-        return chunk if to_chunk else None
-
-    return run
-
-
-gather_torch = _torch_backend(gather_reference, to_chunk=True)
-scatter_torch = _torch_backend(scatter_reference, to_chunk=False)
+gather_torch = torch_backend(gather_reference, to_chunk=True)
+scatter_torch = torch_backend(scatter_reference, to_chunk=False)
 registry.register("paged_gather", "torch", gather_torch)
 registry.register("paged_scatter", "torch", scatter_torch)
 for _op, _launcher in (("paged_gather", gather_triton), ("paged_scatter", scatter_triton)):

@@ -31,6 +31,7 @@ __all__ = [
     "launch_words",
     "layer_table",
     "read_rows",
+    "torch_backend",
     "valid_slots",
     "word_view",
 ]
@@ -143,6 +144,19 @@ def copy_head_rows(
     return True
 
 
+def torch_backend(reference, to_chunk: bool):
+    """A paged copy's torch backend: :func:`copy_head_rows` where it applies, else
+    ``reference`` (same contract as the reference)."""
+
+    def run(paged: PagedKV, slot_mapping: torch.Tensor, chunk: torch.Tensor, layers=None):
+        layers = range(paged.num_layers) if layers is None else layers
+        if not copy_head_rows(paged, slot_mapping, chunk, layers, to_chunk):
+            return reference(paged, slot_mapping, chunk, layers)
+        return chunk if to_chunk else None
+
+    return run
+
+
 _WORD_BYTES = (8, 4, 2, 1)
 
 
@@ -151,7 +165,7 @@ class LayerTable:
     """The byte address of each selected layer's canonical view, and their alignment."""
 
     bases: torch.Tensor  # [len(layers)] int64 byte addresses, on the cache's device
-    alignment: int  # largest word size (8, 4, 2, 1) that divides every address
+    alignment: int  # largest of 16, 8, 4, 2, 1 that divides every address
 
 
 _tables: OrderedDict[tuple, LayerTable] = OrderedDict()
@@ -180,7 +194,7 @@ def layer_table(paged: PagedKV, layers: range) -> LayerTable:
             return table
     every_layer = paged.layer_base_pointers()
     bases = every_layer[list(layers)]
-    alignment = next(w for w in _WORD_BYTES if all(int(b) % w == 0 for b in bases.tolist()))
+    alignment = next(w for w in (16, *_WORD_BYTES) if all(b % w == 0 for b in bases.tolist()))
     table = LayerTable(bases.to(paged.device), alignment)
     with _tables_lock:
         _tables[key] = table

@@ -20,6 +20,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.gpu_compile import TARGETS as GPU_TARGETS
+from support.gpu_compile import binary, compile_for, spill_count
 
 from kvtier_kernels import rans_decode as rans_decode_op
 from kvtier_kernels import rans_encode as rans_encode_op
@@ -529,14 +531,10 @@ _SIGNATURES = {
     [("rans_encode", {}), ("rans_decode", {"LOG2_SEARCH": 0}), ("rans_decode", {"LOG2_SEARCH": 8})],
     ids=["encode", "decode-A1", "decode-A255"],
 )
-@pytest.mark.parametrize(
-    "target", [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx942", 64)], ids=str
-)
-def test_kernels_compile_for_gpu_targets(op: str, meta: dict[str, int], target: tuple) -> None:
-    """The kernels lower to cubin / hsaco, with no inline asm."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_kernels_compile_for_gpu_targets(op: str, meta: dict[str, int], target: str) -> None:
+    """The kernels lower to cubin / hsaco for NVIDIA and AMD targets (``make gpu-check``),
+    with no inline asm and no register spills."""
     pointers, ints = _SIGNATURES[op]
     constants = {"PROB_BITS": 16, "RANS_LOW": 1 << 16, "BLOCK": 64, **meta}
     signature = {
@@ -545,14 +543,10 @@ def test_kernels_compile_for_gpu_targets(op: str, meta: dict[str, int], target: 
         **dict.fromkeys(constants, "constexpr"),
     }
     kernel = {"rans_encode": rans_encode_op, "rans_decode": rans_decode_op}[op].KERNEL
-    kernel = kernel.get(interpret=False)
-    source = triton.compiler.ASTSource(kernel, signature, constants)
-    try:
-        compiled = triton.compile(source, target=GPUTarget(*target))
-    except RuntimeError as error:  # pragma: no cover - a triton build without this backend
-        pytest.skip(f"triton cannot lower for {target}: {error}")
-    assert compiled.asm["cubin" if target[0] == "cuda" else "hsaco"]
+    compiled = compile_for(kernel.get(interpret=False), signature, constants, target)
+    assert binary(compiled, target)
     assert "inline_asm" not in compiled.asm["ttgir"]
+    assert spill_count(compiled, target) in (0, None)
 
 
 # ---------------------------------------------------------------------------------------

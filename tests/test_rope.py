@@ -8,7 +8,6 @@ tiny: one or two layers and heads, a few tokens. ``gpu`` tests run the compiled 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 
 import pytest
 import torch
@@ -427,51 +426,6 @@ def test_launch_config_heuristic(device: str) -> None:
             if half_rotary <= 128:
                 assert config.block_pairs >= half_rotary  # a head's pairs take one program
             assert config.block_tokens <= max(1, 2 * num_tokens)
-
-
-# ---------------------------------------------------------------------------------------
-# compiled kernel: lowering for NVIDIA and AMD targets, no GPU needed
-# ---------------------------------------------------------------------------------------
-
-# pointers, then strides and sizes (passed as ints), then the three constexprs
-_INT_ARGS = list(inspect.signature(rope.rerotate_kernel).parameters)[4:-3]
-
-
-@needs_triton
-@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize(
-    "target", [("cuda", 90, 32), ("hip", "gfx942", 64)], ids=["sm90", "gfx942"]
-)
-def test_kernel_compiles_for_gpu_targets(target: tuple) -> None:
-    """The kernel lowers to cubin / hsaco, with no inline asm."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    kernel = rope.KERNEL.get(interpret=False)
-    signature = {
-        "k": "*bf16",
-        "old_positions": "*i64",
-        "new_positions": "*i64",
-        "inv_freq": "*fp32",
-        **dict.fromkeys(_INT_ARGS, "i64"),
-        "IS_NEOX": "constexpr",
-        "BLOCK_T": "constexpr",
-        "BLOCK_P": "constexpr",
-    }
-    constexprs = {"IS_NEOX": False, "BLOCK_T": 16, "BLOCK_P": 64}
-    source = triton.compiler.ASTSource(kernel, signature, constexprs)
-    try:
-        compiled = triton.compile(source, target=GPUTarget(*target))
-    except RuntimeError as error:  # pragma: no cover - a triton build without this backend
-        pytest.skip(f"triton cannot lower for {target}: {error}")
-    binary = "cubin" if target[0] == "cuda" else "hsaco"
-    assert compiled.asm[binary]
-    assert "inline_asm" not in compiled.asm["ttgir"]
-
-
-# ---------------------------------------------------------------------------------------
-# GPU: the compiled kernel (skipped without a GPU)
-# ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
