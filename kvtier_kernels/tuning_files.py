@@ -104,15 +104,19 @@ def _cuda_available() -> bool:
 
 
 @functools.cache
-def _gpu_name(index: int) -> str:
-    name = torch.cuda.get_device_name(index)
-    if not name and torch.version.hip:  # some ROCm builds report an empty marketing name
-        name = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "")
-    return name or f"gpu{index}"
+def gpu_name(index: int) -> str:
+    """What tuning files are keyed by: on ROCm the architecture (``gfx942``, the feature
+    flags of ``gcnArchName`` dropped: marketing names vary by driver and are often a bare
+    "AMD Radeon Graphics"), on CUDA the device name (``NVIDIA H100 80GB HBM3``)."""
+    if torch.version.hip:
+        arch = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "") or ""
+        if arch.split(":")[0]:
+            return arch.split(":")[0]
+    return torch.cuda.get_device_name(index) or f"gpu{index}"
 
 
 def device_name(device: torch.device | str) -> str | None:
-    """The name tuning files use for ``device``: the GPU's name, ``"cpu"`` for the CPU
+    """The name tuning files use for ``device``: :func:`gpu_name`, ``"cpu"`` for the CPU
     (the interpreter), None for anything else or a GPU device without a GPU present.
 
     NOTE: for a GPU this initialises CUDA/HIP (a launcher calling it is about to launch on
@@ -124,7 +128,7 @@ def device_name(device: torch.device | str) -> str | None:
     if device.type != "cuda" or not _cuda_available():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _gpu_name(index)
+    return gpu_name(index)
 
 
 # ---------------------------------------------------------------------------------------

@@ -681,3 +681,22 @@ def test_importing_the_tuning_code_stays_light() -> None:
         "assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tuning_files_are_keyed_by_the_amd_architecture(monkeypatch):
+    """On ROCm the key is the architecture, not a marketing name that varies by driver."""
+    from types import SimpleNamespace
+
+    from kvtier_kernels import tuning_files
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    props = SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "AMD Radeon Graphics")
+    tuning_files.gpu_name.cache_clear()  # one answer per process and device, cached
+    assert tuning_files.gpu_name(0) == "gfx942"
+    monkeypatch.setattr(torch.version, "hip", None)
+    tuning_files.gpu_name.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert tuning_files.gpu_name(0) == "NVIDIA H100 80GB HBM3"
+    tuning_files.gpu_name.cache_clear()
