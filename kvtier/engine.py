@@ -305,6 +305,15 @@ class CacheEngine:
             rank=str(self.metadata.rank),
         )
 
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers, fastest first (``["cpu", "disk", "redis"]``)."""
+        return self.storage.tier_names
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued writes to the disk and remote tiers are done; False on timeout."""
+        return self.storage.flush(timeout)
+
     def clear(self) -> None:
         """Drop every chunk from every tier (chunks in use are released when their users
         are done)."""

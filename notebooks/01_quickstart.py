@@ -114,7 +114,7 @@ config = load_config(
     env={},
 )
 engine = CacheEngine(config, EngineMetadata("quickstart-model"), paged)
-print(engine.storage.tier_names)
+print(engine.tier_names)
 
 # %% [markdown]
 # ## Store a prompt
@@ -131,7 +131,7 @@ slots = slots_of_blocks([3, 9, 4, 20, 11, 7, 30, 2, 15, 5, 40, 41, 42], PROMPT_T
 reference = kv_of(paged, slots)
 
 stored = engine.store(prompt, slot_mapping=slots)
-assert engine.storage.flush(30), "the disk writes did not finish"
+assert engine.flush(30), "the disk writes did not finish"
 print(stored)
 
 CHUNK_BYTES = 2 * LAYERS * CHUNK_SIZE * KV_HEADS * HEAD_SIZE * DTYPE.itemsize

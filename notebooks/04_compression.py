@@ -277,7 +277,7 @@ for serde in ("naive", "cachegen"):
     )
     engine = CacheEngine(config, EngineMetadata("compression-notebook"), paged_cache(kv))
     stored = engine.store(prompt, slot_mapping=slots)
-    assert engine.storage.flush(60), "the disk writes did not finish"
+    assert engine.flush(60), "the disk writes did not finish"
     engine.close()
     files = sorted(Path(workdir.name, serde).rglob("*.kvt"))
     disk_bytes[serde] = [path.stat().st_size for path in files]
