@@ -129,27 +129,30 @@ class LaunchConfig:
     num_warps: int
 
 
-_GPU_MAX_BLOCK = 128  # 4 warps of one lane per thread
+_GPU_MAX_BLOCK = 128  # lanes: 4 warps of 32 or 2 wavefronts of 64, one lane per thread
 _GPU_MIN_PROGRAMS = 1024  # ~8 programs per SM on a 132-SM H100 before blocks grow
 _INTERPRETER_MAX_BLOCK = 4096  # the interpreter pays per program and op: few, wide ones
 
 
-def launch_config(lanes: int, device: torch.device) -> LaunchConfig:
+def launch_config(lanes: int, device: torch.device, warp_size: int | None = None) -> LaunchConfig:
     """Launch parameters for coding ``lanes`` lanes on ``device`` (CPU means the
     interpreter): a built-in heuristic, the same for encode and decode.
 
     Each lane is a serial chain of dependent loads and int64 divisions, so a GPU wants many
-    resident warps rather than wide ones: one lane per thread, blocks of 32 lanes (one
-    warp) growing to 128 only while that still leaves at least 1024 programs. Under the
+    resident warps rather than wide ones: one lane per thread, blocks of one warp
+    (``warp_size`` lanes: 32 on NVIDIA and RDNA, 64 on CDNA; default: the device's)
+    growing to 128 lanes only while that still leaves at least 1024 programs. Under the
     interpreter every program costs about a millisecond per op: one program for up to
     4096 lanes. (Not in the tuning files: ``kvtier tune`` has no rANS problem yet.)
     """
     if device.type != "cuda":
         return LaunchConfig(min(next_power_of_2(max(1, lanes)), _INTERPRETER_MAX_BLOCK), 1)
-    block = 32
+    if warp_size is None:
+        warp_size = getattr(torch.cuda.get_device_properties(device), "warp_size", 32)
+    block = warp_size
     while block < _GPU_MAX_BLOCK and lanes >= 2 * block * _GPU_MIN_PROGRAMS:
         block *= 2
-    return LaunchConfig(block, block // 32)
+    return LaunchConfig(block, block // warp_size)
 
 
 def check_placement(device: torch.device, interpret: bool) -> None:

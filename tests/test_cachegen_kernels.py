@@ -459,9 +459,11 @@ def test_launch_config_heuristic() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert launch_config(5, cpu) == LaunchConfig(8, 1)
     assert launch_config(1 << 20, cpu).block_lanes == 4096
-    assert launch_config(1, gpu) == LaunchConfig(32, 1)
-    assert launch_config(64 * 1024, gpu) == LaunchConfig(64, 2)
-    assert launch_config(1 << 20, gpu) == LaunchConfig(128, 4)
+    assert launch_config(1, gpu, warp_size=32) == LaunchConfig(32, 1)
+    assert launch_config(64 * 1024, gpu, warp_size=32) == LaunchConfig(64, 2)
+    assert launch_config(1 << 20, gpu, warp_size=32) == LaunchConfig(128, 4)
+    assert launch_config(1, gpu, warp_size=64) == LaunchConfig(64, 1)  # a CDNA wavefront
+    assert launch_config(1 << 20, gpu, warp_size=64) == LaunchConfig(128, 2)
 
 
 @needs_triton
