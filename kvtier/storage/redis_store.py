@@ -470,9 +470,10 @@ class RedisStore:
     __str__ = __repr__
 
 
-def open_remote(request: RemoteRequest) -> RemoteTier:
-    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
-    store = RedisStore(
+def open_store(request: RemoteRequest) -> RedisStore:
+    """The blob store of a Redis/Valkey ``remote_url`` (a ``kvtier serve`` writes through
+    it), under the key prefix ``kvtier:<space>:``."""
+    return RedisStore(
         request.url,
         namespace=f"kvtier:{request.space}:",
         timeout_s=request.config.remote_timeout_ms / 1000,
@@ -484,4 +485,8 @@ def open_remote(request: RemoteRequest) -> RemoteTier:
         tls_cert_file=request.config.remote_tls_cert_file,
         tls_key_file=request.config.remote_tls_key_file,
     )
-    return open_blob_tier(store, request)
+
+
+def open_remote(request: RemoteRequest) -> RemoteTier:
+    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    return open_blob_tier(open_store(request), request)
