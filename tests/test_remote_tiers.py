@@ -359,11 +359,11 @@ def test_the_config_takes_exactly_the_registered_schemes():
     for scheme in remotes.remote_schemes():
         assert load_config({"remote_url": f"{scheme}://h/x"}, env={}).remote_url
     allowed = "expected a URL with scheme " + ", ".join(remotes.remote_schemes())
-    for url in ("lm://localhost:65432", "redis:/h", "localhost:6379"):
+    for url in ("memcached://localhost:11211", "redis:/h", "localhost:6379"):
         with pytest.raises(ConfigError, match=allowed):
             load_config({"remote_url": url}, env={})
     with pytest.raises(ValueError, match=allowed):
-        remotes.load_module("lm://localhost:65432")
+        remotes.load_module("memcached://localhost:11211")
 
 
 def test_a_missing_client_library_names_its_pip_extra(monkeypatch):
