@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import struct
 import subprocess
-import time
 
 import cbor2
 import pytest
@@ -15,7 +14,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.kvtier_server import KVTierServerProcess, free_port, serve_command
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
-from support.tiers import fill, key, make_pool, same_bytes
+from support.tiers import (
+    check_remote_down,
+    key,
+    make_pool,
+    remote_manager,
+    same_bytes,
+    store_chunks,
+    wait_until,
+)
 
 from kvtier.config import load_config
 from kvtier.metrics import Stats, TierCounter, tier_counter
@@ -24,7 +31,6 @@ from kvtier.server.client import KVTierStore, parse_server_url
 from kvtier.server.protocol import Op
 from kvtier.storage import remotes
 from kvtier.storage.backend import StoreUnavailable
-from kvtier.storage.manager import StorageManager
 
 TIMEOUT_MS = 500
 
@@ -42,45 +48,15 @@ def server():
         yield server
 
 
-def manager_for(url: str, stats: Stats | None = None, namespace="org/model-a", **settings):
-    config = load_config(
-        {
-            "max_local_cpu_size": 0.05,
-            "remote_url": url,
-            "remote_timeout_ms": TIMEOUT_MS,
-            "remote_reconnect_max_ms": 200,
-            **settings,
-        },
-        env={},
-    )
-    return StorageManager(config, stats or Stats(), namespace=namespace)
-
-
-def store_chunks(manager: StorageManager, pool, seeds) -> dict:
-    objs = {i: fill(pool, i) for i in seeds}
-    for i, obj in objs.items():
-        assert manager.put(key(i), obj)
-    assert manager.flush(30)
-    return objs
-
-
-def wait_until(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
 # -- engines sharing one server --------------------------------------------------------
 
 
 def test_a_second_engine_loads_what_the_first_stored_bit_exactly(server, pool):
     writer_stats, reader_stats = Stats(), Stats()
-    writer = manager_for(server.url, writer_stats)
+    writer = remote_manager(server.url, writer_stats)
     objs = store_chunks(writer, pool, range(4))
     assert writer_stats.get(tier_counter("kvtier", TierCounter.PUT_CHUNKS)) == 4
-    reader = manager_for(server.url, reader_stats)  # an empty CPU tier
+    reader = remote_manager(server.url, reader_stats)  # an empty CPU tier
     keys = [key(i) for i in range(6)]
     assert reader.lookup_prefix(keys) == 4
     got = reader.get_many(keys)
@@ -92,9 +68,9 @@ def test_a_second_engine_loads_what_the_first_stored_bit_exactly(server, pool):
 
 
 def test_models_do_not_see_each_other(server, pool):
-    a = manager_for(server.url, namespace="org/model-x")
+    a = remote_manager(server.url, namespace="org/model-x")
     store_chunks(a, pool, [11])
-    b = manager_for(server.url, namespace="org/model-y")
+    b = remote_manager(server.url, namespace="org/model-y")
     assert b.lookup_prefix([key(11)]) == 0
     assert b.get_many([key(11)]) == [None]
     b.clear()  # clears model-y's namespace only
@@ -122,22 +98,13 @@ def test_killed_server_is_a_miss_and_a_restart_resumes_hits(tmp_path, pool):
     disk = str(tmp_path / "disk")
     with KVTierServerProcess("--local-disk", disk, "--max-local-disk-size", "1") as server:
         stats = Stats()
-        manager = manager_for(server.url, stats)
+        manager = remote_manager(server.url, stats)
         store_chunks(manager, pool, [1, 2])
         manager.cpu.clear()
         assert manager.lookup_prefix([key(1), key(2)]) == 2
 
         server.kill()
-        started = time.monotonic()
-        assert manager.lookup_prefix([key(1), key(2)]) == 0
-        assert manager.get_many([key(1)]) == [None]
-        for i in range(3, 6):
-            obj = fill(pool, i)
-            manager.put(key(i), obj)  # the engine keeps going; the remote copy is dropped
-            obj.ref_down()
-        assert time.monotonic() - started < 3 * TIMEOUT_MS / 1000 + 1.0
-        assert manager.flush(10)
-        assert stats.get(tier_counter("kvtier", TierCounter.DROPPED_UNAVAILABLE)) >= 3
+        check_remote_down(manager, pool, "kvtier", budget_s=3 * TIMEOUT_MS / 1000 + 1.0)
 
         server.start()  # the same port; memory is empty, the disk index is reopened
         remote = manager.lower[0]
@@ -150,7 +117,7 @@ def test_killed_server_is_a_miss_and_a_restart_resumes_hits(tmp_path, pool):
 
 def test_sigterm_stops_cleanly_with_exit_code_0(pool):
     with KVTierServerProcess("--max-local-cpu-size", "0.1") as server:
-        manager = manager_for(server.url)
+        manager = remote_manager(server.url)
         store_chunks(manager, pool, [1])
         assert server.terminate() == 0
         log = server.log()
@@ -182,7 +149,7 @@ def test_clients_must_send_the_token(pool):
         none = KVTierStore("127.0.0.1", server.port, namespace="m")
         with pytest.raises(StoreUnavailable, match="unauthenticated"):
             none.exists_many(["a"])
-        manager = manager_for(server.url, server_token="s3cret")
+        manager = remote_manager(server.url, server_token="s3cret")
         store_chunks(manager, pool, [1])
         manager.cpu.clear()
         assert manager.lookup_prefix([key(1)]) == 1
@@ -325,13 +292,13 @@ def test_a_server_writes_through_to_redis_and_a_fresh_one_reads_it(pool):
     with RedisServer() as redis:
         remote = ["--remote-url", redis.url]
         with KVTierServerProcess(*remote) as first:
-            writer = manager_for(first.url)
+            writer = remote_manager(first.url)
             objs = store_chunks(writer, pool, [1, 2])
             raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
             wait_until(lambda: redis.client().exists(raw_key))  # an engine's own Redis key
             writer.close()
         with KVTierServerProcess(*remote) as second:  # empty memory, same Redis
-            reader = manager_for(second.url)
+            reader = remote_manager(second.url)
             assert reader.lookup_prefix([key(1), key(2)]) == 2
             got = reader.get_many([key(1), key(2)])
             assert same_bytes(got[0], objs[1]) and same_bytes(got[1], objs[2])

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from kvtier.server import protocol
 from kvtier.server.protocol import Op, ProtocolError
-from kvtier.storage.backend import Buffer, StoreUnavailable
+from kvtier.storage.backend import Buffer, StoreUnavailable, batches
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.warn import warn_once
 
@@ -176,20 +176,14 @@ class KVTierStore:
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
         """Store the blobs, in as few frames as the server's frame limit allows; a blob
         larger than one frame is skipped (logged once)."""
-        batch: list[tuple[str, Sequence[Buffer]]] = []
-        batch_bytes = 0
         limit = self._frame_limit()
+        fitting = []
         for name, parts in items:
-            size = sum(len(p) for p in parts)
-            if size > limit:
-                warn_once(logger, f"kvtier server {self.url}: a {size}-byte blob exceeds a frame")
+            if _blob_bytes(parts) > limit:
+                warn_once(logger, f"kvtier server {self.url}: a blob exceeds the frame limit")
                 continue
-            if batch and batch_bytes + size > limit:
-                self._put_batch(batch)
-                batch, batch_bytes = [], 0
-            batch.append((name, parts))
-            batch_bytes += size
-        if batch:
+            fitting.append((name, parts))
+        for batch in batches(fitting, limit, _blob_bytes):
             self._put_batch(batch)
 
     def _frame_limit(self) -> int:
@@ -198,7 +192,7 @@ class KVTierStore:
 
     def _put_batch(self, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
         names = [name for name, _ in batch]
-        sizes = [sum(len(p) for p in parts) for _, parts in batch]
+        sizes = [_blob_bytes(parts) for _, parts in batch]
         parts = [p for _, blob in batch for p in blob if len(p)]
         self._request(Op.PUT, {"names": names, "sizes": sizes}, parts)
 
@@ -241,6 +235,10 @@ class KVTierStore:
 
     def __repr__(self) -> str:
         return f"KVTierStore({self.url!r}, namespace={self.namespace!r})"
+
+
+def _blob_bytes(parts: Sequence[Buffer]) -> int:
+    return sum(len(p) for p in parts)
 
 
 def _recv(sock: socket.socket, size: int) -> bytearray:
