@@ -4,6 +4,7 @@ kvtier info     versions, devices seen, kernel backends, config in effect
 kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
 kvtier kernels  kernel ops, backends available, what `auto` picks, tuning files in effect
 kvtier tune     sweep the Triton kernels' launch parameters on the local GPU; write tuning files
+kvtier serve    a node-level cache server that engines share (remote_url: kvtier://host:port)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.config import ConfigError, load_config
+from kvtier.server.serve import add_arguments, run_serve
 
 KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
 
@@ -470,6 +472,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory to write into (default: KVTIER_TUNING_DIR or ~/.cache/kvtier/tuning)",
     )
     tune.set_defaults(func=cmd_tune)
+
+    serve = sub.add_parser(
+        "serve",
+        help="a node-level cache server shared by the engines (remote_url: kvtier://host:port)",
+        description="Hold chunks for every engine of this node: a bounded memory tier, "
+        "optionally a disk tier and a remote written through. Engines use it with "
+        "remote_url: kvtier://HOST:PORT. See docs/server.md.",
+    )
+    add_arguments(serve)
+    serve.set_defaults(func=run_serve)
     return parser
 
 

@@ -265,8 +265,8 @@ class KVTierConfig:
         str,
         "Remote tier shared by many engines: redis://[user:pass@]host:port/db, rediss:// "
         "(TLS), redis-cluster://host:port[,host:port], valkey:// (and valkeys://, "
-        "valkey-cluster://), unix:///path/redis.sock, s3://bucket/prefix, or "
-        "fs:///mnt/shared (a shared filesystem); null disables it.",
+        "valkey-cluster://), unix:///path/redis.sock, s3://bucket/prefix, fs:///mnt/shared "
+        "(a shared filesystem) or kvtier://host:port (`kvtier serve`; also lm://); null: off.",
         normalize=lambda v: (v or None) if isinstance(v, str) else v,
         check=is_remote_url,
         allowed="a URL with scheme " + ", ".join(remote_schemes()) + " (empty: null)",
@@ -366,6 +366,14 @@ class KVTierConfig:
     )
     remote_tls_key_file: str | None = key(
         None, str, "rediss://: client private key (mutual TLS).", nullable=True
+    )
+    server_token: str | None = key(
+        None,
+        str,
+        "kvtier serve (--auth-token) and kvtier:// clients: the shared token; never shown.",
+        normalize=lambda v: v or None,
+        nullable=True,
+        secret=True,
     )
     s3_endpoint_url: str | None = key(
         None,

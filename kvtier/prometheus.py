@@ -23,7 +23,7 @@ from kvtier.metrics import LATENCY_BUCKETS, Counter, Histogram, Stats, TierCount
 
 logger = logging.getLogger(__name__)
 
-TIER_NAMES = ("cpu", "disk", "fs", "redis", "s3")
+TIER_NAMES = ("cpu", "disk", "fs", "redis", "s3", "kvtier")
 _ENGINE_COUNTERS = [v for k, v in vars(Counter).items() if not k.startswith("_")]
 _TIER_COUNTERS = [v for k, v in vars(TierCounter).items() if not k.startswith("_")]
 _TIER_WHATS = {*_TIER_COUNTERS, Histogram.TIER_GET, Histogram.TIER_PUT}

@@ -123,6 +123,7 @@ def test_defaults() -> None:
         "remote_tls_ca_file": None,
         "remote_tls_cert_file": None,
         "remote_tls_key_file": None,
+        "server_token": None,
         "s3_endpoint_url": None,
         "s3_region": None,
         "s3_access_key_id": None,
@@ -771,7 +772,7 @@ def test_lmcache_tier_keys_are_real_keys(key: str, value: object, expected: obje
 @pytest.mark.parametrize(
     ("overrides", "fragments"),
     [
-        ({"remote_url": "lm://localhost:65432"}, ("remote_url", "'lm://localhost:65432'", "s3")),
+        ({"remote_url": "mc://localhost:11211"}, ("remote_url", "'mc://localhost:11211'", "s3")),
         ({"remote_url": "localhost:6379"}, ("remote_url", "redis")),
         ({"remote_serde": "zstd"}, ("remote_serde", "naive", "cachegen")),
         ({"local_disk": "/tmp/x", "max_local_disk_size": 0}, ("max_local_disk_size", "local_disk")),

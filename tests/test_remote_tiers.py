@@ -12,7 +12,16 @@ import time
 import pytest
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 from support.s3_server import S3Server, isolate_aws_environment
-from support.tiers import fill, key, make_pool, same_bytes
+from support.tiers import (
+    check_remote_down,
+    fill,
+    key,
+    make_pool,
+    remote_manager,
+    same_bytes,
+    store_chunks,
+    wait_until,
+)
 
 from kvtier.config import ConfigError, load_config
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
@@ -31,46 +40,16 @@ def pool():
     pool.close()
 
 
-def manager_for(url: str, stats: Stats | None = None, **settings) -> StorageManager:
-    config = load_config(
-        {
-            "max_local_cpu_size": 0.05,
-            "remote_url": url,
-            "remote_timeout_ms": 500,
-            "remote_reconnect_max_ms": 200,
-            **settings,
-        },
-        env={},
-    )
-    return StorageManager(config, stats or Stats(), namespace="org/model-a")
-
-
-def store_chunks(manager: StorageManager, pool, seeds) -> dict:
-    objs = {i: fill(pool, i) for i in seeds}
-    for i, obj in objs.items():
-        assert manager.put(key(i), obj)
-    assert manager.flush(30)
-    return objs
-
-
-def wait_until(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
 def share_and_load(url: str, pool, tier: str, **settings) -> None:
     """One manager stores 4 chunks; a second (another engine) finds and loads them."""
     writer_stats, reader_stats = Stats(), Stats()
-    writer = manager_for(url, writer_stats, **settings)
+    writer = remote_manager(url, writer_stats, **settings)
     objs = store_chunks(writer, pool, range(4))
     assert writer_stats.get(tier_counter(tier, TierCounter.PUT_CHUNKS)) == 4
     raw = sum(obj.data_nbytes for obj in objs.values())
     assert writer_stats.get(tier_counter(tier, TierCounter.PUT_RAW_BYTES)) == raw
     assert writer_stats.get(tier_counter(tier, TierCounter.PUT_BYTES)) > raw  # + headers
-    reader = manager_for(url, reader_stats, **settings)
+    reader = remote_manager(url, reader_stats, **settings)
     keys = [key(i) for i in range(6)]
     assert reader.lookup_prefix(keys) == 4
     got = reader.get_many(keys)
@@ -111,7 +90,7 @@ def test_redis_shares_chunks_between_engines(redis, pool):
 def test_redis_with_password_and_ttl(pool):
     with RedisServer(password="s3cret") as server:
         share_and_load(server.url, pool, "redis", remote_password="s3cret")
-        manager = manager_for(server.url, remote_password="s3cret", remote_ttl_secs=0.3)
+        manager = remote_manager(server.url, remote_password="s3cret", remote_ttl_secs=0.3)
         store_chunks(manager, pool, [9])
         manager.cpu.clear()
         assert manager.lookup_prefix([key(9)]) == 1
@@ -124,7 +103,7 @@ def test_redis_with_password_and_ttl(pool):
 def test_redis_wrong_password_is_a_miss_not_a_crash(pool, caplog):
     with RedisServer(password="right") as server:
         stats = Stats()
-        manager = manager_for(server.url, stats, remote_password="wrong")
+        manager = remote_manager(server.url, stats, remote_password="wrong")
         with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
             assert manager.lookup_prefix([key(1)]) == 0
             obj = fill(pool, 1)
@@ -138,7 +117,7 @@ def test_redis_wrong_password_is_a_miss_not_a_crash(pool, caplog):
 @needs_redis
 @pytest.mark.redis
 def test_models_do_not_see_each_other(redis, pool):
-    a = manager_for(redis.url)
+    a = remote_manager(redis.url)
     store_chunks(a, pool, [1])
     config = load_config({"max_local_cpu_size": 0.05, "remote_url": redis.url}, env={})
     b = StorageManager(config, Stats(), namespace="org/model-b")
@@ -152,24 +131,14 @@ def test_models_do_not_see_each_other(redis, pool):
 @pytest.mark.redis
 def test_redis_killed_and_restarted_mid_run(redis, pool, caplog):
     stats = Stats()
-    manager = manager_for(redis.url, stats)
+    manager = remote_manager(redis.url, stats)
     store_chunks(manager, pool, [1, 2])
     manager.cpu.clear()
     assert manager.lookup_prefix([key(1), key(2)]) == 2
 
     redis.stop()
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
-        started = time.monotonic()
-        assert manager.lookup_prefix([key(1), key(2)]) == 0
-        assert manager.get_many([key(1)]) == [None]
-        for i in range(3, 6):
-            obj = fill(pool, i)
-            manager.put(key(i), obj)  # the engine keeps going; the remote copy is dropped
-            obj.ref_down()
-        assert time.monotonic() - started < 3.0
-        assert manager.flush(10)
-        assert stats.get(tier_counter("redis", TierCounter.DROPPED_UNAVAILABLE)) >= 3
-        assert manager.lookup_prefix([key(3)]) == 1  # from the CPU tier
+        check_remote_down(manager, pool, "redis", budget_s=3.0)
 
         redis.start()  # an empty server (no persistence): it lost everything
         remote = manager.lower[0]
@@ -186,7 +155,7 @@ def test_redis_killed_and_restarted_mid_run(redis, pool, caplog):
 @pytest.mark.redis
 def test_hung_redis_costs_at_most_the_timeout(redis, pool):
     stats = Stats()
-    manager = manager_for(redis.url, stats, remote_timeout_ms=300)
+    manager = remote_manager(redis.url, stats, remote_timeout_ms=300)
     store_chunks(manager, pool, [1])
     manager.cpu.clear()
     redis.pause()
@@ -207,7 +176,7 @@ def test_hung_redis_costs_at_most_the_timeout(redis, pool):
 @pytest.mark.redis
 def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
     stats = Stats()
-    manager = manager_for(redis.url, stats)
+    manager = remote_manager(redis.url, stats)
     obj = fill(pool, 1)
     blob = bytearray(join_parts(wire.encode(key(1).to_string(), obj.tensor, NaiveSerde())))
     blob[-3] ^= 0xFF
@@ -222,7 +191,7 @@ def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
 
 def test_unreachable_remote_at_start_up_does_not_stop_the_engine(pool, caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
-        manager = manager_for("redis://127.0.0.1:1/0")  # nothing listens on port 1
+        manager = remote_manager("redis://127.0.0.1:1/0")  # nothing listens on port 1
     # Said once at start-up, not at the first store: the tier, its URL, misses until it answers.
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.storage.remote"]
     assert "redis://127.0.0.1:1/0" in line and "at start-up" in line
@@ -240,7 +209,7 @@ def test_unreachable_remote_at_start_up_does_not_stop_the_engine(pool, caplog):
 @pytest.mark.redis
 def test_disk_and_remote_together(tmp_path, pool, redis):
     stats = Stats()
-    manager = manager_for(redis.url, stats, local_disk=str(tmp_path))
+    manager = remote_manager(redis.url, stats, local_disk=str(tmp_path))
     assert [t.name for t in manager.lower] == ["disk", "redis"]
     store_chunks(manager, pool, range(3))
     assert stats.get(tier_counter("disk", TierCounter.PUT_CHUNKS)) == 3
@@ -290,7 +259,7 @@ def test_s3_shares_chunks_between_engines(s3, pool):
 
 @pytest.mark.s3
 def test_s3_objects_are_named_by_prefix_model_and_key(s3, pool):
-    manager = manager_for("s3://kvtier-cache/deployment-1", **s3_settings(s3))
+    manager = remote_manager("s3://kvtier-cache/deployment-1", **s3_settings(s3))
     store_chunks(manager, pool, [1])
     listing = s3.client().list_objects_v2(Bucket="kvtier-cache")["Contents"]
     assert [o["Key"] for o in listing] == [
@@ -302,7 +271,7 @@ def test_s3_objects_are_named_by_prefix_model_and_key(s3, pool):
 @pytest.mark.s3
 def test_s3_missing_bucket_is_a_miss_with_a_clear_warning(s3, pool, caplog):
     stats = Stats()
-    manager = manager_for("s3://no-such-bucket", stats, **s3_settings(s3))
+    manager = remote_manager("s3://no-such-bucket", stats, **s3_settings(s3))
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
         obj = fill(pool, 1)
         manager.put(key(1), obj)
@@ -317,7 +286,7 @@ def test_s3_missing_bucket_is_a_miss_with_a_clear_warning(s3, pool, caplog):
 @pytest.mark.s3
 def test_s3_killed_and_restarted_mid_run(s3, pool):
     stats = Stats()
-    manager = manager_for("s3://kvtier-cache", stats, **s3_settings(s3))
+    manager = remote_manager("s3://kvtier-cache", stats, **s3_settings(s3))
     store_chunks(manager, pool, [1])
     manager.cpu.clear()
     assert manager.lookup_prefix([key(1)]) == 1
@@ -359,11 +328,11 @@ def test_the_config_takes_exactly_the_registered_schemes():
     for scheme in remotes.remote_schemes():
         assert load_config({"remote_url": f"{scheme}://h/x"}, env={}).remote_url
     allowed = "expected a URL with scheme " + ", ".join(remotes.remote_schemes())
-    for url in ("lm://localhost:65432", "redis:/h", "localhost:6379"):
+    for url in ("memcached://localhost:11211", "redis:/h", "localhost:6379"):
         with pytest.raises(ConfigError, match=allowed):
             load_config({"remote_url": url}, env={})
     with pytest.raises(ValueError, match=allowed):
-        remotes.load_module("lm://localhost:65432")
+        remotes.load_module("memcached://localhost:11211")
 
 
 def test_a_missing_client_library_names_its_pip_extra(monkeypatch):

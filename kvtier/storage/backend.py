@@ -25,7 +25,7 @@ Contract for every implementation:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 Buffer = bytes | bytearray | memoryview
@@ -76,3 +76,24 @@ def join_parts(parts: Sequence[Buffer]) -> bytes | memoryview:
     if len(parts) == 1:
         return parts[0] if isinstance(parts[0], bytes | memoryview) else bytes(parts[0])
     return b"".join(parts)
+
+
+PutItem = tuple[str, Sequence[Buffer]]
+
+
+def batches(
+    items: Sequence[PutItem], max_bytes: int, size: Callable[[Sequence[Buffer]], int]
+) -> Iterator[list[PutItem]]:
+    """``items`` cut, in order, into batches whose ``size`` adds up to at most
+    ``max_bytes`` (one item larger than that is a batch of its own)."""
+    batch: list[PutItem] = []
+    batch_bytes = 0
+    for name, parts in items:
+        item_bytes = size(parts)
+        if batch and batch_bytes + item_bytes > max_bytes:
+            yield batch
+            batch, batch_bytes = [], 0
+        batch.append((name, parts))
+        batch_bytes += item_bytes
+    if batch:
+        yield batch

@@ -139,7 +139,7 @@ class FileTier:
 
     def _path_str(self, file_name: str) -> str:
         # plain strings, not pathlib, on the lookup path: a 32k-token prompt is 128 stats
-        return f"{self._dir_str}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
+        return sharded_path(self._dir_str, file_name)
 
     def _check_writable(self, config_key: str) -> None:
         try:
@@ -155,20 +155,8 @@ class FileTier:
 
     def _scan(self) -> None:
         """Rebuild the index from the files present, oldest first (start-up)."""
-        found: list[tuple[float, str, int]] = []
-        now = time.time()
-        for dirpath, _, files in os.walk(self.dir):
-            for file in files:
-                path = os.path.join(dirpath, file)
-                try:
-                    st = os.stat(path)
-                    if file.endswith(SUFFIX):
-                        found.append((st.st_mtime, file[: -len(SUFFIX)], st.st_size))
-                    elif file.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
-                        os.unlink(path)  # left behind by a writer that crashed
-                except OSError:
-                    continue
-        for _, file_name, size in sorted(found):
+        found = scan_tree(self.dir)
+        for _, file_name, size in found:
             self._index_add(file_name, size)
         if found:
             logger.info(
@@ -421,7 +409,7 @@ class FileTier:
                 self._unlink_quietly(tmp)
         fd = os.open(tmp, flags, 0o644)
         try:
-            _write_all(fd, parts)
+            write_all(fd, parts)
         finally:
             os.close(fd)
 
@@ -434,7 +422,7 @@ class FileTier:
                 buffer[offset : offset + len(part)] = part
                 offset += len(part)
             with memoryview(buffer) as view:
-                _write_all(fd, [view[: _round_up(size, DIRECT_ALIGN)]])
+                write_all(fd, [view[: _round_up(size, DIRECT_ALIGN)]])
             os.ftruncate(fd, size)
         finally:
             buffer.close()
@@ -503,7 +491,32 @@ class FileTier:
         self._readers.shutdown(wait=True)
 
 
-def _write_all(fd: int, parts: list) -> None:
+def sharded_path(directory: str, file_name: str) -> str:
+    """Where ``file_name`` (a hex hash) lives in the sharded tree under ``directory``."""
+    return f"{directory}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
+
+
+def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
+    """``(mtime, file name without suffix, size)`` of every file in a sharded tree,
+    oldest first; temp files older than ``STALE_TMP_SECONDS`` (left behind by a writer
+    that crashed) are removed."""
+    found: list[tuple[float, str, int]] = []
+    now = time.time()
+    for dirpath, _, files in os.walk(directory):
+        for file in files:
+            path = os.path.join(dirpath, file)
+            try:
+                st = os.stat(path)
+                if file.endswith(SUFFIX):
+                    found.append((st.st_mtime, file[: -len(SUFFIX)], st.st_size))
+                elif file.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
+                    os.unlink(path)
+            except OSError:
+                continue
+    return sorted(found)
+
+
+def write_all(fd: int, parts: list) -> None:
     """``writev`` every byte of ``parts`` (retrying partial writes)."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:

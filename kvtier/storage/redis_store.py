@@ -47,7 +47,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvtier.storage.backend import Buffer, StoreUnavailable
+from kvtier.storage.backend import Buffer, StoreUnavailable, batches
 from kvtier.storage.redis_url import parse_url
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
@@ -106,6 +106,11 @@ def _byte_view(blob: bytes | memoryview) -> bytes | memoryview:
         if blob.ndim != 1 or blob.format != "B":
             return blob.cast("B")
     return blob
+
+
+def _joined_bytes(parts: Sequence[Buffer]) -> int:
+    """Bytes ``_join_batch`` copies for one blob (a single part is sent as it is)."""
+    return sum(len(p) for p in parts) if len(parts) > 1 else 0
 
 
 def _glob_escape(text: str) -> str:
@@ -284,16 +289,7 @@ class RedisStore:
         """
         # Batches are cut at about SCRATCH_BYTES of multi-part blobs, each one pipeline,
         # so the reused join buffer stays small.
-        batch: list[tuple[str, Sequence[Buffer]]] = []
-        batch_bytes = 0
-        for name, parts in items:
-            size = sum(len(p) for p in parts) if len(parts) > 1 else 0
-            if batch and batch_bytes + size > SCRATCH_BYTES:
-                self._put_batch(batch)
-                batch, batch_bytes = [], 0
-            batch.append((name, parts))
-            batch_bytes += size
-        if batch:
+        for batch in batches(items, SCRATCH_BYTES, _joined_bytes):
             self._put_batch(batch)
 
     def _put_batch(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
@@ -470,9 +466,10 @@ class RedisStore:
     __str__ = __repr__
 
 
-def open_remote(request: RemoteRequest) -> RemoteTier:
-    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
-    store = RedisStore(
+def open_store(request: RemoteRequest) -> RedisStore:
+    """The blob store of a Redis/Valkey ``remote_url`` (a ``kvtier serve`` writes through
+    it), under the key prefix ``kvtier:<space>:``."""
+    return RedisStore(
         request.url,
         namespace=f"kvtier:{request.space}:",
         timeout_s=request.config.remote_timeout_ms / 1000,
@@ -484,4 +481,8 @@ def open_remote(request: RemoteRequest) -> RemoteTier:
         tls_cert_file=request.config.remote_tls_cert_file,
         tls_key_file=request.config.remote_tls_key_file,
     )
-    return open_blob_tier(store, request)
+
+
+def open_remote(request: RemoteRequest) -> RemoteTier:
+    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    return open_blob_tier(open_store(request), request)

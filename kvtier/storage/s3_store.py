@@ -434,10 +434,11 @@ class S3Store:
         )
 
 
-def open_remote(request: RemoteRequest) -> RemoteTier:
-    """An ``s3://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+def open_store(request: RemoteRequest) -> S3Store:
+    """The blob store of an ``s3://`` ``remote_url`` (a ``kvtier serve`` writes through
+    it), under the prefix ``kvtier/<space>/``."""
     config = request.config
-    store = S3Store(
+    return S3Store(
         request.url,
         timeout_s=max(config.remote_timeout_ms / 1000, 1.0),
         namespace=f"kvtier/{request.space}/",
@@ -447,7 +448,11 @@ def open_remote(request: RemoteRequest) -> RemoteTier:
         secret_access_key=config.s3_secret_access_key,
         max_concurrency=config.remote_max_concurrency,
     )
-    return open_blob_tier(store, request)
+
+
+def open_remote(request: RemoteRequest) -> RemoteTier:
+    """An ``s3://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    return open_blob_tier(open_store(request), request)
 
 
 def _error_code(exc: ClientError) -> str:

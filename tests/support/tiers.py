@@ -1,12 +1,18 @@
-"""Helpers shared by the tier tests: chunk keys, chunk buffers with known bytes, and a
-check that a buffer holds exactly what was stored."""
+"""Helpers shared by the tier tests: chunk keys, chunk buffers with known bytes, a
+check that a buffer holds exactly what was stored, and a storage manager on a remote
+configured as an operator would (``remote_manager``)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from kvtier.config import load_config
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
+from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import checksum_of
 
@@ -39,3 +45,55 @@ def same_bytes(a: MemoryObj, b: MemoryObj) -> bool:
         and a.dtype == b.dtype
         and bytes(tensor_bytes(a.tensor)) == bytes(tensor_bytes(b.tensor))
     )
+
+
+def remote_manager(
+    url: str, stats: Stats | None = None, namespace: str = "org/model-a", **settings
+) -> StorageManager:
+    """A storage manager (an engine's tiers) with a small CPU tier and ``remote_url``,
+    timing out after 500 ms and retrying every 200 ms."""
+    config = load_config(
+        {
+            "max_local_cpu_size": 0.05,
+            "remote_url": url,
+            "remote_timeout_ms": 500,
+            "remote_reconnect_max_ms": 200,
+            **settings,
+        },
+        env={},
+    )
+    return StorageManager(config, stats or Stats(), namespace=namespace)
+
+
+def store_chunks(manager: StorageManager, pool: HostMemoryPool, seeds) -> dict[int, MemoryObj]:
+    """Store a chunk per seed under ``key(seed)`` and wait until every tier wrote it."""
+    objs = {i: fill(pool, i) for i in seeds}
+    for i, obj in objs.items():
+        assert manager.put(key(i), obj)
+    assert manager.flush(30)
+    return objs
+
+
+def wait_until(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def check_remote_down(manager: StorageManager, pool: HostMemoryPool, tier: str, budget_s: float):
+    """With the remote gone after ``store_chunks(manager, pool, [1, 2])``: lookups and
+    gets are misses and stores go on (their remote copies dropped, counted), all within
+    ``budget_s``; chunk 3 is then served by the CPU tier."""
+    started = time.monotonic()
+    assert manager.lookup_prefix([key(1), key(2)]) == 0
+    assert manager.get_many([key(1)]) == [None]
+    for i in range(3, 6):
+        obj = fill(pool, i)
+        manager.put(key(i), obj)  # the engine keeps going; the remote copy is dropped
+        obj.ref_down()
+    assert time.monotonic() - started < budget_s
+    assert manager.flush(10)
+    assert manager.stats.get(tier_counter(tier, TierCounter.DROPPED_UNAVAILABLE)) >= 3
+    assert manager.lookup_prefix([key(3)]) == 1  # from the CPU tier

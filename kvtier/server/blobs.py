@@ -1,0 +1,262 @@
+"""The server's own stores of opaque blobs: a bounded in-memory LRU and a bounded
+directory of files.
+
+A blob is addressed by ``(namespace, name)``: the namespace is the one a client declared
+when it connected (its model, percent-encoded), the name is the client's (a kvtier key
+string). Neither store looks inside a blob; kvtier clients send wire-format objects
+(``kvtier.storage.wire``), which carry their own checksums and are verified by the
+client that reads them.
+
+Both stores are thread-safe (one lock each) and never hold more than their bound: a blob
+larger than the whole bound is refused, anything else evicts least recently used blobs
+until it fits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import xxhash
+
+from kvtier.storage.backend import Buffer
+from kvtier.storage.disk import TMP_SUFFIX, scan_tree, sharded_path, write_all
+from kvtier.storage.policy import make_policy
+
+logger = logging.getLogger(__name__)
+
+BlobId = tuple[str, str]  # (namespace, name)
+TREE = "kvtier-server-v1"
+
+
+class MemoryBlobs:
+    """Blobs in memory, at most ``capacity_bytes`` of them, least recently used evicted
+    first."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._blobs: OrderedDict[BlobId, bytes] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def put(self, blob_id: BlobId, data: Buffer) -> bool:
+        """Keep ``data`` (copied) under ``blob_id``; False when it is larger than the bound."""
+        size = len(data)
+        if size > self.capacity_bytes:
+            return False
+        value = bytes(data)
+        with self._lock:
+            old = self._blobs.pop(blob_id, None)
+            if old is not None:
+                self._used -= len(old)
+            while self._used + size > self.capacity_bytes:
+                _, victim = self._blobs.popitem(last=False)
+                self._used -= len(victim)
+                self.evictions += 1
+            self._blobs[blob_id] = value
+            self._used += size
+        return True
+
+    def get(self, blob_id: BlobId) -> bytes | None:
+        with self._lock:
+            value = self._blobs.get(blob_id)
+            if value is not None:
+                self._blobs.move_to_end(blob_id)
+            return value
+
+    def contains(self, blob_id: BlobId) -> bool:
+        with self._lock:
+            return blob_id in self._blobs
+
+    def delete(self, blob_id: BlobId) -> bool:
+        with self._lock:
+            value = self._blobs.pop(blob_id, None)
+            if value is None:
+                return False
+            self._used -= len(value)
+            return True
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Drop every blob (of ``namespace`` only, when given); returns how many."""
+        with self._lock:
+            doomed = [b for b in self._blobs if namespace is None or b[0] == namespace]
+            for blob_id in doomed:
+                self._used -= len(self._blobs.pop(blob_id))
+            return len(doomed)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+
+class DiskBlobs:
+    """Blobs as files under ``root``, at most ``capacity_bytes`` of them.
+
+    Layout: ``<root>/kvtier-server-v1/<ns>/<h[0:2]>/<h[2:4]>/<h>.kvt`` where ``ns`` is the
+    xxh3-64 hex of the namespace and ``h`` the xxh3-128 hex of the name; a file holds the
+    blob exactly (for kvtier clients, a wire-format object: the disk tier's file format).
+
+    NOTE: a file appears only complete: it is written as a temp file in the same
+    directory and renamed over its final name. The directory belongs to this server
+    alone, so the index (rebuilt from the files at start-up, oldest first) is the truth
+    and lookups never touch the disk.
+
+    Raises:
+        ValueError: ``root`` cannot be created or written to (naming ``--local-disk``).
+    """
+
+    def __init__(self, root: str | Path, capacity_bytes: int):
+        self.root = Path(root)
+        self.dir = self.root / TREE
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}  # "<ns>/<h>" -> bytes
+        self._policy = make_policy("LRU")
+        self._used = 0
+        self.evictions = 0
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe.{os.getpid()}{TMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(
+                f"--local-disk: cannot use {str(self.root)!r}: {exc.strerror or exc}"
+            ) from None
+        for ns_dir in sorted(p for p in self.dir.iterdir() if p.is_dir()):
+            for _, file_name, size in scan_tree(ns_dir):
+                self._index_add(f"{ns_dir.name}/{file_name}", size)
+        with self._lock:
+            self._evict_for(0)
+        if self._sizes:
+            logger.info(
+                "kvtier server: %d blobs (%.1f MiB) found in %s",
+                len(self._sizes),
+                self._used / 2**20,
+                self.dir,
+            )
+
+    @staticmethod
+    def file_id(blob_id: BlobId) -> str:
+        namespace, name = blob_id
+        ns = xxhash.xxh3_64_hexdigest(namespace.encode())
+        return f"{ns}/{xxhash.xxh3_128_hexdigest(name.encode())}"
+
+    def _path(self, file_id: str) -> str:
+        ns, _, file_name = file_id.partition("/")
+        return sharded_path(f"{self.dir}/{ns}", file_name)
+
+    def _index_add(self, file_id: str, size: int) -> None:
+        old = self._sizes.get(file_id)
+        if old is not None:
+            self._used -= old
+            self._policy.remove(file_id)
+        self._sizes[file_id] = size
+        self._policy.add(file_id)
+        self._used += size
+
+    def _index_drop(self, file_id: str) -> None:
+        size = self._sizes.pop(file_id, None)
+        if size is not None:
+            self._policy.remove(file_id)
+            self._used -= size
+
+    def _evict_for(self, size: int) -> None:
+        victims = []
+        free = self.capacity_bytes - self._used
+        for file_id in self._policy.candidates():
+            if free >= size:
+                break
+            victims.append(file_id)
+            free += self._sizes[file_id]
+        for file_id in victims:
+            self._index_drop(file_id)
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(file_id))
+            self.evictions += 1
+
+    def put(self, blob_id: BlobId, data: Buffer) -> bool:
+        """Write ``data`` under ``blob_id``; False when it does not fit or cannot be written
+        (a full disk, an I/O error: logged once per cause)."""
+        size = len(data)
+        if size > self.capacity_bytes:
+            return False
+        file_id = self.file_id(blob_id)
+        path = Path(self._path(file_id))
+        with self._lock:
+            self._evict_for(size)
+            self._index_add(file_id, size)  # reserve; undone on failure
+        tmp = path.parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, [data])
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            with self._lock:
+                self._index_drop(file_id)
+            logger.warning("kvtier server: cannot write %s: %s", path, exc)
+            return False
+        return True
+
+    def get(self, blob_id: BlobId) -> bytes | None:
+        file_id = self.file_id(blob_id)
+        with self._lock:
+            if file_id not in self._sizes:
+                return None
+            self._policy.touch(file_id)
+        try:
+            with open(self._path(file_id), "rb") as f:
+                return f.read()
+        except OSError:
+            with self._lock:
+                self._index_drop(file_id)
+            return None
+
+    def contains(self, blob_id: BlobId) -> bool:
+        with self._lock:
+            return self.file_id(blob_id) in self._sizes
+
+    def delete(self, blob_id: BlobId) -> bool:
+        file_id = self.file_id(blob_id)
+        with self._lock:
+            present = file_id in self._sizes
+            self._index_drop(file_id)
+        with contextlib.suppress(OSError):
+            os.unlink(self._path(file_id))
+        return present
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Delete every blob (of ``namespace`` only, when given); returns how many."""
+        prefix = None if namespace is None else self.file_id((namespace, ""))[:16] + "/"
+        with self._lock:
+            doomed = [f for f in self._sizes if prefix is None or f.startswith(prefix)]
+            for file_id in doomed:
+                self._index_drop(file_id)
+            ns_dirs = {f.partition("/")[0] for f in doomed}
+            if prefix is not None:
+                ns_dirs.add(prefix[:-1])
+            for ns in ns_dirs:
+                shutil.rmtree(self.dir / ns, ignore_errors=True)
+        return len(doomed)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._sizes)

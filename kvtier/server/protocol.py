@@ -1,0 +1,208 @@
+"""The wire protocol between ``kvtier serve`` and its clients (``kvtier://`` remotes).
+
+Every message, request or reply, is one frame::
+
+    offset  size   field
+    0       4      magic  b"KVTS"
+    4       1      protocol version (1)
+    5       1      op (``Op``)
+    6       2      flags, little-endian (``REPLY`` on replies)
+    8       8      request id, little-endian (a reply carries its request's id)
+    16      4      header length H, little-endian (at most ``MAX_HEADER_BYTES``)
+    20      4      payload length P, little-endian (at most the server's frame limit)
+    24      H      header: a CBOR map (below)
+    24+H    P      payload: blobs, concatenated, as the header's ``sizes`` cut them
+
+Requests (header fields → reply header fields; names are relative to the connection's
+namespace, which the server prefixes to every name it stores):
+
+    HELLO   token, namespace       → max_frame   (first frame of every connection)
+    PING    -                      → -
+    EXISTS  names                  → present: [bool]
+    GET     names                  → sizes: [int, -1 where absent]; payload: the blobs
+    PUT     names, sizes; payload  → stored: int
+    DELETE  names                  → deleted: int
+    CLEAR   -                      → deleted: int   (this namespace only)
+    STATS   -                      → the server's counters
+
+A reply's header has ``error`` (a string) when the request failed; after an error
+about the frame itself (bad magic, version, size, CBOR, authentication) the server
+closes the connection, since the stream can no longer be trusted.
+
+NOTE: never pickle: headers are CBOR maps of strings, ints, bools and lists, and the
+decoder checks every field's type before anything uses it. This module imports nothing
+from kvtier: both the server and the client (``kvtier.server.client``) import it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+
+MAGIC = b"KVTS"
+VERSION = 1
+PREFIX = struct.Struct("<4sBBHQII")
+PREFIX_SIZE = PREFIX.size  # 24
+MAX_HEADER_BYTES = 4 << 20  # a batch of 10k names fits easily
+DEFAULT_MAX_FRAME_BYTES = 256 << 20  # payload; 8 chunks of 32 MiB
+REPLY = 0x1
+MAX_NAME_CHARS = 1024
+MAX_NAMESPACE_CHARS = 256
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    PING = 2
+    EXISTS = 3
+    GET = 4
+    PUT = 5
+    DELETE = 6
+    CLEAR = 7
+    STATS = 8
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the protocol (the connection cannot go on)."""
+
+
+@dataclass(slots=True)
+class Frame:
+    """One decoded frame: ``header`` is the CBOR map, ``payload`` the bytes after it."""
+
+    op: Op
+    request_id: int
+    header: dict[str, Any] = field(default_factory=dict)
+    payload: bytes | memoryview = b""
+    flags: int = 0
+
+
+def encode_prefix(
+    op: int, request_id: int, header_len: int, payload_len: int, flags: int = 0
+) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, op, flags, request_id, header_len, payload_len)
+
+
+def encode(
+    op: int,
+    request_id: int,
+    header: dict[str, Any] | None = None,
+    payload_parts: Sequence[bytes | memoryview] = (),
+    flags: int = 0,
+) -> list[bytes | memoryview]:
+    """The frame as buffer parts to send in order (payload parts are not copied)."""
+    head = cbor2.dumps(header or {})
+    payload_len = sum(len(p) for p in payload_parts)
+    return [encode_prefix(op, request_id, len(head), payload_len, flags), head, *payload_parts]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    op: Op
+    flags: int
+    request_id: int
+    header_len: int
+    payload_len: int
+
+
+def decode_prefix(data: bytes, max_payload: int) -> Prefix:
+    """The fixed prefix, checked.
+
+    Raises:
+        ProtocolError: bad magic, unsupported version, unknown op, or a header or payload
+            length over its limit.
+    """
+    magic, version, op, flags, request_id, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this end speaks {VERSION})")
+    try:
+        op = Op(op)
+    except ValueError:
+        raise ProtocolError(f"unknown op {op}") from None
+    if header_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    if payload_len > max_payload:
+        raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of {max_payload}")
+    return Prefix(op, flags, request_id, header_len, payload_len)
+
+
+def decode_header(data: bytes) -> dict[str, Any]:
+    """The CBOR header map (string keys).
+
+    Raises:
+        ProtocolError: not CBOR, or not a map with string keys.
+    """
+    try:
+        header = cbor2.loads(data) if data else {}
+    except Exception as exc:  # cbor2 raises several types on garbage
+        raise ProtocolError(f"header is not CBOR: {type(exc).__name__}") from None
+    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+        raise ProtocolError("header is not a CBOR map with string keys")
+    return header
+
+
+# -- typed header fields ---------------------------------------------------------------
+
+
+def names_of(header: dict[str, Any]) -> list[str]:
+    """``header["names"]``: a list of non-empty strings without NUL.
+
+    Raises:
+        ProtocolError: missing or of the wrong type.
+    """
+    names = header.get("names")
+    if not isinstance(names, list) or not all(
+        isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS and "\x00" not in n for n in names
+    ):
+        raise ProtocolError(f"'names' must be a list of strings of 1 to {MAX_NAME_CHARS} chars")
+    return names
+
+
+def sizes_of(header: dict[str, Any], count: int, payload_len: int, *, absent_ok: bool) -> list[int]:
+    """``header["sizes"]``: ``count`` ints (``-1`` for absent where ``absent_ok``) whose
+    non-negative entries sum to ``payload_len``.
+
+    Raises:
+        ProtocolError: missing, of the wrong type or length, or not adding up.
+    """
+    sizes = header.get("sizes")
+    low = -1 if absent_ok else 0
+    if (
+        not isinstance(sizes, list)
+        or len(sizes) != count
+        or not all(type(s) is int and s >= low for s in sizes)
+    ):
+        raise ProtocolError(f"'sizes' must be a list of {count} integers >= {low}")
+    if sum(s for s in sizes if s > 0) != payload_len:
+        raise ProtocolError(f"'sizes' add up to {sum(sizes)}, the payload has {payload_len} bytes")
+    return sizes
+
+
+def split_payload(payload: bytes | memoryview, sizes: Sequence[int]) -> list[memoryview | None]:
+    """The blobs of a payload cut by ``sizes`` (None where a size is -1); no copies."""
+    view = memoryview(payload)
+    out: list[memoryview | None] = []
+    offset = 0
+    for size in sizes:
+        if size < 0:
+            out.append(None)
+            continue
+        out.append(view[offset : offset + size])
+        offset += size
+    return out
+
+
+def valid_namespace(namespace: Any) -> bool:
+    """A namespace is 1 to ``MAX_NAMESPACE_CHARS`` characters without ``/`` or NUL."""
+    return (
+        isinstance(namespace, str)
+        and 0 < len(namespace) <= MAX_NAMESPACE_CHARS
+        and "/" not in namespace
+        and "\x00" not in namespace
+    )

@@ -1,0 +1,271 @@
+"""``KVTierServer``: the asyncio TCP server behind ``kvtier serve``.
+
+One coroutine per client connection reads frames (``protocol``), one at a time, and
+answers each with one reply frame. The blob work runs on a small thread pool
+(``BlobCache`` may touch the disk or a remote), so a slow disk never stalls the event
+loop or the other clients.
+
+NOTE: a connection that sends anything the protocol forbids — a bad magic, another
+version, an unknown op, a frame over the size limit, a header that is not a CBOR map, a
+wrong token, a request before HELLO — gets one error reply and is closed: the stream
+cannot be trusted past that point. It is counted under ``rejects`` and never touches
+another connection. A request whose frame is well formed but whose fields are wrong
+(names that are not strings, sizes that do not add up) is an error reply on a
+connection that stays open.
+
+Memory is bounded whatever clients do: the blob tiers by their sizes, and what is in
+flight by ``max_clients`` frames of at most ``max_frame_bytes`` each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvtier.metrics import Stats
+from kvtier.server import protocol
+from kvtier.server.cache import BlobCache
+from kvtier.server.protocol import Frame, Op, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame may take to arrive
+
+
+class KVTierServer:
+    """Serve ``cache`` on ``host:port`` (port 0: any free port; see ``port`` once started).
+
+    Args:
+        cache: the blob tiers.
+        stats: the server's counters (shared with the admin API).
+        token: the token every client must send in HELLO, or None for none.
+        max_frame_bytes: the largest payload accepted in a frame (and sent in a reply).
+        max_clients: connections held at once; more are closed at once (counted).
+    """
+
+    def __init__(
+        self,
+        cache: BlobCache,
+        stats: Stats,
+        *,
+        host: str,
+        port: int,
+        token: str | None,
+        max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
+        max_clients: int = 256,
+    ):
+        self.cache = cache
+        self.stats = stats
+        self.host = host
+        self.port = port
+        self._token = token.encode() if token else None
+        self.max_frame_bytes = max_frame_bytes
+        self.max_clients = max_clients
+        self.clients = 0
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._server: asyncio.Server | None = None
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvtier-server-io")
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve_client, self.host, self.port, limit=2**20
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop accepting, let requests being executed finish (up to ``grace_s``), close
+        every connection. A request still arriving is dropped whole: nothing is stored
+        from a frame that was not received completely."""
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        for writer in list(self._writers):
+            writer.close()  # its coroutine sees the end of the stream and returns
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=grace_s)
+        self._pool.shutdown(wait=True)
+
+    # -- one connection ----------------------------------------------------------------
+
+    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        if self.clients >= self.max_clients:
+            self._reject("too_many_clients", f"more than {self.max_clients} clients")
+            writer.close()
+            return
+        self.clients += 1
+        self._writers.add(writer)
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.stats.inc("connections")
+        namespace: str | None = None
+        try:
+            while True:
+                try:
+                    frame = await self._read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the client went away (between or inside a frame)
+                except TimeoutError:
+                    self._reject("timeout", "a frame took too long to arrive")
+                    return
+                except ProtocolError as exc:
+                    await self._fail(writer, 0, "malformed", str(exc))
+                    return
+                if namespace is None:
+                    namespace = self._hello(frame)
+                    if namespace is None:
+                        await self._fail(writer, frame.request_id, "unauthenticated", "bad HELLO")
+                        return
+                    reply = {"max_frame": self.max_frame_bytes, "version": protocol.VERSION}
+                    await self._send(writer, frame, reply, ())
+                    continue
+                await self._answer(writer, frame, namespace)
+        except ConnectionError:
+            pass
+        finally:
+            self.clients -= 1
+            self._writers.discard(writer)
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> Frame:
+        head = await reader.readexactly(protocol.PREFIX_SIZE)
+        prefix = protocol.decode_prefix(head, self.max_frame_bytes)
+        async with asyncio.timeout(FRAME_READ_TIMEOUT_S):
+            header = await reader.readexactly(prefix.header_len)
+            payload = await reader.readexactly(prefix.payload_len)
+        self.stats.inc("bytes_in", len(head) + len(header) + len(payload))
+        return Frame(prefix.op, prefix.request_id, protocol.decode_header(header), payload)
+
+    def _hello(self, frame: Frame) -> str | None:
+        """The namespace a HELLO declares, or None (counted) when it is not a valid HELLO
+        with the right token."""
+        if frame.op != Op.HELLO:
+            return None
+        token = frame.header.get("token")
+        if self._token is not None and not (
+            isinstance(token, str) and hmac.compare_digest(token.encode(), self._token)
+        ):
+            logger.warning("kvtier server: a client sent a wrong token; connection closed")
+            return None
+        namespace = frame.header.get("namespace")
+        return namespace if protocol.valid_namespace(namespace) else None
+
+    async def _answer(self, writer: asyncio.StreamWriter, frame: Frame, namespace: str) -> None:
+        handler = _HANDLERS.get(frame.op)
+        if handler is None:  # a second HELLO
+            await self._fail(writer, frame.request_id, "malformed", f"unexpected {frame.op.name}")
+            raise ConnectionError
+        self.stats.inc("requests")
+        self.stats.inc(f"requests_{frame.op.name.lower()}")
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            loop = asyncio.get_running_loop()
+            header, parts = await loop.run_in_executor(self._pool, handler, self, frame, namespace)
+        except ProtocolError as exc:
+            self.stats.inc("request_errors")
+            header, parts = {"error": str(exc)}, ()
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+        await self._send(writer, frame, header, parts)
+
+    async def _send(self, writer, frame: Frame, header: dict[str, Any], parts) -> None:
+        data = protocol.encode(frame.op, frame.request_id, header, parts, flags=protocol.REPLY)
+        self.stats.inc("bytes_out", sum(len(p) for p in data))
+        writer.writelines(data)
+        await writer.drain()
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.stats.inc("rejects")
+        self.stats.inc(f"rejects_{reason}")
+        logger.info("kvtier server: rejected a frame (%s): %s", reason, detail)
+
+    async def _fail(self, writer, request_id: int, reason: str, detail: str) -> None:
+        """Count a rejected frame, answer it with an error and let the caller close."""
+        self._reject(reason, detail)
+        error = {"error": f"{reason}: {detail}"}
+        data = protocol.encode(Op.PING, request_id, error, flags=protocol.REPLY)
+        with contextlib.suppress(ConnectionError):
+            writer.writelines(data)
+            await writer.drain()
+
+    # -- requests (on the thread pool) -------------------------------------------------
+
+    def _ping(self, frame: Frame, namespace: str):
+        return {}, ()
+
+    def _exists(self, frame: Frame, namespace: str):
+        names = protocol.names_of(frame.header)
+        return {"present": self.cache.exists_many(namespace, names)}, ()
+
+    def _get(self, frame: Frame, namespace: str):
+        names = protocol.names_of(frame.header)
+        sizes: list[int] = []
+        parts: list[bytes] = []
+        room = self.max_frame_bytes
+        for name in names:
+            blob = self.cache.get(namespace, name)
+            if blob is None or len(blob) > room:  # what does not fit in a reply is a miss
+                sizes.append(-1)
+                continue
+            room -= len(blob)
+            sizes.append(len(blob))
+            parts.append(blob)
+        self.stats.inc("get_hits", len(parts))
+        self.stats.inc("get_misses", len(names) - len(parts))
+        return {"sizes": sizes}, parts
+
+    def _put(self, frame: Frame, namespace: str):
+        names = protocol.names_of(frame.header)
+        sizes = protocol.sizes_of(frame.header, len(names), len(frame.payload), absent_ok=False)
+        blobs = protocol.split_payload(frame.payload, sizes)
+        stored = sum(
+            self.cache.put(namespace, name, blob)
+            for name, blob in zip(names, blobs, strict=True)
+            if blob is not None
+        )
+        self.stats.inc("puts", stored)
+        self.stats.inc("puts_refused", len(names) - stored)
+        return {"stored": stored}, ()
+
+    def _delete(self, frame: Frame, namespace: str):
+        return {"deleted": self.cache.delete(namespace, protocol.names_of(frame.header))}, ()
+
+    def _clear(self, frame: Frame, namespace: str):
+        return {"deleted": self.cache.clear(namespace)}, ()
+
+    def _stats(self, frame: Frame, namespace: str):
+        return self.snapshot(), ()
+
+    def snapshot(self) -> dict[str, float]:
+        """Every counter and gauge (thread-safe: the admin API reads it)."""
+        return {
+            **self.stats.snapshot(),
+            **self.cache.gauges(),
+            "clients_connected": self.clients,
+        }
+
+
+_Handler = Callable[[KVTierServer, Frame, str], tuple[dict[str, Any], Any]]
+_HANDLERS: dict[Op, _Handler] = {
+    Op.PING: KVTierServer._ping,
+    Op.EXISTS: KVTierServer._exists,
+    Op.GET: KVTierServer._get,
+    Op.PUT: KVTierServer._put,
+    Op.DELETE: KVTierServer._delete,
+    Op.CLEAR: KVTierServer._clear,
+    Op.STATS: KVTierServer._stats,
+}

@@ -1,0 +1,305 @@
+"""``kvtier serve`` as engines meet it: a real server process, reached through
+``remote_url: kvtier://…`` by storage managers (as engines' tiers), killed, restarted,
+stopped with SIGTERM, fed malformed frames, and watched through its admin API."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+
+import cbor2
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.kvtier_server import KVTierServerProcess, free_port, serve_command
+from support.redis_server import REDIS_MISSING, RedisServer, redis_available
+from support.tiers import (
+    check_remote_down,
+    key,
+    make_pool,
+    remote_manager,
+    same_bytes,
+    store_chunks,
+    wait_until,
+)
+
+from kvtier.config import load_config
+from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.server import protocol
+from kvtier.server.client import KVTierStore, parse_server_url
+from kvtier.server.protocol import Op
+from kvtier.storage import remotes
+from kvtier.storage.backend import StoreUnavailable
+
+TIMEOUT_MS = 500
+
+
+@pytest.fixture
+def pool():
+    pool = make_pool(64)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with KVTierServerProcess("--max-frame-mb", "4", admin=True) as server:
+        yield server
+
+
+# -- engines sharing one server --------------------------------------------------------
+
+
+def test_a_second_engine_loads_what_the_first_stored_bit_exactly(server, pool):
+    writer_stats, reader_stats = Stats(), Stats()
+    writer = remote_manager(server.url, writer_stats)
+    objs = store_chunks(writer, pool, range(4))
+    assert writer_stats.get(tier_counter("kvtier", TierCounter.PUT_CHUNKS)) == 4
+    reader = remote_manager(server.url, reader_stats)  # an empty CPU tier
+    keys = [key(i) for i in range(6)]
+    assert reader.lookup_prefix(keys) == 4
+    got = reader.get_many(keys)
+    assert all(same_bytes(got[i], objs[i]) for i in range(4)), "bit-exact across engines"
+    assert got[4:] == [None, None]
+    assert reader_stats.get(tier_counter("kvtier", TierCounter.GET_HITS)) == 4
+    writer.close()
+    reader.close()
+
+
+def test_models_do_not_see_each_other(server, pool):
+    a = remote_manager(server.url, namespace="org/model-x")
+    store_chunks(a, pool, [11])
+    b = remote_manager(server.url, namespace="org/model-y")
+    assert b.lookup_prefix([key(11)]) == 0
+    assert b.get_many([key(11)]) == [None]
+    b.clear()  # clears model-y's namespace only
+    a.cpu.clear()
+    assert a.lookup_prefix([key(11)]) == 1
+    a.close()
+    b.close()
+
+
+def test_lm_and_kvtier_urls_are_accepted_and_parsed():
+    for url in ("kvtier://127.0.0.1:65432", "lm://localhost:65432", "KVTIER://[::1]:7000"):
+        assert load_config({"remote_url": url}, env={}).remote_url == url
+        assert remotes.load_module(url).__name__ == "kvtier.server.client"
+    assert parse_server_url("lm://localhost:65432") == ("localhost", 65432)
+    assert parse_server_url("kvtier://[::1]:7000/") == ("::1", 7000)
+    for bad in ("kvtier://host", "kvtier://:80", "kvtier://h:1/path", "kvtier://h:99999"):
+        with pytest.raises(ValueError, match=r"remote_url .*kvtier://host:port"):
+            parse_server_url(bad)
+
+
+# -- faults: crash, restart, stop ------------------------------------------------------
+
+
+def test_killed_server_is_a_miss_and_a_restart_resumes_hits(tmp_path, pool):
+    disk = str(tmp_path / "disk")
+    with KVTierServerProcess("--local-disk", disk, "--max-local-disk-size", "1") as server:
+        stats = Stats()
+        manager = remote_manager(server.url, stats)
+        store_chunks(manager, pool, [1, 2])
+        manager.cpu.clear()
+        assert manager.lookup_prefix([key(1), key(2)]) == 2
+
+        server.kill()
+        check_remote_down(manager, pool, "kvtier", budget_s=3 * TIMEOUT_MS / 1000 + 1.0)
+
+        server.start()  # the same port; memory is empty, the disk index is reopened
+        remote = manager.lower[0]
+        wait_until(lambda: remote.is_up)
+        manager.cpu.clear()
+        assert manager.lookup_prefix([key(1), key(2)]) == 2, "hits resume, same client"
+        assert stats.get(tier_counter("kvtier", TierCounter.RECONNECTS)) == 1
+        manager.close()
+
+
+def test_sigterm_stops_cleanly_with_exit_code_0(pool):
+    with KVTierServerProcess("--max-local-cpu-size", "0.1") as server:
+        manager = remote_manager(server.url)
+        store_chunks(manager, pool, [1])
+        assert server.terminate() == 0
+        log = server.log()
+        assert f"listening on kvtier://127.0.0.1:{server.port}" in log
+        assert "tiers: memory 0.10 GiB" in log and "stopped" in log
+        assert "Traceback" not in log
+        manager.close()
+
+
+def test_a_non_loopback_address_needs_a_token():
+    done = subprocess.run(
+        serve_command("--host", "0.0.0.0", "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--auth-token" in done.stderr and "loopback" in done.stderr
+
+
+# -- authentication and the protocol ---------------------------------------------------
+
+
+def test_clients_must_send_the_token(pool):
+    with KVTierServerProcess("--auth-token", "s3cret", admin=True, token="s3cret") as server:
+        wrong = KVTierStore("127.0.0.1", server.port, namespace="m", token="nope")
+        with pytest.raises(StoreUnavailable, match="unauthenticated"):
+            wrong.ping()
+        none = KVTierStore("127.0.0.1", server.port, namespace="m")
+        with pytest.raises(StoreUnavailable, match="unauthenticated"):
+            none.exists_many(["a"])
+        manager = remote_manager(server.url, server_token="s3cret")
+        store_chunks(manager, pool, [1])
+        manager.cpu.clear()
+        assert manager.lookup_prefix([key(1)]) == 1
+        manager.close()
+        stats = server.admin("/stats")[1]
+        assert stats["rejects_unauthenticated"] == 2
+        assert server.admin("/clear", "POST")[0] == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert server.admin("/clear", "POST", auth) == (200, {"deleted": 1})
+
+
+def raw_exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection; what comes back until the server closes it
+    (or 2 s pass)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return got
+
+
+def frame(op: int, header: object, payload: bytes = b"", version: int = protocol.VERSION) -> bytes:
+    head = cbor2.dumps(header)
+    return protocol.PREFIX.pack(protocol.MAGIC, version, op, 0, 7, len(head), len(payload)) + (
+        head + payload
+    )
+
+
+HELLO = frame(Op.HELLO, {"namespace": "fuzz"})
+
+
+def error_of(reply: bytes) -> str:
+    prefix = protocol.decode_prefix(reply[: protocol.PREFIX_SIZE], 1 << 30)
+    body = reply[protocol.PREFIX_SIZE :][: prefix.header_len]
+    return protocol.decode_header(body).get("error", "")
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "malformed: bad magic"),
+        (frame(Op.HELLO, {"namespace": "x"}, version=9), "unsupported protocol version 9"),
+        (frame(99, {}), "unknown op 99"),
+        (HELLO + struct.pack("<4sBBHQII", b"KVTS", 1, Op.PUT, 0, 1, 0, 5 << 20), "exceeds"),
+        (frame(Op.HELLO, ["not", "a", "map"]), "not a CBOR map"),
+        (frame(Op.PING, {}), "unauthenticated"),
+        (frame(Op.HELLO, {"namespace": "a/b"}), "unauthenticated"),
+    ],
+    ids=["http", "version", "op", "oversized", "header", "no-hello", "namespace"],
+)
+def test_bad_frames_are_rejected_and_the_server_keeps_serving(server, data, reason):
+    before = server.admin("/stats")[1].get("rejects", 0)
+    replies = raw_exchange(server.port, data)
+    assert reason in error_of(replies[-_last_reply_len(replies) :])
+    assert server.admin("/stats")[1]["rejects"] == before + 1
+    server.client().ping()
+
+
+def _last_reply_len(replies: bytes) -> int:
+    """The length of the last frame in ``replies`` (frames back to back)."""
+    offset = last = 0
+    while offset < len(replies):
+        prefix = protocol.decode_prefix(replies[offset : offset + protocol.PREFIX_SIZE], 1 << 30)
+        last = protocol.PREFIX_SIZE + prefix.header_len + prefix.payload_len
+        offset += last
+    return last
+
+
+def test_bad_fields_are_an_error_reply_on_a_connection_that_stays_open(server):
+    bad = frame(Op.PUT, {"names": ["a"], "sizes": [3]}, b"12")  # sizes do not add up
+    replies = raw_exchange(server.port, HELLO + bad + frame(Op.PING, {}))
+    assert replies.count(protocol.MAGIC) == 3  # HELLO, the error, then the PING's answer
+    assert "add up" in error_of(replies[protocol.PREFIX_SIZE + _hello_len(replies) :])
+
+
+def _hello_len(replies: bytes) -> int:
+    return protocol.decode_prefix(replies[: protocol.PREFIX_SIZE], 1 << 30).header_len
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    garbage=st.binary(max_size=256),
+    cut=st.integers(min_value=0, max_value=64),
+    authed=st.booleans(),
+)
+def test_fuzzed_frames_never_hurt_the_server(server, garbage, cut, authed):
+    good = frame(Op.PUT, {"names": ["k"], "sizes": [4]}, b"abcd")
+    data = (HELLO if authed else b"") + good[:cut] + garbage
+    raw_exchange(server.port, data)
+    server.client().ping()
+
+
+# -- bounds, admin API, remote behind --------------------------------------------------
+
+
+def test_memory_stays_within_its_bound(tmp_path):
+    with KVTierServerProcess("--max-local-cpu-size", "0.001", admin=True) as server:
+        client = server.client()
+        bound = round(0.001 * 2**30)  # GB are 2**30 bytes
+        blob = bytes(200_000)
+        for i in range(20):  # 4 MB into a 1 MiB tier
+            client.put_many([(f"b{i}", [blob])])
+            assert server.admin("/stats")[1]["memory_bytes_used"] <= bound
+        client.put_many([("huge", [bytes(bound + 1)])])  # larger than the tier: refused
+        stats = server.admin("/stats")[1]
+        assert stats["memory_evictions"] >= 15 and stats["puts_refused"] == 1
+        assert client.exists_many(["b19", "b0", "huge"]) == [True, False, False]
+        client.close()
+
+
+def test_admin_api_reports_and_clears(server):
+    client = server.client("admin-test")
+    client.put_many([("x", [b"1234"]), ("y", [b"56"])])
+    status, health = server.admin("/health")
+    assert status == 200 and health["status"] == "ok" and health["tiers"]["memory"]["up"]
+    stats = server.admin("/stats")[1]
+    assert stats["clients_connected"] >= 1 and stats["memory_blobs"] >= 2
+    status, metrics = server.admin("/metrics")
+    assert status == 200
+    for name in ("requests_total", "bytes_in_total", "bytes_out_total", "rejects_total"):
+        assert f"kvtier_server_{name} " in metrics
+    assert "kvtier_server_memory_bytes_used " in metrics
+    assert "kvtier_server_clients_connected " in metrics
+    assert server.admin("/clear", "POST")[0] == 200
+    assert client.exists_many(["x", "y"]) == [False, False]
+    assert server.admin("/nope")[0] == 404
+    client.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
+def test_a_server_writes_through_to_redis_and_a_fresh_one_reads_it(pool):
+    with RedisServer() as redis:
+        remote = ["--remote-url", redis.url]
+        with KVTierServerProcess(*remote) as first:
+            writer = remote_manager(first.url)
+            objs = store_chunks(writer, pool, [1, 2])
+            raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
+            wait_until(lambda: redis.client().exists(raw_key))  # an engine's own Redis key
+            writer.close()
+        with KVTierServerProcess(*remote) as second:  # empty memory, same Redis
+            reader = remote_manager(second.url)
+            assert reader.lookup_prefix([key(1), key(2)]) == 2
+            got = reader.get_many([key(1), key(2)])
+            assert same_bytes(got[0], objs[1]) and same_bytes(got[1], objs[2])
+            reader.close()
