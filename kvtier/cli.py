@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 from kvtier.config import ConfigError, load_config
 from kvtier.server.serve import add_arguments, run_serve
+from kvtier.server.status import add_arguments as add_status_arguments
+from kvtier.server.status import run_status
 
 KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
 
@@ -482,6 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(serve)
     serve.set_defaults(func=run_serve)
+
+    status = sub.add_parser(
+        "status",
+        help="a running kvtier serve's health, tiers and counters",
+        description="Read a kvtier server's counters over its cache port. Exit 0: ok, "
+        "1: degraded (its remote is down), 2: unreachable or refused.",
+    )
+    add_status_arguments(status)
+    status.set_defaults(func=run_status)
     return parser
 
 

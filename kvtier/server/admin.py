@@ -5,11 +5,17 @@ library's HTTP server in a thread of its own:
                     remote behind the server is down; memory and disk still serve)
     GET  /stats     200 the server's counters and gauges, as JSON
     GET  /metrics   200 the same in Prometheus text format (``kvtier_server_*``)
-    POST /clear     200 {"deleted": n}: empties every tier, every namespace
+    POST /clear     200 {"deleted": n}: empties every tier, every namespace; with a body
+                    {"model": "<model>"}, that model's chunks only
+    POST /lookup    200 {"cached_tokens": n, "cached_chunks": k, "total_chunks": t,
+                    "chunk_size": c}: how long a prefix of a prompt the server holds
+                    (body: {"model": ..., "tokens": [...]} or {"model": ..., "hashes":
+                    [...]}; see ``lookup``); 400 naming the bad field
 
-NOTE: with a token set (``--auth-token``), POST /clear needs ``Authorization: Bearer
-<token>``; the GET endpoints only read counters and stay open, as health checks and
-Prometheus scrapers carry no secrets.
+NOTE: with a token set (``--auth-token``), the POST endpoints need ``Authorization: Bearer
+<token>``: /clear drops data, and /lookup tells whether a prompt was served (an oracle
+on other tenants' prompts). The GET endpoints only read counters and stay open, as
+health checks and Prometheus scrapers carry no secrets.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+MAX_BODY_BYTES = 64 << 20  # a /lookup of a 1M-token prompt is about 7 MiB of JSON
 
 # Counters (monotonic) among the server's values; everything else is a gauge.
 _COUNTER_PREFIXES = (
@@ -38,11 +46,14 @@ _COUNTER_PREFIXES = (
 
 @dataclass(frozen=True, slots=True)
 class AdminHooks:
-    """What the API reads and does: the server's values, its tiers' status, a clear."""
+    """What the API reads and does: the server's values, its tiers' status, a clear (of
+    one model, or of all when given None) and a prefix lookup (raising ValueError with
+    the message to return on a bad request)."""
 
     snapshot: Callable[[], Mapping[str, float]]
     tiers: Callable[[], dict[str, Any]]
-    clear: Callable[[], int]
+    clear: Callable[[str | None], int]
+    lookup: Callable[[dict[str, Any]], dict[str, int]]
     token: str | None
 
 
@@ -90,15 +101,49 @@ def _handler(hooks: AdminHooks) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": f"no such endpoint {path}"})
 
         def do_POST(self) -> None:
-            if self.path.split("?", 1)[0] != "/clear":
-                self._json(404, {"error": f"no such endpoint {self.path}"})
+            path = self.path.split("?", 1)[0]
+            if path not in ("/clear", "/lookup"):
+                self._json(404, {"error": f"no such endpoint {path}"})
                 return
             if hooks.token is not None:
                 given = self.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {hooks.token}".encode()):
-                    self._json(401, {"error": "POST /clear needs Authorization: Bearer <token>"})
+                    self._json(401, {"error": f"POST {path} needs Authorization: Bearer <token>"})
                     return
-            self._json(200, {"deleted": hooks.clear()})
+            try:
+                body = self._body()
+                if path == "/clear":
+                    model = body.get("model")
+                    if model is not None and not (isinstance(model, str) and model):
+                        raise ValueError("'model' must be a non-empty string")
+                    self._json(200, {"deleted": hooks.clear(model)})
+                else:
+                    self._json(200, hooks.lookup(body))
+            except ValueError as exc:
+                self._json(400, {"error": str(exc)})
+
+        def _body(self) -> dict[str, Any]:
+            """The JSON object sent ({} when there is no body).
+
+            Raises:
+                ValueError: too long, not JSON, or not an object.
+            """
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise ValueError("Content-Length is not a number") from None
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.close_connection = True
+                raise ValueError(f"the body must be at most {MAX_BODY_BYTES} bytes")
+            if length == 0:
+                return {}
+            try:
+                body = json.loads(self.rfile.read(length))
+            except ValueError:
+                raise ValueError("the body is not JSON") from None
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            return body
 
     return Handler
 

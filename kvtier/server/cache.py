@@ -30,6 +30,7 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Stats
 from kvtier.server.blobs import BlobId, DiskBlobs, MemoryBlobs
+from kvtier.server.lookup import KeyShapes
 from kvtier.storage import remotes
 from kvtier.storage.backend import BlobStore, Buffer
 from kvtier.storage.remote import RemoteRequest
@@ -186,6 +187,8 @@ class BlobCache:
             DiskBlobs(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None
         )
         self.remote = RemoteBlobs(config, stats) if config.remote_url else None
+        # what /lookup needs to name a chunk's blobs (kept with the disk's files)
+        self.shapes = KeyShapes(self.disk.dir if self.disk is not None else None)
 
     def describe(self) -> list[str]:
         """One line per tier, for the start-up log and /health."""
@@ -230,6 +233,7 @@ class BlobCache:
     def put(self, namespace: str, name: str, data: Buffer) -> bool:
         """Store ``data``; whether some tier kept it."""
         blob_id: BlobId = (namespace, name)
+        self.shapes.learn(namespace, name)
         kept = self.memory.put(blob_id, data)
         if self.disk is not None:
             kept = self.disk.put(blob_id, data) or kept

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import ipaddress
 import logging
 import signal
@@ -26,8 +27,10 @@ from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.metrics import Stats
 from kvtier.server.admin import AdminHooks, AdminServer
 from kvtier.server.cache import BlobCache
+from kvtier.server.lookup import lookup
 from kvtier.server.protocol import DEFAULT_MAX_FRAME_BYTES
 from kvtier.server.server import KVTierServer
+from kvtier.storage.remote import space_of
 
 logger = logging.getLogger("kvtier.server")
 
@@ -39,6 +42,7 @@ _CONFIG_FLAGS = {
     "local_disk": "local_disk",
     "max_local_disk_size": "max_local_disk_size",
     "remote_url": "remote_url",
+    "chunk_size": "chunk_size",
     "auth_token": "server_token",
 }
 
@@ -49,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
     parser.add_argument(
         "--admin-port", type=int, help="serve /health, /stats, /metrics, /clear here (0: any)"
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, help="the engines' chunk_size, for /lookup by tokens"
     )
     parser.add_argument("--max-local-cpu-size", type=float, help="memory tier in GB")
     parser.add_argument("--local-disk", help="disk tier directory (kept across restarts)")
@@ -128,7 +135,8 @@ async def _serve(config: KVTierConfig, args: argparse.Namespace) -> int:
         hooks = AdminHooks(
             snapshot=server.snapshot,
             tiers=lambda: _tiers(cache),
-            clear=cache.clear,
+            clear=lambda model: cache.clear(None if model is None else space_of(model)),
+            lookup=functools.partial(_lookup, cache, config),
             token=config.server_token,
         )
         admin = AdminServer(args.host, args.admin_port, hooks)
@@ -149,6 +157,18 @@ async def _serve(config: KVTierConfig, args: argparse.Namespace) -> int:
     cache.close()
     logger.info("kvtier server stopped")
     return 0
+
+
+def _lookup(cache: BlobCache, config: KVTierConfig, request: dict) -> dict[str, int]:
+    result = lookup(
+        request,
+        cache.shapes,
+        cache.exists_many,
+        chunk_size=config.chunk_size,
+        hash_algorithm=config.hash_algorithm,
+        hash_seed=config.hash_seed,
+    )
+    return result.as_json()
 
 
 def _tiers(cache: BlobCache) -> dict[str, dict]:

@@ -23,7 +23,6 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from urllib.parse import quote
 
 import torch
 
@@ -34,7 +33,7 @@ from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Stats
 from kvtier.storage import remotes
 from kvtier.storage.cpu import LocalCPUTier
-from kvtier.storage.remote import RemoteOpener, RemoteRequest
+from kvtier.storage.remote import RemoteOpener, RemoteRequest, space_of
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import LowerTier
 
@@ -322,5 +321,4 @@ def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTie
     assert url is not None
     open_remote: RemoteOpener = remotes.load_module(url).open_remote
     serde = make_serde(config.remote_serde, config)
-    space = quote(namespace, safe="-_.")
-    return open_remote(RemoteRequest(url, config, serde, stats, space))
+    return open_remote(RemoteRequest(url, config, serde, stats, space_of(namespace)))

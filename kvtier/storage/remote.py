@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
@@ -62,6 +63,12 @@ class RemoteRequest:
     serde: Serde
     stats: Stats
     space: str
+
+
+def space_of(model: str) -> str:
+    """The ``space`` of a model's remotes: its name percent-encoded (a ``kvtier serve``
+    namespace, a Redis key prefix, an S3 prefix)."""
+    return quote(model, safe="-_.")
 
 
 # ``open_remote`` of a scheme's module: the tier of ``request.url``. Raises ValueError for a

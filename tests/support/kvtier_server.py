@@ -119,10 +119,12 @@ class KVTierServerProcess:
         """What the server has written to stderr (every start)."""
         return self._log.read_text()
 
-    def admin(self, path: str, method: str = "GET", headers: dict | None = None):
-        """``(status, body)`` of an admin API request; JSON bodies are decoded."""
+    def admin(self, path: str, method: str = "GET", headers: dict | None = None, body=None):
+        """``(status, body)`` of an admin API request (``body``: sent as JSON); JSON
+        replies are decoded."""
+        data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.admin_url + path, method=method, headers=headers or {}
+            self.admin_url + path, data=data, method=method, headers=headers or {}
         )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:

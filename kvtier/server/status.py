@@ -1,0 +1,92 @@
+"""``kvtier status --server HOST:PORT``: a running server's health and counters, read
+over its cache protocol (the ``STATS`` request), so it works without the admin port.
+
+    $ kvtier status --server 127.0.0.1:65432
+    kvtier server 127.0.0.1:65432: ok
+      clients connected   2
+      memory              1 234 blobs, 3.10 of 40.00 GiB, 12 evictions
+      ...
+
+``--json`` prints the raw counters instead (the admin API's ``/stats``). Exit codes: 0
+healthy, 1 degraded (the remote behind the server is down), 2 unreachable or refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvtier.config import ConfigError, load_config
+from kvtier.server.client import KVTierStore, parse_server_url
+from kvtier.storage.backend import StoreUnavailable
+
+STATUS_NAMESPACE = "kvtier-status"  # a namespace no engine uses; STATS reads no blobs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", required=True, help="HOST:PORT of a kvtier serve")
+    parser.add_argument(
+        "--auth-token", help="the server's token (default: server_token / KVTIER_SERVER_TOKEN)"
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    parser.add_argument("--json", action="store_true", help="print the raw counters as JSON")
+
+
+def run_status(args: argparse.Namespace) -> int:
+    address = args.server if "://" in args.server else f"kvtier://{args.server}"
+    try:
+        host, port = parse_server_url(address)
+        token = args.auth_token or load_config().server_token
+    except (ValueError, ConfigError) as exc:
+        print(f"kvtier status: --server {args.server!r}: {exc}", file=sys.stderr)
+        return 2
+    store = KVTierStore(host, port, namespace=STATUS_NAMESPACE, token=token, timeout_s=args.timeout)
+    try:
+        values = store.stats()
+    except StoreUnavailable as exc:
+        print(f"kvtier status: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    healthy = values.get("remote_up", 1) == 1
+    if args.json:
+        print(json.dumps(values, indent=1, sort_keys=True))
+    else:
+        print(render(f"{host}:{port}", values))
+    return 0 if healthy else 1
+
+
+def render(address: str, values: dict[str, Any]) -> str:
+    """The human summary of a server's counters."""
+
+    def v(name: str) -> float:
+        return float(values.get(name, 0))
+
+    status = "ok" if v("remote_up") == 1 or "remote_up" not in values else "degraded"
+    lines = [
+        f"kvtier server {address}: {status}",
+        f"  clients connected   {int(v('clients_connected'))}"
+        f" ({int(v('connections'))} connections since start)",
+        f"  requests            {int(v('requests'))}"
+        f" ({int(v('request_errors'))} errors, {int(v('rejects'))} frames rejected)",
+        f"  gets                {int(v('get_hits'))} hits, {int(v('get_misses'))} misses",
+        f"  puts                {int(v('puts'))} stored, {int(v('puts_refused'))} refused",
+        f"  bytes in / out      {v('bytes_in') / 2**30:.2f} / {v('bytes_out') / 2**30:.2f} GiB",
+    ]
+    for tier in ("memory", "disk"):
+        if f"{tier}_bytes_capacity" in values:
+            lines.append(
+                f"  {tier:<20}{int(v(f'{tier}_blobs'))} blobs, "
+                f"{v(f'{tier}_bytes_used') / 2**30:.2f} of "
+                f"{v(f'{tier}_bytes_capacity') / 2**30:.2f} GiB, "
+                f"{int(v(f'{tier}_evictions'))} evictions"
+            )
+    if "remote_up" in values:
+        state = "up" if v("remote_up") == 1 else "DOWN"
+        lines.append(
+            f"  remote              {state}, {int(v('remote_queued'))} writes queued, "
+            f"{int(v('remote_puts'))} written, {int(v('remote_puts_dropped'))} dropped"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""``kvtier serve``'s router-facing API against a live server: ``POST /lookup`` (tokens or
+chunk hashes in, cached prefix tokens out), ``POST /clear`` of one model, and ``kvtier
+status --server``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from support.kvtier_server import KVTierServerProcess, free_port
+
+from kvtier.hashing import ChunkHasher
+from kvtier.keys import CacheKey
+from kvtier.token_db import ChunkedTokenDatabase, RequestExtras
+
+MODEL = "org/Llama-3 8B"  # a name that needs percent-encoding
+CHUNK = 16
+
+
+def chunk_hashes(tokens, *, chunk_size=CHUNK, algorithm="sha256_cbor", salt=None, seed=None):
+    hasher = ChunkHasher(algorithm) if seed is None else ChunkHasher(algorithm, seed)
+    db = ChunkedTokenDatabase(chunk_size, hasher, CacheKey("x", 1, 0, "x", b""))
+    return db.chunk_hashes(tokens, RequestExtras(cache_salt=salt), include_partial=True)
+
+
+def names(hashes, *, world=1, rank=0, layers=None, dtype="bfloat16", model=MODEL, tags=()):
+    """The blob names an engine of this shape stores for ``hashes``."""
+    out = []
+    for h in hashes:
+        key = CacheKey(model, world, rank, dtype, h, None, tags)
+        if layers is None:
+            out.append(key.to_string())
+        else:
+            out.extend(key.with_layer(layer).to_string() for layer in range(layers))
+    return out
+
+
+def put(server, blob_names, model=MODEL):
+    from kvtier.storage.remote import space_of
+
+    client = server.client(space_of(model))
+    client.put_many([(n, [b"blob:" + n.encode()]) for n in blob_names])
+    client.close()
+
+
+def lookup(server, body, headers=None):
+    return server.admin("/lookup", "POST", body=body, headers=headers)
+
+
+TOKENS = list(range(100, 100 + 5 * CHUNK + 7))  # 5 full chunks and a partial one
+
+
+@pytest.fixture
+def server(tmp_path):
+    with KVTierServerProcess(
+        "--chunk-size", str(CHUNK), "--local-disk", str(tmp_path / "disk"), admin=True
+    ) as server:
+        yield server
+
+
+def test_lookup_by_tokens_counts_the_held_prefix(server):
+    hashes = chunk_hashes(TOKENS)
+    assert lookup(server, {"model": MODEL, "tokens": TOKENS}) == (
+        200,
+        {"cached_tokens": 0, "cached_chunks": 0, "total_chunks": 6, "chunk_size": CHUNK},
+    )
+    put(server, names(hashes[:2] + hashes[3:4]))  # chunk 2 is missing
+    status, body = lookup(server, {"model": MODEL, "tokens": TOKENS})
+    assert status == 200 and (body["cached_tokens"], body["cached_chunks"]) == (2 * CHUNK, 2)
+    put(server, names(hashes[2:]))  # the rest, the partial last chunk included
+    assert lookup(server, {"model": MODEL, "tokens": TOKENS})[1]["cached_tokens"] == len(TOKENS)
+    # another prompt sharing three chunks, then diverging
+    other = TOKENS[: 3 * CHUNK] + [7] * (2 * CHUNK)
+    assert lookup(server, {"model": MODEL, "tokens": other})[1]["cached_tokens"] == 3 * CHUNK
+    # another model holds nothing of it
+    assert lookup(server, {"model": "org/other", "tokens": TOKENS})[1]["cached_tokens"] == 0
+
+
+def test_lookup_by_hashes_and_with_the_engines_hash_settings(server):
+    hashes = chunk_hashes(TOKENS[: 4 * CHUNK], chunk_size=2 * CHUNK, algorithm="xxh3_128")
+    put(server, names(hashes))
+    hexes = [h.hex() for h in hashes]
+    body = {"model": MODEL, "hashes": hexes, "chunk_size": 2 * CHUNK}
+    assert lookup(server, body)[1]["cached_tokens"] == 4 * CHUNK
+    body = {"model": MODEL, "hashes": hexes[:1] + ["ab" * 16], "chunk_size": 2 * CHUNK}
+    assert lookup(server, body)[1]["cached_tokens"] == 2 * CHUNK
+    by_tokens = {"model": MODEL, "tokens": TOKENS[: 4 * CHUNK], "chunk_size": 2 * CHUNK}
+    assert lookup(server, by_tokens)[1]["cached_tokens"] == 0  # the server hashes sha256_cbor
+    by_tokens["hash_algorithm"] = "xxh3_128"
+    assert lookup(server, by_tokens)[1]["cached_tokens"] == 4 * CHUNK
+
+
+def test_a_cache_salt_separates_prompts(server):
+    salted = chunk_hashes(TOKENS, salt="tenant-a")
+    put(server, names(salted))
+    body = {"model": MODEL, "tokens": TOKENS}
+    assert lookup(server, body)[1]["cached_tokens"] == 0
+    assert lookup(server, {**body, "cache_salt": "tenant-b"})[1]["cached_tokens"] == 0
+    assert lookup(server, {**body, "cache_salt": "tenant-a"})[1]["cached_tokens"] == len(TOKENS)
+
+
+def test_a_chunk_counts_only_when_every_rank_and_layer_holds_it(server):
+    hashes = chunk_hashes(TOKENS)[:3]
+    put(server, names(hashes, world=2, rank=0, layers=3))
+    put(server, names(hashes[:2], world=2, rank=1, layers=3))
+    body = {"model": MODEL, "tokens": TOKENS[: 3 * CHUNK]}
+    assert lookup(server, body)[1]["cached_tokens"] == 2 * CHUNK
+    put(server, names(hashes[2:], world=2, rank=1, layers=2))  # layer 2 of rank 1 missing
+    assert lookup(server, body)[1]["cached_tokens"] == 2 * CHUNK
+    put(server, names(hashes[2:], world=2, rank=1, layers=3))
+    assert lookup(server, body)[1]["cached_tokens"] == 3 * CHUNK
+
+
+def test_a_restarted_server_answers_lookups_for_its_disk(server):
+    put(server, names(chunk_hashes(TOKENS)))
+    server.kill()
+    server.start()  # empty memory, same disk (its index and the learnt key shapes)
+    assert lookup(server, {"model": MODEL, "tokens": TOKENS})[1]["cached_tokens"] == len(TOKENS)
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"tokens": [1, 2]}, "'model'"),
+        ({"model": MODEL}, "'tokens'"),
+        ({"model": MODEL, "tokens": [1], "hashes": ["00"]}, "'tokens'"),
+        ({"model": MODEL, "tokens": [1, -2]}, "'tokens'"),
+        ({"model": MODEL, "tokens": "1 2 3"}, "'tokens'"),
+        ({"model": MODEL, "hashes": ["zz"]}, "'hashes'"),
+        ({"model": MODEL, "hashes": ["00"], "num_tokens": 99999}, "'num_tokens'"),
+        ({"model": MODEL, "tokens": [1], "chunk_size": 0}, "'chunk_size'"),
+        ({"model": MODEL, "tokens": [1], "hash_algorithm": "md5"}, "'hash_algorithm'"),
+        ([1, 2, 3], "JSON object"),
+    ],
+)
+def test_bad_lookups_are_400_naming_the_field(server, body, field):
+    status, reply = lookup(server, body)
+    assert status == 400 and field in reply["error"], reply
+    assert server.admin("/health")[0] == 200
+
+
+def test_clear_of_one_model_keeps_the_others(server):
+    put(server, names(chunk_hashes(TOKENS)))
+    put(server, names(chunk_hashes(TOKENS), model="org/other"), model="org/other")
+    status, reply = server.admin("/clear", "POST", body={"model": "org/other"})
+    assert status == 200 and reply["deleted"] == 6
+    assert lookup(server, {"model": MODEL, "tokens": TOKENS})[1]["cached_tokens"] == len(TOKENS)
+    assert lookup(server, {"model": "org/other", "tokens": TOKENS})[1]["cached_tokens"] == 0
+    assert server.admin("/clear", "POST", body={"model": 3})[0] == 400
+
+
+def test_with_a_token_the_post_endpoints_need_it():
+    with KVTierServerProcess("--auth-token", "s3cret", admin=True, token="s3cret") as server:
+        body = {"model": MODEL, "tokens": TOKENS}
+        status, reply = lookup(server, body)
+        assert status == 401 and "Bearer" in reply["error"]
+        assert lookup(server, body, {"Authorization": "Bearer s3cret"})[0] == 200
+        assert server.admin("/clear", "POST")[0] == 401
+        assert server.admin("/health")[0] == 200  # GETs stay open
+
+
+def kvtier_status(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_status_prints_the_servers_counters(server):
+    put(server, names(chunk_hashes(TOKENS)))
+    done = kvtier_status("--server", f"127.0.0.1:{server.port}")
+    assert done.returncode == 0, done.stderr
+    assert f"kvtier server 127.0.0.1:{server.port}: ok" in done.stdout
+    assert "6 stored" in done.stdout and "memory" in done.stdout and "disk" in done.stdout
+    done = kvtier_status("--server", f"kvtier://127.0.0.1:{server.port}", "--json")
+    values = json.loads(done.stdout)
+    assert values["puts"] == 6 and values["disk_blobs"] == 6
+
+
+def test_status_of_an_unreachable_or_refusing_server_exits_2():
+    done = kvtier_status("--server", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert done.returncode == 2 and "kvtier server" in done.stderr
+    with KVTierServerProcess("--auth-token", "s3cret", token="s3cret") as server:
+        done = kvtier_status("--server", f"127.0.0.1:{server.port}", "--auth-token", "wrong")
+        assert done.returncode == 2 and "unauthenticated" in done.stderr
+        done = kvtier_status("--server", f"127.0.0.1:{server.port}", "--auth-token", "s3cret")
+        assert done.returncode == 0
+    assert kvtier_status("--server", "no-port-here").returncode == 2
