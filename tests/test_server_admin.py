@@ -84,7 +84,7 @@ def test_lookup_by_hashes_and_with_the_engines_hash_settings(server):
     hexes = [h.hex() for h in hashes]
     body = {"model": MODEL, "hashes": hexes, "chunk_size": 2 * CHUNK}
     assert lookup(server, body)[1]["cached_tokens"] == 4 * CHUNK
-    body = {"model": MODEL, "hashes": hexes[:1] + ["ab" * 16], "chunk_size": 2 * CHUNK}
+    body = {"model": MODEL, "hashes": [*hexes[:1], "ab" * 16], "chunk_size": 2 * CHUNK}
     assert lookup(server, body)[1]["cached_tokens"] == 2 * CHUNK
     by_tokens = {"model": MODEL, "tokens": TOKENS[: 4 * CHUNK], "chunk_size": 2 * CHUNK}
     assert lookup(server, by_tokens)[1]["cached_tokens"] == 0  # the server hashes sha256_cbor

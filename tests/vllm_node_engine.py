@@ -1,0 +1,62 @@
+"""A real vLLM engine (CPU build) in a process of its own, driven by JSON lines on stdin:
+the engines of ``test_vllm_node_server.py``, which share one ``kvtier serve``.
+
+    python tests/vllm_node_engine.py MODEL ENGINE_ID KVTIER_EXTRA_JSON
+
+It prints ``{"ready": true}`` once the engine is up, then answers one line per command:
+
+    {"op": "generate", "prompts": [[ids...]], "max_tokens": 8}
+        → {"results": [[output ids, num_cached_tokens]...], "seconds": wall time}
+    {"op": "reset"}   → vLLM's own prefix cache emptied (kvtier's tiers kept)
+    {"op": "stats"}   → the kvtier worker's counters
+    {"op": "quit"}    → the engine shut down (kvtier's queued writes flushed), then exit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from support.engines import generate, make_llm, shutdown, worker_stats
+
+
+def main(model: str, engine_id: str, extra_json: str) -> None:
+    # Replies own stdout; everything else printed to it (vLLM logs there, and so do the
+    # processes it starts, which inherit fd 1) goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    llm = make_llm(Path(model), block_size=32, engine_id=engine_id, kvtier=json.loads(extra_json))
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            op = command["op"]
+            if op == "generate":
+                start = time.monotonic()
+                results = generate(llm, command["prompts"], command.get("max_tokens", 8))
+                reply = {
+                    "results": [[list(r.token_ids), r.num_cached_tokens] for r in results],
+                    "seconds": time.monotonic() - start,
+                }
+            elif op == "reset":
+                reply = {"reset": llm.reset_prefix_cache()}
+            elif op == "stats":
+                reply = worker_stats(engine_id)
+            elif op == "quit":
+                break
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+    finally:
+        shutdown(llm)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
