@@ -93,6 +93,7 @@ def run(
     extra_prompts: int,
     seed: int,
     model: Path,
+    kvtier_extra: dict[str, object] | None = None,
 ) -> dict[str, object]:
     """Start one engine, warm it up, time misses (and hits with kvtier); the timings in
     seconds and the tokens vLLM reported cached, per length in serving order."""
@@ -103,12 +104,9 @@ def run(
     from kvtier.demo_vllm import build_model, make_engine, shutdown_engine
 
     build_model(model)
+    kvtier_config = {**KVTIER_CONFIG, **(kvtier_extra or {})} if mode == "kvtier" else None
     start = time.perf_counter()
-    llm = make_engine(
-        model,
-        max_model_len=MAX_MODEL_LEN,
-        kvtier=dict(KVTIER_CONFIG) if mode == "kvtier" else None,
-    )
+    llm = make_engine(model, max_model_len=MAX_MODEL_LEN, kvtier=kvtier_config)
     startup_s = time.perf_counter() - start
     cpus = thread_cpus()
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -157,7 +155,7 @@ def run(
         "seed": seed,
         "pid": os.getpid(),
         "vllm": vllm.__version__,
-        "kvtier_config": KVTIER_CONFIG if mode == "kvtier" else None,
+        "kvtier_config": kvtier_config,
         "startup_s": startup_s,
         "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
         "thread_cpus": cpus,
@@ -180,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="selects the random prompts")
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--json", type=Path, required=True, help="where the timings go")
+    parser.add_argument(
+        "--kvtier-extra",
+        type=json.loads,
+        default={},
+        help="JSON of config keys over the default kvtier config (e.g. a remote_url)",
+    )
     args = parser.parse_args(argv)
     if max(args.tokens + args.extra_tokens) + 1 > MAX_MODEL_LEN:
         parser.error(f"--tokens: at most {MAX_MODEL_LEN - 1} (the engine's max_model_len)")
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_prompts=args.extra_prompts,
         seed=args.seed,
         model=args.model,
+        kvtier_extra=args.kvtier_extra,
     )
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
