@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.config_connector import ConnectorKeys
 from kvtier.config_keys import (
     LEVELS_ALLOWED,
     ConfigError,
@@ -66,8 +67,10 @@ GiB = 1 << 30  # sizes in GB are binary gigabytes (GiB, 2**30 bytes), as in LMCa
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class KVTierConfig:
+class KVTierConfig(ConnectorKeys):
     """kvtier's validated settings. Build it with :func:`load_config`.
+
+    The vLLM connector's own keys are declared in ``config_connector.ConnectorKeys``.
 
     Constructing it directly (or through ``dataclasses.replace``) validates and normalizes
     every key too, raising :class:`ConfigError`; such a config has no recorded sources.
@@ -178,37 +181,6 @@ class KVTierConfig:
         "vLLM connector: move KV one layer at a time (loads finish just before each "
         "layer's attention, saves start right after it) instead of all layers per step.",
         lmcache_names=("use_layerwise",),
-    )
-    enable_async_loading: bool = key(
-        False,
-        bool,
-        "vLLM connector: load hits in the background while the scheduler runs other "
-        "requests; the request is scheduled once its KV is in place.",
-        lmcache_names=("enable_async_loading",),
-    )
-    save_decode_cache: bool = key(
-        False,
-        bool,
-        "vLLM connector: also store chunks filled by generated (decode-phase) tokens.",
-        lmcache_names=("save_decode_cache",),
-    )
-    lookup_timeout_ms: int = key(
-        2000,
-        int,
-        "vLLM connector: how long the scheduler waits for the worker ranks to answer a "
-        "lookup; a slower or failed answer is a miss.",
-        check=lambda v: 1 <= v <= 600_000,
-        allowed="an integer from 1 to 600000 (milliseconds)",
-        lmcache_names=("lookup_timeout_ms",),
-    )
-    min_retrieve_tokens: int = key(
-        0,
-        int,
-        "vLLM connector: ignore a kvtier hit shorter than this many tokens (recompute it "
-        "instead); 0 loads every hit.",
-        check=lambda v: v >= 0,
-        allowed="an integer >= 0",
-        lmcache_names=("min_retrieve_tokens",),
     )
     metrics_port: int | None = key(
         None,

@@ -132,10 +132,13 @@ def key(
 
 
 def key_specs(cls: type) -> dict[str, KeySpec]:
-    """The keys that dataclass ``cls`` declares with :func:`key`, in field order."""
+    """The keys that dataclass ``cls`` declares with :func:`key`, in field order: its
+    own fields first, then those it inherits."""
+    own = set(vars(cls).get("__annotations__", {}))
+    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
     return {
         f.name: dataclasses.replace(f.metadata[_SPEC], name=f.name)
-        for f in dataclasses.fields(cls)
+        for f in fields
         if _SPEC in f.metadata
     }
 

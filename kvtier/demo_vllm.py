@@ -102,12 +102,15 @@ def build_model(path: Path) -> Path:
     return build_llama(path, **MODEL_SHAPE)
 
 
-def transfer_config(extra: dict[str, Any], *, engine_id: str | None = None) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` enabling kvtier with ``extra`` as its config."""
+def transfer_config(
+    extra: dict[str, Any], *, engine_id: str | None = None, kv_role: str = "kv_both"
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` enabling kvtier with ``extra`` as its config, in
+    ``kv_role`` (``kv_both``, or ``kv_producer`` / ``kv_consumer`` for disaggregation)."""
     config: dict[str, Any] = {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integration.vllm",
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_connector_extra_config": extra,
     }
     if engine_id is not None:
@@ -124,6 +127,7 @@ def make_engine(
     dtype: str = "bfloat16",
     block_size: int = BLOCK_SIZE,
     kv_cache_memory_bytes: int = 1 << 30,
+    kv_role: str = "kv_both",
     **kwargs: Any,
 ):
     """A ``vllm.LLM`` for a local random-weight model, prompts as token ids, eager mode;
@@ -138,7 +142,9 @@ def make_engine(
         max_model_len=max_model_len,
         enforce_eager=True,
         dtype=dtype,
-        kv_transfer_config=None if kvtier is None else transfer_config(kvtier, engine_id=engine_id),
+        kv_transfer_config=None
+        if kvtier is None
+        else transfer_config(kvtier, engine_id=engine_id, kv_role=kv_role),
         **kwargs,
     )
 

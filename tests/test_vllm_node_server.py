@@ -11,92 +11,22 @@ every hit is served by the node server.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import BLOCK, CHUNK
+from support.engine_process import EngineProcess
 from support.engines import expected_loaded
 from support.kvtier_server import KVTierServerProcess
 from support.tiers import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
-ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_node_engine.py"
-STARTUP_S = 600  # two engines starting at once on a 2-core machine
 TIMEOUT_MS = 1000
 # What a request may take beyond its cold time while the server is down: a refused
 # connection is an immediate miss, and nothing kvtier does waits longer than the timeout.
 STALL_BOUND_S = 30
-
-
-class EngineProcess:
-    """``vllm_node_engine.py`` as a child process: ``call(op, ...)`` sends one command and
-    returns its reply; stderr goes to a log file."""
-
-    def __init__(self, model: Path, engine_id: str, extra: dict, log: Path):
-        self.engine_id = engine_id
-        self._log = log
-        with open(log, "ab") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, str(ENGINE_SCRIPT), str(model), engine_id, json.dumps(extra)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=os.environ.copy(),
-            )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _reply(self, timeout: float) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"engine {self.engine_id} did not answer in {timeout} s") from None
-        if line is None:
-            tail = self._log.read_text()[-3000:]
-            raise AssertionError(f"engine {self.engine_id} exited:\n{tail}")
-        return json.loads(line)
-
-    def wait_ready(self, timeout: float = STARTUP_S) -> None:
-        assert self._reply(timeout) == {"ready": True}
-
-    def _send(self, op: str, **fields) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.process.stdin.flush()
-
-    def call(self, op: str, timeout: float = 300, **fields) -> dict:
-        self._send(op, **fields)
-        return self._reply(timeout)
-
-    def generate(self, prompts, timeout: float = 300) -> tuple[list, float]:
-        reply = self.call("generate", timeout, prompts=prompts)
-        return [(tuple(ids), cached) for ids, cached in reply["results"]], reply["seconds"]
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self._send("quit")  # no reply: the engine shuts down and the process exits
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
 
 
 class Node:

@@ -514,15 +514,16 @@ def test_decode_saves_only_with_save_decode_cache(save_decode_cache):
     [
         (False, [300], [[0, 1, 2, 3, 4]], 300),
         (False, [100, 200], [[0], [1, 2, 3, 4]], 300),
-        (True, [300], [[0, 1, 2, 3]], 256),
-        (True, [100, 200], [[0], [1, 2, 3]], 256),
+        # whole blocks only: the partial chunk ends at the last whole block (288)
+        (True, [300], [[0, 1, 2, 3, 4]], 288),
+        (True, [100, 200], [[0], [1, 2, 3, 4]], 288),
     ],
 )
 def test_save_unfull_chunk(whole_blocks, schedule, expected_chunks, expected_end):
     held = HeldHashes()
     side = make_side(held, whole_blocks=whole_blocks, save_unfull_chunk=True)
     request = make_request("r", 300)
-    hashes = expected_hashes(side.config, request.all_token_ids, partial=not whole_blocks)
+    hashes = expected_hashes(side.config, request.all_token_ids[:expected_end], partial=True)
     side.get_num_new_matched_tokens(request, 0)
     side.update_state_after_alloc(request, blocks_for(300), 0)
     plans, computed = [], 0

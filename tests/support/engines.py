@@ -24,6 +24,7 @@ class Result:
 
     token_ids: tuple[int, ...]
     num_cached_tokens: int
+    finish_reason: str | None = None  # "length" here; "error" for a failed request
 
 
 def prompts_of(lengths: list[int], *, seed: int = 0, vocab: int = 500) -> list[list[int]]:
@@ -69,13 +70,24 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
     )
-    return [Result(tuple(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outputs]
+    return [
+        Result(
+            tuple(o.outputs[0].token_ids),
+            int(o.num_cached_tokens or 0),
+            o.outputs[0].finish_reason,
+        )
+        for o in outputs
+    ]
 
 
-def expected_loaded(num_tokens: int, *, chunk_size: int, block_size: int) -> int:
-    """Tokens kvtier loads for a fully stored prompt on vLLM's CPU backend: whole chunks,
+def expected_loaded(
+    num_tokens: int, *, chunk_size: int, block_size: int, partial: bool = False
+) -> int:
+    """Tokens kvtier loads for a fully stored prompt on vLLM's CPU backend: whole chunks
+    (with ``partial``: the prompt's partial last chunk too, up to its last whole block),
     never the last token, cut to whole blocks (the CPU backend's KV layout)."""
-    stored = num_tokens // chunk_size * chunk_size
+    unit = block_size if partial else chunk_size
+    stored = num_tokens // unit * unit
     return min(stored, num_tokens - 1) // block_size * block_size
 
 

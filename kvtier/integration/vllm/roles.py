@@ -55,6 +55,7 @@ class SchedulerRole:
             can_save=transfer.is_kv_producer,
             block_size=block_size,
             whole_blocks=not _token_major_layout(config),
+            partial_chunks=_partial_chunks(config, transfer.kv_role),
         )
         self._events: KVEventTracker | None = None
         if _kv_events_enabled(vllm_config):
@@ -62,11 +63,15 @@ class SchedulerRole:
             self.plan.chunk_observer = self._events.record_chunks
         self._metrics_client: RpcClient | None = None
         self._metrics = self._serve_metrics(config, endpoints, vllm_config)
-        if transfer.kv_load_failure_policy != "recompute":
-            # NOTE: a chunk kvtier cannot load is a cache miss, never a failed request;
-            # vLLM reads this after building the scheduler's connector.
-            logger.info("kvtier: kv_load_failure_policy set to 'recompute'")
-            transfer.kv_load_failure_policy = "recompute"
+        if transfer.kv_load_failure_policy != config.kv_load_failure_policy:
+            # NOTE: by default a chunk kvtier cannot load is recomputed, never a failed
+            # request; vLLM's own default is "fail", so kvtier's key decides (vLLM reads
+            # this after building the scheduler's connector).
+            logger.info(
+                "kvtier: kv_load_failure_policy set to %r (kvtier's kv_load_failure_policy)",
+                config.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = config.kv_load_failure_policy
 
     def _lookup(self, hashes: list[bytes]) -> int:
         """Leading chunks every worker rank holds (0 when any rank is late or fails)."""
@@ -103,6 +108,7 @@ class SchedulerRole:
         counters: dict[str, float] = {
             "lookup_tokens": self.plan.lookup_tokens,
             "lookup_hit_tokens": self.plan.lookup_hit_tokens,
+            "pd_waits": self.plan.pd_waits,
         }
         if self._events is not None:
             counters.update(self._events.counters)
@@ -141,11 +147,13 @@ class WorkerRole:
         rank = _worker_rank(vllm_config)
         model_name = config.model_name or str(vllm_config.model_config.model)
         metadata = EngineMetadata(model_name, _world(vllm_config), rank)
+        producer = vllm_config.kv_transfer_config.kv_role == "kv_producer"
         self.mover = WorkerSide(
             config,
             metadata,
             endpoint_for(_engine_tag(vllm_config), rank),
             record_events=_kv_events_enabled(vllm_config),
+            wait_stored_s=config.producer_store_timeout_ms / 1000 if producer else 0.0,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -170,6 +178,18 @@ def _engine_tag(vllm_config: VllmConfig) -> str:
 def _world(vllm_config: VllmConfig) -> int:
     parallel = vllm_config.parallel_config
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def _partial_chunks(config: KVTierConfig, kv_role: str | None) -> bool:
+    """Whether a prompt's partial last chunk is stored and looked up: ``save_unfull_chunk``,
+    which defaults to on for both sides of disaggregated prefill (as in LMCache), so the
+    consumer loads all of the prompt but its last token."""
+    if config.source_of("save_unfull_chunk") == "default" and kv_role in (
+        "kv_producer",
+        "kv_consumer",
+    ):
+        return True
+    return config.save_unfull_chunk
 
 
 def _kv_events_enabled(vllm_config: VllmConfig) -> bool:

@@ -34,6 +34,7 @@ imports vLLM, so the logic is tested without an engine.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,7 +173,10 @@ class SchedulerSide:
         can_load / can_save: the ``kv_role`` (consumer loads, producer saves).
         block_size: vLLM's block size.
         whole_blocks: the engine's layout is not token-major inside a block (vLLM's CPU
-            backend), so only whole blocks are loaded and partial chunks are not saved.
+            backend), so only whole blocks are loaded, and a partial last chunk ends at
+            the prompt's last whole block.
+        partial_chunks: store and look up a prompt's partial last chunk (default:
+            ``save_unfull_chunk``).
 
     Attributes:
         chunk_observer: None, or called as ``(request, first_chunk, hashes, end)`` for
@@ -189,6 +193,7 @@ class SchedulerSide:
         can_save: bool = True,
         block_size: int = 1,
         whole_blocks: bool = False,
+        partial_chunks: bool | None = None,
     ):
         self.config = config
         self.chunk_size = config.chunk_size
@@ -198,16 +203,21 @@ class SchedulerSide:
         self.can_save = can_save
         self.block_size = block_size
         self.whole_blocks = whole_blocks
-        self.save_partial = config.save_unfull_chunk and not whole_blocks
+        partial = config.save_unfull_chunk if partial_chunks is None else partial_chunks
+        self.save_partial = partial
+        # kv_consumer with pd_wait_ms: req_id -> when to stop waiting for a producer
+        self.pd_wait_s = config.pd_wait_ms / 1000 if can_load and not can_save else 0.0
+        self._wait_until: dict[str, float] = {}
         if whole_blocks and config.chunk_size % block_size:
             raise ValueError(
                 f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
                 f"{block_size}: this engine's KV layout can only be copied in whole blocks"
             )
-        if config.save_unfull_chunk and whole_blocks:
-            logger.warning(
-                "kvtier: save_unfull_chunk has no effect with this engine's KV layout "
-                "(copied in whole blocks only)"
+        if self.save_partial and whole_blocks:
+            logger.info(
+                "kvtier: this engine's KV layout is copied in whole blocks: a partial last "
+                "chunk is stored up to the prompt's last whole block of %d tokens",
+                block_size,
             )
         self.trackers: dict[str, RequestTracker] = {}
         self._hash_cache: dict[str, ChunkHashes] = {}
@@ -216,6 +226,7 @@ class SchedulerSide:
         self._cancelled_async: list[LoadSpec] = []
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
+        self.pd_waits = 0  # lookups answered "ask again later" (pd_wait_ms)
         self.chunk_observer: Callable[[Any, int, list[bytes], int], None] | None = None
 
     # -- helpers ---------------------------------------------------------------------
@@ -235,6 +246,11 @@ class SchedulerSide:
             self.trackers[request.request_id] = tracker
         return tracker
 
+    def _held_end(self, num_tokens: int) -> int:
+        """Where the chunks kvtier can hold of ``num_tokens`` tokens end: the tokens
+        themselves, or their last whole block when only whole blocks can be copied."""
+        return num_tokens // self.block_size * self.block_size if self.whole_blocks else num_tokens
+
     def _bounds(self, first_chunk: int, hashes: list[bytes], end: int) -> int:
         """End token of the last of ``hashes`` (chunks from ``first_chunk``)."""
         return min((first_chunk + len(hashes)) * self.chunk_size, end)
@@ -243,19 +259,26 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that kvtier can load (chunk-aligned,
-        never the whole sequence). Calling it again for the same request is harmless."""
+        never the whole sequence). Calling it again for the same request is harmless.
+
+        A consumer with ``pd_wait_ms`` answers None (vLLM: "not known yet, ask again in a
+        later step"; other requests run meanwhile) while its prompt is not fully held and
+        the wait has not run out."""
         self._hits.pop(request.request_id, None)
         if not self.can_load:
             return 0, False
         tokens = request.all_token_ids
         num_tokens = len(tokens)
-        hashes = self._hashes(request).upto(tokens, num_tokens, partial=self.save_partial)
-        if self._bounds(0, hashes, num_tokens) <= num_computed_tokens:
+        held_end = self._held_end(num_tokens)
+        hashes = self._hashes(request).upto(tokens, held_end, partial=self.save_partial)
+        if self._bounds(0, hashes, held_end) <= num_computed_tokens:
             return 0, False  # nothing kvtier could hold goes past vLLM's own hit
         hits = self.lookup(hashes)
-        hit_tokens = self._bounds(0, hashes[:hits], num_tokens)
+        if self.pd_wait_s and self._wait_for_producer(request.request_id, hits < len(hashes)):
+            return None, False
+        hit_tokens = self._bounds(0, hashes[:hits], held_end)
         self.lookup_tokens += num_tokens
         self.lookup_hit_tokens += hit_tokens
         if hits and self.chunk_observer is not None:
@@ -267,6 +290,16 @@ class SchedulerSide:
             return 0, False  # nothing new, or too little to be worth a load
         self._hits[request.request_id] = (num_computed_tokens, load_end, hit_tokens)
         return load_end - num_computed_tokens, self.config.enable_async_loading
+
+    def _wait_for_producer(self, req_id: str, missing: bool) -> bool:
+        """Whether to look again later: chunks are ``missing`` and the request's
+        ``pd_wait_ms`` (from its first lookup) has not run out."""
+        now = time.monotonic()
+        until = self._wait_until.setdefault(req_id, now + self.pd_wait_s)
+        if missing and now < until:
+            self.pd_waits += 1
+            return True
+        return False
 
     def update_state_after_alloc(
         self, request: Any, block_ids: list[int], num_external_tokens: int
@@ -281,19 +314,19 @@ class SchedulerSide:
         start = vllm_cached
         end = min(load_end, start + num_external_tokens)
         first = start // self.chunk_size
-        hashes = self._hashes(request).upto(
-            tracker.tokens, len(tracker.tokens), partial=self.save_partial
-        )
+        held_end = self._held_end(len(tracker.tokens))
+        hashes = self._hashes(request).upto(tracker.tokens, held_end, partial=self.save_partial)
         last = -(-end // self.chunk_size)  # chunks needed to cover [start, end)
         hashes = hashes[first:last]
         tracker.vllm_cached = vllm_cached
         # Every chunk the lookup found is in kvtier already: never stored again.
-        tracker.saved_upto = max(tracker.saved_upto, held // self.chunk_size * self.chunk_size)
+        held_upto = held if held == held_end else held // self.chunk_size * self.chunk_size
+        tracker.saved_upto = max(tracker.saved_upto, held_upto)
         tracker.load = LoadSpec(
             req_id=tracker.req_id,
             first_chunk=first,
             hashes=hashes,
-            chunks_end=self._bounds(first, hashes, len(tracker.tokens)),
+            chunks_end=self._bounds(first, hashes, held_end),
             start=start,
             end=end,
             block_ids=tracker.block_ids,
@@ -354,8 +387,9 @@ class SchedulerSide:
         num_prompt = tracker.num_prompt_tokens
         limit = len(tracker.tokens) if self.config.save_decode_cache else num_prompt
         end = min(computed_end, limit)
-        partial = self.save_partial and end == num_prompt and end % cs != 0
-        save_end = end if partial else end // cs * cs
+        partial_end = self._held_end(end)
+        partial = self.save_partial and end == num_prompt and partial_end % cs != 0
+        save_end = partial_end if partial else end // cs * cs
         if save_end <= tracker.saved_upto:
             return
         first = tracker.saved_upto // cs
@@ -381,6 +415,7 @@ class SchedulerSide:
         tracker = self.trackers.pop(req_id, None)
         self._hash_cache.pop(req_id, None)
         self._hits.pop(req_id, None)
+        self._wait_until.pop(req_id, None)
         if tracker is not None and tracker.load is not None and tracker.load.is_async:
             load = tracker.load
             load.hashes, load.end, load.chunks_end = [], load.start, load.start

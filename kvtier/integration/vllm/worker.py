@@ -109,6 +109,8 @@ class WorkerSide:
         metadata: model name and rank (part of every key).
         endpoint: where to serve the scheduler's lookups (None: do not serve).
         record_events: record what the tiers hold for KV events (``take_tier_events``).
+        wait_stored_s: a ``kv_producer``'s ``producer_store_timeout_ms``: after a step's
+            saves, wait up to this long until they reached every tier (0: do not wait).
     """
 
     def __init__(
@@ -118,10 +120,12 @@ class WorkerSide:
         endpoint: str | None,
         *,
         record_events: bool = False,
+        wait_stored_s: float = 0.0,
     ):
         self.config = config
         self.metadata = metadata
         self.endpoint = endpoint
+        self.wait_stored_s = wait_stored_s
         self.stats = Stats()
         self.events = TierEventLog(stats=self.stats) if record_events else None
         self.engine: CacheEngine | None = None
@@ -331,9 +335,23 @@ class WorkerSide:
             elif engine is not None:
                 for save in self._plan.saves:
                     engine.store_chunks(self._chunks(save), self._save_slots(save))
+            if engine is not None and self.wait_stored_s:
+                self._wait_stored(engine)
             self._layer_saves = []
             self._saved_layers = set()
             self._plan = StepPlan()
+
+    def _wait_stored(self, engine: CacheEngine) -> None:
+        """A producer's step ends once its stores reached every tier (vLLM returns the
+        step's outputs after this hook), so a response means its KV can be loaded."""
+        # NOTE: a flush waits for every queued write, this step's and any before it.
+        if not engine.flush(self.wait_stored_s):
+            self.stats.inc("producer_store_timeouts")
+            logger.warning(
+                "kvtier: stores not complete after producer_store_timeout_ms=%d; they go on "
+                "in the background (a consumer may miss them meanwhile)",
+                round(self.wait_stored_s * 1000),
+            )
 
     # -- events ----------------------------------------------------------------------
 
