@@ -164,9 +164,11 @@ def names_of(header: dict[str, Any]) -> list[str]:
     return names
 
 
-def sizes_of(header: dict[str, Any], count: int, payload_len: int, *, absent_ok: bool) -> list[int]:
+def sizes_of(
+    header: dict[str, Any], count: int, payload_len: int | None, *, absent_ok: bool
+) -> list[int]:
     """``header["sizes"]``: ``count`` ints (``-1`` for absent where ``absent_ok``) whose
-    non-negative entries sum to ``payload_len``.
+    non-negative entries sum to ``payload_len`` (None: blobs not in the payload).
 
     Raises:
         ProtocolError: missing, of the wrong type or length, or not adding up.
@@ -179,7 +181,7 @@ def sizes_of(header: dict[str, Any], count: int, payload_len: int, *, absent_ok:
         or not all(type(s) is int and s >= low for s in sizes)
     ):
         raise ProtocolError(f"'sizes' must be a list of {count} integers >= {low}")
-    if sum(s for s in sizes if s > 0) != payload_len:
+    if payload_len is not None and sum(s for s in sizes if s > 0) != payload_len:
         raise ProtocolError(f"'sizes' add up to {sum(sizes)}, the payload has {payload_len} bytes")
     return sizes
 
