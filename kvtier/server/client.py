@@ -219,7 +219,11 @@ class KVTierStore:
                 conn = self._connect()
             result = call(conn)
             with self._lock:
-                self._idle.append(conn)
+                closed = self._closed
+                if not closed:
+                    self._idle.append(conn)
+            if closed:  # closed meanwhile: nothing may keep the socket and segment
+                conn.close()
             return result
         except (OSError, ProtocolError) as exc:
             if conn is not None:
@@ -360,7 +364,8 @@ class KVTierStore:
         return self._request(Op.STATS, {})[0]
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._drop_idle()
 
     def __repr__(self) -> str:
