@@ -134,20 +134,26 @@ def test_namespaces_stay_apart_on_shared_memory(server):
 # -- falling back to TCP ---------------------------------------------------------------
 
 
-def test_a_server_without_shared_memory_serves_over_tcp():
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [(("--no-shm",), "disabled"), (("--max-shm-mb", "0.5"), "too_large")],
+    ids=["no-shm", "too-large"],
+)
+def test_a_server_that_refuses_shared_memory_serves_over_tcp(flags, reason):
     before = segments_in_dev_shm()
-    with KVTierServerProcess("--no-shm", admin=True) as server:
-        store = client(server)
+    with KVTierServerProcess(*flags, admin=True) as server:
+        store = client(server, shm_bytes=SEGMENT)
         items = blobs(2, 100_000)
         store.put_many([(n, [d]) for n, d in items])
         assert store.get_many([n for n, _ in items]) == [d for _, d in items]
         assert not store.shm_active
         counters = stats(server)
-        assert counters["shm_refused_disabled"] >= 1 and "bytes_shm_in" not in counters
-        assert "shared memory off" in server.log()
+        assert counters[f"shm_refused_{reason}"] >= 1 and "bytes_shm_in" not in counters
+        assert counters["shm_clients_connected"] == 0
         store.close()
+        if reason == "disabled":
+            assert "shared memory off" in server.log()
     assert segments_in_dev_shm() == before, "a refused segment is unlinked too"
-    assert not segments_in_dev_shm() & {n for n in segments_in_dev_shm()}
 
 
 def test_shm_0_in_the_url_keeps_a_client_on_tcp(server):

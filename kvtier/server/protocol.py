@@ -16,11 +16,18 @@ Every message, request or reply, is one frame::
 Requests (header fields → reply header fields; names are relative to the connection's
 namespace, which the server prefixes to every name it stores):
 
-    HELLO   token, namespace       → max_frame   (first frame of every connection)
+    HELLO   token, namespace[, shm] → max_frame[, shm, shm_error]  (first frame)
     PING    -                      → -
     EXISTS  names                  → present: [bool]
-    GET     names                  → sizes: [int, -1 where absent]; payload: the blobs
+    GET     names[, shm]           → sizes: [int, -1 where absent][, shm]; payload: the blobs
     PUT     names, sizes; payload  → stored: int
+            (or names, sizes, shm and no payload)
+
+``shm`` fields (the same-host path, ``kvtier.server.shm``): HELLO offers a segment
+``{name, size, nonce}`` and the reply says whether the server mapped it; a PUT gives one
+offset per blob into it instead of a payload; a GET gives ``[offset, capacity]``, the
+region the server may fill, and the reply one offset per blob (-1: absent, or in the
+payload). The capability is negotiated, so the version stays 1.
     DELETE  names                  → deleted: int
     CLEAR   -                      → deleted: int   (this namespace only)
     STATS   -                      → the server's counters
