@@ -49,7 +49,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 HERE = Path(__file__).resolve().parent
-TIER_ORDER = ["cpu", "engine", "disk", "redis", "s3"]
+TIER_ORDER = ["cpu", "engine", "disk", "server", "redis", "s3"]
 OP_ORDER = ["put", "store", "get", "retrieve"]
 KVTIER_COLOR, BASELINE_COLOR = "#1f77b4", "#aaaaaa"
 NO_RESULTS = "_No results yet._"
@@ -767,8 +767,9 @@ class Report:
             "throughput",
             "Throughput: GB/s per op and tier",
             "Bytes of KV chunks moved per second (`perf/test_bench_cpu_tier.py`, "
-            "`perf/test_bench_tiers.py`), each against the raw equivalent of the same bytes "
-            "measured in the same run (a `torch` copy, raw file I/O, raw client calls).",
+            "`perf/test_bench_tiers.py`, `perf/test_bench_server.py`), each against the raw "
+            "equivalent of the same bytes measured in the same run (a `torch` copy, raw file "
+            "I/O, raw client calls; for `kvtier serve`, the in-process CPU tier and raw Redis).",
             ["Tier", "Op"],
             lambda r: list(tier_and_op(r.metric)),
             order,
@@ -779,7 +780,8 @@ class Report:
         self._bars_section(
             "lookups",
             "Lookups per second per tier",
-            "Prefix lookups of a long prompt (`perf/test_bench_tiers.py`), each against the "
+            "Prefix lookups of a long prompt (`perf/test_bench_tiers.py`, "
+            "`perf/test_bench_server.py`), each against the "
             "bare client calls that answer the same question, batches alternating.",
             ["Tier", "Lookup"],
             lambda r: [lookup_tier(r.metric), re.sub(r"\s*\([^)]*\)\s*$", "", r.metric)],

@@ -169,7 +169,9 @@ def test_committed_throughput_and_lookups_tables(committed):
     _, markdown, _, _ = committed
     throughput = _device_part(_section(markdown, "## Throughput"), "cpu")
     gbps = _committed_rows("GB/s")
-    assert len(gbps) == 19  # tiers 10, kernels 3, codec throughput 6
+    assert (
+        len(gbps) == 27
+    )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 3, codec 6
     for row in gbps:
         tier, op = report.tier_and_op(row["metric"])
         cells = _row_with(throughput, tier, op)

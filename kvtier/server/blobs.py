@@ -20,55 +20,100 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import torch
 import xxhash
 
+from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.storage.backend import Buffer
 from kvtier.storage.disk import TMP_SUFFIX, scan_tree, sharded_path, write_all
 from kvtier.storage.policy import make_policy
+from kvtier.storage.serde import tensor_bytes
 
 logger = logging.getLogger(__name__)
 
 BlobId = tuple[str, str]  # (namespace, name)
 TREE = "kvtier-server-v1"
+T = TypeVar("T")
 
 
 class MemoryBlobs:
     """Blobs in memory, at most ``capacity_bytes`` of them, least recently used evicted
-    first."""
+    first.
+
+    The bytes live in one ``HostMemoryPool`` reserved at start (its pages are touched
+    only as blobs fill them), not in a Python object per blob: a 32 MiB ``bytes`` would be
+    fresh pages from the kernel on every put, which costs more than the copy itself. A
+    blob is copied in by ``put`` and out by ``get`` / ``read``.
+
+    NOTE: a blob being read is pinned: evicting, overwriting or deleting it meanwhile
+    takes it out of the index at once and returns its memory to the pool only when the
+    read ends, so a reader never sees another blob's bytes.
+    """
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
-        self._blobs: OrderedDict[BlobId, bytes] = OrderedDict()
+        self._pool = (
+            HostMemoryPool(capacity_bytes, alignment=64, pin_memory=False)
+            if capacity_bytes > 0
+            else None
+        )
+        self._blobs: OrderedDict[BlobId, tuple[MemoryObj, int]] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self.evictions = 0
 
     def put(self, blob_id: BlobId, data: Buffer) -> bool:
-        """Keep ``data`` (copied) under ``blob_id``; False when it is larger than the bound."""
+        """Keep a copy of ``data`` under ``blob_id``; False when it is larger than the bound
+        (or the pool has no room: every blob left is being read)."""
         size = len(data)
-        if size > self.capacity_bytes:
+        if size > self.capacity_bytes or self._pool is None:
             return False
-        value = bytes(data)
         with self._lock:
-            old = self._blobs.pop(blob_id, None)
-            if old is not None:
-                self._used -= len(old)
-            while self._used + size > self.capacity_bytes:
-                _, victim = self._blobs.popitem(last=False)
-                self._used -= len(victim)
+            self._drop(blob_id)
+            while (obj := self._pool.allocate((max(size, 1),), torch.uint8)) is None:
+                if not self._blobs:
+                    return False
+                self._drop(next(iter(self._blobs)))
                 self.evictions += 1
-            self._blobs[blob_id] = value
+        if size:  # outside the lock: other clients' reads and puts go on meanwhile
+            tensor_bytes(obj.tensor)[:size] = memoryview(data).cast("B")
+        with self._lock:
+            self._drop(blob_id)  # a concurrent put of the same name: the last one wins
+            self._blobs[blob_id] = (obj, size)
             self._used += size
         return True
 
-    def get(self, blob_id: BlobId) -> bytes | None:
+    def _drop(self, blob_id: BlobId) -> bool:
+        """Take ``blob_id`` out of the index and release it (lock held)."""
+        entry = self._blobs.pop(blob_id, None)
+        if entry is None:
+            return False
+        obj, size = entry
+        self._used -= size
+        obj.ref_down()  # returned to the pool now, or when its last reader unpins it
+        return True
+
+    def read(self, blob_id: BlobId, consume: Callable[[memoryview], T]) -> T | None:
+        """``consume(view of the blob)`` while the blob is pinned; None when absent. The
+        view is valid only during the call."""
         with self._lock:
-            value = self._blobs.get(blob_id)
-            if value is not None:
-                self._blobs.move_to_end(blob_id)
-            return value
+            entry = self._blobs.get(blob_id)
+            if entry is None:
+                return None
+            self._blobs.move_to_end(blob_id)
+            obj, size = entry
+            obj.pin()
+        try:
+            return consume(tensor_bytes(obj.tensor)[:size])
+        finally:
+            obj.unpin()
+
+    def get(self, blob_id: BlobId) -> bytes | None:
+        return self.read(blob_id, bytes)
 
     def contains(self, blob_id: BlobId) -> bool:
         with self._lock:
@@ -76,18 +121,14 @@ class MemoryBlobs:
 
     def delete(self, blob_id: BlobId) -> bool:
         with self._lock:
-            value = self._blobs.pop(blob_id, None)
-            if value is None:
-                return False
-            self._used -= len(value)
-            return True
+            return self._drop(blob_id)
 
     def clear(self, namespace: str | None = None) -> int:
         """Drop every blob (of ``namespace`` only, when given); returns how many."""
         with self._lock:
             doomed = [b for b in self._blobs if namespace is None or b[0] == namespace]
             for blob_id in doomed:
-                self._used -= len(self._blobs.pop(blob_id))
+                self._drop(blob_id)
             return len(doomed)
 
     @property
@@ -96,6 +137,13 @@ class MemoryBlobs:
 
     def __len__(self) -> int:
         return len(self._blobs)
+
+    def close(self) -> None:
+        with self._lock:
+            self._blobs.clear()
+            self._used = 0
+        if self._pool is not None:
+            self._pool.close()
 
 
 class DiskBlobs:

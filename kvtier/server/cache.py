@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Stats
@@ -40,6 +40,7 @@ from kvtier.storage.serde import make_serde
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+T = TypeVar("T")
 
 
 class RemoteBlobs:
@@ -230,6 +231,15 @@ class BlobCache:
                     self.disk.put(blob_id, data)
         return data
 
+    def read(self, namespace: str, name: str, consume: Callable[[memoryview], T]) -> T | None:
+        """``consume(view of the blob)``, None when no tier has it. From memory the view
+        is of the tier's own buffer (no copy; valid only during the call)."""
+        found = self.memory.read((namespace, name), consume)
+        if found is not None:
+            return found
+        data = self.get(namespace, name)
+        return None if data is None else consume(memoryview(data))
+
     def put(self, namespace: str, name: str, data: Buffer) -> bool:
         """Store ``data``; whether some tier kept it."""
         blob_id: BlobId = (namespace, name)
@@ -283,3 +293,4 @@ class BlobCache:
     def close(self, timeout: float = 10.0) -> None:
         if self.remote is not None:
             self.remote.close(timeout)
+        self.memory.close()

@@ -9,6 +9,14 @@ down state and reconnects (``open_blob_tier``); the store itself only turns ever
 failure into ``StoreUnavailable`` and drops its connections, so the next call (the
 tier's reconnect ping) dials afresh.
 
+Same host: each connection offers the server a shared-memory segment of its own in
+HELLO (``kvtier.server.shm``). When the server maps it, PUT and GET frames on that
+connection carry ``(offset, size)`` references into the segment and the blobs never
+cross the socket; when it does not (another host, ``kvtier serve --no-shm``, no
+``/dev/shm``), the connection carries them inline, as before. ``?shm=0`` in the URL turns
+the offer off; ``?shm_mb=N`` sizes the segment (default 64 MiB; a blob larger than that
+goes inline).
+
 NOTE: ``lm://`` names LMCache's server *address*, not its protocol: an LMCache config
 pointing at ``lm://host:65432`` works once ``kvtier serve --port 65432`` runs there; an
 LMCache server does not answer this protocol.
@@ -21,48 +29,90 @@ import itertools
 import logging
 import socket
 import threading
-from collections.abc import Sequence
-from typing import Any
-from urllib.parse import urlsplit
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlsplit
 
-from kvtier.server import protocol
+from kvtier.server import protocol, shm
 from kvtier.server.protocol import Op, ProtocolError
+from kvtier.server.shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
 from kvtier.storage.backend import Buffer, StoreUnavailable, batches
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def parse_server_url(url: str) -> tuple[str, int]:
-    """``(host, port)`` of ``kvtier://host:port`` or ``lm://host:port``.
+@dataclass(frozen=True, slots=True)
+class ServerAddress:
+    """A parsed ``kvtier://host:port[?shm=0|1][&shm_mb=N]``."""
+
+    host: str
+    port: int
+    shm: bool = True
+    shm_bytes: int = DEFAULT_SEGMENT_BYTES
+
+
+def parse_server_address(url: str) -> ServerAddress:
+    """The address and options of ``kvtier://host:port`` or ``lm://host:port``.
 
     Raises:
         ValueError: naming ``remote_url`` and the accepted form.
     """
+    form = (
+        f"remote_url {url!r}: expected kvtier://host:port (or lm://host:port), optionally "
+        "with ?shm=0 (no shared memory) or ?shm_mb=N, e.g. kvtier://127.0.0.1:65432"
+    )
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError:
-        host = port = None
-    if not host or port is None or parts.path not in ("", "/") or parts.query:
-        raise ValueError(
-            f"remote_url {url!r}: expected kvtier://host:port (or lm://host:port), "
-            "e.g. kvtier://127.0.0.1:65432"
-        )
-    return host, port
+        raise ValueError(form) from None
+    options = dict(query)
+    if not host or port is None or parts.path not in ("", "/") or len(options) != len(query):
+        raise ValueError(form)
+    address = ServerAddress(host, port)
+    try:
+        for name, value in options.items():
+            if name == "shm":
+                address = replace(address, shm=_FLAGS[value.lower()])
+            elif name == "shm_mb":
+                size = int(float(value) * 2**20)
+                if not shm.MIN_SEGMENT_BYTES <= size <= 1 << 40:
+                    raise ValueError
+                address = replace(address, shm_bytes=size)
+            else:
+                raise ValueError
+    except (KeyError, ValueError):
+        raise ValueError(form) from None
+    return address
+
+
+def parse_server_url(url: str) -> tuple[str, int]:
+    """``(host, port)`` of ``kvtier://host:port`` or ``lm://host:port`` (see
+    ``parse_server_address``)."""
+    address = parse_server_address(url)
+    return address.host, address.port
 
 
 class _Connection:
-    """One TCP connection that has said HELLO."""
+    """One TCP connection that has said HELLO, with its shared-memory segment when the
+    server mapped one."""
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
         self.max_frame = max_frame
+        self.segment: Segment | None = None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+        if self.segment is not None:
+            self.segment.close()
 
 
 class KVTierStore:
@@ -73,6 +123,9 @@ class KVTierStore:
         token: sent in HELLO (the server's ``--auth-token``), or None.
         timeout_s: connect timeout and the longest wait on one socket operation.
         max_connections: connections pooled (and calls running at once).
+        shm: offer each connection a shared-memory segment (used when the server is on
+            this host and maps it; else the connection stays on TCP).
+        shm_bytes: the size of each connection's segment.
     """
 
     name = "kvtier"
@@ -86,11 +139,13 @@ class KVTierStore:
         token: str | None = None,
         timeout_s: float = 1.0,
         max_connections: int = 16,
+        shm: bool = True,
+        shm_bytes: int = DEFAULT_SEGMENT_BYTES,
     ):
         if not protocol.valid_namespace(namespace):
             raise ValueError(f"namespace {namespace!r}: 1 to 256 characters, no '/'")
         self.host, self.port = host, port
-        self.url = f"kvtier://{host}:{port}"
+        self.url = f"kvtier://{host}:{port}"  # no options: as logs and errors name it
         self.namespace = namespace
         self._token = token
         self._timeout_s = timeout_s
@@ -99,6 +154,9 @@ class KVTierStore:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._ids = itertools.count(1)
         self._closed = False
+        self._shm = shm and shm_available()
+        self._shm_bytes = shm_bytes
+        self.shm_active = False  # whether the latest connection got a segment
 
     # -- connections -------------------------------------------------------------------
 
@@ -106,13 +164,28 @@ class KVTierStore:
         sock = socket.create_connection((self.host, self.port), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES)
+        hello: dict[str, Any] = {"token": self._token, "namespace": self.namespace}
+        offered = None
         try:
-            hello = {"token": self._token, "namespace": self.namespace}
+            if self._shm:
+                try:
+                    conn.segment, offered = shm.create_segment(self._shm_bytes)
+                    hello["shm"] = offered.as_header()
+                except OSError as exc:  # no room in /dev/shm: this connection uses TCP
+                    warn_once(logger, f"kvtier server {self.url}: no shared memory ({exc})")
             reply, _ = self._exchange(conn, Op.HELLO, hello, ())
             conn.max_frame = int(reply.get("max_frame", conn.max_frame))
+            if conn.segment is not None and reply.get("shm") is not True:
+                logger.debug("kvtier server %s: TCP only (%s)", self.url, reply.get("shm_error"))
+                conn.segment.close()
+                conn.segment = None
+            self.shm_active = conn.segment is not None
         except BaseException:
             conn.close()
             raise
+        finally:
+            if offered is not None:  # mapped by both ends (or refused): the name can go
+                shm.unlink(offered.name)
         return conn
 
     def _drop_idle(self) -> None:
@@ -124,7 +197,11 @@ class KVTierStore:
     def _request(
         self, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = ()
     ) -> tuple[dict[str, Any], bytearray]:
-        """One round trip on a pooled connection.
+        """One round trip on a pooled connection (see ``_on_connection``)."""
+        return self._on_connection(op, lambda conn: self._exchange(conn, op, header, parts))
+
+    def _on_connection(self, op: Op, call: Callable[[_Connection], T]) -> T:
+        """``call(conn)`` on a pooled connection, which goes back to the pool after.
 
         Raises:
             StoreUnavailable: the server is closed, unreachable, slow, or answered with an
@@ -140,9 +217,13 @@ class KVTierStore:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 conn = self._connect()
-            result = self._exchange(conn, op, header, parts)
+            result = call(conn)
             with self._lock:
-                self._idle.append(conn)
+                closed = self._closed
+                if not closed:
+                    self._idle.append(conn)
+            if closed:  # closed meanwhile: nothing may keep the socket and segment
+                conn.close()
             return result
         except (OSError, ProtocolError) as exc:
             if conn is not None:
@@ -151,6 +232,10 @@ class KVTierStore:
             raise StoreUnavailable(
                 f"kvtier server {self.url}: {op.name} failed: {type(exc).__name__}: {exc}"
             ) from None
+        except BaseException:
+            if conn is not None:  # the stream may be mid-frame: never reuse it
+                conn.close()
+            raise
         finally:
             self._slots.release()
 
@@ -187,24 +272,73 @@ class KVTierStore:
             self._put_batch(batch)
 
     def _frame_limit(self) -> int:
+        """The most bytes one PUT frame carries: the server's frame limit, and the segment
+        when the last connection got one (a larger blob goes inline on its own)."""
         with self._lock:
-            return self._idle[0].max_frame if self._idle else protocol.DEFAULT_MAX_FRAME_BYTES
+            limit = self._idle[0].max_frame if self._idle else protocol.DEFAULT_MAX_FRAME_BYTES
+        return min(limit, self._shm_bytes) if self.shm_active else limit
 
     def _put_batch(self, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
         names = [name for name, _ in batch]
         sizes = [_blob_bytes(parts) for _, parts in batch]
         parts = [p for _, blob in batch for p in blob if len(p)]
-        self._request(Op.PUT, {"names": names, "sizes": sizes}, parts)
+
+        def put(conn: _Connection) -> None:
+            segment = conn.segment
+            if segment is None or sum(sizes) > segment.size:
+                self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes}, parts)
+                return
+            offsets, end = [], 0
+            for _, blob in batch:
+                offsets.append(end)
+                end = segment.write(end, blob)
+            header = {"names": names, "sizes": sizes, "shm": offsets}
+            self._exchange(conn, Op.PUT, header, ())
+
+        self._on_connection(Op.PUT, put)
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        return self.read_many(names, bytes)
+
+    def read_many(self, names: Sequence[str], consume: Callable[[memoryview], T]) -> list[T | None]:
+        """``consume(view of the blob)`` for each name present (None where absent): the
+        view is of the reply (or of the shared segment), valid only during the call, so
+        a caller that decodes it saves the copy ``get_many`` makes.
+
+        Raises:
+            StoreUnavailable: as every call; an exception from ``consume`` propagates.
+        """
         if not names:
             return []
-        reply, payload = self._request(Op.GET, {"names": list(names)})
-        try:
-            sizes = protocol.sizes_of(reply, len(names), len(payload), absent_ok=True)
-        except ProtocolError as exc:
-            raise StoreUnavailable(f"kvtier server {self.url}: GET: {exc}") from None
-        return [None if b is None else bytes(b) for b in protocol.split_payload(payload, sizes)]
+        return self._on_connection(Op.GET, lambda conn: self._read(conn, list(names), consume))
+
+    def _read(self, conn: _Connection, names: list[str], consume: Callable[[memoryview], T]):
+        header: dict[str, Any] = {"names": names}
+        segment = conn.segment
+        if segment is not None:
+            header["shm"] = [0, segment.size]
+        reply, payload = self._exchange(conn, Op.GET, header, ())
+        sizes = protocol.sizes_of(reply, len(names), None, absent_ok=True)
+        offsets = [-1] * len(names)
+        if segment is not None:
+            offsets = shm.placed_of(reply.get("shm"), sizes, (0, segment.size))
+        inline = [size if offset < 0 else -1 for size, offset in zip(sizes, offsets, strict=True)]
+        if sum(s for s in inline if s > 0) != len(payload):
+            raise ProtocolError(f"GET: the reply's sizes do not add up to {len(payload)} bytes")
+        out: list[T | None] = []
+        with contextlib.ExitStack() as views:
+            whole = views.enter_context(memoryview(segment.mm)) if segment else None
+            for size, offset, blob in zip(
+                sizes, offsets, protocol.split_payload(payload, inline), strict=True
+            ):
+                if size < 0:
+                    out.append(None)
+                    continue
+                if offset >= 0:
+                    assert whole is not None
+                    blob = views.enter_context(whole[offset : offset + size])
+                out.append(consume(blob))
+        return out
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         if not names:
@@ -230,7 +364,8 @@ class KVTierStore:
         return self._request(Op.STATS, {})[0]
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._drop_idle()
 
     def __repr__(self) -> str:
@@ -256,14 +391,16 @@ def _recv(sock: socket.socket, size: int) -> bytearray:
 def open_store(request: RemoteRequest) -> KVTierStore:
     """The blob store of a ``kvtier://`` (or ``lm://``) ``remote_url``: one server may
     write through to another."""
-    host, port = parse_server_url(request.url)
+    address = parse_server_address(request.url)
     return KVTierStore(
-        host,
-        port,
+        address.host,
+        address.port,
         namespace=request.space,
         token=request.config.server_token,
         timeout_s=request.config.remote_timeout_ms / 1000,
         max_connections=request.config.remote_max_concurrency,
+        shm=address.shm,
+        shm_bytes=address.shm_bytes,
     )
 
 

@@ -16,11 +16,18 @@ Every message, request or reply, is one frame::
 Requests (header fields → reply header fields; names are relative to the connection's
 namespace, which the server prefixes to every name it stores):
 
-    HELLO   token, namespace       → max_frame   (first frame of every connection)
+    HELLO   token, namespace[, shm] → max_frame[, shm, shm_error]  (first frame)
     PING    -                      → -
     EXISTS  names                  → present: [bool]
-    GET     names                  → sizes: [int, -1 where absent]; payload: the blobs
+    GET     names[, shm]           → sizes: [int, -1 where absent][, shm]; payload: the blobs
     PUT     names, sizes; payload  → stored: int
+            (or names, sizes, shm and no payload)
+
+``shm`` fields (the same-host path, ``kvtier.server.shm``): HELLO offers a segment
+``{name, size, nonce}`` and the reply says whether the server mapped it; a PUT gives one
+offset per blob into it instead of a payload; a GET gives ``[offset, capacity]``, the
+region the server may fill, and the reply one offset per blob (-1: absent, or in the
+payload). The capability is negotiated, so the version stays 1.
     DELETE  names                  → deleted: int
     CLEAR   -                      → deleted: int   (this namespace only)
     STATS   -                      → the server's counters
@@ -164,9 +171,11 @@ def names_of(header: dict[str, Any]) -> list[str]:
     return names
 
 
-def sizes_of(header: dict[str, Any], count: int, payload_len: int, *, absent_ok: bool) -> list[int]:
+def sizes_of(
+    header: dict[str, Any], count: int, payload_len: int | None, *, absent_ok: bool
+) -> list[int]:
     """``header["sizes"]``: ``count`` ints (``-1`` for absent where ``absent_ok``) whose
-    non-negative entries sum to ``payload_len``.
+    non-negative entries sum to ``payload_len`` (None: blobs not in the payload).
 
     Raises:
         ProtocolError: missing, of the wrong type or length, or not adding up.
@@ -179,7 +188,7 @@ def sizes_of(header: dict[str, Any], count: int, payload_len: int, *, absent_ok:
         or not all(type(s) is int and s >= low for s in sizes)
     ):
         raise ProtocolError(f"'sizes' must be a list of {count} integers >= {low}")
-    if sum(s for s in sizes if s > 0) != payload_len:
+    if payload_len is not None and sum(s for s in sizes if s > 0) != payload_len:
         raise ProtocolError(f"'sizes' add up to {sum(sizes)}, the payload has {payload_len} bytes")
     return sizes
 

@@ -72,6 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest payload of one frame in MiB",
     )
     parser.add_argument("--max-clients", type=int, default=256, help="connections held at once")
+    parser.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="refuse clients' shared-memory segments: every client moves bytes over TCP",
+    )
+    parser.add_argument(
+        "--max-shm-mb",
+        type=float,
+        default=DEFAULT_MAX_FRAME_BYTES / 2**20,
+        help="largest shared-memory segment a same-host client may offer, in MiB",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -99,6 +110,8 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
         )
     if not 0 <= args.port <= 65535 or args.max_frame_mb <= 0 or args.max_clients < 1:
         raise ConfigError("--port must be 0..65535, --max-frame-mb > 0, --max-clients >= 1")
+    if args.max_shm_mb <= 0:
+        raise ConfigError("--max-shm-mb must be > 0 (--no-shm turns shared memory off)")
     return config
 
 
@@ -124,6 +137,7 @@ async def _serve(config: KVTierConfig, args: argparse.Namespace) -> int:
         token=config.server_token,
         max_frame_bytes=int(args.max_frame_mb * 2**20),
         max_clients=args.max_clients,
+        max_shm_bytes=0 if args.no_shm else int(args.max_shm_mb * 2**20),
     )
     try:
         await server.start()
@@ -147,6 +161,9 @@ async def _serve(config: KVTierConfig, args: argparse.Namespace) -> int:
     where = f"kvtier://{args.host}:{server.port}"
     admin_at = f", admin http://{args.host}:{admin.port}" if admin else ""
     auth = "token required" if config.server_token else "no token"
+    auth += (
+        ", shared memory off" if args.no_shm else f", shared memory up to {args.max_shm_mb:g} MiB"
+    )
     logger.info("kvtier server listening on %s%s (%s)", where, admin_at, auth)
     logger.info("kvtier server tiers: %s", "; ".join(cache.describe()))
     await stop.wait()

@@ -15,6 +15,13 @@ connection that stays open.
 
 Memory is bounded whatever clients do: the blob tiers by their sizes, and what is in
 flight by ``max_clients`` frames of at most ``max_frame_bytes`` each.
+
+Same host: a client may offer a shared-memory segment in its HELLO (``shm``); once the
+server has mapped it, that connection's PUT and GET frames may carry ``(offset, size)``
+references into the segment instead of payload bytes, and the server copies between
+the segment and its memory tier directly. A reference outside the segment (or on a
+connection without one) is an error reply, counted under ``rejects_bad_shm_ref``; the
+segment is unmapped when its connection ends. See ``kvtier.server.shm``.
 """
 
 from __future__ import annotations
@@ -25,16 +32,26 @@ import hmac
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.metrics import Stats
-from kvtier.server import protocol
+from kvtier.server import protocol, shm
 from kvtier.server.cache import BlobCache
 from kvtier.server.protocol import Frame, Op, ProtocolError
+from kvtier.server.shm import Segment, ShmRefused
 
 logger = logging.getLogger(__name__)
 
 FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame may take to arrive
+
+
+@dataclass(slots=True)
+class Session:
+    """One authenticated connection: its namespace and its shared-memory segment."""
+
+    namespace: str
+    segment: Segment | None = None
 
 
 class KVTierServer:
@@ -46,6 +63,8 @@ class KVTierServer:
         token: the token every client must send in HELLO, or None for none.
         max_frame_bytes: the largest payload accepted in a frame (and sent in a reply).
         max_clients: connections held at once; more are closed at once (counted).
+        max_shm_bytes: the largest shared-memory segment a client may offer; 0 turns the
+            same-host path off (every client stays on TCP).
     """
 
     def __init__(
@@ -58,6 +77,7 @@ class KVTierServer:
         token: str | None,
         max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         max_clients: int = 256,
+        max_shm_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
     ):
         self.cache = cache
         self.stats = stats
@@ -66,7 +86,9 @@ class KVTierServer:
         self._token = token.encode() if token else None
         self.max_frame_bytes = max_frame_bytes
         self.max_clients = max_clients
+        self.max_shm_bytes = max_shm_bytes
         self.clients = 0
+        self.shm_clients = 0
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -108,7 +130,7 @@ class KVTierServer:
         assert task is not None
         self._tasks.add(task)
         self.stats.inc("connections")
-        namespace: str | None = None
+        session: Session | None = None
         try:
             while True:
                 try:
@@ -121,18 +143,24 @@ class KVTierServer:
                 except ProtocolError as exc:
                     await self._fail(writer, 0, "malformed", str(exc))
                     return
-                if namespace is None:
+                if session is None:
                     namespace = self._hello(frame)
                     if namespace is None:
                         await self._fail(writer, frame.request_id, "unauthenticated", "bad HELLO")
                         return
+                    session = Session(namespace)
                     reply = {"max_frame": self.max_frame_bytes, "version": protocol.VERSION}
+                    if "shm" in frame.header:
+                        reply |= await self._attach(session, frame.header["shm"])
                     await self._send(writer, frame, reply, ())
                     continue
-                await self._answer(writer, frame, namespace)
+                await self._answer(writer, frame, session)
         except ConnectionError:
             pass
         finally:
+            if session is not None and session.segment is not None:
+                session.segment.close()
+                self.shm_clients -= 1
             self.clients -= 1
             self._writers.discard(writer)
             self._tasks.discard(task)
@@ -161,7 +189,33 @@ class KVTierServer:
         namespace = frame.header.get("namespace")
         return namespace if protocol.valid_namespace(namespace) else None
 
-    async def _answer(self, writer: asyncio.StreamWriter, frame: Frame, namespace: str) -> None:
+    async def _attach(self, session: Session, offer: object) -> dict[str, Any]:
+        """Map the segment a HELLO offers; the HELLO reply's ``shm`` fields. A refusal
+        (off, malformed, too large, another host's) is counted and leaves the client on
+        TCP."""
+        try:
+            if not self.max_shm_bytes:
+                raise ShmRefused("disabled: the server runs with --no-shm")
+            try:
+                parsed = shm.offer_of(offer)
+            except ProtocolError as exc:
+                raise ShmRefused(f"malformed: {exc}") from None
+            loop = asyncio.get_running_loop()
+            segment = await loop.run_in_executor(
+                self._pool, shm.attach_segment, parsed, self.max_shm_bytes
+            )
+        except ShmRefused as exc:
+            reason = str(exc).partition(":")[0]
+            self.stats.inc("shm_refused")
+            self.stats.inc(f"shm_refused_{reason}")
+            logger.info("kvtier server: a client's shared memory was refused (%s)", exc)
+            return {"shm": False, "shm_error": str(exc)}
+        session.segment = segment
+        self.shm_clients += 1
+        self.stats.inc("shm_attached")
+        return {"shm": True}
+
+    async def _answer(self, writer: asyncio.StreamWriter, frame: Frame, session: Session) -> None:
         handler = _HANDLERS.get(frame.op)
         if handler is None:  # a second HELLO
             await self._fail(writer, frame.request_id, "malformed", f"unexpected {frame.op.name}")
@@ -172,9 +226,11 @@ class KVTierServer:
         self._idle.clear()
         try:
             loop = asyncio.get_running_loop()
-            header, parts = await loop.run_in_executor(self._pool, handler, self, frame, namespace)
+            header, parts = await loop.run_in_executor(self._pool, handler, self, frame, session)
         except ProtocolError as exc:
             self.stats.inc("request_errors")
+            if isinstance(exc, shm.ShmRefError):
+                self._reject("bad_shm_ref", str(exc))
             header, parts = {"error": str(exc)}, ()
         finally:
             self._in_flight -= 1
@@ -204,50 +260,74 @@ class KVTierServer:
 
     # -- requests (on the thread pool) -------------------------------------------------
 
-    def _ping(self, frame: Frame, namespace: str):
+    def _ping(self, frame: Frame, session: Session):
         return {}, ()
 
-    def _exists(self, frame: Frame, namespace: str):
+    def _exists(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
-        return {"present": self.cache.exists_many(namespace, names)}, ()
+        return {"present": self.cache.exists_many(session.namespace, names)}, ()
 
-    def _get(self, frame: Frame, namespace: str):
+    def _get(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
+        region = None
+        if "shm" in frame.header:
+            region = shm.region_of(frame.header["shm"], session.segment)
+        place = _Placement(session.segment, region, self.max_frame_bytes)
         sizes: list[int] = []
-        parts: list[bytes] = []
-        room = self.max_frame_bytes
+        offsets: list[int] = []
         for name in names:
-            blob = self.cache.get(namespace, name)
-            if blob is None or len(blob) > room:  # what does not fit in a reply is a miss
-                sizes.append(-1)
-                continue
-            room -= len(blob)
-            sizes.append(len(blob))
-            parts.append(blob)
-        self.stats.inc("get_hits", len(parts))
-        self.stats.inc("get_misses", len(names) - len(parts))
-        return {"sizes": sizes}, parts
+            size, offset = self.cache.read(session.namespace, name, place.take) or (-1, -1)
+            sizes.append(size)
+            offsets.append(offset)
+        hits = sum(s >= 0 for s in sizes)
+        self.stats.inc("get_hits", hits)
+        self.stats.inc("get_misses", len(names) - hits)
+        self.stats.inc("bytes_shm_out", place.shm_bytes)
+        header: dict[str, Any] = {"sizes": sizes}
+        if region is not None:
+            header["shm"] = offsets
+        return header, place.parts
 
-    def _put(self, frame: Frame, namespace: str):
+    def _put(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
-        sizes = protocol.sizes_of(frame.header, len(names), len(frame.payload), absent_ok=False)
-        blobs = protocol.split_payload(frame.payload, sizes)
-        stored = sum(
-            self.cache.put(namespace, name, blob)
-            for name, blob in zip(names, blobs, strict=True)
-            if blob is not None
-        )
+        if "shm" in frame.header:
+            sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
+            if frame.payload:
+                raise shm.ShmRefError("a PUT with shm references carries no payload")
+            extents = shm.extents_of(frame.header["shm"], sizes, session.segment)
+            assert session.segment is not None
+            with memoryview(session.segment.mm) as view:
+                blobs = [view[offset : offset + size] for offset, size in extents]
+                try:
+                    stored = self._store(session.namespace, names, blobs)
+                finally:  # no view of the segment may outlive the request: it blocks unmap
+                    for blob in blobs:
+                        blob.release()
+            self.stats.inc("bytes_shm_in", sum(sizes))
+        else:
+            sizes = protocol.sizes_of(frame.header, len(names), len(frame.payload), absent_ok=False)
+            stored = self._store(
+                session.namespace, names, protocol.split_payload(frame.payload, sizes)
+            )
         self.stats.inc("puts", stored)
         self.stats.inc("puts_refused", len(names) - stored)
         return {"stored": stored}, ()
 
-    def _delete(self, frame: Frame, namespace: str):
-        return {"deleted": self.cache.delete(namespace, protocol.names_of(frame.header))}, ()
+    def _store(self, namespace: str, names: list[str], blobs) -> int:
+        return sum(
+            self.cache.put(namespace, name, blob)
+            for name, blob in zip(names, blobs, strict=True)
+            if blob is not None
+        )
 
-    def _clear(self, frame: Frame, namespace: str):
-        return {"deleted": self.cache.clear(namespace)}, ()
+    def _delete(self, frame: Frame, session: Session):
+        names = protocol.names_of(frame.header)
+        return {"deleted": self.cache.delete(session.namespace, names)}, ()
 
-    def _stats(self, frame: Frame, namespace: str):
+    def _clear(self, frame: Frame, session: Session):
+        return {"deleted": self.cache.clear(session.namespace)}, ()
+
+    def _stats(self, frame: Frame, session: Session):
         return self.snapshot(), ()
 
     def snapshot(self) -> dict[str, float]:
@@ -256,10 +336,39 @@ class KVTierServer:
             **self.stats.snapshot(),
             **self.cache.gauges(),
             "clients_connected": self.clients,
+            "shm_clients_connected": self.shm_clients,
         }
 
 
-_Handler = Callable[[KVTierServer, Frame, str], tuple[dict[str, Any], Any]]
+class _Placement:
+    """Where a GET reply puts each blob: into the client's region of its segment while it
+    fits, else into the frame's payload while that fits (a copy), else nowhere (-1, a
+    miss). ``take`` is called with each blob's view while the cache holds it pinned."""
+
+    def __init__(self, segment: Segment | None, region: tuple[int, int] | None, room: int):
+        self._segment = segment
+        self._next, self._end = (0, 0) if region is None else (region[0], sum(region))
+        self._room = room
+        self.parts: list[bytes] = []
+        self.shm_bytes = 0
+
+    def take(self, blob: memoryview) -> tuple[int, int]:
+        """``(size, offset in the segment or -1)``; ``(-1, -1)`` when it fits nowhere."""
+        size = len(blob)
+        if self._segment is not None and self._next + size <= self._end:
+            offset = self._next
+            self._segment.mm[offset : offset + size] = blob
+            self._next += size
+            self.shm_bytes += size
+            return size, offset
+        if size <= self._room:
+            self.parts.append(bytes(blob))
+            self._room -= size
+            return size, -1
+        return -1, -1
+
+
+_Handler = Callable[[KVTierServer, Frame, Session], tuple[dict[str, Any], Any]]
 _HANDLERS: dict[Op, _Handler] = {
     Op.PING: KVTierServer._ping,
     Op.EXISTS: KVTierServer._exists,

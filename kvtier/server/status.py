@@ -42,7 +42,9 @@ def run_status(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as exc:
         print(f"kvtier status: --server {args.server!r}: {exc}", file=sys.stderr)
         return 2
-    store = KVTierStore(host, port, namespace=STATUS_NAMESPACE, token=token, timeout_s=args.timeout)
+    store = KVTierStore(  # one small frame: no shared-memory segment worth making
+        host, port, namespace=STATUS_NAMESPACE, token=token, timeout_s=args.timeout, shm=False
+    )
     try:
         values = store.stats()
     except StoreUnavailable as exc:

@@ -26,9 +26,10 @@ Contract for every implementation:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class StoreUnavailable(Exception):
@@ -68,6 +69,18 @@ class BlobStore(Protocol):
 
     def close(self) -> None:
         """Release connections and threads (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class ReadingStore(Protocol):
+    """A store that can hand each blob to a callback while the blob is still in its own
+    buffer (a reply, a shared segment), saving the copy ``get_many`` makes; the remote
+    tier then decodes chunks straight from there."""
+
+    def read_many(self, names: Sequence[str], consume: Callable[[memoryview], T]) -> list[T | None]:
+        """``consume(view)`` of each blob present (None where absent); the view is valid
+        only during the call."""
         ...
 
 

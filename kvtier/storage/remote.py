@@ -34,7 +34,7 @@ from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
-from kvtier.storage.backend import BlobStore, StoreUnavailable
+from kvtier.storage.backend import BlobStore, Buffer, ReadingStore, StoreUnavailable
 from kvtier.storage.remotes import redact_url
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import LowerTier, PendingWrite, WriteQueue
@@ -251,13 +251,20 @@ class RemoteTier:
             self._count(TierCounter.GET_MISSES, len(keys))
             return [None] * len(keys)
         started = time.perf_counter()
-        futures = [self._io.submit(self.store.get_many, [k.to_string()]) for k in keys]
+        if isinstance(self.store, ReadingStore):
+            # decoded on the I/O threads, straight from the store's buffer
+            futures = [self._io.submit(self._read_one, k, allocate) for k in keys]
+        else:
+            futures = [self._io.submit(self.store.get_many, [k.to_string()]) for k in keys]
         waves = -(-len(keys) // self._concurrency)
         deadline = time.monotonic() + self.timeout_s * waves
         out: list[MemoryObj | None] = []
         for key, future in zip(keys, futures, strict=True):
-            blob = self._result(future, deadline)
-            out.append(None if blob is None else self._decode(key, blob, allocate))
+            found = self._result(future, deadline)
+            if found is None or isinstance(found, MemoryObj):
+                out.append(found)
+            else:
+                out.append(self._decode(key, found, allocate))
         hits = [obj for obj in out if obj is not None]
         self._count(TierCounter.GET_HITS, len(hits))
         self._count(TierCounter.GET_MISSES, len(out) - len(hits))
@@ -267,13 +274,20 @@ class RemoteTier:
         self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
         return out
 
-    def _result(self, future: Future, deadline: float) -> bytes | None:
+    def _read_one(self, key: CacheKey, allocate: Allocate) -> list[MemoryObj | None]:
+        assert isinstance(self.store, ReadingStore)
+        return self.store.read_many(
+            [key.to_string()], lambda blob: self._decode(key, blob, allocate)
+        )
+
+    def _result(self, future: Future, deadline: float) -> bytes | MemoryObj | None:
         try:
             return self._wait(future, max(deadline - time.monotonic(), 0.0), "a get")[0]
         except _Down:
+            future.add_done_callback(_release_late)
             return None
 
-    def _decode(self, key: CacheKey, blob: bytes, allocate: Allocate) -> MemoryObj | None:
+    def _decode(self, key: CacheKey, blob: Buffer, allocate: Allocate) -> MemoryObj | None:
         name = key.to_string()
         try:
             return wire.decode(blob, name, allocate, self.serde)
@@ -362,6 +376,15 @@ class RemoteTier:
         self._io.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+
+
+def _release_late(future: Future) -> None:
+    """A get that finished after its caller gave up on it: free the chunk it decoded."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    for obj in future.result():
+        if isinstance(obj, MemoryObj):
+            obj.ref_down()
 
 
 def open_blob_tier(store: BlobStore, request: RemoteRequest) -> RemoteTier:

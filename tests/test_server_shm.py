@@ -1,0 +1,371 @@
+"""The same-host shared-memory path of ``kvtier serve``: blobs round-trip bit-exactly
+through a segment, clients fall back to TCP when the server cannot (or may not) map it,
+bad references are rejected and counted while the server keeps serving, and no segment
+outlives its connection in ``/dev/shm`` or in the server's mappings."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import cbor2
+import pytest
+from support.kvtier_server import KVTierServerProcess
+from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
+
+from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.server import protocol, shm
+from kvtier.server.blobs import MemoryBlobs
+from kvtier.server.client import KVTierStore, parse_server_address
+from kvtier.server.protocol import Op
+from kvtier.storage.backend import StoreUnavailable
+
+pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="no writable /dev/shm")
+
+SEGMENT = 1 << 20  # the tests' segments: 1 MiB
+
+
+@pytest.fixture
+def pool():
+    pool = make_pool(64)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with KVTierServerProcess(admin=True) as server:
+        yield server
+
+
+def client(server, namespace: str = "test", **options) -> KVTierStore:
+    return KVTierStore("127.0.0.1", server.port, namespace=namespace, timeout_s=5.0, **options)
+
+
+def stats(server) -> dict:
+    return server.admin("/stats")[1]
+
+
+def segments_in_dev_shm() -> set[str]:
+    return {p.name for p in Path(shm.SHM_DIR).glob(f"{shm.NAME_PREFIX}*")}
+
+
+def mapped_segments(pid: int) -> list[str]:
+    """The kvtier segments process ``pid`` has mapped (deleted names included)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [line for line in maps.splitlines() if f"/{shm.NAME_PREFIX}" in line]
+
+
+def blobs(count: int, size: int) -> list[tuple[str, bytes]]:
+    return [(f"b{i}", os.urandom(size)) for i in range(count)]
+
+
+# -- the round trip ----------------------------------------------------------------------
+
+
+def test_engines_share_chunks_bit_exactly_through_shared_memory(server, pool):
+    before = stats(server)
+    writer_stats, reader_stats = Stats(), Stats()
+    writer = remote_manager(server.url, writer_stats)
+    objs = store_chunks(writer, pool, range(4))
+    reader = remote_manager(server.url, reader_stats)
+    got = reader.get_many([key(i) for i in range(5)])
+    assert all(same_bytes(got[i], objs[i]) for i in range(4)), "bit-exact through shm"
+    assert got[4] is None
+    assert reader_stats.get(tier_counter("kvtier", TierCounter.GET_HITS)) == 4
+    after = stats(server)
+    moved = sum(obj.data_nbytes for obj in objs.values())
+    assert after["bytes_shm_in"] - before.get("bytes_shm_in", 0) > moved
+    assert after["bytes_shm_out"] - before.get("bytes_shm_out", 0) > moved
+    # only frames' headers crossed the socket
+    assert after["bytes_in"] - before["bytes_in"] < moved // 10
+    assert after["bytes_out"] - before["bytes_out"] < moved // 10
+    for obj in got[:4]:
+        obj.ref_down()
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, SEGMENT // 2, SEGMENT + 10])
+def test_store_round_trip_of_any_size_in_shm_or_inline(server, size):
+    store = client(server, shm_bytes=SEGMENT)
+    items = blobs(3, size)
+    store.put_many([(name, [data[:7], data[7:]]) for name, data in items])
+    assert store.shm_active
+    assert store.get_many([n for n, _ in items] + ["absent"]) == [d for _, d in items] + [None]
+    lengths = store.read_many([n for n, _ in items], len)
+    assert lengths == [size] * 3
+    store.close()
+
+
+def test_a_corrupt_blob_in_the_segment_is_a_miss(server, pool):
+    """What a client wrote is stored as it is; the reader's checksum catches a bad one."""
+    writer = remote_manager(server.url)
+    store_chunks(writer, pool, [7])
+    name = key(7).to_string()
+    raw = client(server, namespace="org%2Fmodel-a")
+    blob = bytearray(raw.get_many([name])[0])
+    blob[-1] ^= 0xFF
+    raw.put_many([(name, [bytes(blob)])])
+    reader_stats = Stats()
+    reader = remote_manager(server.url, reader_stats)
+    assert reader.get_many([key(7)]) == [None]
+    assert reader_stats.get(tier_counter("kvtier", TierCounter.CORRUPT)) == 1
+    raw.close()
+    writer.close()
+    reader.close()
+
+
+def test_namespaces_stay_apart_on_shared_memory(server):
+    a, b = client(server, "model-x"), client(server, "model-y")
+    a.put_many([("k", [b"only x"])])
+    assert b.get_many(["k"]) == [None] and b.exists_many(["k"]) == [False]
+    assert a.get_many(["k"]) == [b"only x"]
+    assert a.shm_active and b.shm_active
+    a.close()
+    b.close()
+
+
+# -- falling back to TCP ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [(("--no-shm",), "disabled"), (("--max-shm-mb", "0.5"), "too_large")],
+    ids=["no-shm", "too-large"],
+)
+def test_a_server_that_refuses_shared_memory_serves_over_tcp(flags, reason):
+    before = segments_in_dev_shm()
+    with KVTierServerProcess(*flags, admin=True) as server:
+        store = client(server, shm_bytes=SEGMENT)
+        items = blobs(2, 100_000)
+        store.put_many([(n, [d]) for n, d in items])
+        assert store.get_many([n for n, _ in items]) == [d for _, d in items]
+        assert not store.shm_active
+        counters = stats(server)
+        assert counters[f"shm_refused_{reason}"] >= 1 and "bytes_shm_in" not in counters
+        assert counters["shm_clients_connected"] == 0
+        store.close()
+        if reason == "disabled":
+            assert "shared memory off" in server.log()
+    assert segments_in_dev_shm() == before, "a refused segment is unlinked too"
+
+
+def test_shm_0_in_the_url_keeps_a_client_on_tcp(server):
+    before = stats(server).get("shm_attached", 0)
+    address = parse_server_address(f"{server.url}?shm=0")
+    store = client(server, shm=address.shm)
+    store.put_many([("tcp", [b"x" * 1000])])
+    assert store.get_many(["tcp"]) == [b"x" * 1000] and not store.shm_active
+    assert stats(server).get("shm_attached", 0) == before
+    store.close()
+
+
+def test_a_segment_the_server_cannot_open_falls_back_to_tcp(server, monkeypatch):
+    """As for a client on another host: the name or the nonce does not match there."""
+
+    create = shm.create_segment
+
+    def elsewhere(size):
+        segment, offer = create(size)
+        return segment, shm.ShmOffer(offer.name, offer.size, bytes(shm.NONCE_BYTES))
+
+    monkeypatch.setattr(shm, "create_segment", elsewhere)
+    before = stats(server).get("shm_refused_mismatch", 0)
+    store = client(server)
+    store.put_many([("far", [b"12345"])])
+    assert store.get_many(["far"]) == [b"12345"] and not store.shm_active
+    assert stats(server)["shm_refused_mismatch"] == before + 1
+    store.close()
+
+
+def test_server_address_options():
+    address = parse_server_address("kvtier://127.0.0.1:7000?shm=0&shm_mb=8")
+    assert (address.host, address.port, address.shm, address.shm_bytes) == (
+        "127.0.0.1",
+        7000,
+        False,
+        8 << 20,
+    )
+    assert parse_server_address("lm://h:1").shm
+    for bad in (
+        "kvtier://h:1?shm=2",
+        "kvtier://h:1?shm_mb=0",
+        "kvtier://h:1?x=1",
+        "kvtier://h:1?shm=1&shm=0",
+    ):
+        with pytest.raises(ValueError, match="shm=0"):
+            parse_server_address(bad)
+
+
+# -- references the server must not trust -----------------------------------------------
+
+
+def frame(op: int, header: object, payload: bytes = b"") -> bytes:
+    head = cbor2.dumps(header)
+    return protocol.PREFIX.pack(
+        protocol.MAGIC, protocol.VERSION, op, 0, 7, len(head), len(payload)
+    ) + (head + payload)
+
+
+def read_reply(sock: socket.socket) -> dict:
+    prefix = protocol.decode_prefix(_recv(sock, protocol.PREFIX_SIZE), 1 << 30)
+    header = protocol.decode_header(_recv(sock, prefix.header_len))
+    _recv(sock, prefix.payload_len)
+    return header
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
+
+
+BAD_REFERENCES = [
+    (Op.PUT, {"names": ["a"], "sizes": [10], "shm": [SEGMENT - 5]}, "out of range"),
+    (Op.PUT, {"names": ["a"], "sizes": [10], "shm": [-1]}, "out of range"),
+    (Op.PUT, {"names": ["a"], "sizes": [10], "shm": ["0"]}, "out of range"),
+    (Op.PUT, {"names": ["a", "b"], "sizes": [1, 1], "shm": [0]}, "list of 2 offsets"),
+    (Op.PUT, {"names": ["a"], "sizes": [1 << 40], "shm": [0]}, "out of range"),
+    (Op.GET, {"names": ["a"], "shm": [0, SEGMENT + 1]}, "region out of range"),
+    (Op.GET, {"names": ["a"], "shm": [SEGMENT, 1]}, "region out of range"),
+    (Op.GET, {"names": ["a"], "shm": {"offset": 0}}, "region out of range"),
+]
+
+
+@pytest.mark.parametrize("with_segment", [True, False], ids=["segment", "no-segment"])
+def test_bad_references_are_rejected_counted_and_harmless(server, with_segment):
+    before = stats(server).get("rejects_bad_shm_ref", 0)
+    hello: dict = {"namespace": "fuzz"}
+    segment = None
+    if with_segment:
+        segment, offer = shm.create_segment(SEGMENT)
+        hello["shm"] = offer.as_header()
+    other = client(server, "fuzz")
+    other.put_many([("kept", [b"still here"])])
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(frame(Op.HELLO, hello))
+        assert read_reply(sock).get("shm", False) is with_segment
+        for op, header, reason in BAD_REFERENCES:
+            sock.sendall(frame(op, header))
+            error = read_reply(sock)["error"]
+            assert (reason if with_segment else "without a shared-memory segment") in error
+        sock.sendall(frame(Op.PUT, {"names": ["a"], "sizes": [1], "shm": [0]}, b"x"))
+        assert "error" in read_reply(sock)  # a payload and references at once
+        sock.sendall(frame(Op.PING, {}))
+        assert "error" not in read_reply(sock), "the connection stays usable"
+    counted = stats(server)["rejects_bad_shm_ref"] - before
+    assert counted == len(BAD_REFERENCES) + 1
+    assert other.get_many(["kept", "a"]) == [b"still here", None], "nothing stored, others fine"
+    other.close()
+    if segment is not None:
+        segment.close()
+
+
+def test_a_malformed_offer_is_refused_and_the_client_stays_on_tcp(server):
+    for offer in ({"name": "../../etc/passwd", "size": SEGMENT, "nonce": bytes(16)}, "x", {}):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(frame(Op.HELLO, {"namespace": "fuzz", "shm": offer}))
+            reply = read_reply(sock)
+            assert reply["shm"] is False and reply["shm_error"].startswith("malformed")
+            sock.sendall(frame(Op.EXISTS, {"names": ["a"]}))
+            assert read_reply(sock)["present"] == [False]
+    assert stats(server)["shm_refused_malformed"] >= 3
+
+
+# -- cleanup ----------------------------------------------------------------------------
+
+
+def test_no_segment_outlives_its_connection(server):
+    before = segments_in_dev_shm()
+    stores = [client(server, f"m{i}") for i in range(3)]
+    threads = [threading.Thread(target=s.put_many, args=([("k", [b"v" * 5000])],)) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(s.shm_active for s in stores)
+    assert segments_in_dev_shm() == before, "names are unlinked once both ends map them"
+    pid = server.process.pid
+    assert len(mapped_segments(pid)) >= 3
+    for store in stores:
+        store.close()
+    wait_until(lambda: not mapped_segments(pid))
+    assert stats(server)["shm_clients_connected"] == 0
+
+
+CLIENT_SCRIPT = """
+import sys, time
+from kvtier.server.client import KVTierStore
+store = KVTierStore("127.0.0.1", int(sys.argv[1]), namespace="killed", timeout_s=5.0)
+store.put_many([("k", [b"v" * 100000])])
+assert store.shm_active
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_client_leaves_nothing_behind(server):
+    before = segments_in_dev_shm()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT, str(server.port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert mapped_segments(child.pid)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        child.kill()
+    wait_until(lambda: not mapped_segments(server.process.pid))
+    assert segments_in_dev_shm() == before
+    client(server).ping()
+
+
+def test_a_killed_server_leaves_nothing_behind_and_clients_reconnect():
+    before = segments_in_dev_shm()
+    with KVTierServerProcess() as server:
+        store = client(server)
+        store.put_many([("k", [b"v" * 1000])])
+        assert store.shm_active and mapped_segments(os.getpid())
+        server.kill()
+        with pytest.raises(StoreUnavailable):
+            store.get_many(["k"])
+        assert not mapped_segments(os.getpid()), "the client unmapped its dead connections"
+        server.start()
+        assert store.get_many(["k"]) == [None]  # a fresh, empty server
+        assert store.shm_active
+        store.close()
+        assert not mapped_segments(os.getpid())
+    assert segments_in_dev_shm() == before
+
+
+# -- the memory tier under concurrent readers -------------------------------------------
+
+
+def test_a_blob_evicted_while_it_is_read_stays_intact_until_the_read_ends():
+    blobs_ = MemoryBlobs(3000)
+    assert blobs_.put(("ns", "a"), b"a" * 1000)
+
+    def evict_meanwhile(view: memoryview) -> bytes:
+        for i in range(4):  # push "a" out and reuse its room
+            assert blobs_.put(("ns", f"b{i}"), bytes([i]) * 1000)
+        assert not blobs_.contains(("ns", "a"))
+        return bytes(view)
+
+    assert blobs_.read(("ns", "a"), evict_meanwhile) == b"a" * 1000
+    assert blobs_.used_bytes <= 3000 and blobs_.evictions >= 2
+    assert blobs_.get(("ns", "b3")) == bytes([3]) * 1000
+    blobs_.close()
