@@ -210,6 +210,20 @@ def test_stream_cut_by_decode_is_cut_for_the_client(engines, proxy):
     assert get_json(server.url, "/health")["decode"][0]["up"] is False
 
 
+def test_client_leaving_mid_stream_abandons_the_decode_stream(engines, proxy):
+    decode = engines("decode", chunks=50, chunk_delay_s=0.05)
+    server = proxy([], [decode])
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps({**COMPLETION, "stream": True}))
+    assert conn.getresponse().readline().startswith(b"data: ")
+    conn.close()
+    wait_until(lambda: decode.abandoned_streams == 1)
+    wait_until(lambda: server.proxy.decode.instances[0].in_flight == 0)
+    assert server.proxy.decode.instances[0].failures == 0, "a client leaving is no failure"
+    assert post(server.url, "/v1/completions", COMPLETION)[0] == 200
+
+
 # -- failures ------------------------------------------------------------------------
 
 

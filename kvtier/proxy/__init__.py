@@ -6,6 +6,7 @@ loads that KV instead of computing it; the decode instance's answer is passed ba
 
     instances  the engine instances, their up/down state, round_robin / least_loaded
     metrics    the proxy's Prometheus series
+    messages   the prefill leg's body, headers passed on, OpenAI-style errors
     app        the aiohttp server and the two legs of a request
     command    the ``kvtier proxy`` command (aiohttp is imported only when it runs)
 """

@@ -33,6 +33,7 @@ Failures (NOTE: the decode instance always gets the request unless none is up):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -45,27 +46,19 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.proxy.instances import Instance, Pool
+from kvtier.proxy.messages import (
+    EVENT_STREAM,
+    FORWARDED_HEADERS,
+    REQUEST_ID_HEADER,
+    describe_error,
+    error_response,
+    passed_headers,
+    prefill_body,
+)
 from kvtier.proxy.metrics import CONTENT_TYPE, ProxyMetrics, SkipReason
 
 logger = logging.getLogger("kvtier.proxy")
 
-REQUEST_ID_HEADER = "X-Request-Id"  # vLLM's OpenAI server takes the request id from it
-FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
-# Response headers of an instance that are not passed on: hop-by-hop ones and those the
-# proxy's own server writes.
-DROPPED_RESPONSE_HEADERS = frozenset(
-    (
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "content-length",
-        "content-encoding",
-        "date",
-        "server",
-        "x-request-id",
-    )
-)
-EVENT_STREAM = "text/event-stream"
 # Below uvicorn's (and so vLLM's) 5 s keep-alive, so the proxy never reuses a connection
 # the instance is closing.
 KEEPALIVE_S = 4.0
@@ -88,45 +81,6 @@ class ProxySettings:
 
 class LegFailed(Exception):
     """An instance could not be used: no connection, a timeout, a broken answer."""
-
-
-def prefill_body(body: dict) -> dict:
-    """The prefill leg's request: one token, no streaming, nothing that would make vLLM
-    refuse one token (``min_tokens``)."""
-    leg = dict(body)
-    leg["max_tokens"] = 1
-    if "max_completion_tokens" in leg:
-        leg["max_completion_tokens"] = 1
-    leg["stream"] = False
-    leg.pop("stream_options", None)
-    leg.pop("min_tokens", None)
-    return leg
-
-
-def error_body(status: int, message: str, kind: str) -> bytes:
-    """An OpenAI-style error object (vLLM's ``ErrorResponse``)."""
-    error = {"message": message, "type": kind, "param": None, "code": status}
-    return json.dumps({"error": error}).encode()
-
-
-def error_response(status: int, message: str, kind: str, request_id: str = "") -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    body = error_body(status, message, kind)
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _passed_headers(response: aiohttp.ClientResponse, request_id: str) -> dict[str, str]:
-    headers = {
-        k: v for k, v in response.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS
-    }
-    headers[REQUEST_ID_HEADER] = request_id
-    return headers
 
 
 class Proxy:
@@ -174,6 +128,8 @@ class Proxy:
     async def _stop(self, app: web.Application) -> None:
         if self._probe is not None:
             self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
         if self.session is not None:
             await self.session.close()
 
@@ -292,7 +248,7 @@ class Proxy:
     def _instance_failed(
         self, pool: Pool, instance: Instance, error: object, request_id: str
     ) -> None:
-        text = _describe(error) if isinstance(error, BaseException) else str(error)
+        text = describe_error(error) if isinstance(error, BaseException) else str(error)
         pool.mark_down(instance, text)
         logger.warning(
             "%s %s instance %s failed (%s); skipped for %.1f s",
@@ -354,7 +310,7 @@ class Proxy:
                 self._instance_failed(self.decode, instance, f"HTTP {upstream.status}", request_id)
             else:
                 self.decode.mark_up(instance)
-            passed = _passed_headers(upstream, request_id)
+            passed = passed_headers(upstream, request_id)
             if upstream.content_type == EVENT_STREAM:
                 response = await self._stream(request, instance, upstream, passed)
             else:
@@ -362,7 +318,7 @@ class Proxy:
                     body = await upstream.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     self._instance_failed(self.decode, instance, exc, request_id)
-                    message = f"the decode instance failed: {_describe(exc)}"
+                    message = f"the decode instance failed: {describe_error(exc)}"
                     return error_response(504, message, "Timeout", request_id)
                 response = web.Response(status=upstream.status, body=body, headers=passed)
         self.metrics.decode_seconds.observe(time.perf_counter() - leg_started)
@@ -417,7 +373,7 @@ class Proxy:
                     instance.url + "/v1/models", headers=headers, timeout=self._prefill_timeout
                 ) as upstream:
                     body = await upstream.read()
-                    passed = _passed_headers(upstream, request_id)
+                    passed = passed_headers(upstream, request_id)
                     return web.Response(status=upstream.status, body=body, headers=passed)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._instance_failed(self.decode, instance, exc, request_id)
@@ -470,7 +426,7 @@ class Proxy:
                 healthy = response.status == 200
                 error = f"health probe: HTTP {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            healthy, error = False, f"health probe: {_describe(exc)}"
+            healthy, error = False, f"health probe: {describe_error(exc)}"
         if not instance.is_down:
             return  # a request brought it back meanwhile
         if healthy:

@@ -98,6 +98,7 @@ class FakeOpenAI:
     received: list[Received] = field(default_factory=list)
     in_flight: int = 0
     health_checks: int = 0
+    abandoned_streams: int = 0  # streams whose reader went away before the end
 
     def __post_init__(self) -> None:
         app = web.Application()
@@ -160,7 +161,11 @@ class FakeOpenAI:
             if behaviour.cut_after is not None and i == behaviour.cut_after:
                 request.transport.close()
                 return response
-            await response.write(event)
+            try:
+                await response.write(event)
+            except ConnectionResetError:
+                self.abandoned_streams += 1
+                return response
             if behaviour.chunk_delay_s:
                 await asyncio.sleep(behaviour.chunk_delay_s)
         await response.write_eof()
