@@ -5,6 +5,8 @@ kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
 kvtier kernels  kernel ops, backends available, what `auto` picks, tuning files in effect
 kvtier tune     sweep the Triton kernels' launch parameters on the local GPU; write tuning files
 kvtier serve    a node-level cache server that engines share (remote_url: kvtier://host:port)
+kvtier status   a running kvtier serve's health, tiers and counters
+kvtier proxy    an OpenAI-compatible prefill/decode router in front of vLLM instances
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.config import ConfigError, load_config
+from kvtier.proxy.command import add_arguments as add_proxy_arguments
+from kvtier.proxy.command import run_proxy
 from kvtier.server.serve import add_arguments, run_serve
 from kvtier.server.status import add_arguments as add_status_arguments
 from kvtier.server.status import run_status
@@ -493,6 +497,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_status_arguments(status)
     status.set_defaults(func=run_status)
+
+    proxy = sub.add_parser(
+        "proxy",
+        help="an OpenAI-compatible prefill/decode router in front of vLLM instances",
+        description="Serve /v1/completions and /v1/chat/completions: each request runs "
+        "on a prefill instance with max_tokens=1 (its KV goes to the kvtier tier the "
+        "engines share), then goes unchanged to a decode instance, whose answer "
+        "(streamed or not) is passed back. Also /v1/models, /health and /metrics. "
+        "Needs aiohttp: pip install 'kvtier[proxy]'. See docs/proxy.md.",
+    )
+    add_proxy_arguments(proxy)
+    proxy.set_defaults(func=run_proxy)
     return parser
 
 

@@ -1,0 +1,471 @@
+"""The proxy's HTTP server: OpenAI-compatible endpoints in front of prefill and decode
+instances, on aiohttp (server and one pooled, keep-alive client session).
+
+    POST /v1/completions, /v1/chat/completions   prefill leg, then decode leg (below)
+    GET  /v1/models                              forwarded to a decode instance
+    GET  /health                                 the proxy's and every instance's state
+    GET  /metrics                                Prometheus text (``metrics.py``)
+
+A completion request, in order:
+
+    client ──body──▶ proxy ──body, max_tokens=1, stream=false──▶ prefill instance
+                       │        (waits for the whole answer, drops it)
+                       └────── the client's body, byte for byte ──▶ decode instance
+    client ◀── the decode instance's status, headers and bytes (SSE chunks as they come)
+
+Both legs carry the request id as ``X-Request-Id`` (the client's, or a new one), the
+header vLLM's OpenAI server takes its request id from; the client's ``Authorization``,
+``traceparent`` and ``tracestate`` headers are passed on too.
+
+Failures (NOTE: the decode instance always gets the request unless none is up):
+- prefill: a connection error tries the next prefill instance; a timeout or a 5xx marks
+  the instance down and the request goes to decode without a prefill leg; a 4xx (the
+  request is bad, or bad with ``max_tokens=1``) goes to decode too, which gives the
+  verdict the client sees. With every prefill instance down the request goes to decode
+  alone: the decode instance computes the prompt itself (counted in
+  ``kvtier_proxy_prefill_skipped_total``).
+- decode: a connection error marks the instance down and tries the next one; with none
+  left the proxy answers 503. A 5xx marks it down and is passed to the client as it is
+  (not retried: the request may be what failed). A timeout answers 504, or ends a stream
+  that already started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from kvtier.proxy.instances import Instance, Pool
+from kvtier.proxy.messages import (
+    EVENT_STREAM,
+    FORWARDED_HEADERS,
+    REQUEST_ID_HEADER,
+    describe_error,
+    error_response,
+    passed_headers,
+    prefill_body,
+)
+from kvtier.proxy.metrics import CONTENT_TYPE, ProxyMetrics, SkipReason
+
+logger = logging.getLogger("kvtier.proxy")
+
+# Below uvicorn's (and so vLLM's) 5 s keep-alive, so the proxy never reuses a connection
+# the instance is closing.
+KEEPALIVE_S = 4.0
+MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What ``kvtier proxy`` is given (see ``command.py`` for the flags)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    policy: str = "round_robin"
+    retry_after_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0  # the whole prefill leg
+    decode_timeout_s: float = 300.0  # the longest wait for the next bytes of a decode answer
+    api_key: str | None = None
+
+
+class LegFailed(Exception):
+    """An instance could not be used: no connection, a timeout, a broken answer."""
+
+
+class Proxy:
+    """The proxy's state (instance pools, metrics, client session) and its handlers.
+
+    ``build_app()`` returns the aiohttp application; the client session is opened when
+    the application starts and closed when it stops, with the health probe beside it.
+    """
+
+    def __init__(self, settings: ProxySettings):
+        if not settings.decode:
+            raise ValueError("at least one decode instance is needed (--decode URL)")
+        self.settings = settings
+        self.prefill = Pool("prefill", settings.prefill, settings.policy, settings.retry_after_s)
+        self.decode = Pool("decode", settings.decode, settings.policy, settings.retry_after_s)
+        self.metrics = ProxyMetrics([self.prefill, self.decode])
+        self.session: aiohttp.ClientSession | None = None
+        self._probe: asyncio.Task | None = None
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            total=settings.prefill_timeout_s, sock_connect=settings.connect_timeout_s
+        )
+        self._decode_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=settings.connect_timeout_s,
+            sock_read=settings.decode_timeout_s,
+        )
+        self._probe_timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
+        self._probe = asyncio.create_task(self._probe_loop())
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        if self.session is not None:
+            await self.session.close()
+
+    # -- completions ---------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        endpoint = request.path
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        refused = self._check_key(request, request_id)
+        if refused is not None:
+            self.metrics.requests.labels(endpoint, str(refused.status)).inc()
+            return refused
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self.metrics.requests.labels(endpoint, "400").inc()
+            return error_response(
+                400, "the request body is not a JSON object", "BadRequestError", request_id
+            )
+        headers = self._leg_headers(request, request_id)
+        prefilled_on, prefill_s = await self._prefill(endpoint, body, headers, request_id)
+        response, decoded_on, decode_s = await self._decode(request, raw, headers, request_id)
+        total_s = time.perf_counter() - started
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        self.metrics.overhead_seconds.observe(max(0.0, total_s - prefill_s - decode_s))
+        logger.info(
+            "%s %s prefill=%s (%.1f ms) decode=%s %d (%.1f ms)",
+            request_id,
+            endpoint,
+            prefilled_on,
+            prefill_s * 1e3,
+            decoded_on,
+            response.status,
+            decode_s * 1e3,
+        )
+        return response
+
+    def _check_key(self, request: web.Request, request_id: str) -> web.Response | None:
+        key = self.settings.api_key
+        if key is None:
+            return None
+        given = request.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return None
+        return error_response(401, "Unauthorized", "AuthenticationError", request_id)
+
+    @staticmethod
+    def _leg_headers(request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+        for name in FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        return headers
+
+    async def _prefill(
+        self, path: str, body: dict, headers: dict[str, str], request_id: str
+    ) -> tuple[str, float]:
+        """Run the prefill leg. Returns where it ran (a URL, or why it was skipped) and
+        its seconds."""
+        payload = json.dumps(prefill_body(body)).encode()
+        tried: list[Instance] = []
+        seconds = 0.0
+        while (instance := self.prefill.pick(exclude=tried)) is not None:
+            tried.append(instance)
+            leg_started = time.perf_counter()
+            try:
+                with self.prefill.in_flight(instance):
+                    status = await self._post_and_read(instance, path, payload, headers)
+            except aiohttp.ClientConnectionError as exc:
+                seconds += time.perf_counter() - leg_started
+                if isinstance(exc, aiohttp.ServerTimeoutError):
+                    return self._prefill_failed(instance, exc, request_id), seconds
+                self._instance_failed(self.prefill, instance, exc, request_id)
+                continue  # nothing was computed there: the next instance
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                seconds += time.perf_counter() - leg_started
+                return self._prefill_failed(instance, exc, request_id), seconds
+            seconds += time.perf_counter() - leg_started
+            self.metrics.prefill_seconds.observe(seconds)
+            if status >= 500:
+                return self._prefill_failed(instance, f"HTTP {status}", request_id), seconds
+            self.prefill.mark_up(instance)
+            if status >= 400:
+                logger.warning(
+                    "%s prefill on %s answered %d; decode gives the verdict",
+                    request_id,
+                    instance.url,
+                    status,
+                )
+                self.metrics.prefill_skipped.labels(SkipReason.PREFILL_REJECTED).inc()
+                return SkipReason.PREFILL_REJECTED, seconds
+            return instance.url, seconds
+        reason = SkipReason.PREFILL_FAILED if tried else SkipReason.NO_PREFILL_INSTANCE
+        self.metrics.prefill_skipped.labels(reason).inc()
+        return reason, seconds
+
+    async def _post_and_read(
+        self, instance: Instance, path: str, payload: bytes, headers: dict[str, str]
+    ) -> int:
+        async with self.session.post(
+            instance.url + path, data=payload, headers=headers, timeout=self._prefill_timeout
+        ) as response:
+            await response.read()
+            return response.status
+
+    def _prefill_failed(self, instance: Instance, error: object, request_id: str) -> str:
+        self._instance_failed(self.prefill, instance, error, request_id)
+        self.metrics.prefill_skipped.labels(SkipReason.PREFILL_FAILED).inc()
+        return SkipReason.PREFILL_FAILED
+
+    def _instance_failed(
+        self, pool: Pool, instance: Instance, error: object, request_id: str
+    ) -> None:
+        text = describe_error(error) if isinstance(error, BaseException) else str(error)
+        pool.mark_down(instance, text)
+        logger.warning(
+            "%s %s instance %s failed (%s); skipped for %.1f s",
+            request_id,
+            pool.role,
+            instance.url,
+            text,
+            pool.retry_after_s,
+        )
+
+    async def _decode(
+        self, request: web.Request, raw: bytes, headers: dict[str, str], request_id: str
+    ) -> tuple[web.StreamResponse, str, float]:
+        """Run the decode leg and answer the client. Returns the response, the decode
+        instance's URL (or "none") and the leg's seconds."""
+        tried: list[Instance] = []
+        while (instance := self.decode.pick(exclude=tried)) is not None:
+            tried.append(instance)
+            leg_started = time.perf_counter()
+            with self.decode.in_flight(instance):
+                try:
+                    response = await self._relay(request, instance, raw, headers, request_id)
+                except LegFailed:
+                    continue
+                return response, instance.url, time.perf_counter() - leg_started
+        message = "no decode instance is up" if not tried else "every decode instance failed"
+        return error_response(503, message, "ServiceUnavailableError", request_id), "none", 0.0
+
+    async def _relay(
+        self,
+        request: web.Request,
+        instance: Instance,
+        raw: bytes,
+        headers: dict[str, str],
+        request_id: str,
+    ) -> web.StreamResponse:
+        """Send the client's body to ``instance`` and pass its answer on.
+
+        Raises:
+            LegFailed: no answer at all from ``instance`` (try another one).
+        """
+        leg_started = time.perf_counter()
+        try:
+            upstream = await self.session.post(
+                instance.url + request.path,
+                data=raw,
+                headers=headers,
+                timeout=self._decode_timeout,
+            )
+        except aiohttp.ServerTimeoutError as exc:  # the instance may be working on it
+            self._instance_failed(self.decode, instance, exc, request_id)
+            return error_response(504, "the decode instance timed out", "Timeout", request_id)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._instance_failed(self.decode, instance, exc, request_id)
+            raise LegFailed from exc
+        async with upstream:
+            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - leg_started)
+            if upstream.status >= 500:
+                self._instance_failed(self.decode, instance, f"HTTP {upstream.status}", request_id)
+            else:
+                self.decode.mark_up(instance)
+            passed = passed_headers(upstream, request_id)
+            if upstream.content_type == EVENT_STREAM:
+                response = await self._stream(request, instance, upstream, passed)
+            else:
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self._instance_failed(self.decode, instance, exc, request_id)
+                    message = f"the decode instance failed: {describe_error(exc)}"
+                    return error_response(504, message, "Timeout", request_id)
+                response = web.Response(status=upstream.status, body=body, headers=passed)
+        self.metrics.decode_seconds.observe(time.perf_counter() - leg_started)
+        return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        instance: Instance,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Pass an SSE answer on as its bytes arrive.
+
+        NOTE: when the instance fails mid-stream the status has gone out already; the
+        client's connection is then cut (no closing chunk), so the client sees a broken
+        stream rather than a short answer that looks complete.
+        """
+        request_id = headers[REQUEST_ID_HEADER]
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except ConnectionResetError:
+            # The client went away; leaving ``upstream`` unread closes its connection,
+            # which makes vLLM abort the generation.
+            logger.info("%s client disconnected mid-stream", request_id)
+            return response
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._instance_failed(self.decode, instance, exc, request_id)
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        await response.write_eof()
+        return response
+
+    # -- other endpoints -----------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        refused = self._check_key(request, request_id)
+        if refused is not None:
+            return refused
+        headers = self._leg_headers(request, request_id)
+        headers.pop("Content-Type")
+        tried: list[Instance] = []
+        while (instance := self.decode.pick(exclude=tried)) is not None:
+            tried.append(instance)
+            try:
+                async with self.session.get(
+                    instance.url + "/v1/models", headers=headers, timeout=self._prefill_timeout
+                ) as upstream:
+                    body = await upstream.read()
+                    passed = passed_headers(upstream, request_id)
+                    return web.Response(status=upstream.status, body=body, headers=passed)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self._instance_failed(self.decode, instance, exc, request_id)
+        return error_response(
+            503, "no decode instance is up", "ServiceUnavailableError", request_id
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while a decode instance is up ("ok", or "degraded" when an instance is
+        down), 503 when none is."""
+        decode_up = self.decode.up_count()
+        everything_up = decode_up == len(self.decode) and self.prefill.up_count() == len(
+            self.prefill
+        )
+        status = "ok" if everything_up else "degraded" if decode_up else "down"
+        body = {
+            "status": status,
+            "policy": self.settings.policy,
+            "prefill": self.prefill.as_json(),
+            "decode": self.decode.as_json(),
+        }
+        return web.json_response(body, status=200 if decode_up else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # -- health probe --------------------------------------------------------------
+
+    async def _probe_loop(self) -> None:
+        """Every ``min(retry_after_s, 1 s)``, GET ``/health`` of each down instance whose
+        retry delay has passed: 200 brings it back up, anything else keeps it down."""
+        interval = max(min(self.settings.retry_after_s, 1.0), 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            due = [
+                (pool, instance)
+                for pool in (self.prefill, self.decode)
+                for instance in pool.down()
+                if instance.eligible(pool.clock())
+            ]
+            if due:
+                await asyncio.gather(*(self._probe_one(pool, i) for pool, i in due))
+
+    async def _probe_one(self, pool: Pool, instance: Instance) -> None:
+        try:
+            async with self.session.get(
+                instance.url + "/health", timeout=self._probe_timeout
+            ) as response:
+                await response.read()
+                healthy = response.status == 200
+                error = f"health probe: HTTP {response.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            healthy, error = False, f"health probe: {describe_error(exc)}"
+        if not instance.is_down:
+            return  # a request brought it back meanwhile
+        if healthy:
+            pool.mark_up(instance)
+            logger.info("%s instance %s is back up", pool.role, instance.url)
+        else:
+            pool.mark_down(instance, error, count=False)
+
+
+async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> int:
+    """Serve ``proxy`` on ``host:port`` until SIGTERM or SIGINT, then let the requests in
+    flight finish for up to ``shutdown_grace_s``. Returns 0.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    # access_log=None: the proxy logs one line per request itself, with its request id.
+    runner = web.AppRunner(proxy.build_app(), access_log=None, shutdown_timeout=shutdown_grace_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    bound_host, bound_port = runner.addresses[0][:2]
+    logger.info("kvtier proxy listening on http://%s:%d", bound_host, bound_port)
+    logger.info(
+        "prefill: %s; decode: %s; policy %s",
+        ", ".join(i.url for i in proxy.prefill.instances) or "none (decode alone)",
+        ", ".join(i.url for i in proxy.decode.instances),
+        proxy.settings.policy,
+    )
+    await stop.wait()
+    logger.info("kvtier proxy stopping")
+    await runner.cleanup()
+    logger.info("kvtier proxy stopped")
+    return 0

@@ -1,0 +1,168 @@
+"""The engine instances behind the proxy, their up/down state and how one is picked.
+
+An ``Instance`` is one OpenAI-compatible server (a vLLM engine) with a role, prefill or
+decode. A ``Pool`` holds the instances of one role and picks one per request:
+
+    round_robin    the next instance in turn among those up
+    least_loaded   the instance with the fewest requests in flight through this proxy
+                   (ties: the one picked least recently)
+
+NOTE: an instance that fails (connection error, timeout, 5xx) is marked down for
+``retry_after_s``. A down instance is skipped until that delay has passed; then it is
+eligible again, so the next request that picks it re-tries it (and the proxy's health
+probe, which GETs ``/health`` of the down instances, may bring it back sooner). A
+success marks it up. Nothing here does I/O: the clock is passed in, so selection and
+state are tested without a network.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_loaded")
+
+
+@dataclass(slots=True)
+class Instance:
+    """One engine: its base URL (``http://host:port``, no trailing slash), its role, and
+    what the proxy has seen of it."""
+
+    url: str
+    role: str  # "prefill" or "decode"
+    in_flight: int = 0
+    requests: int = 0  # requests sent to it (both outcomes)
+    failures: int = 0  # connection errors, timeouts and 5xx answers
+    down_until: float = 0.0  # monotonic time before which it is skipped; 0: up
+    last_error: str = ""
+    last_picked: int = 0  # pick counter value when last picked (least_loaded's tie-break)
+
+    @property
+    def is_down(self) -> bool:
+        """Marked down and not yet recovered (its retry delay may have passed)."""
+        return self.down_until > 0.0
+
+    def eligible(self, now: float) -> bool:
+        """Up, or down with its retry delay over (the next pick re-tries it)."""
+        return self.down_until <= now
+
+    def as_json(self, now: float) -> dict[str, object]:
+        row: dict[str, object] = {
+            "url": self.url,
+            "up": not self.is_down,
+            "in_flight": self.in_flight,
+            "requests": self.requests,
+            "failures": self.failures,
+        }
+        if self.is_down:
+            row["retry_in_s"] = round(max(0.0, self.down_until - now), 3)
+            row["last_error"] = self.last_error
+        return row
+
+
+@dataclass(slots=True)
+class Pool:
+    """The instances of one role and the policy that picks among them.
+
+    Args:
+        role: "prefill" or "decode" (labels in logs and metrics).
+        urls: base URLs, in the order given on the command line.
+        policy: one of ``POLICIES``.
+        retry_after_s: how long a failed instance is skipped.
+        clock: monotonic seconds (``time.monotonic``; tests pass their own).
+
+    Raises:
+        ValueError: an unknown policy, a negative delay or two equal URLs.
+    """
+
+    role: str
+    urls: Sequence[str]
+    policy: str = "round_robin"
+    retry_after_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    instances: list[Instance] = field(init=False)
+    _next: int = field(init=False, default=0)  # round_robin: where the next search starts
+    _picks: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r}: allowed are {', '.join(POLICIES)}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        urls = [normalize_url(url) for url in self.urls]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"{self.role} instances given twice: {urls}")
+        self.instances = [Instance(url, self.role) for url in urls]
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def pick(self, exclude: Sequence[Instance] = ()) -> Instance | None:
+        """The instance for the next request, or None when every instance not in
+        ``exclude`` is down (within its retry delay)."""
+        now = self.clock()
+        candidates = [i for i in self.instances if i.eligible(now) and i not in exclude]
+        if not candidates:
+            return None
+        self._picks += 1
+        if self.policy == "least_loaded":
+            chosen = min(candidates, key=lambda i: (i.in_flight, i.last_picked))
+        else:
+            # The first candidate after the last one picked, so the rotation stays even
+            # among the instances up when some are skipped.
+            order = self.instances[self._next :] + self.instances[: self._next]
+            chosen = next(i for i in order if i in candidates)
+            self._next = (self.instances.index(chosen) + 1) % len(self.instances)
+        chosen.last_picked = self._picks
+        return chosen
+
+    @contextmanager
+    def in_flight(self, instance: Instance) -> Iterator[Instance]:
+        """Count a request in flight on ``instance`` for the duration of the block."""
+        instance.in_flight += 1
+        instance.requests += 1
+        try:
+            yield instance
+        finally:
+            instance.in_flight -= 1
+
+    def mark_down(self, instance: Instance, error: str, *, count: bool = True) -> None:
+        """A failure: skip the instance for ``retry_after_s``; ``count``: a failed request
+        (False for a failed health probe of an instance already down)."""
+        instance.failures += count
+        instance.last_error = error
+        # A delay of 0 still needs a nonzero mark for ``is_down``.
+        instance.down_until = max(self.clock() + self.retry_after_s, 1e-9)
+
+    def mark_up(self, instance: Instance) -> None:
+        instance.down_until = 0.0
+        instance.last_error = ""
+
+    def down(self) -> list[Instance]:
+        return [i for i in self.instances if i.is_down]
+
+    def up_count(self) -> int:
+        return sum(not i.is_down for i in self.instances)
+
+    def as_json(self) -> list[dict[str, object]]:
+        now = self.clock()
+        return [i.as_json(now) for i in self.instances]
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` → ``http://host:port``.
+
+    Raises:
+        ValueError: an empty URL or a scheme other than http/https.
+    """
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("an instance URL is empty")
+    if "://" not in url:
+        url = f"http://{url}"
+    scheme = url.split("://", 1)[0]
+    if scheme not in ("http", "https"):
+        raise ValueError(f"instance URL {url!r}: the scheme must be http or https")
+    return url
