@@ -179,6 +179,13 @@ def is_lmcache_feature_key(name: str) -> bool:
     )
 
 
+# What kvtier offers instead of an unsupported LMCache feature, named in its error.
+LMCACHE_FEATURE_INSTEAD = {
+    "PD disaggregation": "kvtier's is vLLM's kv_role 'kv_producer' / 'kv_consumer' with one "
+    "shared remote_url, see docs/disaggregated.md",
+}
+
+
 def check_lmcache_feature_key(name: str, raw: Any, origin: str) -> str | None:
     """The problem with an unsupported/planned LMCache key's value, or None if it is off."""
     if name in LMCACHE_PLANNED_KEYS:
@@ -191,8 +198,10 @@ def check_lmcache_feature_key(name: str, raw: Any, origin: str) -> str | None:
     if is_switched_off(raw, default):
         return None
     fix = "remove it" if default is None else f"remove it or set it to {yaml_literal(default)}"
+    instead = LMCACHE_FEATURE_INSTEAD.get(feature)
     return (
         f"LMCache key {name!r} is {verdict} by kvtier ({feature}): got {raw!r} from {origin}; {fix}"
+        + (f" ({instead})" if instead else "")
     )
 
 

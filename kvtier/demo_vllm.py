@@ -131,8 +131,12 @@ def make_engine(
     **kwargs: Any,
 ):
     """A ``vllm.LLM`` for a local random-weight model, prompts as token ids, eager mode;
-    ``kvtier`` is the connector's config (None: no connector). Defaults: the demo's."""
+    ``kvtier`` is the connector's config (None: no connector; a ``kv_transfer_config``
+    in ``kwargs`` is taken as it is). Defaults: the demo's."""
     from vllm import LLM
+
+    if kvtier is not None:
+        kwargs["kv_transfer_config"] = transfer_config(kvtier, engine_id=engine_id, kv_role=kv_role)
 
     return LLM(
         model=str(model),
@@ -142,9 +146,6 @@ def make_engine(
         max_model_len=max_model_len,
         enforce_eager=True,
         dtype=dtype,
-        kv_transfer_config=None
-        if kvtier is None
-        else transfer_config(kvtier, engine_id=engine_id, kv_role=kv_role),
         **kwargs,
     )
 

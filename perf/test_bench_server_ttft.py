@@ -12,6 +12,12 @@ own (``local_cpu: false``): the node server is their only tier. A round:
    compute came from the server).
 
 A row's value is the median over rounds of B's TTFT, its baseline the median of A's.
+
+Disaggregated prefill, through the same server: per round a ``kv_producer`` serves the
+round's prompts, then a ``kv_consumer`` serves them (timed: its TTFT with the producer's
+KV), then another ``kv_consumer`` serves prompts nobody stored (timed: the consumer's
+own cold prefill, the baseline).
+
 Results go to ``perf/results/<device>-vllm-ttft.json`` beside the single-engine TTFT rows.
 """
 
@@ -74,7 +80,7 @@ def server_url():
     process.wait(30)
 
 
-def _run(round_: int, model: Path, url: str, out: Path) -> dict:
+def _run(round_: int, model: Path, url: str, out: Path, kv_role: str = "kv_both") -> dict:
     extra = {"local_cpu": False, "remote_url": url, "remote_timeout_ms": 5000}
     command = [
         sys.executable,
@@ -87,6 +93,7 @@ def _run(round_: int, model: Path, url: str, out: Path) -> dict:
         f"--model={model}",
         f"--json={out}",
         f"--kvtier-extra={json.dumps(extra)}",
+        f"--kv-role={kv_role}",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
@@ -127,3 +134,41 @@ def test_ttft_engine_b_via_server_vs_cold_prefill(rounds, record, tokens):
     loaded = [c for _, b in rounds for c in b["miss_cached_tokens"][key]]
     assert max(cold_cached) == 0, f"engine A was not cold: {cold_cached}"
     assert min(loaded) >= tokens // 256 * 256 - 256, f"B loaded too little: {loaded}"
+
+
+@pytest.fixture(scope="module")
+def pd_rounds(model, server_url, tmp_path_factory) -> list[tuple[dict, dict]]:
+    """``(consumer's run on the producer's prompts, consumer's run on new prompts)``."""
+    out = tmp_path_factory.mktemp("pd-ttft")
+    pairs = []
+    for round_ in range(ROUNDS):
+        seed = 100 + round_  # prompts none of the runs above stored
+        _run(seed, model, server_url, out / f"{round_}-p.json", "kv_producer")
+        hit = _run(seed, model, server_url, out / f"{round_}-c.json", "kv_consumer")
+        cold = _run(seed + 1000, model, server_url, out / f"{round_}-cold.json", "kv_consumer")
+        pairs.append((hit, cold))
+    return pairs
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_ttft_pd_consumer_vs_its_cold_prefill(pd_rounds, record, tokens):
+    key = str(tokens)
+    loaded = [statistics.median(hit["miss_s"][key]) for hit, _ in pd_rounds]
+    cold = [statistics.median(c["miss_s"][key]) for _, c in pd_rounds]
+    record(
+        metric=f"ttft_pd_consumer_{tokens}_tokens",
+        value=statistics.median(loaded),
+        unit="s",
+        baseline=f"ttft_pd_consumer_cold_prefill_{tokens}_tokens",
+        baseline_value=statistics.median(cold),
+        rounds=loaded,
+        spread=[min(loaded), max(loaded)],
+        baseline_rounds=cold,
+        baseline_spread=[min(cold), max(cold)],
+        engine={"vllm": pd_rounds[0][0]["vllm"], "kvtier_config": pd_rounds[0][0]["kvtier_config"]},
+    )
+    cold_cached = [n for _, c in pd_rounds for n in c["miss_cached_tokens"][key]]
+    hit_cached = [n for hit, _ in pd_rounds for n in hit["miss_cached_tokens"][key]]
+    assert max(cold_cached) == 0, f"the cold consumer loaded: {cold_cached}"
+    # producers store partial last chunks: all but the last token's block is loaded
+    assert min(hit_cached) >= tokens - 64, f"the consumer loaded too little: {hit_cached}"

@@ -94,6 +94,7 @@ def run(
     seed: int,
     model: Path,
     kvtier_extra: dict[str, object] | None = None,
+    kv_role: str = "kv_both",
 ) -> dict[str, object]:
     """Start one engine, warm it up, time misses (and hits with kvtier); the timings in
     seconds and the tokens vLLM reported cached, per length in serving order."""
@@ -106,7 +107,7 @@ def run(
     build_model(model)
     kvtier_config = {**KVTIER_CONFIG, **(kvtier_extra or {})} if mode == "kvtier" else None
     start = time.perf_counter()
-    llm = make_engine(model, max_model_len=MAX_MODEL_LEN, kvtier=kvtier_config)
+    llm = make_engine(model, max_model_len=MAX_MODEL_LEN, kvtier=kvtier_config, kv_role=kv_role)
     startup_s = time.perf_counter() - start
     cpus = thread_cpus()
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -156,6 +157,7 @@ def run(
         "pid": os.getpid(),
         "vllm": vllm.__version__,
         "kvtier_config": kvtier_config,
+        "kv_role": kv_role if mode == "kvtier" else None,
         "startup_s": startup_s,
         "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
         "thread_cpus": cpus,
@@ -184,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         default={},
         help="JSON of config keys over the default kvtier config (e.g. a remote_url)",
     )
+    parser.add_argument(
+        "--kv-role",
+        choices=("kv_both", "kv_producer", "kv_consumer"),
+        default="kv_both",
+        help="vLLM's kv_role of the kvtier engine (disaggregated prefill)",
+    )
     args = parser.parse_args(argv)
     if max(args.tokens + args.extra_tokens) + 1 > MAX_MODEL_LEN:
         parser.error(f"--tokens: at most {MAX_MODEL_LEN - 1} (the engine's max_model_len)")
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         model=args.model,
         kvtier_extra=args.kvtier_extra,
+        kv_role=args.kv_role,
     )
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -976,3 +976,9 @@ def test_a_cachegen_schedule_is_per_layer_or_for_all() -> None:
     assert parse_levels("16,8,4", 3, "cachegen_k_levels") == [16, 8, 4]
     with pytest.raises(ValueError, match="cachegen_v_levels lists 3 layers, the model has 2"):
         parse_levels("16,8,4", 2, "cachegen_v_levels")
+
+
+def test_lmcache_pd_keys_point_to_kvtiers_roles() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"enable_pd": True}, env={})
+    assert_one_problem_mentions(excinfo.value, "kv_role", "kv_producer", "disaggregated.md")

@@ -32,9 +32,12 @@ def prompts_of(lengths: list[int], *, seed: int = 0, vocab: int = 500) -> list[l
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
-def kv_transfer_config(extra: dict[str, Any], *, engine_id: str | None = None) -> dict:
+def kv_transfer_config(
+    extra: dict[str, Any], *, engine_id: str | None = None, kv_role: str = "kv_both"
+) -> dict:
     """kvtier's ``kv_transfer_config`` with a fresh engine id unless one is given."""
-    return transfer_config(extra, engine_id=engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}")
+    engine_id = engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    return transfer_config(extra, engine_id=engine_id, kv_role=kv_role)
 
 
 def make_llm(

@@ -41,3 +41,34 @@ def make_tiny_llama(
         seed=seed,
         weight_std=0.08,
     )
+
+
+# A chat template that is plain text: each message's role and content, then the prompt
+# for the assistant's turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def add_word_tokenizer(model: Path, vocab_size: int = 512) -> Path:
+    """Give a local model a tokenizer and chat template of its own (nothing downloaded):
+    one word per token, ``w0`` … ``w{vocab_size-1}``, the role names among them, so text
+    and chat requests reach the engine. Returns ``model``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "system", "user", "assistant"]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    tokenizer.save_pretrained(str(model))
+    return model
