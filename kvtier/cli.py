@@ -3,6 +3,7 @@
 kvtier info     versions, devices seen, kernel backends, config in effect
 kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
 kvtier kernels  kernel ops, backends available, what `auto` picks, tuning files in effect
+kvtier precompile  compile the Triton kernels an engine will use (no JIT stall on its first request)
 kvtier tune     sweep the Triton kernels' launch parameters on the local GPU; write tuning files
 kvtier serve    a node-level cache server that engines share (remote_url: kvtier://host:port)
 kvtier status   a running kvtier serve's health, tiers and counters
@@ -19,6 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.config import ConfigError, load_config
+from kvtier.precompile import add_arguments as add_precompile_arguments
+from kvtier.precompile import run_precompile
 from kvtier.proxy.command import add_arguments as add_proxy_arguments
 from kvtier.proxy.command import run_proxy
 from kvtier.server.serve import add_arguments, run_serve
@@ -427,6 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kernels.add_argument("--json", action="store_true", help="print JSON")
     kernels.set_defaults(func=cmd_kernels)
+
+    precompile = sub.add_parser(
+        "precompile",
+        help="compile the Triton kernels an engine will use, into Triton's cache",
+        description="Compile the kernels an engine with this model and kvtier config will "
+        "launch (every token count up to chunk_size) so its first request does not wait for "
+        "Triton's JIT. They are kept in Triton's cache (TRITON_CACHE_DIR). Without a GPU "
+        "there is nothing to compile; it says so and exits 0. See docs/portability.md.",
+    )
+    add_precompile_arguments(precompile)
+    precompile.set_defaults(func=run_precompile)
 
     tune = sub.add_parser(
         "tune",
