@@ -8,6 +8,7 @@ checked against a stand-in kernel that records Triton ``warmup`` calls.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -194,3 +195,15 @@ def test_the_connector_key_compiles_in_a_background_thread(caplog) -> None:
     thread.join(timeout=60)
     assert "kvtier precompile_kernels: paged_gather 4 calls" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(before, bits(paged), strict=True))
+
+
+def test_info_names_the_tuning_files_in_effect_and_tritons_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["triton_cache"] == str(tmp_path / "triton")
+    assert isinstance(info["tuning_in_effect"], list)
+    if not torch.cuda.is_available():
+        assert all(
+            backends != ["torch", "triton", "interpret"] for backends in info["kernel_ops"].values()
+        )
