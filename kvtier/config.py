@@ -146,6 +146,14 @@ class KVTierConfig(ConnectorKeys):
         allowed="a non-empty string",
         nullable=True,
     )
+    precompile_kernels: bool = key(
+        False,
+        bool,
+        "vLLM connector: at start-up, compile the paged-copy Triton kernels for this "
+        "engine's KV cache (every token count up to chunk_size) in a background thread, so "
+        "the first request does not wait for Triton's JIT; kept in Triton's cache "
+        "(TRITON_CACHE_DIR). Off: they compile on first use. See `kvtier precompile`.",
+    )
     model_name: str | None = key(
         None,
         str,

@@ -4,14 +4,17 @@
   interpreted) on first use, so importing ``kvtier_kernels`` never imports triton;
 - :func:`triton_loader`: the registry loader that decorates the kernel and returns the
   launcher bound to one backend;
-- :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters.
+- :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters;
+- :func:`compile_only`: within it, this thread's launches compile their kernel (Triton's
+  ``warmup``) but run nothing (``kvtier precompile`` and the connector's start-up warm-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -33,6 +36,49 @@ def check_launch_config(config: Any, block_fields: Sequence[str]) -> None:
         )
 
 
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[list[tuple[str, Any]]]:
+    """Within this block, in this thread only, ``kernel[grid](...)`` of a :class:`LazyKernel`
+    compiles the kernel for those arguments (Triton's ``warmup``: specialization, compile,
+    Triton's cache) and launches nothing; an interpreted kernel does nothing at all.
+
+    Yields the list of ``(kernel name, compiled kernel or None)`` requested so far, one per
+    launch, for reports. Other threads launch as usual meanwhile.
+
+    NOTE: launchers still read what their host code reads after the launch (buffers that
+    the kernel would have written hold whatever they were allocated with).
+    """
+    outer = getattr(_mode, "requests", None)
+    _mode.requests = requests = []
+    try:
+        yield requests
+    finally:
+        _mode.requests = outer
+
+
+def compiling_only() -> bool:
+    """Whether this thread is inside :func:`compile_only`."""
+    return getattr(_mode, "requests", None) is not None
+
+
+class _CompileOnly:
+    """``kernel[grid](*args, **meta)`` that compiles (or, interpreted, skips) the launch."""
+
+    def __init__(self, kernel: Any, name: str, requests: list[tuple[str, Any]]) -> None:
+        self.kernel, self.name, self.requests = kernel, name, requests
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **meta: Any) -> None:
+            warmup = getattr(self.kernel, "warmup", None)  # None: the interpreter
+            compiled = warmup(*args, grid=grid, **meta) if warmup is not None else None
+            self.requests.append((self.name, compiled))
+
+        return launch
+
+
 class LazyKernel:
     """A Triton kernel kept as a plain function until first use.
 
@@ -47,7 +93,8 @@ class LazyKernel:
         self._lock = threading.Lock()
 
     def get(self, interpret: bool) -> Any:
-        """The decorated kernel: interpreted when ``interpret``, else compiled."""
+        """The decorated kernel: interpreted when ``interpret``, else compiled (inside
+        :func:`compile_only`, a stand-in that compiles instead of launching)."""
         kernel = self._decorated.get(interpret)
         if kernel is None:
             with self._lock:
@@ -60,6 +107,9 @@ class LazyKernel:
                         _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
                     )
                     kernel = self._decorated[interpret] = decorate(self.fn)
+        requests = getattr(_mode, "requests", None)
+        if requests is not None:
+            return _CompileOnly(kernel, self.fn.__name__, requests)
         return kernel
 
 

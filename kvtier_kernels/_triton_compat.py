@@ -64,6 +64,7 @@ from triton.runtime.jit import JITFunction
 
 __all__ = [
     "InterpretedKernel",
+    "cache_dir",
     "interpreter_scope",
     "jit_compiled",
     "jit_interpreted",
@@ -79,6 +80,17 @@ def triton_version() -> tuple[int, int]:
     """``(major, minor)`` of the installed triton."""
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def cache_dir() -> str:
+    """Where Triton keeps compiled kernels: ``TRITON_CACHE_DIR``, else Triton's default
+    (``~/.triton/cache``, under ``TRITON_HOME`` when set)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return str(knobs.cache.dir)
+    from triton.runtime.cache import default_cache_dir  # pragma: no cover - triton < 3.4
+
+    return str(default_cache_dir())  # pragma: no cover
 
 
 def language() -> Any:

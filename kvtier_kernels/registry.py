@@ -98,13 +98,15 @@ def ops() -> list[str]:
 
 
 def backends_for(op: str) -> list[str]:
-    """Backends registered for ``op`` that can run here, in :data:`BACKENDS` order
-    (``triton`` and ``interpret`` only when Triton is installed).
+    """Backends registered for ``op`` that can run here, in :data:`BACKENDS` order:
+    ``interpret`` only when Triton is installed, ``triton`` only when it is and torch sees
+    a GPU (:func:`available_backends` says why one is missing).
 
     Raises:
         KeyError: ``op`` is not registered (the message lists the registered ops).
     """
-    runnable = BACKENDS if _triton_installed() else ("torch",)
+    triton = _triton_installed()
+    runnable = [b for b in BACKENDS if b == "torch" or (triton and (b != "triton" or _gpu_kind()))]
     with _lock:
         impls = _op_impls(op)
         return [b for b in runnable if b in impls]

