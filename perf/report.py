@@ -221,8 +221,13 @@ def _is_hashing(row: Row) -> bool:
     return row.metric.startswith("chunk hashing")
 
 
+TTFT_SHARED = re.compile(r"^ttft_(engine_b_via_server|pd_consumer)_(\d+)_tokens$")
+
+
 SECTION_OF: list[tuple[str, Callable[[Row], bool]]] = [
     ("ttft", lambda r: bool(TTFT_WARM.match(r.metric))),
+    ("shared_ttft", lambda r: bool(TTFT_SHARED.match(r.metric))),
+    ("proxy", lambda r: r.metric.startswith("proxy_")),
     ("miss", lambda r: bool(TTFT_MISS.match(r.metric))),
     ("compression", _is_compression),
     ("hashing", _is_hashing),
@@ -526,6 +531,8 @@ class Report:
         self.lookups()
         self.hashing()
         self.compression()
+        self.shared_ttft()
+        self.proxy()
         self.other()
         self.plots.remove_stale()
         text = "\n".join(self.lines).rstrip("\n") + "\n"
@@ -851,11 +858,33 @@ class Report:
                 )
             )
 
+    def shared_ttft(self) -> None:
+        self._table(
+            "shared_ttft",
+            "## TTFT through a shared cache and disaggregated prefill",
+            "Real vLLM engines, each a fresh process, behind one `kvtier serve` "
+            "(`perf/test_bench_server_ttft.py`): engine B on prompts only engine A served vs "
+            "A's cold prefill; a `kv_consumer` on prompts a `kv_producer` just served vs the "
+            "consumer's own cold prefill ([docs/disaggregated.md](../docs/disaggregated.md)).",
+        )
+
+    def proxy(self) -> None:
+        self._table(
+            "proxy",
+            "## Proxy overhead",
+            "`kvtier proxy` in front of fake OpenAI engines (`perf/test_bench_proxy.py`): "
+            "per-request latency through the proxy vs the same calls made directly, "
+            "interleaved in one run ([docs/proxy.md](../docs/proxy.md)).",
+        )
+
     def other(self) -> None:
-        sections = self.rows("other")
+        self._table("other", "## Other results", "Rows that no section above takes, as recorded.")
+
+    def _table(self, section: str, title: str, intro: str) -> None:
+        sections = self.rows(section)
         if not sections:
             return
-        self.add("", "## Other results", "", "Rows that no section above takes, as recorded.")
+        self.add("", title, "", intro)
         for device, rows in sections:
             self.add("", f"### {device}", "")
             self.add(
