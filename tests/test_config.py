@@ -95,6 +95,7 @@ def test_defaults() -> None:
         "kernel_backend": "auto",
         "tuning_dir": None,
         "model_name": None,
+        "key_salt": None,
         "pool_alignment": 256,
         "verify_checksums": True,
         "kv_layout": None,
