@@ -21,7 +21,21 @@ OLDEST_TRITON ?= triton==3.5.0
 OLDEST_VENV ?= .venv-oldest-triton
 KERNEL_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_cachegen_kernels.py
 
-.PHONY: demo test gpu-check test-oldest-triton lint format bench install services clean
+# SGLang's HiCache storage backend is tested against SGLang's own code in a venv of its own:
+# torch first (the CPU wheel), SGLang without its dependencies (they include CUDA kernels
+# and a CUDA torch), then only what the import chain of sglang.srt.mem_cache needs on a CPU,
+# pinned as SGLang pins them. torchvision is never installed (its PyPI build pulls a CUDA
+# torch): an import-only stand-in (tests/support/sglang_stubs) is put on that venv's path.
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_VENV ?= .venv-sglang
+SGLANG_DEPS ?= triton numpy pydantic pyzmq msgspec gguf orjson pybase64 starlette IPython dill \
+	transformers==5.19.0 tokenizers==0.23.2 sentencepiece==0.2.1 compressed-tensors==0.18.0 \
+	apache-tvm-ffi==0.1.11
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
+SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py
+
+.PHONY: demo test test-sglang bench-sglang gpu-check test-oldest-triton lint format bench install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,8 +62,28 @@ services:
 		  $(SUDO) apt-get install -y -q redis-server >/dev/null 2>&1; } || \
 		echo "redis-server could not be installed: the Redis tests will be skipped"; }
 
+# The whole suite in .venv, then the SGLang backend's tests in .venv-sglang.
 test: $(STAMP) services
 	$(PY) -m pytest -q
+	$(MAKE) test-sglang
+
+$(SGLANG_STAMP): pyproject.toml
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG_SPEC)"
+	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS) "$(TORCH_SPEC)"
+	$(SGLANG_PY) -m pip install -q -e ".[test,bench]" "$(TORCH_SPEC)"
+	$(SGLANG_PY) -c "import torch, triton; assert '+cpu' in torch.__version__ or not torch.version.cuda"
+	echo "$(CURDIR)/tests/support/sglang_stubs" > \
+		"$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvtier_sglang_stubs.pth"
+	touch $(SGLANG_STAMP)
+
+# The SGLang backend's tests in .venv-sglang (in the main venv they skip: no SGLang there).
+test-sglang: $(SGLANG_STAMP) services
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider $(SGLANG_TESTS)
+
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider perf/test_bench_sglang.py
 
 # Every Triton kernel compiled for sm80, sm90, gfx90a, gfx942 and gfx1100 without a GPU, its
 # machine code inspected (128-bit accesses, no spills, 64-bit offsets). Also part of `make test`.
@@ -80,4 +114,4 @@ bench: $(STAMP)
 	$(PY) perf/report.py && exit $$status
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(OLDEST_VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

@@ -162,6 +162,15 @@ class KVTierConfig(ConnectorKeys):
         allowed="a non-empty string",
         nullable=True,
     )
+    key_salt: str | None = key(
+        None,
+        str,
+        "SGLang backend: text added to every page's storage key, so that deployments "
+        "sharing a tier (same model and ranks) never read each other's pages; null: none.",
+        check=lambda v: v != "",
+        allowed="a non-empty string",
+        nullable=True,
+    )
     pool_alignment: int = key(
         256,
         int,

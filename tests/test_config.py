@@ -96,6 +96,7 @@ def test_defaults() -> None:
         "precompile_kernels": False,
         "tuning_dir": None,
         "model_name": None,
+        "key_salt": None,
         "pool_alignment": 256,
         "verify_checksums": True,
         "kv_layout": None,

@@ -1,1 +1,2 @@
-"""Integrations of kvtier into serving engines (``kvtier.integration.vllm``)."""
+"""Integrations of kvtier into serving engines (``kvtier.integration.vllm``,
+``kvtier.integration.sglang``)."""

@@ -1,0 +1,512 @@
+"""``KVTierHiCacheStorage``: kvtier's tiers as an SGLang HiCache storage backend.
+
+SGLang (0.5.23) builds it through its dynamic backend factory,
+``backend_class(storage_config, kwargs)``, then hands it the host KV pool
+(``register_mem_pool_host``) and, for models with extra state pools, those pools too
+(``register_mem_host_pool_v2``). Its cache controller then calls, from its prefetch and
+backup threads::
+
+    prefetch  batch_exists(keys)               → leading pages some tier holds
+              batch_get_v1(keys, host_indices) → pages into the host pool (interface_v1)
+              batch_get(keys, flat_pages)      → the generic path otherwise
+    backup    batch_set_v1(keys, host_indices) / batch_set(keys, flat_pages)
+    hybrid    batch_exists_v2 / batch_get_v2 / batch_set_v2 with PoolTransfers
+
+One page is one kvtier chunk (``pages.py``): copied between the host pool and a chunk
+buffer of kvtier's CPU pool, kept in the CPU tier and written through to the disk and
+remote tiers. A store returns once the lower tiers have written it.
+
+NOTE: SGLang calls ``close()`` only when storage is detached at run time, never at
+shutdown, so nothing may wait for it: every ``batch_set*`` flushes its pages to the disk
+and remote tiers before it returns. A page that is missing, corrupt (checksum, header,
+shape) or in a tier that is down is reported absent — never wrong data, and no call
+raises into SGLang's cache controller (a fault is logged once and answered as a miss).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.integration.sglang.pages import HostPool, PageFormat, PageKeys, split_extra_config
+from kvtier.keys import CacheKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import Counter, Histogram, Stats
+from kvtier.prometheus import MetricsServer, export
+from kvtier.storage.manager import StorageManager
+from kvtier.storage.serde import tensor_bytes
+from kvtier.storage.wire import checksum_of
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 60.0
+KV = str(PoolName.KV)
+
+T = TypeVar("T")
+
+
+def _absent_on_error(answer: Callable[..., T]):
+    """Decorate a method so that an exception becomes ``answer(*args)``: a miss, logged
+    once. SGLang's cache controller must never see kvtier raise."""
+
+    def decorate(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                warn_once(logger, f"kvtier {method.__name__} failed ({exc!r}): answered as a miss")
+                logger.debug("kvtier %s failed", method.__name__, exc_info=True)
+                return answer(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _all_false(keys: Sequence[Any], *args: Any, **kwargs: Any) -> list[bool]:
+    return [False] * len(keys)
+
+
+def _per_pool_false(transfers: Sequence[PoolTransfer], *args: Any, **kwargs: Any):
+    return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+
+class KVTierHiCacheStorage(HiCacheStorage):
+    """kvtier as SGLang's HiCache L3 storage (``--hicache-storage-backend dynamic``).
+
+    Args:
+        storage_config: what SGLang's cache controller passes: ranks, model, MLA or not,
+            and ``extra_config`` — the JSON of ``--hicache-storage-backend-extra-config``,
+            whose kvtier keys (and ``config_file``) configure kvtier; SGLang's own keys
+            there (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``)
+            are accepted and left to SGLang.
+        kwargs: the factory's extra keyword arguments (unused).
+
+    Raises:
+        ConfigError: an unknown kvtier key or a bad value (the message names it).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        self.storage_config = storage_config
+        self.config: KVTierConfig = load_config(
+            overrides=split_extra_config(storage_config.extra_config)
+        )
+        c = storage_config
+        model = self.config.model_name or c.model_name or "default"
+        shard = []
+        if c.pp_size > 1:
+            shard.append(("pp", f"{c.pp_rank}of{c.pp_size}"))
+        if c.attn_cp_size > 1:
+            shard.append(("cp", f"{c.attn_cp_rank}of{c.attn_cp_size}"))
+        if c.dcp_size > 1:
+            shard.append(("dcp", f"{c.dcp_rank}of{c.dcp_size}"))
+        self.keys = PageKeys(
+            model, c.tp_rank, c.tp_size, c.is_mla_model, self.config.key_salt, tuple(shard)
+        )
+        self.stats = Stats()
+        self.storage = StorageManager(self.config, self.stats, namespace=model)
+        self._pools: dict[str, tuple[HostPool, PageFormat]] = {}
+        self._recent = StorageMetrics()
+        self._metrics_server: MetricsServer | None = None
+        if self.config.metrics_port is not None:
+            port = self.config.metrics_port and self.config.metrics_port + c.tp_rank
+            self._metrics_server = MetricsServer(
+                self.config.metrics_host, port, lambda: [self.metrics()]
+            )
+        logger.info(
+            "kvtier HiCache storage: model %s, tp rank %d/%d, tiers %s (%s)",
+            model,
+            c.tp_rank,
+            c.tp_size,
+            ", ".join(self.storage.tier_names) or "none",
+            self.config.summary(),
+        )
+
+    # -- host pools ------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
+        """The host KV pool the v1 and generic paths move pages in and out of."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._pools[KV] = (mem_pool_host, PageFormat.of(mem_pool_host))
+        fmt = self._pools[KV][1]
+        logger.info(
+            "kvtier HiCache storage: %s %s pool, %d-token pages of %s %s (%d bytes)",
+            "MLA" if fmt.is_mla else "MHA",
+            fmt.layout,
+            fmt.page_size,
+            list(fmt.shape),
+            fmt.dtype,
+            fmt.nbytes,
+        )
+
+    def register_mem_host_pool_v2(self, host_pool: HostPool, host_pool_name) -> None:
+        """A pool of the v2 path (``PoolTransfer.name``); the KV pool keeps its canonical
+        pages, every other pool is stored as its own flat pages."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == KV and KV in self._pools and self._pools[KV][0] is host_pool:
+            return
+        try:
+            self._pools[name] = (host_pool, PageFormat.of(host_pool, flat=name != KV))
+        except Exception as exc:  # e.g. an allocator-only pool with no pages of its own
+            logger.warning("kvtier: the %s pool's pages cannot be stored (%r): misses", name, exc)
+
+    def _pool(self, name: str) -> tuple[HostPool, PageFormat]:
+        entry = self._pools.get(str(name))
+        if entry is None:
+            raise RuntimeError(f"no host pool named {name!r} was registered with kvtier")
+        return entry
+
+    # -- the zero-copy v1 path -------------------------------------------------------
+
+    @_absent_on_error(_all_false)
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Load each page into the host pool at ``host_indices[i * page_size]``; True
+        for each page loaded (a run from the first: a page after a miss is not loaded)."""
+        return self._load_pages(KV, keys, host_indices)
+
+    @_absent_on_error(_all_false)
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store each page of the host pool at ``host_indices[i * page_size]``; True for
+        each page stored (or already held). Returns once the lower tiers have it."""
+        return self._store_pages(KV, keys, host_indices)
+
+    def _starts(self, pool: HostPool, n: int, host_indices: torch.Tensor | None) -> list[int]:
+        size = pool.page_size
+        if host_indices is None or host_indices.numel() < n * size:
+            got = 0 if host_indices is None else host_indices.numel()
+            raise ValueError(f"{n} pages need {n * size} host indices, got {got}")
+        return [int(i) for i in host_indices[: n * size : size].tolist()]
+
+    def _load_pages(self, pool_name: str, keys: Sequence[str], host_indices) -> list[bool]:
+        pool, fmt = self._pool(pool_name)
+        starts = self._starts(pool, len(keys), host_indices)
+
+        def write(i: int, data: torch.Tensor) -> None:
+            if fmt.canonical:
+                fmt.page(pool, starts[i]).copy_(data)
+            else:
+                pool.set_from_flat_data_page(starts[i], data)
+
+        return self._load(pool_name, fmt, keys, write)
+
+    def _store_pages(self, pool_name: str, keys: Sequence[str], host_indices) -> list[bool]:
+        pool, fmt = self._pool(pool_name)
+        starts = self._starts(pool, len(keys), host_indices)
+        return self._store(pool_name, fmt, keys, lambda i: fmt.page(pool, starts[i]))
+
+    # -- the generic path ------------------------------------------------------------
+
+    @_absent_on_error(lambda *args, **kwargs: None)
+    def get(
+        self,
+        key: str,
+        target_location: torch.Tensor | None = None,
+        target_sizes: Any = None,
+    ) -> torch.Tensor | None:
+        """One page as a flat data page of the host pool's layout (into
+        ``target_location`` when given), or None."""
+        return self.batch_get([key], [target_location])[0]
+
+    @_absent_on_error(lambda keys, *args, **kwargs: [None] * len(keys))
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Sequence[torch.Tensor | None] | None = None,
+        target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
+        """Each page as a flat data page of the host pool's layout (SGLang's generic
+        prefetch path), or None from the first page not held."""
+        _, fmt = self._pool(KV)
+        targets = list(target_locations or [None] * len(keys))
+        for i, target in enumerate(targets):
+            if target is None:
+                targets[i] = torch.empty(fmt.numel, dtype=fmt.dtype)
+        loaded = self._load(KV, fmt, keys, lambda i, data: fmt.from_flat(targets[i]).copy_(data))
+        return [t if ok else None for t, ok in zip(targets, loaded, strict=True)]
+
+    @_absent_on_error(lambda *args, **kwargs: False)
+    def set(
+        self,
+        key: str,
+        value: torch.Tensor | None = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store one flat data page of the host pool's layout."""
+        return self.batch_set([key], [value])
+
+    @_absent_on_error(lambda *args, **kwargs: False)
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Sequence[torch.Tensor] | None = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store flat data pages (SGLang's generic backup path); True if all were."""
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys need as many pages")
+        _, fmt = self._pool(KV)
+        return all(self._store(KV, fmt, keys, lambda i: fmt.from_flat(values[i])))
+
+    # -- lookups ---------------------------------------------------------------------
+
+    @_absent_on_error(lambda *args, **kwargs: False)
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    @_absent_on_error(lambda *args, **kwargs: 0)
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many of ``keys``, from the first, some tier holds; those found only in a
+        lower tier start moving into the CPU tier (the load that follows finds them)."""
+        _, fmt = self._pool(KV)
+        hits = self.storage.lookup_prefix([self.keys.key(k, fmt) for k in keys], prefetch=True)
+        self.stats.inc(Counter.LOOKUP_REQUESTS)
+        self.stats.inc(Counter.LOOKUP_TOKENS, len(keys) * fmt.page_size)
+        self.stats.inc(Counter.LOOKUP_HIT_TOKENS, hits * fmt.page_size)
+        return hits
+
+    def _held(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether each key is held by some tier (one batched call per lower tier)."""
+        held = [self.storage.contains(k) for k in keys]
+        for tier in self.storage.lower:
+            missing = [i for i, there in enumerate(held) if not there]
+            if not missing:
+                break
+            found = tier.contains_many([keys[i] for i in missing])
+            for i, there in zip(missing, found, strict=True):
+                held[i] = there
+        return held
+
+    # -- the v2 pool-transfer path ---------------------------------------------------
+
+    @_absent_on_error(lambda *args, **kwargs: PoolTransferResult.empty())
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The usable prefix of ``keys``: KV pages held from the first, cut by each extra
+        pool's hit policy (``PoolHitPolicy``), as SGLang's own backends compute it."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(transfer.name)
+            if name in self._pools:
+                _, fmt = self._pools[name]
+                held = self._held([self.keys.key(k, fmt, name) for k in keys[:kv_pages]])
+            else:
+                held = [False] * kv_pages
+            policy = PoolHitPolicy(transfer.hit_policy)
+            if policy == PoolHitPolicy.ALL_PAGES:
+                boundary = held.index(False) if False in held else kv_pages
+                allowed = set(range(1, boundary + 1))
+            elif policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or ()) or 1)
+                allowed = {n for n in range(1, kv_pages + 1) if all(held[max(0, n - window) : n])}
+                boundary = max(allowed, default=0)
+            else:  # BLOCK_GROUPS: its own verdict (leading whole groups), never a gate
+                group = max(1, transfer.group_pages or 1)
+                run = held.index(False) if False in held else kv_pages
+                boundary, allowed = run // group * group, set(restorable)
+            if boundary:
+                hit_count[transfer.name] = boundary
+            restorable = [n for n in restorable if n in allowed]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+
+    @_absent_on_error(_per_pool_false)
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Load each transfer's pages into its pool; per pool, True for each page loaded."""
+        return {t.name: self._per_transfer(t, self._load_pages) for t in transfers}
+
+    @_absent_on_error(_per_pool_false)
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's pages from its pool; per pool, True for each page stored."""
+        return {t.name: self._per_transfer(t, self._store_pages) for t in transfers}
+
+    @staticmethod
+    def _per_transfer(transfer: PoolTransfer, move: Callable[..., list[bool]]) -> list[bool]:
+        """``move(name, keys, host_indices)`` for one transfer; a fault fails that pool only."""
+        if not transfer.keys:
+            return []
+        try:
+            return move(str(transfer.name), transfer.keys, transfer.host_indices)
+        except Exception as exc:
+            warn_once(logger, f"kvtier {transfer.name} pool transfer failed ({exc!r}): a miss")
+            return [False] * len(transfer.keys)
+
+    # -- moving pages ----------------------------------------------------------------
+
+    def _load(
+        self,
+        pool_name: str,
+        fmt: PageFormat,
+        page_keys: Sequence[str],
+        write: Callable[[int, torch.Tensor], Any],
+    ) -> list[bool]:
+        """Fetch and verify each page, ``write(i, chunk)`` the run held from the first."""
+        started = time.perf_counter()
+        keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
+        objs = self.storage.get_many(keys)
+        loaded = [False] * len(keys)
+        run = True
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+            if obj is None:
+                run = False
+                continue
+            try:
+                if run and self._valid(key, obj, fmt):
+                    write(i, obj.tensor)
+                    loaded[i] = True
+                else:
+                    run = False
+            finally:
+                obj.ref_down()
+        hits = loaded.index(False) if False in loaded else len(loaded)
+        seconds = time.perf_counter() - started
+        s = self.stats
+        s.inc(Counter.RETRIEVE_REQUESTS)
+        s.inc(Counter.REQUESTED_TOKENS, len(keys) * fmt.page_size)
+        s.inc(Counter.HIT_TOKENS, hits * fmt.page_size)
+        s.inc(Counter.LOADED_BYTES, hits * fmt.nbytes)
+        s.inc(Counter.LOAD_SECONDS, seconds)
+        s.observe(Histogram.LOAD, seconds)
+        self._note(self._recent.prefetch_pgs, self._recent.prefetch_bandwidth, hits, fmt, seconds)
+        return loaded
+
+    def _valid(self, key: CacheKey, obj: MemoryObj, fmt: PageFormat) -> bool:
+        if tuple(obj.shape) != fmt.shape or obj.dtype != fmt.dtype:
+            problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {fmt.shape} {fmt.dtype}"
+        elif self.config.verify_checksums and obj.checksum != checksum_of(tensor_bytes(obj.tensor)):
+            problem = "a checksum mismatch (its bytes changed after it was stored)"
+        else:
+            return True
+        self.stats.inc(Counter.CORRUPT_CHUNKS)
+        warn_once(logger, f"stored page {key} has {problem}: rejected, treated as a miss")
+        self.storage.remove(key)
+        return False
+
+    def _store(
+        self,
+        pool_name: str,
+        fmt: PageFormat,
+        page_keys: Sequence[str],
+        read: Callable[[int], torch.Tensor],
+    ) -> list[bool]:
+        """Store ``read(i)`` (one page in the stored layout) under each key not yet held,
+        then wait for the lower tiers to write them."""
+        started = time.perf_counter()
+        keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
+        stored = self._held(keys)
+        skipped_existing = sum(stored)
+        new = no_memory = 0
+        for i, key in enumerate(keys):
+            if stored[i]:
+                continue
+            obj = self.storage.allocate(fmt.shape, fmt.dtype)
+            if obj is None:
+                no_memory += 1
+                continue
+            try:
+                obj.tensor.copy_(read(i))
+                if self.config.verify_checksums:
+                    obj.checksum = checksum_of(tensor_bytes(obj.tensor))
+                stored[i] = self.storage.put(key, obj)
+                new += stored[i]
+            finally:
+                obj.ref_down()
+        if new and not self.storage.flush(FLUSH_TIMEOUT_S):
+            warn_once(logger, f"kvtier: lower tiers still writing after {FLUSH_TIMEOUT_S:.0f} s")
+        seconds = time.perf_counter() - started
+        s = self.stats
+        s.inc(Counter.STORE_REQUESTS)
+        s.inc(Counter.STORED_CHUNKS, new)
+        s.inc(Counter.STORED_TOKENS, new * fmt.page_size)
+        s.inc(Counter.STORED_BYTES, new * fmt.nbytes)
+        s.inc(Counter.STORE_SECONDS, seconds)
+        s.observe(Histogram.STORE, seconds)
+        s.inc(Counter.STORE_SKIPPED_EXISTING, skipped_existing)
+        s.inc(Counter.STORE_SKIPPED_NO_MEMORY, no_memory)
+        self._note(self._recent.backup_pgs, self._recent.backup_bandwidth, new, fmt, seconds)
+        return stored
+
+    def _note(self, pages: list, bandwidth: list, n: int, fmt: PageFormat, seconds: float):
+        if self.storage_config.enable_storage_metrics and n:
+            pages.append(n)
+            bandwidth.append(n * fmt.nbytes / 1e9 / max(seconds, 1e-9))
+
+    # -- management ------------------------------------------------------------------
+
+    def get_stats(self) -> StorageMetrics:
+        """Pages per call and GB/s of the loads (prefetch) and stores (backup) since the
+        last call, for SGLang's storage metrics (``--enable-cache-report``)."""
+        recent, self._recent = self._recent, StorageMetrics()
+        return recent
+
+    def metrics(self) -> dict:
+        """kvtier's counters, histograms and tier gauges (``prometheus.export``), under the
+        same names as in vLLM, labelled with the TP rank."""
+        return export(
+            self.stats,
+            gauges=self.storage.gauges(),
+            tiers=self.storage.lower_tier_names,
+            rank=str(self.storage_config.tp_rank),
+        )
+
+    def clear(self) -> None:
+        """Drop every page from every tier (a shared tier: this model's namespace)."""
+        try:
+            self.storage.clear()
+        except Exception as exc:
+            warn_once(logger, f"kvtier clear failed ({exc!r})")
+
+    def close(self) -> None:
+        """Finish queued writes (bounded) and release the tiers (SGLang calls it when
+        storage is detached at run time)."""
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+        self.storage.close()

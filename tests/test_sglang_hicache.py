@@ -1,0 +1,308 @@
+"""kvtier as SGLang's HiCache storage backend, driven through SGLang's own code: the
+dynamic backend factory, ``HiCacheStorageConfig`` and the real MHA / MLA host pools (on a
+CPU), calling what SGLang's cache controller calls (docs/sglang.md).
+
+Runs in .venv-sglang (``make test-sglang``); skipped where SGLang is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="SGLang is not installed here: these tests run in .venv-sglang (make test-sglang)",
+)
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+from support.redis_server import REDIS_MISSING, RedisServer, redis_available
+from support.sglang_hicache import (
+    LAYOUTS,
+    assert_pages_equal,
+    make_backend,
+    mha_pool,
+    mla_pool,
+    page_indices,
+    randomize,
+)
+
+from kvtier.config_keys import ConfigError
+from kvtier.integration.sglang import KVTierHiCacheStorage
+from kvtier_kernels.dtypes import bits
+
+KEYS = [f"{i:064x}" for i in range(1, 9)]  # SGLang's page keys are sha256 hex digests
+POOLS = {"mha": mha_pool, "mla": mla_pool}
+
+
+def disk(tmp_path: Path, **extra) -> dict:
+    return {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 1, **extra}
+
+
+@pytest.fixture
+def cpu_only() -> dict:
+    return {"max_local_cpu_size": 0.05}
+
+
+def test_the_factory_builds_it_with_sglangs_own_keys(tmp_path):
+    pool = mha_pool("page_first")
+    backend = make_backend(pool, disk(tmp_path))
+    assert isinstance(backend, KVTierHiCacheStorage) and isinstance(backend, HiCacheStorage)
+    assert backend.config.local_disk == str(tmp_path / "disk")
+    backend.close()
+
+
+def test_an_unknown_kvtier_key_is_rejected_by_name():
+    with pytest.raises(ConfigError, match="chunk_sise"):
+        make_backend(mha_pool("page_first"), {"chunk_sise": 64})
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tiers", ["cpu", "disk"])
+def test_v1_round_trip_is_bit_exact(tmp_path, kind, layout, tiers):
+    pool = POOLS[kind](layout)
+    extra = disk(tmp_path, local_cpu=False) if tiers == "disk" else {}
+    backend = make_backend(pool, extra)
+    assert backend.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3])) == [True] * 3
+    assert backend.batch_get_v1(KEYS[:3], page_indices(pool, [9, 10, 11])) == [True] * 3
+    assert_pages_equal(pool, [1, 2, 3], pool, [9, 10, 11])
+    backend.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_pages_stored_from_one_layout_load_into_another(tmp_path, kind):
+    """Pages are stored in kvtier's canonical layout, not the host pool's."""
+    source = POOLS[kind]("page_first")
+    writer = make_backend(source, disk(tmp_path))
+    assert all(writer.batch_set_v1(KEYS[:2], page_indices(source, [3, 4])))
+    for layout in ("layer_first", "page_first_direct"):
+        target = POOLS[kind](layout)
+        randomize(target, seed=7)
+        reader = make_backend(target, disk(tmp_path))
+        assert reader.batch_get_v1(KEYS[:2], page_indices(target, [5, 6])) == [True, True]
+        assert_pages_equal(source, [3, 4], target, [5, 6])
+        reader.close()
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generic_path_round_trip_and_mixes_with_v1(cpu_only, kind, layout):
+    """SGLang's generic path (flat data pages; ``_generic_page_set`` / ``_generic_page_get``)
+    stores the same pages as the v1 path."""
+    pool = POOLS[kind](layout)
+    backend = make_backend(pool, cpu_only)
+    size = pool.page_size
+    assert backend.batch_set(KEYS[:2], [pool.get_data_page(p * size) for p in (1, 2)])
+    assert backend.set(KEYS[2], pool.get_data_page(3 * size))
+    pages = backend.batch_get(KEYS[:3], [pool.get_dummy_flat_data_page() for _ in range(3)])
+    for page, dst in zip(pages, (7, 8, 9), strict=True):
+        pool.set_from_flat_data_page(dst * size, page)
+    assert_pages_equal(pool, [1, 2, 3], pool, [7, 8, 9])
+    # v1 reads what the generic path wrote, and the other way round
+    assert backend.batch_get_v1(KEYS[:3], page_indices(pool, [10, 11, 12])) == [True] * 3
+    assert_pages_equal(pool, [1, 2, 3], pool, [10, 11, 12])
+    assert backend.batch_set_v1([KEYS[5]], page_indices(pool, [4]))
+    pool.set_from_flat_data_page(13 * size, backend.get(KEYS[5], pool.get_dummy_flat_data_page()))
+    assert_pages_equal(pool, [4], pool, [13])
+    assert backend.get(KEYS[7]) is None
+    backend.close()
+
+
+def test_batch_exists_counts_leading_pages(cpu_only):
+    pool = mha_pool("layer_first")
+    backend = make_backend(pool, cpu_only)
+    assert backend.batch_exists(KEYS[:4]) == 0
+    backend.batch_set_v1([KEYS[0], KEYS[1], KEYS[3]], page_indices(pool, [1, 2, 3]))
+    assert backend.batch_exists(KEYS[:4]) == 2  # KEYS[2] is missing: KEYS[3] does not count
+    assert backend.batch_exists([KEYS[3], KEYS[0]]) == 2
+    assert backend.batch_exists([]) == 0
+    assert backend.exists(KEYS[3]) and not backend.exists(KEYS[2])
+    counters = backend.metrics()["counters"]
+    assert counters["lookup_requests"] == 6 and counters["lookup_hit_tokens"] == 5 * pool.page_size
+    backend.close()
+
+
+def _page_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvt"))
+
+
+@pytest.mark.parametrize("damage", ["flip_payload_byte", "truncate", "delete"])
+def test_missing_or_corrupt_page_is_absent_never_wrong(tmp_path, damage):
+    pool = mha_pool("page_first")
+    writer = make_backend(pool, disk(tmp_path))
+    assert all(writer.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3])))
+    # A restarted instance with no CPU tier reads the files; damage the second page's.
+    reader = make_backend(pool, disk(tmp_path, local_cpu=False))
+    target = next(p for p in _page_files(tmp_path) if KEYS[1] in _key_in(p))
+    if damage == "flip_payload_byte":
+        data = bytearray(target.read_bytes())
+        data[-5] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-100])
+    else:
+        target.unlink()
+    before = bits(pool.get_data_page(20 * pool.page_size, flat=False)).clone()
+    loaded = reader.batch_get_v1(KEYS[:3], page_indices(pool, [19, 20, 21]))
+    assert loaded == [True, False, False]
+    assert_pages_equal(pool, [1], pool, [19])
+    after = bits(pool.get_data_page(20 * pool.page_size, flat=False))
+    assert torch.equal(before, after), "a damaged page was written into the host pool"
+    assert reader.batch_exists(KEYS[:3]) == 1  # the damaged file was dropped (or is gone)
+    writer.close()
+    reader.close()
+
+
+def _key_in(path: Path) -> str:
+    """The page key (hash hex) recorded in a page file's header."""
+    return path.read_bytes()[:400].decode("latin-1")
+
+
+def test_faults_are_misses_not_exceptions(cpu_only):
+    pool = mha_pool("page_first")
+    backend = make_backend(pool, cpu_only)
+    short = torch.arange(pool.page_size)  # one page of indices for two keys
+    assert backend.batch_set_v1(KEYS[:2], short) == [False, False]
+    assert backend.batch_get_v1(KEYS[:2], short) == [False, False]
+    assert backend.batch_set(KEYS[:1], [torch.zeros(3)]) is False
+    assert backend.get(KEYS[0], torch.zeros(3)) is None
+    unknown = PoolTransfer(name=PoolName.MAMBA, host_indices=short, keys=KEYS[:1])
+    assert backend.batch_get_v2([unknown]) == {PoolName.MAMBA: [False]}
+    backend.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
+def test_unreachable_remote_tier_is_a_miss(tmp_path):
+    pool = mha_pool("page_first")
+    with RedisServer() as server:
+        extra = {"remote_url": server.url, "local_cpu": False, "remote_timeout_ms": 300}
+        backend = make_backend(pool, extra)
+        assert all(backend.batch_set_v1(KEYS[:2], page_indices(pool, [1, 2])))
+        server.stop()
+        assert backend.batch_exists(KEYS[:2]) == 0
+        assert backend.batch_get_v1(KEYS[:2], page_indices(pool, [5, 6])) == [False, False]
+        assert backend.batch_set_v1(KEYS[2:3], page_indices(pool, [3])) in ([False], [True])
+        backend.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_restarted_instance_finds_pages_on_a_shared_disk(tmp_path, kind):
+    """Stores are durable without close(): SGLang never calls it at shutdown."""
+    pool = POOLS[kind]("page_first_direct")
+    first = make_backend(pool, disk(tmp_path))
+    assert all(first.batch_set_v1(KEYS[:4], page_indices(pool, [1, 2, 3, 4])))
+    # no first.close(): a second instance (a restarted SGLang) shares the directory
+    second = make_backend(pool, disk(tmp_path))
+    assert second.batch_exists(KEYS[:5]) == 4
+    assert second.batch_get_v1(KEYS[:4], page_indices(pool, [11, 12, 13, 14])) == [True] * 4
+    assert_pages_equal(pool, [1, 2, 3, 4], pool, [11, 12, 13, 14])
+    first.close()
+    second.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_two_instances_share_a_redis_tier(tmp_path, kind):
+    pool = POOLS[kind]("layer_first")
+    with RedisServer() as server:
+        a = make_backend(pool, {"remote_url": server.url})
+        assert all(a.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3])))
+        b = make_backend(pool, {"remote_url": server.url, "local_cpu": False})
+        assert b.batch_exists(KEYS[:3]) == 3
+        assert b.batch_get_v1(KEYS[:3], page_indices(pool, [7, 8, 9])) == [True] * 3
+        assert_pages_equal(pool, [1, 2, 3], pool, [7, 8, 9])
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "reader", "sees"),
+    [
+        ("mha", {"extra": {"key_salt": "tenant-b"}}, False),
+        ("mha", {"model": "org/other-model"}, False),
+        ("mha", {"tp_rank": 1, "tp_size": 2}, False),  # each MHA rank holds its own heads
+        ("mla", {"tp_rank": 1, "tp_size": 2}, True),  # MLA KV is the same on every rank
+        ("mla", {"extra": {"key_salt": "tenant-b"}}, False),
+    ],
+)
+def test_namespaces_separate_deployments(tmp_path, kind, reader, sees):
+    pool = POOLS[kind]("page_first")
+    writer = make_backend(pool, disk(tmp_path, key_salt="tenant-a"))
+    assert all(writer.batch_set_v1(KEYS[:2], page_indices(pool, [1, 2])))
+    extra = {"key_salt": "tenant-a", **reader.pop("extra", {})}
+    other = make_backend(pool, disk(tmp_path, **extra), **reader)
+    assert other.batch_exists(KEYS[:2]) == (2 if sees else 0)
+    writer.close()
+    other.close()
+
+
+def test_v2_pool_transfers_and_hit_policies(cpu_only):
+    """The v2 path: the KV pool plus an extra pool (here SGLang's MHA pool class standing in
+    for an SWA pool), stored as its own flat pages under the KV page's key."""
+    kv = mha_pool("page_first")
+    swa = mha_pool("page_first_direct", layers=1, heads=1, head_dim=16)
+    backend = make_backend(kv, cpu_only)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(swa, PoolName.SWA)
+    written = backend.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [1, 2, 3]), keys=KEYS[:3]),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [2]), keys=KEYS[1:2]),
+        ]
+    )
+    assert written == {PoolName.KV: [True] * 3, PoolName.SWA: [True]}
+
+    def exists(policy, window_keys):
+        transfer = PoolTransfer(name=PoolName.SWA, keys=window_keys, hit_policy=policy)
+        return backend.batch_exists_v2(KEYS[:4], [transfer])
+
+    result = exists(PoolHitPolicy.ALL_PAGES, KEYS[:3])
+    assert result.kv_hit_pages == 0 and result.extra_pool_hit_pages == {PoolName.KV: 3}
+    result = exists(PoolHitPolicy.TRAILING_PAGES, KEYS[1:2])  # a one-page window
+    assert result.kv_hit_pages == 2 and result.restorable_prefix_pages == [2]
+    assert result.extra_pool_hit_pages == {PoolName.KV: 3, PoolName.SWA: 2}
+    assert backend.batch_exists_v2(KEYS[:4]).kv_hit_pages == 3
+
+    loaded = backend.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [7, 8]), keys=KEYS[:2]),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [9]), keys=KEYS[1:2]),
+        ]
+    )
+    assert loaded == {PoolName.KV: [True, True], PoolName.SWA: [True]}
+    assert_pages_equal(kv, [1, 2], kv, [7, 8])
+    assert_pages_equal(swa, [2], swa, [9])
+    backend.close()
+
+
+def test_stats_and_metrics_keep_kvtiers_names(cpu_only):
+    pool = mla_pool("page_first")
+    backend = make_backend(pool, cpu_only)
+    backend.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3]))
+    backend.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3]))  # already held
+    backend.batch_get_v1(KEYS[:4], page_indices(pool, [5, 6, 7, 8]))
+    stats = backend.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+    assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
+    assert backend.get_stats().backup_pgs == []  # reset by each call, as SGLang expects
+    counters = backend.metrics()["counters"]
+    page_bytes = 2 * 4 * 576 * 2  # layers x tokens x latent width x bf16
+    assert counters["stored_chunks"] == 3 and counters["stored_bytes"] == 3 * page_bytes
+    assert counters["store_skipped_existing_chunks"] == 3
+    assert counters["retrieve_hit_tokens"] == 12 and counters["retrieve_requested_tokens"] == 16
+    backend.clear()
+    assert backend.batch_exists(KEYS[:1]) == 0
+    backend.close()
