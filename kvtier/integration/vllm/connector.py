@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.blend.model_spec import check_blendable
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.vllm.events import KVTierKVEvents
 from kvtier.integration.vllm.roles import SchedulerRole, WorkerRole
@@ -137,6 +138,12 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"{len(groups)} (hybrid attention)"
             )
         self.kvtier_config = config = kvtier_config_from_vllm(vllm_config)
+        if config.enable_blending:
+            check_blendable(vllm_config.model_config.hf_config)
+            raise ValueError(
+                "enable_blending: CacheBlend is not supported yet by kvtier's vLLM connector "
+                "(kvtier.blend computes blends outside vLLM); set enable_blending: false"
+            )
         self._last_stats: dict[str, float] = {}
         self._scheduler: SchedulerRole | None = None
         self._worker: WorkerRole | None = None
