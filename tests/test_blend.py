@@ -231,3 +231,53 @@ def test_check_layer_past_the_model_is_an_error(llama, scenario) -> None:
     none = torch.zeros(len(prompt), dtype=torch.bool)
     with pytest.raises(ValueError, match="blend_check_layers"):
         blend(HFDecoder(llama), torch.tensor(prompt), reference.clone(), none, [(4, 0.1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+    ],
+    ids=lambda rope: rope["rope_type"],
+)
+def test_rerotated_keys_equal_keys_made_at_new_positions(rope: dict, dtype) -> None:
+    """Keys rotated by the model's own RoPE (transformers) at old positions, re-rotated
+    with the spec read from its config, equal its keys made at the new positions."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=8192,
+        rope_parameters=dict(rope),
+    )
+    rotary = LlamaRotaryEmbedding(config)
+    keys = torch.randn(1, 40, 2, 64, generator=torch.Generator().manual_seed(0))
+    old, new = torch.arange(100, 140), torch.arange(3000, 3040)
+
+    def rotated(positions):
+        cos, sin = rotary(keys, positions[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]
+        half = torch.cat((-keys[..., 32:], keys[..., :32]), -1)
+        return (keys * cos + half * sin).flatten(-2)  # [1, T, H * D]
+
+    spec = rope_spec(config)
+    k = rotated(old).to(dtype)
+    from kvtier_kernels import rerotate
+
+    rerotate(k, old, new, head_size=64, inv_freq=spec.inv_freq, backend="torch")
+    expected = rotated(new)
+    # bf16: one ulp. fp32: the angles' own fp32 rounding at positions near 3000 (about
+    # 3000 * 6e-8 rad, docs/rope.md), in the model's RoPE as much as in the re-rotation.
+    tolerance = 5e-4 if dtype == torch.float32 else 2**-7
+    assert (k.float() - expected).abs().max() <= tolerance * expected.abs().clamp(min=1).max()
