@@ -225,6 +225,7 @@ SECTION_OF: list[tuple[str, Callable[[Row], bool]]] = [
     ("ttft", lambda r: bool(TTFT_WARM.match(r.metric))),
     ("miss", lambda r: bool(TTFT_MISS.match(r.metric))),
     ("compression", _is_compression),
+    ("blend", lambda r: r.metric.startswith("blend")),
     ("hashing", _is_hashing),
     ("lookups", lambda r: r.unit == "lookups/s"),
     ("throughput", lambda r: r.unit == "GB/s"),
@@ -526,6 +527,7 @@ class Report:
         self.lookups()
         self.hashing()
         self.compression()
+        self.blend()
         self.other()
         self.plots.remove_stale()
         text = "\n".join(self.lines).rstrip("\n") + "\n"
@@ -850,6 +852,34 @@ class Report:
                     f"{', '.join(baselines)}. Ratio: {_ratio_list(ratios)}."
                 )
             )
+
+    def blend(self) -> None:
+        sections = self.rows("blend")
+        if not sections:
+            return
+        self.add(
+            "",
+            "## CacheBlend: blend vs cold prefill",
+            "",
+            "`perf/test_bench_blend.py`: 4 cached 1k-token documents in a new order plus a new "
+            "100-token question, blended at ratio 0.15 (kvtier's blend outside vLLM, "
+            "docs/cacheblend.md). Baseline: cold prefill through the same layer code, same run.",
+        )
+        for device, rows in sections:
+            self.add("", f"### {device}", "")
+            self.add(
+                *table(
+                    ["Prompt tokens", "Blend (ms)", "Cold prefill (ms)", "Ratio blend ÷ cold",
+                     "RoPE (ms)", "RoPE share of load"],
+                    (
+                        [r.fields.get("num_tokens", "—"), fmt(r.value), fmt(r.baseline_value),
+                         fmt_ratio(r.ratio), fmt(r.fields.get("rope_ms")),
+                         fmt(r.fields.get("rope_share_of_load"))]
+                        for r in rows
+                    ),
+                    "rrrrrr",
+                )
+            )  # fmt: skip
 
     def other(self) -> None:
         sections = self.rows("other")
