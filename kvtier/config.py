@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.config_blend import blend_problems
 from kvtier.config_connector import ConnectorKeys
 from kvtier.config_keys import (
     LEVELS_ALLOWED,
@@ -395,6 +396,7 @@ class KVTierConfig(ConnectorKeys):
                 f"max_local_disk_size: 0 is not allowed while local_disk is set "
                 f"({self.local_disk!r}); give the disk tier's size in GB"
             )
+        problems += blend_problems(self)
         if problems:
             raise ConfigError(problems)
 

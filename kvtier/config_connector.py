@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.config_blend import BlendKeys
 from kvtier.config_keys import key
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ConnectorKeys:
-    """The vLLM connector's keys (a base of ``KVTierConfig``)."""
+class ConnectorKeys(BlendKeys):
+    """The vLLM connector's keys (a base of ``KVTierConfig``); CacheBlend's keys come
+    from ``config_blend.BlendKeys``."""
 
     enable_async_loading: bool = key(
         False,

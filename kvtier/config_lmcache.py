@@ -73,14 +73,8 @@ LMCACHE_NO_EFFECT_KEYS: frozenset[str] = frozenset(
 # LMCache features kvtier does not implement: key -> (feature, LMCache's default value).
 # Accepted silently while switched off (see is_switched_off); an error otherwise.
 LMCACHE_UNSUPPORTED_KEYS: dict[str, tuple[str, Any]] = {
-    # CacheBlend
-    "enable_blending": ("CacheBlend blending", False),
-    "blend_recompute_ratio": ("CacheBlend blending", 0.15),
-    "blend_recompute_ratios": ("CacheBlend blending", None),
+    # CacheBlend options kvtier does not have (its own keys: config_blend)
     "blend_thresholds": ("CacheBlend blending", None),
-    "blend_check_layers": ("CacheBlend blending", None),
-    "blend_min_tokens": ("CacheBlend blending", 256),
-    "blend_special_str": ("CacheBlend blending", " # # "),
     "blend_separator": ("CacheBlend blending", "[BLEND_SEP]"),
     "blend_add_special_in_precomp": ("CacheBlend blending", False),
     # P2P sharing between instances

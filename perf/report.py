@@ -230,6 +230,7 @@ SECTION_OF: list[tuple[str, Callable[[Row], bool]]] = [
     ("proxy", lambda r: r.metric.startswith("proxy_")),
     ("miss", lambda r: bool(TTFT_MISS.match(r.metric))),
     ("compression", _is_compression),
+    ("blend", lambda r: r.metric.startswith("blend")),
     ("hashing", _is_hashing),
     ("lookups", lambda r: r.unit == "lookups/s"),
     ("throughput", lambda r: r.unit == "GB/s"),
@@ -533,6 +534,7 @@ class Report:
         self.compression()
         self.shared_ttft()
         self.proxy()
+        self.blend()
         self.other()
         self.plots.remove_stale()
         text = "\n".join(self.lines).rstrip("\n") + "\n"
@@ -876,6 +878,34 @@ class Report:
             "per-request latency through the proxy vs the same calls made directly, "
             "interleaved in one run ([docs/proxy.md](../docs/proxy.md)).",
         )
+
+    def blend(self) -> None:
+        sections = self.rows("blend")
+        if not sections:
+            return
+        self.add(
+            "",
+            "## CacheBlend: blend vs cold prefill",
+            "",
+            "`perf/test_bench_blend.py`: 4 cached 1k-token documents in a new order plus a new "
+            "100-token question, blended at ratio 0.15 (kvtier's blend outside vLLM, "
+            "docs/cacheblend.md). Baseline: cold prefill through the same layer code, same run.",
+        )
+        for device, rows in sections:
+            self.add("", f"### {device}", "")
+            self.add(
+                *table(
+                    ["Prompt tokens", "Blend (ms)", "Cold prefill (ms)", "Ratio blend ÷ cold",
+                     "RoPE (ms)", "RoPE share of load"],
+                    (
+                        [r.fields.get("num_tokens", "—"), fmt(r.value), fmt(r.baseline_value),
+                         fmt_ratio(r.ratio), fmt(r.fields.get("rope_ms")),
+                         fmt(r.fields.get("rope_share_of_load"))]
+                        for r in rows
+                    ),
+                    "rrrrrr",
+                )
+            )  # fmt: skip
 
     def other(self) -> None:
         self._table("other", "## Other results", "Rows that no section above takes, as recorded.")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier import config_docs
 from kvtier.config import CONFIG_KEYS, LMCACHE_ALIASES, ConfigError, KVTierConfig, load_config
+from kvtier.config_blend import blend_schedule
 from kvtier.config_keys import parse_levels
 from kvtier.config_lmcache import (
     LMCACHE_NO_EFFECT_KEYS,
@@ -101,6 +102,11 @@ def test_defaults() -> None:
         "verify_checksums": True,
         "kv_layout": None,
         "use_layerwise": False,
+        "enable_blending": False,
+        "blend_special_str": " # # ",
+        "blend_recompute_ratios": "0.15",
+        "blend_check_layers": "0",
+        "blend_min_tokens": 256,
         "enable_async_loading": False,
         "save_decode_cache": False,
         "lookup_timeout_ms": 2000,
@@ -728,8 +734,7 @@ def test_ignored_keys_from_several_sources_warn_once(
 @pytest.mark.parametrize(
     ("key", "value", "feature"),
     [
-        ("enable_blending", True, "CacheBlend"),
-        ("blend_recompute_ratios", [0.15], "CacheBlend"),
+        ("blend_thresholds", [0.5], "CacheBlend"),
         ("enable_p2p", True, "P2P"),
         ("enable_controller", True, "controller"),
         ("enable_pd", True, "PD disaggregation"),
@@ -739,7 +744,7 @@ def test_ignored_keys_from_several_sources_warn_once(
         ("gds_path", "/mnt/gds", "GPUDirect Storage"),
         ("weka_path", "/mnt/weka", "Weka"),
         ("external_lookup_client", "mooncakestore://x", "external lookup"),
-        ("blend_special_str", "<sep>", "CacheBlend"),
+        ("blend_separator", "<sep>", "CacheBlend"),
         ("mp_port", 1234, "multi-process"),
     ],
 )
@@ -885,7 +890,10 @@ def test_lmcache_tables_are_disjoint_and_cover_aliases() -> None:
     for i, first in enumerate(tables):
         for second in tables[i + 1 :]:
             assert not first & second, first & second
-    assert LMCACHE_ALIASES == {"max_local_cache_size": "max_local_cpu_size"}
+    assert LMCACHE_ALIASES == {
+        "max_local_cache_size": "max_local_cpu_size",
+        "blend_recompute_ratio": "blend_recompute_ratios",
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -984,3 +992,48 @@ def test_lmcache_pd_keys_point_to_kvtiers_roles() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"enable_pd": True}, env={})
     assert_one_problem_mentions(excinfo.value, "kv_role", "kv_producer", "disaggregated.md")
+
+
+def test_blend_keys_take_lmcache_spellings() -> None:
+    config = load_config(
+        overrides={
+            "enable_blending": True,
+            "blend_recompute_ratio": 0.3,
+            "blend_check_layers": [1, 3],
+            "blend_min_tokens": 16,
+        },
+        env={},
+    )
+    assert config.enable_blending
+    assert config.blend_recompute_ratios == "0.3"
+    assert config.blend_check_layers == "1,3"
+    assert blend_schedule(config) == [(1, 0.3), (3, 0.3)]
+    assert (
+        load_config(
+            overrides={"blend_recompute_ratios": [0.3, 0.1], "blend_check_layers": [0, 1]},
+            env={},
+        ).blend_recompute_ratios
+        == "0.3,0.1"
+    )
+    assert load_config(overrides={"blend_check_layers": []}, env={}).blend_check_layers == "0"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"blend_recompute_ratios": 1.5}, "blend_recompute_ratios"),
+        ({"blend_recompute_ratios": "a,b"}, "blend_recompute_ratios"),
+        ({"blend_check_layers": -1}, "blend_check_layers"),
+        ({"blend_check_layers": [3, 1]}, "increasing order"),
+        (
+            {"blend_check_layers": [0, 2], "blend_recompute_ratios": [0.3, 0.2, 0.1]},
+            "one per check layer",
+        ),
+        ({"blend_check_layers": [0, 2], "blend_recompute_ratios": [0.1, 0.3]}, "must not increase"),
+        ({"blend_min_tokens": 0}, "blend_min_tokens"),
+    ],
+)
+def test_blend_key_problems(overrides: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides=overrides, env={})
+    assert fragment in str(excinfo.value)

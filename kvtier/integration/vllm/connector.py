@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.blend.model_spec import check_blendable
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.vllm.events import KVTierKVEvents
 from kvtier.integration.vllm.roles import SchedulerRole, WorkerRole
@@ -120,6 +121,21 @@ def kvtier_config_from_vllm(vllm_config: VllmConfig) -> KVTierConfig:
     return load_config(overrides=extra)
 
 
+def check_blending(vllm_config: VllmConfig, config: KVTierConfig) -> None:
+    """Refuse ``enable_blending`` at start-up: a model CacheBlend cannot blend gets an
+    ``UnsupportedModelError`` naming its class; any other model a "not supported yet"
+    ``ValueError`` (the connector does not blend yet: switched on, it would silently
+    do nothing). Nothing happens with ``enable_blending`` off."""
+    if not config.enable_blending:
+        return
+    check_blendable(vllm_config.model_config.hf_config)
+    raise ValueError(
+        "enable_blending: CacheBlend is not supported yet by kvtier's vLLM connector "
+        "(kvtier.blend blends outside vLLM, see docs/cacheblend.md); set "
+        "enable_blending: false"
+    )
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier as a vLLM KV connector (see the module docstring)."""
 
@@ -137,6 +153,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"{len(groups)} (hybrid attention)"
             )
         self.kvtier_config = config = kvtier_config_from_vllm(vllm_config)
+        check_blending(vllm_config, config)
         self._last_stats: dict[str, float] = {}
         self._scheduler: SchedulerRole | None = None
         self._worker: WorkerRole | None = None
@@ -261,7 +278,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # NOTE: the first hook vLLM calls in the engine core on every backend (before memory
         # profiling and the KV cache): a config mistake is reported here once, not by each
         # worker after profiling. kvtier reads any layout, so it asks for none.
-        kvtier_config_from_vllm(vllm_config)
+        check_blending(vllm_config, kvtier_config_from_vllm(vllm_config))
         return None
 
     def shutdown(self) -> None:

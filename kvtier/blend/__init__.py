@@ -1,0 +1,21 @@
+"""CacheBlend: reuse the KV of text segments that are not a prefix (docs/cacheblend.md).
+
+``model_spec`` (which models, their RoPE) → ``segments`` (splitting, keys, the segment
+store) → ``blender`` (re-rotation and selective recompute over a ``BlendModel``);
+``hf`` drives a transformers decoder. The vLLM side is ``integration/vllm/blend.py``.
+"""
+
+from kvtier.blend.blender import BlendModel, BlendResult, PlacedSegment, blend, place_segments
+from kvtier.blend.model_spec import RopeSpec, UnsupportedModelError, check_blendable, rope_spec
+
+__all__ = [
+    "BlendModel",
+    "BlendResult",
+    "PlacedSegment",
+    "RopeSpec",
+    "UnsupportedModelError",
+    "blend",
+    "check_blendable",
+    "place_segments",
+    "rope_spec",
+]
