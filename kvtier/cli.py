@@ -29,7 +29,7 @@ from kvtier.machine import (
     tuning_in_effect,
 )
 from kvtier.precompile import add_arguments as add_precompile_arguments
-from kvtier.precompile import run_precompile
+from kvtier.precompile import run_precompile, shape_from_args
 from kvtier.proxy.command import add_arguments as add_proxy_arguments
 from kvtier.proxy.command import run_proxy
 from kvtier.server.serve import add_arguments, run_serve
@@ -250,26 +250,6 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
     return device, "triton", tuning.event_timer(device)
 
 
-def _tune_shape(args: argparse.Namespace):
-    from kvtier_kernels.dtypes import parse_dtype
-    from kvtier_kernels.tuning.shapes import ModelShape, model_shape_from_config
-
-    overrides = {
-        "num_layers": args.layers,
-        "num_kv_heads": args.kv_heads,
-        "head_size": args.head_size,
-        "block_size": args.block_size,
-        "chunk_size": args.chunk_size,
-        "dtype": parse_dtype(args.dtype) if args.dtype else None,
-        "layout": args.layout,
-        "rotary_dim": args.rotary_dim,
-    }
-    if args.model_config:
-        return model_shape_from_config(args.model_config, **overrides)
-    defaults = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
-    return ModelShape(**{**defaults, **{k: v for k, v in overrides.items() if v is not None}})
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     from kvtier_kernels import tuning, tuning_files, tuning_lookup
 
@@ -279,7 +259,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 2
     device, backend, timer = target
     try:
-        shape = _tune_shape(args)
+        shape = shape_from_args(args, chunk_size=args.chunk_size, layout=args.layout)
         ops = [op.strip() for op in args.ops.split(",") if op.strip()]
         tunable = tuning_files.TUNABLES
         unknown = sorted(set(ops) - set(tunable))

@@ -125,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="the GPU to compile for (default cuda)")
 
 
-def _shape(args: argparse.Namespace, config: KVTierConfig):
+def shape_from_args(args: argparse.Namespace, *, chunk_size: int, layout: str | None):
+    """The model shape of ``kvtier precompile`` / ``kvtier tune`` flags: ``--model-config``
+    with flag overrides, else the flags over a Llama-3-8B default."""
     from kvtier_kernels.dtypes import parse_dtype
     from kvtier_kernels.tuning.shapes import ModelShape, model_shape_from_config
 
@@ -134,9 +136,9 @@ def _shape(args: argparse.Namespace, config: KVTierConfig):
         "num_kv_heads": args.kv_heads,
         "head_size": args.head_size,
         "block_size": args.block_size,
-        "chunk_size": config.chunk_size,
+        "chunk_size": chunk_size,
         "dtype": parse_dtype(args.dtype) if args.dtype else None,
-        "layout": args.layout or config.kv_layout,
+        "layout": layout,
         "rotary_dim": args.rotary_dim,
     }
     if args.model_config:
@@ -150,7 +152,9 @@ def run_precompile(args: argparse.Namespace) -> int:
     bad argument."""
     try:
         config = load_config(config_file=args.config)
-        shape = _shape(args, config)
+        shape = shape_from_args(
+            args, chunk_size=config.chunk_size, layout=args.layout or config.kv_layout
+        )
         ops = tuple(o.strip() for o in args.ops.split(",") if o.strip()) if args.ops else None
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():

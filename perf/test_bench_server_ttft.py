@@ -103,7 +103,7 @@ def _run(round_: int, model: Path, url: str, out: Path, kv_role: str = "kv_both"
 
 @pytest.fixture(scope="module")
 def rounds(model, server_url, tmp_path_factory) -> list[tuple[dict, dict]]:
-    """``(engine A's run, engine B's run)`` per round."""
+    """``(engine A's run: cold, engine B's run: via the server)`` per round."""
     out = tmp_path_factory.mktemp("server-ttft")
     pairs = []
     for round_ in range(ROUNDS):
@@ -113,32 +113,10 @@ def rounds(model, server_url, tmp_path_factory) -> list[tuple[dict, dict]]:
     return pairs
 
 
-@pytest.mark.parametrize("tokens", TOKENS)
-def test_ttft_engine_b_via_server_vs_cold_prefill(rounds, record, tokens):
-    key = str(tokens)
-    cold = [statistics.median(a["miss_s"][key]) for a, _ in rounds]
-    via_server = [statistics.median(b["miss_s"][key]) for _, b in rounds]
-    record(
-        metric=f"ttft_engine_b_via_server_{tokens}_tokens",
-        value=statistics.median(via_server),
-        unit="s",
-        baseline=f"ttft_cold_prefill_engine_a_{tokens}_tokens",
-        baseline_value=statistics.median(cold),
-        rounds=via_server,
-        spread=[min(via_server), max(via_server)],
-        baseline_rounds=cold,
-        baseline_spread=[min(cold), max(cold)],
-        engine={"vllm": rounds[0][1]["vllm"], "kvtier_config": rounds[0][1]["kvtier_config"]},
-    )
-    cold_cached = [c for a, _ in rounds for c in a["miss_cached_tokens"][key]]
-    loaded = [c for _, b in rounds for c in b["miss_cached_tokens"][key]]
-    assert max(cold_cached) == 0, f"engine A was not cold: {cold_cached}"
-    assert min(loaded) >= tokens // 256 * 256 - 256, f"B loaded too little: {loaded}"
-
-
 @pytest.fixture(scope="module")
 def pd_rounds(model, server_url, tmp_path_factory) -> list[tuple[dict, dict]]:
-    """``(consumer's run on the producer's prompts, consumer's run on new prompts)``."""
+    """``(a consumer's run on new prompts: cold, a consumer's run on the prompts a
+    producer just served)`` per round."""
     out = tmp_path_factory.mktemp("pd-ttft")
     pairs = []
     for round_ in range(ROUNDS):
@@ -146,29 +124,55 @@ def pd_rounds(model, server_url, tmp_path_factory) -> list[tuple[dict, dict]]:
         _run(seed, model, server_url, out / f"{round_}-p.json", "kv_producer")
         hit = _run(seed, model, server_url, out / f"{round_}-c.json", "kv_consumer")
         cold = _run(seed + 1000, model, server_url, out / f"{round_}-cold.json", "kv_consumer")
-        pairs.append((hit, cold))
+        pairs.append((cold, hit))
     return pairs
+
+
+def _record_warm_vs_cold(record, pairs, tokens: int, metric: str, baseline: str):
+    """Record the median over rounds of the warm runs' TTFT against the cold runs'; the
+    tokens vLLM reported cached in the cold and in the warm runs."""
+    key = str(tokens)
+    cold = [statistics.median(c["miss_s"][key]) for c, _ in pairs]
+    warm = [statistics.median(w["miss_s"][key]) for _, w in pairs]
+    record(
+        metric=metric,
+        value=statistics.median(warm),
+        unit="s",
+        baseline=baseline,
+        baseline_value=statistics.median(cold),
+        rounds=warm,
+        spread=[min(warm), max(warm)],
+        baseline_rounds=cold,
+        baseline_spread=[min(cold), max(cold)],
+        engine={"vllm": pairs[0][1]["vllm"], "kvtier_config": pairs[0][1]["kvtier_config"]},
+    )
+    cold_cached = [n for c, _ in pairs for n in c["miss_cached_tokens"][key]]
+    warm_cached = [n for _, w in pairs for n in w["miss_cached_tokens"][key]]
+    return cold_cached, warm_cached
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_ttft_engine_b_via_server_vs_cold_prefill(rounds, record, tokens):
+    cold_cached, loaded = _record_warm_vs_cold(
+        record,
+        rounds,
+        tokens,
+        f"ttft_engine_b_via_server_{tokens}_tokens",
+        f"ttft_cold_prefill_engine_a_{tokens}_tokens",
+    )
+    assert max(cold_cached) == 0, f"engine A was not cold: {cold_cached}"
+    assert min(loaded) >= tokens // 256 * 256 - 256, f"B loaded too little: {loaded}"
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_ttft_pd_consumer_vs_its_cold_prefill(pd_rounds, record, tokens):
-    key = str(tokens)
-    loaded = [statistics.median(hit["miss_s"][key]) for hit, _ in pd_rounds]
-    cold = [statistics.median(c["miss_s"][key]) for _, c in pd_rounds]
-    record(
-        metric=f"ttft_pd_consumer_{tokens}_tokens",
-        value=statistics.median(loaded),
-        unit="s",
-        baseline=f"ttft_pd_consumer_cold_prefill_{tokens}_tokens",
-        baseline_value=statistics.median(cold),
-        rounds=loaded,
-        spread=[min(loaded), max(loaded)],
-        baseline_rounds=cold,
-        baseline_spread=[min(cold), max(cold)],
-        engine={"vllm": pd_rounds[0][0]["vllm"], "kvtier_config": pd_rounds[0][0]["kvtier_config"]},
+    cold_cached, loaded = _record_warm_vs_cold(
+        record,
+        pd_rounds,
+        tokens,
+        f"ttft_pd_consumer_{tokens}_tokens",
+        f"ttft_pd_consumer_cold_prefill_{tokens}_tokens",
     )
-    cold_cached = [n for _, c in pd_rounds for n in c["miss_cached_tokens"][key]]
-    hit_cached = [n for hit, _ in pd_rounds for n in hit["miss_cached_tokens"][key]]
     assert max(cold_cached) == 0, f"the cold consumer loaded: {cold_cached}"
     # producers store partial last chunks: all but the last token's block is loaded
-    assert min(hit_cached) >= tokens - 64, f"the consumer loaded too little: {hit_cached}"
+    assert min(loaded) >= tokens - 64, f"the consumer loaded too little: {loaded}"
