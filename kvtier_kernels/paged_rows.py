@@ -207,10 +207,12 @@ def copy_whole_blocks(
     to_chunk: bool,
 ) -> bool:
     """Move whole blocks between the cache and the chunk, one pass over the bytes, no
-    per-token indexing. Gather: one ``index_select`` of ``[KV, BS, H, D]`` block slices,
-    one per (layer, block), from the cache seen as a table of block slices. Scatter: one
-    strided ``copy_`` per block over every layer (``index_copy_`` is several times slower
-    on the CPU).
+    per-token indexing: one ``index_select`` (gather) or ``index_copy_`` (scatter) of
+    ``[KV, BS, H, D]`` block slices, one per (layer, block), over the cache seen as a
+    table of block slices; one strided ``copy_`` per block over every layer where the
+    layer step is not a whole number of blocks. A single op is one parallel region: on a
+    loaded machine, a loop of parallel copies waits at every join for a descheduled
+    thread.
 
     Returns False, having moved nothing, when it does not apply (slots that are not whole
     blocks, layers that are not evenly spaced views of one buffer, a chunk on another
@@ -236,7 +238,7 @@ def copy_whole_blocks(
         return False
     step = step_bytes // first_words.element_size()
     s_kv, s_nb, *rest = first_words.stride()
-    if to_chunk and s_nb and step % s_nb == 0:
+    if s_nb and step % s_nb == 0:
         # the storage as a table of block slices [rows, KV, BS, H, D], row stride s_nb
         extent = sum(
             (n - 1) * st for n, st in zip(first_words.shape, first_words.stride(), strict=True)
@@ -247,8 +249,11 @@ def copy_whole_blocks(
         table = first_words.as_strided((rows, kv, *first_words.shape[2:]), (s_nb, s_kv, *rest))
         index = torch.tensor(blocks, dtype=torch.int64, device=slots.device)
         index = torch.arange(num_layers, device=slots.device)[:, None] * (step // s_nb) + index
-        out = per_block.view(kv, -1, *per_block.shape[3:]).transpose(0, 1)
-        torch.index_select(table, 0, index.flatten(), out=out)
+        slices = per_block.view(kv, -1, *per_block.shape[3:]).transpose(0, 1)
+        if to_chunk:
+            torch.index_select(table, 0, index.flatten(), out=slices)
+        else:
+            table.index_copy_(0, index.flatten(), slices)
         return True
     stacked = first_words.as_strided(  # [KV, L, NB, BS, H, D]
         (kv, num_layers, *first_words.shape[1:]), (s_kv, step, s_nb, *rest)
