@@ -161,15 +161,10 @@ class ChunkedTokenDatabase:
         """The chained hash of every (full, plus optionally the partial) chunk."""
         array = _as_int64_array(tokens)
         bounds = self.chunk_bounds(len(array), include_partial)
-        if self.hasher.algorithm == "sha256_cbor":
-            as_list = array.tolist()  # CBOR hashes Python ints; convert once
-            pieces: Sequence[TokenIds] = [as_list[s:e] for s, e in bounds]
-        else:
-            pieces = [array[s:e] for s, e in bounds]
         chunk_extras = None
         if extras is not None:
             chunk_extras = [extras.chunk_extra_keys(s, e) for s, e in bounds]
-        return self.hasher.chain(pieces, chunk_extras)
+        return self.hasher.chain_array(array, bounds, chunk_extras)
 
     def chunks(
         self,

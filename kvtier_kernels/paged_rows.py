@@ -6,7 +6,11 @@ word moves the same bytes in fewer elements: a bf16 row of 128 values is 32 int6
 
 - :func:`valid_slots`, :func:`read_rows`, :func:`as_words`: the slots to move, the rows at
   them, and the widest integer view of a cache view and chunk rows (the torch reference);
-- :func:`copy_head_rows`: the torch backend's fast path, one ``index_select`` /
+- :func:`copy_whole_blocks`: the torch backend's fast path when the slots are whole
+  blocks (as a serving engine hands them out) and the layers are evenly spaced views of
+  one buffer (as vLLM allocates them): one strided ``copy_`` per block over every layer,
+  one pass over the bytes;
+- :func:`copy_head_rows`: the torch backend's path otherwise, one ``index_select`` /
   ``index_copy_`` per KV plane and layer over the cache seen as rows of one head's values;
 - :func:`layer_table`, :func:`word_view`, :func:`launch_words`: the per-layer base-address
   table the Triton kernel reads through (cached), and the word type and strides it moves
@@ -28,6 +32,7 @@ __all__ = [
     "LayerTable",
     "as_words",
     "copy_head_rows",
+    "copy_whole_blocks",
     "launch_words",
     "layer_table",
     "read_rows",
@@ -144,12 +149,140 @@ def copy_head_rows(
     return True
 
 
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> list[int] | None:
+    """The block ids when ``slots`` are whole blocks, each from its offset 0 in order
+    (no padding slot); else None."""
+    if slots.numel() == 0 or slots.numel() % block_size:
+        return None
+    runs = slots.view(-1, block_size)
+    starts = runs[:, :1]
+    offsets = torch.arange(block_size, dtype=slots.dtype, device=slots.device)
+    if bool((starts < 0).any()) or bool((starts % block_size).any()):
+        return None
+    if not torch.equal(runs, starts + offsets):
+        return None
+    return (starts.squeeze(1) // block_size).tolist()
+
+
+_layer_steps: OrderedDict[tuple, int | None] = OrderedDict()
+_layer_steps_lock = threading.Lock()
+_MAX_LAYER_STEPS = 64
+
+
+def _layer_step(paged: PagedKV, layers: range) -> int | None:
+    """Elements between consecutive canonical layer views of ``layers``, when they are
+    views of one storage with the same shape and strides, evenly spaced; else None.
+    Cached per (addresses, shapes, strides, layers): only integers, never a tensor."""
+    key = (
+        paged.layout.name,
+        tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in paged.tensors),
+        (layers.start, layers.stop, layers.step),
+    )
+    with _layer_steps_lock:
+        if key in _layer_steps:
+            _layer_steps.move_to_end(key)
+            return _layer_steps[key]
+    views = [paged.layer_view(layer) for layer in layers]
+    first, offsets = views[0], [v.storage_offset() for v in views]
+    step = offsets[1] - offsets[0] if len(views) > 1 else 0
+    even = all(
+        v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and v.stride() == first.stride()
+        and v.shape == first.shape
+        and offset == offsets[0] + i * step
+        for i, (v, offset) in enumerate(zip(views, offsets, strict=True))
+    )
+    with _layer_steps_lock:
+        _layer_steps[key] = step if even else None
+        while len(_layer_steps) > _MAX_LAYER_STEPS:
+            _layer_steps.popitem(last=False)
+    return step if even else None
+
+
+# Scatter block slices of at least this many bytes with one copy_ each (else index_copy_).
+_SLICE_COPY_BYTES = 16 * 1024
+
+
+def copy_whole_blocks(
+    paged: PagedKV,
+    slot_mapping: torch.Tensor,  # [T]; whole blocks, each from offset 0
+    chunk: torch.Tensor,  # [KV, len(layers), T, H * D] on the cache's device
+    layers: range,
+    to_chunk: bool,
+) -> bool:
+    """Move whole blocks between the cache and the chunk, one pass over the bytes, no
+    per-token indexing: one ``index_select`` (gather) of ``[KV, BS, H, D]`` block slices,
+    one per (layer, block), over the cache seen as a table of block slices; a scatter
+    copies each slice back (one ``index_copy_`` for small slices); one strided ``copy_`` per block over every layer where the
+    layer step is not a whole number of blocks. A single op is one parallel region: on a
+    loaded machine, a loop of parallel copies waits at every join for a descheduled
+    thread.
+
+    Returns False, having moved nothing, when it does not apply (slots that are not whole
+    blocks, layers that are not evenly spaced views of one buffer, a chunk on another
+    device or not row-major); the caller then takes another path.
+    """
+    if chunk.device != paged.device or not len(layers):
+        return False
+    slots = slot_mapping.to(device=paged.device, dtype=torch.int64)
+    first = paged.layer_view(layers[0])
+    kv, num_blocks, block_size, heads, head_size = first.shape
+    blocks = _whole_blocks(slots, block_size)
+    step = None if blocks is None else _layer_step(paged, layers)
+    if step is None:
+        return False
+    num_layers = len(layers)
+    try:
+        per_block = chunk.view(kv, num_layers, len(blocks), block_size, heads, head_size)
+        first_words, per_block = as_words(first, per_block)
+    except (RuntimeError, AssertionError):  # not row-major, or no common word
+        return False
+    step_bytes = step * first.element_size()
+    if step_bytes % first_words.element_size():
+        return False
+    step = step_bytes // first_words.element_size()
+    s_kv, s_nb, *rest = first_words.stride()
+    if s_nb and step % s_nb == 0:
+        # the storage as a table of block slices [rows, KV, BS, H, D], row stride s_nb
+        extent = sum(
+            (n - 1) * st for n, st in zip(first_words.shape, first_words.stride(), strict=True)
+        )
+        extent -= (num_blocks - 1) * s_nb
+        room = first_words.untyped_storage().nbytes() // first_words.element_size()
+        rows = (room - first_words.storage_offset() - extent - 1) // s_nb + 1
+        table = first_words.as_strided((rows, kv, *first_words.shape[2:]), (s_nb, s_kv, *rest))
+        index = torch.tensor(blocks, dtype=torch.int64, device=slots.device)
+        index = torch.arange(num_layers, device=slots.device)[:, None] * (step // s_nb) + index
+        slices = per_block.view(kv, -1, *per_block.shape[3:]).transpose(0, 1)
+        if to_chunk:
+            torch.index_select(table, 0, index.flatten(), out=slices)
+        elif slices[0].numel() * slices.element_size() >= _SLICE_COPY_BYTES:
+            # NOTE: a slice this size is one single-threaded copy_ (below torch's parallel
+            # grain): no join to wait at, and faster than index_copy_'s elementwise kernel
+            for row, piece in zip(index.flatten().tolist(), slices.unbind(0), strict=True):
+                table[row].copy_(piece)
+        else:
+            table.index_copy_(0, index.flatten(), slices)
+        return True
+    stacked = first_words.as_strided(  # [KV, L, NB, BS, H, D]
+        (kv, num_layers, *first_words.shape[1:]), (s_kv, step, s_nb, *rest)
+    )
+    for i, block in enumerate(blocks):
+        if to_chunk:
+            per_block[:, :, i].copy_(stacked[:, :, block])
+        else:
+            stacked[:, :, block].copy_(per_block[:, :, i])
+    return True
+
+
 def torch_backend(reference, to_chunk: bool):
     """A paged copy's torch backend: :func:`copy_head_rows` where it applies, else
     ``reference`` (same contract as the reference)."""
 
     def run(paged: PagedKV, slot_mapping: torch.Tensor, chunk: torch.Tensor, layers=None):
         layers = range(paged.num_layers) if layers is None else layers
+        if copy_whole_blocks(paged, slot_mapping, chunk, layers, to_chunk):
+            return chunk if to_chunk else None
         if not copy_head_rows(paged, slot_mapping, chunk, layers, to_chunk):
             return reference(paged, slot_mapping, chunk, layers)
         return chunk if to_chunk else None

@@ -51,6 +51,25 @@ def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 
     return statistics.median(times)
 
 
+def interleaved_medians(
+    fn: Callable[[], object], baseline: Callable[[], object], *, repeat: int = 15, warmup: int = 2
+) -> tuple[float, float]:
+    """Median wall times of ``fn`` and of ``baseline``, timed in alternation (one call of
+    each per round), so that load from elsewhere on the machine weighs on both alike."""
+    for _ in range(warmup):
+        fn()
+        baseline()
+    fn_times, baseline_times = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        baseline()
+        t1 = time.perf_counter()
+        fn()
+        fn_times.append(time.perf_counter() - t1)
+        baseline_times.append(t1 - t0)
+    return statistics.median(fn_times), statistics.median(baseline_times)
+
+
 @pytest.fixture
 def record(request):
     """``record(metric=..., value=..., unit=..., baseline=..., baseline_value=...)``."""

@@ -2,8 +2,9 @@
 
 Shape: 32 layers, 8 KV heads, head size 128, bf16 — one 256-token chunk is 32 MiB. Each
 figure is GB/s with the ratio against a raw ``torch`` copy of the same bytes measured in
-the same run. ``put`` = allocate a pool buffer + copy the chunk in + index it;
-``get`` = look it up + copy it out. The store/retrieve rows go through the whole engine
+the same run, the op and the copy timed in alternation (``interleaved_medians``), so that
+load from elsewhere weighs on both alike. ``put`` = allocate a pool buffer + copy the
+chunk in + index it; ``get`` = look it up + copy it out. The store/retrieve rows go through the whole engine
 path instead: gather from / scatter into a paged KV cache in vLLM's CPU layout.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import median_seconds
+from conftest import interleaved_medians
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
@@ -32,16 +33,28 @@ def chunk():
 
 
 @pytest.fixture(scope="module")
-def raw_copy_gbps(chunk):
+def raw_copy(chunk):
     dst = torch.empty_like(chunk)
-    return NBYTES / median_seconds(lambda: dst.copy_(chunk)) / 1e9
+    return lambda: dst.copy_(chunk)
+
+
+def _record_gbps(record, metric: str, fn, raw_copy, nbytes: int) -> None:
+    """``fn`` (moving ``nbytes``) and the raw copy of one chunk, timed in alternation."""
+    seconds, raw_seconds = interleaved_medians(fn, raw_copy)
+    record(
+        metric=metric,
+        value=nbytes / seconds / 1e9,
+        unit="GB/s",
+        baseline="raw torch copy",
+        baseline_value=NBYTES / raw_seconds / 1e9,
+    )
 
 
 def _key(i: int) -> CacheKey:
     return CacheKey("bench", 1, 0, "bfloat16", ChunkHasher().hash_chunk(b"", [i]))
 
 
-def test_cpu_tier_put(benchmark, record, chunk, raw_copy_gbps):
+def test_cpu_tier_put(benchmark, record, chunk, raw_copy):
     tier = LocalCPUTier(8 * NBYTES, "LRU")
     counter = iter(range(10**9))
 
@@ -52,18 +65,11 @@ def test_cpu_tier_put(benchmark, record, chunk, raw_copy_gbps):
         obj.ref_down()
 
     benchmark(put)
-    gbps = NBYTES / benchmark.stats.stats.median / 1e9
-    record(
-        metric="cpu tier put",
-        value=gbps,
-        unit="GB/s",
-        baseline="raw torch copy",
-        baseline_value=raw_copy_gbps,
-    )
+    _record_gbps(record, "cpu tier put", put, raw_copy, NBYTES)
     tier.close()
 
 
-def test_cpu_tier_get(benchmark, record, chunk, raw_copy_gbps):
+def test_cpu_tier_get(benchmark, record, chunk, raw_copy):
     tier = LocalCPUTier(4 * NBYTES, "LRU")
     obj = tier.allocate(SHAPE, DTYPE)
     obj.tensor.copy_(chunk)
@@ -78,14 +84,7 @@ def test_cpu_tier_get(benchmark, record, chunk, raw_copy_gbps):
 
     benchmark(get)
     assert torch.equal(dst.view(torch.int16), chunk.view(torch.int16))
-    gbps = NBYTES / benchmark.stats.stats.median / 1e9
-    record(
-        metric="cpu tier get",
-        value=gbps,
-        unit="GB/s",
-        baseline="raw torch copy",
-        baseline_value=raw_copy_gbps,
-    )
+    _record_gbps(record, "cpu tier get", get, raw_copy, NBYTES)
     tier.close()
 
 
@@ -109,7 +108,7 @@ def engine_setup():
     engine.close()
 
 
-def test_engine_store(benchmark, record, engine_setup, raw_copy_gbps):
+def test_engine_store(benchmark, record, engine_setup, raw_copy):
     engine, tokens, slots, _ = engine_setup
 
     def store():
@@ -117,29 +116,19 @@ def test_engine_store(benchmark, record, engine_setup, raw_copy_gbps):
         engine.store(tokens, slot_mapping=slots)
 
     benchmark(store)
-    gbps = len(tokens) // CHUNK * NBYTES / benchmark.stats.stats.median / 1e9
-    record(
-        metric="engine store (gather + put)",
-        value=gbps,
-        unit="GB/s",
-        baseline="raw torch copy",
-        baseline_value=raw_copy_gbps,
-    )
+    nbytes = len(tokens) // CHUNK * NBYTES
+    _record_gbps(record, "engine store (gather + put)", store, raw_copy, nbytes)
 
 
-def test_engine_retrieve(benchmark, record, engine_setup, raw_copy_gbps):
+def test_engine_retrieve(benchmark, record, engine_setup, raw_copy):
     engine, tokens, slots, _ = engine_setup
     engine.clear()
     engine.store(tokens, slot_mapping=slots)
     target = slots.roll(len(slots) // 2)  # load into other pages than the source
 
-    result = benchmark(lambda: engine.retrieve(tokens, slot_mapping=target))
-    assert result == len(tokens)
-    gbps = len(tokens) // CHUNK * NBYTES / benchmark.stats.stats.median / 1e9
-    record(
-        metric="engine retrieve (get + scatter)",
-        value=gbps,
-        unit="GB/s",
-        baseline="raw torch copy",
-        baseline_value=raw_copy_gbps,
-    )
+    def retrieve():
+        assert engine.retrieve(tokens, slot_mapping=target) == len(tokens)
+
+    benchmark(retrieve)
+    nbytes = len(tokens) // CHUNK * NBYTES
+    _record_gbps(record, "engine retrieve (get + scatter)", retrieve, raw_copy, nbytes)

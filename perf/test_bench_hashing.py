@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import median_seconds
+from conftest import interleaved_medians
 
 from kvtier.hashing import HASH_ALGORITHMS, ChunkHasher
 from kvtier.keys import CacheKey
@@ -25,9 +25,10 @@ def test_chunk_hashing(benchmark, record, algorithm):
     tokens = torch.randint(0, 128_000, (NUM_TOKENS,), generator=torch.Generator().manual_seed(0))
     db = _db(algorithm)
     benchmark(db.chunk_hashes, tokens)
-    seconds = benchmark.stats.stats.median
     baseline = "sha256_cbor" if algorithm != "sha256_cbor" else "xxh3_128"
-    baseline_seconds = median_seconds(lambda: _db(baseline).chunk_hashes(tokens))
+    seconds, baseline_seconds = interleaved_medians(
+        lambda: db.chunk_hashes(tokens), lambda: _db(baseline).chunk_hashes(tokens)
+    )
     record(
         metric="chunk hashing",
         algorithm=algorithm,
@@ -43,7 +44,7 @@ def test_chunk_hashing(benchmark, record, algorithm):
 def test_sha256_cbor_vs_vllms_block_hash(benchmark, record, vllm_block_size):
     """kvtier's sha256_cbor chunk hashes (same bytes as vLLM's) against vLLM's own
     ``hash_block_tokens`` over the same tokens, at vLLM's default GPU block size and at
-    kvtier's chunk size, in the same run."""
+    kvtier's chunk size, in the same run, timed in alternation."""
     kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
     from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
 
@@ -51,7 +52,6 @@ def test_sha256_cbor_vs_vllms_block_hash(benchmark, record, vllm_block_size):
     tokens = torch.randint(0, 128_000, (NUM_TOKENS,), generator=torch.Generator().manual_seed(0))
     db = _db("sha256_cbor")
     benchmark(db.chunk_hashes, tokens)
-    seconds = benchmark.stats.stats.median
 
     def vllm_hashes() -> None:
         as_list, parent = tokens.tolist(), kv_cache_utils.NONE_HASH
@@ -59,7 +59,9 @@ def test_sha256_cbor_vs_vllms_block_hash(benchmark, record, vllm_block_size):
             block = as_list[start : start + vllm_block_size]
             parent = kv_cache_utils.hash_block_tokens(vllm_sha256_cbor, parent, block, None)
 
-    baseline_seconds = median_seconds(vllm_hashes, repeat=7, warmup=1)
+    seconds, baseline_seconds = interleaved_medians(
+        lambda: db.chunk_hashes(tokens), vllm_hashes, repeat=9
+    )
     record(
         metric="chunk hashing",
         algorithm=f"sha256_cbor vs vLLM, {vllm_block_size}-token blocks",

@@ -59,6 +59,46 @@ def test_sha256_cbor_chunk_hashes_equal_vllms_own_function_byte_for_byte():
     )
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("high", [24, 256, 65_536, 200_000, 2**32, 2**40])
+def test_vectorised_chain_equals_vllms_function_with_extras(seed, high):
+    """``chain_array`` (one vectorised CBOR pass; ids of 2**32 and up take cbor2's path)
+    gives vLLM's ``hash_block_tokens`` bytes, with extra keys and a partial last chunk."""
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
+
+    kv_cache_utils.init_none_hash(vllm_sha256_cbor)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, high, int(rng.integers(1, 700)))
+    tokens[: min(4, tokens.size)] = [0, 23, high - 1, high // 2][: min(4, tokens.size)]
+    size = int(rng.choice([1, 16, 64, 256]))
+    bounds = [(s, min(s + size, tokens.size)) for s in range(0, tokens.size, size)]
+    extras = [
+        None if i % 3 else (("lora", "a", "/p"), ("mm", "h" * 64, i), ("cache_salt", "t"))
+        for i in range(len(bounds))
+    ]
+    ours = ChunkHasher("sha256_cbor").chain_array(tokens, bounds, extras)
+    parent, theirs = kv_cache_utils.NONE_HASH, []
+    for (start, end), extra in zip(bounds, extras, strict=True):
+        block = tokens[start:end].tolist()
+        parent = kv_cache_utils.hash_block_tokens(vllm_sha256_cbor, parent, block, extra)
+        theirs.append(bytes(parent))
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_chain_array_equals_chain(algorithm):
+    hasher = ChunkHasher(algorithm)
+    tokens = np.random.default_rng(0).integers(-5, 70_000, 1000)  # negatives: cbor2 path
+    bounds = [(s, min(s + 128, 1000)) for s in range(0, 1000, 128)]
+    pieces = [tokens[s:e].tolist() for s, e in bounds]
+    assert hasher.chain_array(tokens, bounds) == hasher.chain(pieces)
+    assert hasher.chain_array(np.abs(tokens), bounds, parent=b"p") == hasher.chain(
+        [np.abs(tokens[s:e]).tolist() for s, e in bounds], parent=b"p"
+    )
+    assert hasher.chain_array(tokens[:0], []) == []
+
+
 @pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
 def test_token_container_types_hash_the_same(algorithm):
     hasher = ChunkHasher(algorithm)

@@ -21,7 +21,7 @@ from support.kv import (
 from kvtier_kernels import paged_copy
 from kvtier_kernels.layouts import LAYOUTS, PagedKV
 from kvtier_kernels.paged_copy import gather, gather_reference, scatter, scatter_reference
-from kvtier_kernels.paged_rows import copy_head_rows
+from kvtier_kernels.paged_rows import copy_head_rows, copy_whole_blocks
 
 NUM_LAYERS = 3
 NUM_TOKENS = 37  # a partial chunk: not a multiple of any block size used here
@@ -142,6 +142,62 @@ def test_torch_backend_moves_head_rows_bit_exactly(
     loop_scatter(want, slots, src, layers)
     scatter(paged, slots, src, layers, backend="torch")
     assert_cache_equal(paged, want)  # layer 0 and every unnamed slot unchanged
+
+
+@pytest.mark.parametrize(("name", "heads", "head_size"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, DTYPES[-1]], ids=str)
+@pytest.mark.parametrize(
+    ("block_size", "layers"), [(1, range(3)), (4, range(1, 3)), (16, range(2))]
+)
+@pytest.mark.parametrize("slice_copy_bytes", [0, 1 << 40], ids=["copy-per-slice", "index-copy"])
+def test_torch_backend_moves_whole_blocks_bit_exactly(
+    name: str,
+    heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    layers: range,
+    slice_copy_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slots that are whole blocks of a random block table (what a serving engine hands
+    out): the block path against the loop, both directions (both ways of scattering the
+    slices), every layout."""
+    monkeypatch.setattr("kvtier_kernels.paged_rows._SLICE_COPY_BYTES", slice_copy_bytes)
+    paged = make_cache(name, dtype, block_size, heads, head_size)
+    num_blocks = paged.num_slots // block_size
+    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(block_size))
+    slots = (
+        blocks[: 32 // block_size or 1, None] * block_size + torch.arange(block_size)
+    ).flatten()
+    out = empty_chunk(paged, len(slots), len(layers), seed=21)
+    assert copy_whole_blocks(paged, slots, out, layers, to_chunk=True)
+    expected = empty_chunk(paged, len(slots), len(layers), seed=22)
+    loop_gather(paged, slots, expected, layers)
+    assert_chunk_equal(out, expected, paged, slots, layers)
+    src = empty_chunk(paged, len(slots), len(layers), seed=23)
+    want = clone_cache(paged)
+    loop_scatter(want, slots, src, layers)
+    assert copy_whole_blocks(paged, slots, src, layers, to_chunk=False)
+    assert_cache_equal(paged, want)  # other layers and blocks unchanged
+
+
+def test_whole_block_path_declines_what_it_cannot_do() -> None:
+    """Not whole blocks (a partial, a shifted or a padded run) or layers that are separate
+    tensors: nothing moved, and gather still gives the loop's result."""
+    paged = make_cache("vllm_cpu", torch.bfloat16, 4, 2, 80)
+    layers = range(NUM_LAYERS)
+    for slots in (torch.arange(8, 14), torch.arange(9, 13), torch.tensor([8, 9, -1, 11])):
+        out = empty_chunk(paged, len(slots), NUM_LAYERS, seed=24)
+        assert not copy_whole_blocks(paged, slots, out, layers, to_chunk=True)
+    separate = PagedKV(paged.layout, [t.clone() for t in paged.tensors])
+    slots = torch.arange(8, 16)
+    out = empty_chunk(paged, len(slots), NUM_LAYERS, seed=25)
+    assert not copy_whole_blocks(separate, slots, out, layers, to_chunk=True)
+    gather(separate, slots, out, backend="torch")
+    expected = out.clone()
+    loop_gather(separate, slots, expected, layers)
+    assert_chunk_equal(out, expected, separate, slots, layers)
 
 
 def test_head_rows_path_declines_what_it_cannot_do() -> None:

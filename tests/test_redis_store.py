@@ -191,7 +191,8 @@ def test_batched_calls_are_one_round_trip(server, make_store, monkeypatch):
     for call, expected in [
         (lambda: store.put_many([(n, [b"x" * 10]) for n in names]), [50]),
         (lambda: store.get_many(names), [50]),
-        (lambda: store.exists_many(names), [50]),
+        (lambda: store.exists_many(names), []),  # all present: one multi-key EXISTS
+        (lambda: store.exists_many(["absent", *names]), [51]),  # mixed: then per key
         (lambda: store.put_many([("big", [b"y" * 2500])]), [4]),  # 3 parts + manifest
         (lambda: store.get_many([*names, "big"]), [51, 3]),  # the parts: a second trip
         (lambda: store.delete_many([*names, "big"]), [51, 54]),  # probe, then delete

@@ -372,14 +372,23 @@ class RedisStore:
         return b"".join(parts)  # type: ignore[arg-type]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
-        """Whether each name is present (for a split blob: its manifest)."""
+        """Whether each name is present (for a split blob: its manifest).
+
+        One multi-key ``EXISTS`` first: it counts the present keys, so all or none (a hit
+        or a miss of a whole prompt, the usual answers) is settled in one command and one
+        reply; only a mixed answer asks per key, pipelined.
+        """
         if not names:
             return []
+        keys = [self._key(name) for name in names]
         with self._call("exists_many") as client:
+            count = client.exists(*keys)
+            if count in (0, len(keys)):
+                return [bool(count)] * len(keys)
             pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(self._key(name))
-            return [bool(count) for count in pipe.execute()]
+            for key in keys:
+                pipe.exists(key)
+            return [bool(present) for present in pipe.execute()]
 
     def delete_many(self, names: Sequence[str]) -> int:
         """Delete the names and their parts; returns how many names were present."""
