@@ -9,6 +9,9 @@ the workers' tiers hold through a local RPC socket per rank (``rpc``): a lookup 
 or takes longer than ``lookup_timeout_ms`` is a miss. With tensor or pipeline parallelism
 every rank stores its own shard, and a chunk counts as a hit only when every rank has it.
 
+With ``enable_blending`` the roles also blend prompts with cached segments (CacheBlend:
+``blend_plan`` on the scheduler, ``blend`` on the worker; docs/cacheblend.md).
+
 With vLLM's ``kv_events_config`` enabled, what kvtier's CPU tier stores and drops comes
 out of vLLM's KV event stream as ``BlockStored`` / ``BlockRemoved`` events (``events``).
 

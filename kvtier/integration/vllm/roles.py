@@ -240,6 +240,14 @@ class WorkerRole:
         engine = self.mover.engine
         assert engine is not None and engine.connector is not None
         paged = engine.connector.paged
+        if _world(self._vllm_config) > 1 or paged.device.type != "cpu":
+            # NOTE: the blend has run only in one CPU worker: refused elsewhere, never
+            # tried on a device or a parallel layout no test has seen.
+            raise ValueError(
+                "enable_blending: kvtier's vLLM connector blends on the CPU backend with "
+                f"one worker only; this engine has {_world(self._vllm_config)} ranks and its "
+                f"KV on {paged.device}; set enable_blending: false"
+            )
         isa = _cpu_attn_isa(self._vllm_config) if backend == "CPU_ATTN" else None
         return BlendWorker(
             self.config,
