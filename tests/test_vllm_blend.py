@@ -1,17 +1,24 @@
-"""CacheBlend behind the vLLM connector: refused at start-up (unsupported model class, or
-"not supported yet"), and no effect at all with ``enable_blending`` off."""
+"""CacheBlend behind the vLLM connector, without an engine: the start-up model check, the
+scheduler's claims and segment stores (``BlendPlanner``), and single-token access to the
+CPU backend's tiled KV blocks (``PagedTokens``, through vLLM's own op).
+The real engine: ``test_vllm_blend_engine.py``."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from kvtier.blend import UnsupportedModelError
 from kvtier.config import KVTierConfig
+from kvtier.integration.vllm.blend import PagedTokens, cpu_block_map
+from kvtier.integration.vllm.blend_plan import BlendPlanner
 from kvtier.integration.vllm.connector import check_blending
+from kvtier.integration.vllm.scheduler import StepPlan
+from kvtier_kernels import PagedKV
 
 
 def _vllm_config(**hf_fields) -> SimpleNamespace:
@@ -25,12 +32,127 @@ def test_unsupported_model_is_named() -> None:
         check_blending(vllm_config, config)
 
 
-def test_blendable_model_is_refused_until_the_connector_blends() -> None:
+def test_blendable_model_is_accepted() -> None:
     config = KVTierConfig(enable_blending=True)
-    vllm_config = _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0)
-    with pytest.raises(ValueError, match="not supported yet"):
-        check_blending(vllm_config, config)
+    check_blending(_vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0), config)
 
 
 def test_blending_off_changes_nothing() -> None:
     check_blending(_vllm_config(architectures=["GPT2LMHeadModel"]), KVTierConfig())
+
+
+# -- the scheduler's claims and stores ---------------------------------------------------
+
+SEP = [7, 7]
+
+
+def _request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=tokens)
+
+
+def _step(new: list[tuple[str, int, int, list[int]]]) -> SimpleNamespace:
+    """A scheduler output with new requests ``(req_id, computed, scheduled, blocks)``."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(b,)) for r, c, _, b in new
+        ],
+        num_scheduled_tokens={r: n for r, _, n, _ in new},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    )
+
+
+def _planner(held: set[bytes]) -> tuple[BlendPlanner, list[list[bytes]]]:
+    asked: list[list[bytes]] = []
+
+    def lookup(hashes: list[bytes]) -> list[bool]:
+        asked.append(hashes)
+        return [h in held for h in hashes]
+
+    return BlendPlanner(KVTierConfig(blend_min_tokens=3), SEP, lookup), asked
+
+
+def test_planner_stores_then_claims() -> None:
+    doc_a, doc_b = [10, 11, 12, 13], [20, 21, 22]
+    first = [1, 2, 3, *SEP, *doc_a, *SEP, *doc_b, *SEP, 4]
+    planner, asked = _planner(set())
+    assert planner.claim(_request("r1", first), 0) == 0  # nothing held: stored instead
+    assert planner.after_alloc(_request("r1", first), [0], 0) is False
+    plan = StepPlan()
+    planner.extend(plan, _step([("r1", 0, 8, [0, 1])]), lambda r: [0, 1])
+    assert [(s, e) for s, e, _ in plan.segment_saves[0].segments] == [(0, 3)]  # computed
+    plan = StepPlan()
+    planner.extend(plan, _step([("r1", 8, len(first) - 8, [0, 1])]), lambda r: [0, 1])
+    assert [(s, e) for s, e, _ in plan.segment_saves[0].segments] == [(5, 9), (11, 14)]
+    stored = {h for _, _, h in plan.segment_saves[0].segments}
+
+    second = [5, 6, 5, *SEP, *doc_b, *SEP, *doc_a, *SEP, 8, 9]
+    planner, asked = _planner(stored)
+    request = _request("r2", second)
+    claimed = planner.claim(request, 0)
+    assert claimed == len(second) - 1
+    assert planner.claim(request, 0) == claimed and len(asked) == 1  # asked once
+    assert planner.after_alloc(request, [3, 4], claimed)
+    plan = StepPlan()
+    planner.extend(plan, _step([("r2", claimed, 1, [3, 4])]), lambda r: [3, 4])
+    (spec,) = plan.blends
+    assert spec.token_ids == second[:claimed] and spec.block_ids == [3, 4]
+    assert [(s, e) for s, e, _ in spec.segments] == [(5, 8), (10, 14)]
+    assert not plan.segment_saves  # a blended prompt stores nothing
+    assert planner.counters()["blend_reused_tokens"] == 7
+
+
+def test_planner_leaves_prefix_hits_and_refusals_alone() -> None:
+    doc = [10, 11, 12, 13]
+    prompt = [1, 2, 3, *SEP, *doc, *SEP, 4]
+    held = {h for _, _, h in _spans(prompt)}
+    planner, _ = _planner(held)
+    assert planner.claim(_request("a", prompt), 32) == 0  # vLLM's own prefix hit
+    planner, _ = _planner(held)
+    request = _request("b", prompt)
+    claimed = planner.claim(request, 0)
+    assert claimed == len(prompt) - 1
+    assert planner.after_alloc(request, [0], 0) is False  # vLLM did not take the claim
+    plan = StepPlan()
+    planner.extend(plan, _step([("b", 0, len(prompt), [0])]), lambda r: [0])
+    assert not plan.blends
+
+
+def _spans(tokens: list[int]) -> list:
+    planner, asked = _planner(set())
+    planner.claim(_request("x", tokens), 0)
+    return [(0, 0, h) for h in asked[0]]
+
+
+# -- single tokens of the CPU backend's KV -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "block_size", "head_size"), [(2, 32, 32), (1, 16, 80)])
+def test_cpu_tokens_round_trip_bit_exact(dtype, heads, block_size, head_size) -> None:
+    """Written with vLLM's ``cpu_attn_reshape_and_cache``, read back through the map:
+    the same bits; and the map places every value where the op does."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = str(_get_attn_isa(dtype, block_size, head_size, "auto"))
+    layers, blocks = 2, 5
+    tensors = [
+        torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype) for _ in range(layers)
+    ]
+    tokens = PagedTokens(PagedKV("vllm_cpu", tensors), isa)
+    slots = torch.tensor([3, block_size + 1, 4 * block_size - 1, 0, 2 * block_size + 5])
+    kv = torch.randn(2, layers, len(slots), heads * head_size).to(dtype)
+    tokens.write(slots, kv)
+    assert torch.equal(tokens.read(slots), kv)
+
+    where = cpu_block_map(heads, block_size, head_size, dtype, isa)
+    placed = torch.zeros(blocks, heads * 2 * block_size * head_size, dtype=dtype)
+    block, offset = slots // block_size, slots % block_size
+    placed[block[None, :, None], where[:, offset]] = kv[:, 0]
+    by_op = torch.zeros(blocks, heads, 2 * block_size, head_size, dtype=dtype)
+    key_cache, value_cache = by_op.chunk(2, dim=2)
+    shape = (len(slots), heads, head_size)
+    ops.cpu_attn_reshape_and_cache(
+        kv[0, 0].reshape(shape), kv[1, 0].reshape(shape), key_cache, value_cache, slots, isa
+    )
+    assert torch.equal(placed, by_op.view(blocks, -1))

@@ -69,3 +69,63 @@ def join(pieces: list[list[int]], separator: list[int]) -> tuple[list[int], list
         starts.append(len(tokens))
         tokens += piece
     return tokens, starts
+
+
+@torch.inference_mode()
+def blended_greedy(
+    model_dir,
+    stored: list[int],
+    prompt: list[int],
+    separator: list[int],
+    ratio: float,
+    *,
+    min_tokens: int,
+    max_tokens: int,
+) -> list[int]:
+    """Greedy tokens of ``prompt`` when kvtier.blend (over transformers' Llama of
+    ``model_dir``, float32) blends all but its last token from the segments of
+    ``stored`` (check layer 0, ``ratio``): what a blending engine should produce."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from kvtier.blend import PlacedSegment, blend, place_segments, rope_spec
+    from kvtier.blend.hf import HFDecoder
+    from kvtier.blend.segments import split_segments
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    decoder = HFDecoder(model.model)
+    total = len(prompt) - 1
+    old = {tuple(stored[s.start : s.end]): s for s in split_segments(stored, separator, 0)}
+    stored_kv = full_kv(model, stored)
+    width = decoder.num_kv_heads * decoder.head_size
+    kv = torch.zeros(2, decoder.num_layers, total, width)
+    reused = torch.zeros(total, dtype=torch.bool)
+    placed = []
+    for segment in split_segments(prompt, separator, min_tokens, end=total):
+        source = old.get(tuple(prompt[segment.start : segment.end]))
+        if source is not None and segment.end <= total:
+            placed.append(
+                PlacedSegment(
+                    stored_kv[:, :, source.start : source.end].clone(),
+                    torch.arange(source.start, source.end),
+                    segment.start,
+                )
+            )
+    place_segments(kv, reused, placed, rope_spec(model.config))
+    kv = blend(decoder, torch.tensor(prompt[:total]), kv, reused, [(0, ratio)]).kv
+    cache = DynamicCache()
+    for layer in range(decoder.num_layers):
+        planes = [
+            kv[i, layer].view(total, decoder.num_kv_heads, -1).transpose(0, 1)[None] for i in (0, 1)
+        ]
+        cache.update(planes[0], planes[1], layer)
+    token, position, out = prompt[total], total, []
+    for _ in range(max_tokens):
+        logits = model(
+            torch.tensor([[token]]),
+            position_ids=torch.tensor([[position]]),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        token, position = int(logits[0, -1].argmax()), position + 1
+        out.append(token)
+    return out

@@ -9,6 +9,9 @@ the workers' tiers hold through a local RPC socket per rank (``rpc``): a lookup 
 or takes longer than ``lookup_timeout_ms`` is a miss. With tensor or pipeline parallelism
 every rank stores its own shard, and a chunk counts as a hit only when every rank has it.
 
+With ``enable_blending`` the roles also blend prompts with cached segments (CacheBlend:
+``blend_plan`` on the scheduler, ``blend`` on the worker; docs/cacheblend.md).
+
 With vLLM's ``kv_events_config`` enabled, what kvtier's CPU tier stores and drops comes
 out of vLLM's KV event stream as ``BlockStored`` / ``BlockRemoved`` events (``events``).
 
@@ -122,18 +125,10 @@ def kvtier_config_from_vllm(vllm_config: VllmConfig) -> KVTierConfig:
 
 
 def check_blending(vllm_config: VllmConfig, config: KVTierConfig) -> None:
-    """Refuse ``enable_blending`` at start-up: a model CacheBlend cannot blend gets an
-    ``UnsupportedModelError`` naming its class; any other model a "not supported yet"
-    ``ValueError`` (the connector does not blend yet: switched on, it would silently
-    do nothing). Nothing happens with ``enable_blending`` off."""
-    if not config.enable_blending:
-        return
-    check_blendable(vllm_config.model_config.hf_config)
-    raise ValueError(
-        "enable_blending: CacheBlend is not supported yet by kvtier's vLLM connector "
-        "(kvtier.blend blends outside vLLM, see docs/cacheblend.md); set "
-        "enable_blending: false"
-    )
+    """With ``enable_blending``, refuse at start-up a model CacheBlend cannot blend (an
+    ``UnsupportedModelError`` naming its class). Nothing happens with it off."""
+    if config.enable_blending:
+        check_blendable(vllm_config.model_config.hf_config)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -170,26 +165,25 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.plan.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
         block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self._scheduler.plan.update_state_after_alloc(request, block_ids, num_external_tokens)
+        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        self._scheduler.plan.on_preempted(getattr(scheduler_output, "preempted_req_ids", None))
-        return KVTierConnectorMetadata(self._scheduler.plan.build_plan(scheduler_output))
+        return KVTierConnectorMetadata(self._scheduler.build_plan(scheduler_output))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves complete within the step that computed the KV, so blocks can go now.
         assert self._scheduler is not None
-        self._scheduler.plan.request_finished(request)
+        self._scheduler.request_finished(request)
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -218,7 +212,7 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVTierConnectorMetadata)
-        self._worker.mover.start_load(metadata.plan)
+        self._worker.start_load(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
@@ -232,7 +226,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.mover.wait_for_save()
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        self._worker.wait_for_save(getattr(metadata, "plan", None))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

@@ -18,9 +18,11 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.engine import EngineMetadata
+from kvtier.integration.vllm.blend import BlendWorker, PagedTokens, running_model
+from kvtier.integration.vllm.blend_plan import BlendPlanner
 from kvtier.integration.vllm.events import KVEventTracker, KVTierKVEvents, rank_events
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
-from kvtier.integration.vllm.scheduler import SchedulerSide
+from kvtier.integration.vllm.scheduler import SchedulerSide, StepPlan
 from kvtier.integration.vllm.worker import WorkerSide
 from kvtier.prometheus import MetricsServer
 from kvtier_kernels import LAYOUTS
@@ -57,6 +59,15 @@ class SchedulerRole:
             whole_blocks=not _token_major_layout(config),
             partial_chunks=_partial_chunks(config, transfer.kv_role),
         )
+        self.blend: BlendPlanner | None = None
+        if config.enable_blending:
+            self.blend = BlendPlanner(
+                config,
+                _separator_ids(vllm_config, config.blend_special_str),
+                self._lookup_segments,
+                can_load=transfer.is_kv_consumer,
+                can_save=transfer.is_kv_producer,
+            )
         self._events: KVEventTracker | None = None
         if _kv_events_enabled(vllm_config):
             self._events = KVEventTracker(_world(vllm_config), config.chunk_size, block_size)
@@ -79,6 +90,52 @@ class SchedulerRole:
         if replies is None:
             return 0
         return min(int(reply.get("hits", 0)) for reply in replies)
+
+    def _lookup_segments(self, hashes: list[bytes]) -> list[bool]:
+        """Which CacheBlend segments every worker rank holds (none when a rank fails)."""
+        replies = self._client.call_all("blend_lookup", hashes=hashes)
+        if replies is None:
+            return [False] * len(hashes)
+        held = [list(reply.get("held", ())) for reply in replies]
+        return [all(len(h) == len(hashes) and h[i] for h in held) for i in range(len(hashes))]
+
+    # -- vLLM's scheduler hooks: the planner, then CacheBlend ------------------------
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens kvtier can provide: a prefix hit, else (with blending) a blend claim."""
+        hit = self.plan.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.blend is not None and hit == (0, False):
+            claimed = self.blend.claim(request, num_computed_tokens)
+            if claimed > num_computed_tokens:
+                return claimed - num_computed_tokens, False
+        return hit
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        self.plan.update_state_after_alloc(request, block_ids, num_external_tokens)
+        if self.blend is not None and self.blend.after_alloc(
+            request, block_ids, num_external_tokens
+        ):
+            # NOTE: a blended prompt's KV is approximate: never stored as prefix chunks.
+            self.plan.trackers[request.request_id].saved_upto = len(request.all_token_ids)
+
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        self.plan.on_preempted(preempted)
+        plan = self.plan.build_plan(scheduler_output)
+        if self.blend is not None:
+            self.blend.on_preempted(preempted)
+            trackers = self.plan.trackers
+            self.blend.extend(
+                plan,
+                scheduler_output,
+                lambda req_id: list(trackers[req_id].block_ids) if req_id in trackers else [],
+            )
+        return plan
+
+    def request_finished(self, request: Any) -> None:
+        self.plan.request_finished(request)
+        if self.blend is not None:
+            self.blend.request_finished(request)
 
     def _serve_metrics(
         self, config: KVTierConfig, endpoints: list[str], vllm_config: VllmConfig
@@ -112,6 +169,8 @@ class SchedulerRole:
         }
         if self._events is not None:
             counters.update(self._events.counters)
+        if self.blend is not None:
+            counters.update(self.blend.counters())
         return counters
 
     def add_worker_events(self, events: Any) -> None:
@@ -144,6 +203,8 @@ class WorkerRole:
 
     def __init__(self, config: KVTierConfig, vllm_config: VllmConfig):
         self._vllm_config = vllm_config
+        self.config = config
+        self.blend: BlendWorker | None = None
         rank = _worker_rank(vllm_config)
         model_name = config.model_name or str(vllm_config.model_config.model)
         metadata = EngineMetadata(model_name, _world(vllm_config), rank)
@@ -157,9 +218,64 @@ class WorkerRole:
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Find the layers' attention backend and layout, then hand the KV to the mover."""
+        """Find the layers' attention backend and layout, then hand the KV to the mover
+        (and, with blending, the running model and the KV to the blend worker)."""
         backend = _attention_backend(self._vllm_config, kv_caches)
-        self.mover.register_kv_caches(kv_caches, backend, _layout_tags(self._vllm_config, backend))
+        self.mover.register_kv_caches(
+            kv_caches,
+            backend,
+            _layout_tags(self._vllm_config, backend),
+            handlers={"blend_lookup": self._serve_blend_lookup},
+        )
+        if self.config.enable_blending:
+            self.blend = self._blend_worker(backend)
+
+    def _blend_worker(self, backend: str | None) -> BlendWorker:
+        model = running_model()
+        if model is None:
+            raise RuntimeError(
+                "enable_blending: kvtier could not reach the model from register_kv_caches "
+                "(no model runner with get_model() up the call stack)"
+            )
+        engine = self.mover.engine
+        assert engine is not None and engine.connector is not None
+        paged = engine.connector.paged
+        if _world(self._vllm_config) > 1 or paged.device.type != "cpu":
+            # NOTE: the blend has run only in one CPU worker: refused elsewhere, never
+            # tried on a device or a parallel layout no test has seen.
+            raise ValueError(
+                "enable_blending: kvtier's vLLM connector blends on the CPU backend with "
+                f"one worker only; this engine has {_world(self._vllm_config)} ranks and its "
+                f"KV on {paged.device}; set enable_blending: false"
+            )
+        isa = _cpu_attn_isa(self._vllm_config) if backend == "CPU_ATTN" else None
+        return BlendWorker(
+            self.config,
+            self._vllm_config.model_config.hf_config,
+            model,
+            PagedTokens(paged, isa),
+            engine.storage,
+            engine.token_db.key_template,
+            self.mover.stats,
+        )
+
+    def _serve_blend_lookup(self, args: dict) -> dict:
+        hashes = list(args["hashes"])
+        return {"held": self.blend.held(hashes) if self.blend else [False] * len(hashes)}
+
+    def start_load(self, plan: StepPlan) -> None:
+        """Before the forward pass: the step's loads, then its blends."""
+        self.mover.start_load(plan)
+        if self.blend is not None:
+            for spec in plan.blends:
+                self.blend.run(spec)
+
+    def wait_for_save(self, plan: StepPlan | None) -> None:
+        """After the forward pass: the step's segment stores, then its saves."""
+        if self.blend is not None and plan is not None:
+            for spec in plan.segment_saves:
+                self.blend.save(spec)
+        self.mover.wait_for_save()
 
     def take_events(self) -> KVTierKVEvents | None:
         """This rank's tier records since the last step (None: none, or events off)."""
@@ -226,20 +342,55 @@ def _layout_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[st
     backend tiles blocks per instruction set, so its chunks carry that ISA."""
     if backend != "CPU_ATTN":
         return ()
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(
-            vllm_config.model_config.dtype,
-            vllm_config.cache_config.block_size,
-            vllm_config.model_config.get_head_size(),
-            vllm_config.cache_config.cache_dtype,
-        )
-    except Exception:
+    isa = _cpu_attn_isa(vllm_config)
+    if isa is None:
         import platform
 
         isa = f"unknown-{platform.machine()}"
-    return (("cpu_attn_isa", str(isa)),)
+    return (("cpu_attn_isa", isa),)
+
+
+def _cpu_attn_isa(vllm_config: VllmConfig) -> str | None:
+    """The instruction set vLLM's CPU attention uses for this model (None: unknown)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(
+            _get_attn_isa(
+                vllm_config.model_config.dtype,
+                vllm_config.cache_config.block_size,
+                vllm_config.model_config.get_head_size(),
+                vllm_config.cache_config.cache_dtype,
+            )
+        )
+    except Exception:
+        return None
+
+
+def _separator_ids(vllm_config: VllmConfig, text: str) -> list[int]:
+    """``blend_special_str`` in the model's tokenizer, without special tokens.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded, or the text tokenizes to nothing.
+    """
+    model_config = vllm_config.model_config
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer,
+            revision=getattr(model_config, "tokenizer_revision", None),
+            trust_remote_code=bool(getattr(model_config, "trust_remote_code", False)),
+        )
+    except Exception as error:
+        raise ValueError(
+            f"enable_blending: cannot load the tokenizer of {model_config.tokenizer!r} to "
+            f"tokenize blend_special_str: {error}"
+        ) from error
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise ValueError(f"blend_special_str: {text!r} tokenizes to no tokens")
+    return ids
 
 
 def _attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> str | None:

@@ -79,11 +79,34 @@ class SaveSpec:
 
 
 @dataclass(slots=True)
+class BlendSpec:
+    """CacheBlend: build the KV of ``token_ids`` (tokens ``[0, len(token_ids))`` of the
+    request) from the cached segments ``(start, end, hash)`` and write it to its blocks."""
+
+    req_id: str
+    token_ids: list[int]
+    segments: list[tuple[int, int, bytes]]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SegmentSaveSpec:
+    """CacheBlend: store the KV of tokens ``[start, end)`` (in the request's blocks, just
+    computed by vLLM) as the segment ``hash``, with the positions it sits at."""
+
+    req_id: str
+    segments: list[tuple[int, int, bytes]]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class StepPlan:
     """What the workers do in one engine step (the connector metadata's payload)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    blends: list[BlendSpec] = field(default_factory=list)
+    segment_saves: list[SegmentSaveSpec] = field(default_factory=list)
 
 
 def request_extras(request: Any) -> RequestExtras | None:

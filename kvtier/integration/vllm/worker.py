@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -151,11 +152,13 @@ class WorkerSide:
         kv_caches: dict[str, torch.Tensor],
         backend: str | None,
         tags: tuple[tuple[str, str], ...] = (),
+        handlers: dict[str, Callable[[dict], dict]] | None = None,
     ) -> None:
         """Describe vLLM's KV tensors, build this rank's cache engine, serve lookups.
 
         ``tags`` join every key (e.g. the CPU backend's instruction set, which decides
         how bytes sit inside a block), so chunks from incompatible engines never mix.
+        ``handlers``: more operations for the lookup socket (op name -> handler).
         """
         paged = detect_paged_kv(kv_caches, backend, self.config.kv_layout)
         if tags:
@@ -184,6 +187,7 @@ class WorkerSide:
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
                     "metrics": lambda args: self._require_engine().metrics(),
+                    **(handlers or {}),
                 },
             )
             self._server.start()
