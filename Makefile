@@ -114,7 +114,7 @@ bench: $(STAMP)
 	$(PY) perf/report.py && exit $$status
 
 # The reliability soak (docs/reliability.md): SOAK_SECONDS of mixed load with faults
-# injected; perf/results/cpu-soak.json and .png; fails when a criterion fails.
+# injected; perf/results/soak/cpu-soak.json and .png; fails when a criterion fails.
 SOAK_SECONDS ?= 3600
 soak: $(STAMP) services
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) perf/soak.py

@@ -3,7 +3,7 @@ local disk + a remote, under mixed load, with faults injected on a schedule, eve
 checked against an engine without kvtier (docs/reliability.md).
 
     SOAK_SECONDS=3600 python perf/soak.py        # or: make soak
-    → perf/results/cpu-soak.json (+ .png); exit status 1 when a criterion fails
+    → perf/results/soak/cpu-soak.json (+ .png); exit status 1 when a criterion fails
 
 1. A tiny random-weight float32 Llama is written locally; a no-connector engine computes
    the greedy reference output of every prompt of the workload, then exits.
@@ -81,7 +81,7 @@ SEEN_BY = {
 }
 REMOTES = ("redis", "kvtier")
 COUNTERS = (
-    "retrieve_requested_tokens",
+    "store_skipped_load_failed_chunks",
     "retrieve_hit_tokens",
     "stored_chunks",
     "corrupt_chunks_rejected",
@@ -475,7 +475,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     seconds = float(os.environ.get("SOAK_SECONDS", "3600"))
-    out = Path(os.environ.get("SOAK_OUT", HERE / "results" / "cpu-soak.json"))
+    out = Path(os.environ.get("SOAK_OUT", HERE / "results" / "soak" / "cpu-soak.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as work:
         soak = Soak(seconds, Path(work), out)
