@@ -157,10 +157,14 @@ class SmallDisk:
     @classmethod
     def mount(cls, path: Path, size_bytes: int) -> SmallDisk | None:
         path.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
-            capture_output=True,
-        )
+        try:
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                capture_output=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.SubprocessError):  # no mount(8)
+            return None
         return cls(path) if done.returncode == 0 else None
 
     def fill(self) -> None:
