@@ -35,7 +35,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
 SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py
 
-.PHONY: demo test test-sglang bench-sglang gpu-check test-oldest-triton lint format bench install services clean
+.PHONY: demo test test-sglang bench-sglang gpu-check test-oldest-triton lint format bench soak install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -112,6 +112,12 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pytest perf -q --save-results --benchmark-json=perf/results/latest.json; status=$$?; \
 	$(PY) perf/report.py && exit $$status
+
+# The reliability soak (docs/reliability.md): SOAK_SECONDS of mixed load with faults
+# injected; perf/results/soak/cpu-soak.json and .png; fails when a criterion fails.
+SOAK_SECONDS ?= 3600
+soak: $(STAMP) services
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) perf/soak.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

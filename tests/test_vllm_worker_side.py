@@ -344,6 +344,36 @@ def test_missing_chunk_loads_the_prefix_and_reports_the_rest(
     assert worker.take_load_errors() == set(), "load errors were reported twice"
 
 
+@pytest.mark.parametrize("mode", ["sync", "layerwise"])
+def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode):
+    """Found by the soak (perf/soak.py): a load fails (chunk 1 gone), and in the same step
+    vLLM computes the rest of that request, and of a request sharing the failed blocks
+    through its prefix cache, over those blocks' garbage before it learns of the
+    failure. Those saves must be dropped (vLLM recomputes them); a request that does not
+    touch the failed blocks still stores."""
+    worker, _ = make_worker(**mode_overrides(mode))
+    hashes = chunk_hashes(worker)
+    save_prompt(worker, hashes[:1])  # chunk 0 only: chunk 1 of the load is missing
+    failed = DST[2:4]
+    sharing = [*DST[:4], 8, 10]  # another request on the same prefix blocks
+    other, shared = chunk_hashes(worker, seed=1), chunk_hashes(worker, seed=2)
+    plan = StepPlan(
+        loads=[LoadSpec("req-b", 0, hashes[:2], 2 * CHUNK, 0, 2 * CHUNK, list(DST))],
+        saves=[
+            SaveSpec("req-b", 2, hashes[2:], NUM_TOKENS, list(DST)),
+            SaveSpec("req-d", 2, shared[2:], NUM_TOKENS, sharing),
+            SaveSpec("req-c", 0, other, NUM_TOKENS, list(SRC)),
+        ],
+    )
+    run_step(worker, plan, layerwise=mode == "layerwise")
+    assert worker.take_load_errors() == set(failed)
+    engine = worker.engine
+    assert engine.lookup_hashes(hashes[2:]) == 0, "req-b's chunk after the failed load was stored"
+    assert engine.lookup_hashes(shared[2:]) == 0, "req-d's chunk over the shared blocks was stored"
+    assert engine.lookup_hashes(other) == 3, "an unaffected request's chunks were not stored"
+    assert engine.stats.snapshot()["store_skipped_load_failed_chunks"] == 2
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("corrupt", [0, 1, 2])
 @pytest.mark.parametrize(("layout", "backend"), LAYOUT_BACKENDS)

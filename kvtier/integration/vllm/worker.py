@@ -306,6 +306,33 @@ class WorkerSide:
     def _save_slots(self, save: SaveSpec) -> torch.Tensor:
         return slot_mapping(save.block_ids, self.block_size, save.chunks_end)
 
+    def _trusted_saves(self) -> list[SaveSpec]:
+        """This step's saves, less those of requests that attended to a block whose load
+        failed this step.
+
+        NOTE: vLLM runs the step's forward pass before it learns of a failed load, so
+        the KV computed after a failed block (the request's own, and that of a request
+        sharing the block through vLLM's prefix cache) was computed over garbage. vLLM
+        discards and recomputes it; kvtier must not store it, or later hits load it.
+        """
+        saves = self._plan.saves
+        if not self._load_errors:
+            return saves
+        trusted = []
+        for save in saves:
+            blocks = save.block_ids[: -(-save.chunks_end // self.block_size)]
+            if self._load_errors.isdisjoint(blocks):
+                trusted.append(save)
+                continue
+            self.stats.inc("store_skipped_load_failed_chunks", len(save.hashes))
+            logger.warning(
+                "kvtier: request %s: not storing %d chunks computed over blocks whose load "
+                "failed (vLLM recomputes them)",
+                save.req_id,
+                len(save.hashes),
+            )
+        return trusted
+
     def save_layer(self, layer_name: str) -> None:
         """Layer-wise: copy this layer of the step's saves (its attention just ran)."""
         if not self.config.use_layerwise or not self._plan.saves:
@@ -318,7 +345,7 @@ class WorkerSide:
                 engine = self._require_engine()
                 self._layer_saves = [
                     engine.begin_store(self._chunks(save), self._save_slots(save))
-                    for save in self._plan.saves
+                    for save in self._trusted_saves()
                 ]
             for transfer in self._layer_saves:
                 transfer.gather(layer)
@@ -337,7 +364,7 @@ class WorkerSide:
                         transfer.gather(layer)
                     transfer.commit()
             elif engine is not None:
-                for save in self._plan.saves:
+                for save in self._trusted_saves():
                     engine.store_chunks(self._chunks(save), self._save_slots(save))
             if engine is not None and self.wait_stored_s:
                 self._wait_stored(engine)
