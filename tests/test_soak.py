@@ -4,9 +4,10 @@ a size-capped disk and a remote, with every fault of its schedule injected once 
 remote killed, a slow and a dropping network path, files truncated, bit-flipped and
 deleted, a full disk, the engine SIGKILLed mid-stores and restarted on the same disk).
 
-Every output must equal a no-connector engine's, no request may stall, memory and
-descriptors must stay flat, the disk under its cap, and every fault must show in kvtier's
-counters (docs/reliability.md)."""
+Every output must equal a no-connector engine's, no request may stall, the disk must stay
+under its cap, and every fault must show in kvtier's counters (docs/reliability.md). Memory
+and descriptor slopes are reported, not judged: the run is too short for a slope after
+warm-up (``make soak`` judges them)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_short_soak_passes_every_criterion(tmp_path):
     )
     assert out.exists(), f"the soak wrote no result:\n{done.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    failed = [name for name, ok in result["criteria"].items() if not ok]
+    failed = [name for name, ok in result["criteria"].items() if ok is False]
     assert done.returncode == 0 and not failed, (
         f"failed: {failed}\nfaults: {result['faults']}\nslopes: {result['slopes']}\n"
         f"{done.stderr[-3000:]}"
