@@ -29,7 +29,7 @@ from kvtier.machine import (
     tuning_in_effect,
 )
 from kvtier.precompile import add_arguments as add_precompile_arguments
-from kvtier.precompile import run_precompile, shape_from_args
+from kvtier.precompile import add_shape_arguments, run_precompile, shape_from_args
 from kvtier.proxy.command import add_arguments as add_proxy_arguments
 from kvtier.proxy.command import run_proxy
 from kvtier.server.serve import add_arguments, run_serve
@@ -385,15 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
         "paged-copy kernel. Refuses without a GPU.",
     )
     shape = tune.add_argument_group("model shape (flags override --model-config)")
-    shape.add_argument(
-        "--model-config", help="a HuggingFace-style config.json (or a directory holding one)"
-    )
-    shape.add_argument("--layers", type=int, help="attention layers (default 32)")
-    shape.add_argument("--kv-heads", type=int, help="KV heads per layer (default 8)")
-    shape.add_argument("--head-size", type=int, help="head size (default 128; MLA: latent dim)")
-    shape.add_argument("--block-size", type=int, help="engine block size (default 16)")
+    add_shape_arguments(shape)
     shape.add_argument("--chunk-size", type=int, help="kvtier chunk size (default 256)")
-    shape.add_argument("--dtype", help="KV cache dtype: bfloat16 (default), float16, float32, fp8")
     shape.add_argument("--layout", help="engine KV layout (default vllm_nhd; MLA models: mla)")
     shape.add_argument("--rotary-dim", type=int, help="rotary dims per head (0: no RoPE)")
     tune.add_argument(

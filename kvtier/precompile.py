@@ -99,9 +99,10 @@ def _summary(report: WarmupReport, backend: str) -> str:
     return f"{variants}{calls}; {report.seconds:.2f} s in all ({backend}); cache {cache_dir()}"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``kvtier precompile``."""
-    shape = parser.add_argument_group("the engine's KV cache (flags override --model-config)")
+def add_shape_arguments(shape) -> None:
+    """The model-shape flags ``kvtier precompile`` and ``kvtier tune`` share (read by
+    ``shape_from_args``); ``--layout``, ``--rotary-dim`` and ``--chunk-size`` are each
+    command's own."""
     shape.add_argument(
         "--model-config", help="a HuggingFace-style config.json (or a directory holding one)"
     )
@@ -110,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--head-size", type=int, help="head size (default 128; MLA: latent dim)")
     shape.add_argument("--block-size", type=int, help="engine block size (default 16)")
     shape.add_argument("--dtype", help="KV cache dtype: bfloat16 (default), float16, float32, fp8")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``kvtier precompile``."""
+    shape = parser.add_argument_group("the engine's KV cache (flags override --model-config)")
+    add_shape_arguments(shape)
     shape.add_argument(
         "--layout", help="engine KV layout (default: the config's kv_layout, else vllm_nhd)"
     )

@@ -39,15 +39,23 @@ SCRATCH_DIR = RESULTS_DIR / "scratch"
 _ROWS: dict[str, list[dict]] = {}
 
 
-def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
+def median_seconds(
+    fn: Callable[[], object],
+    *,
+    repeat: int = 15,
+    warmup: int = 3,
+    setup: Callable[[], object] | None = None,
+) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs after ``warmup`` runs; ``setup``
+    (untimed) runs before every run, warm-ups included."""
     times = []
-    for _ in range(repeat):
+    for i in range(warmup + repeat):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

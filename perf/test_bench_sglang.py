@@ -29,14 +29,13 @@ Runs in .venv-sglang (``make bench-sglang``); skipped where SGLang is not instal
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import median_seconds
 
 pytest.importorskip(
     "sglang.srt.mem_cache.hicache_storage",
@@ -71,14 +70,7 @@ def _pool(layout: str):
 
 
 def _median_seconds(fn, setup=None) -> float:
-    times = []
-    for _ in range(ROUNDS + 1):
-        if setup is not None:
-            setup()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    return median_seconds(fn, repeat=ROUNDS, warmup=1, setup=setup)
 
 
 def _gbps(pool, seconds: float) -> float:

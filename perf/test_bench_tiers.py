@@ -50,6 +50,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import median_seconds
 
 from kvtier.config import load_config
 from kvtier.hashing import ChunkHasher
@@ -115,14 +116,7 @@ def _gbps(benchmark) -> float:
 def _median_gbps(fn, setup=None) -> float:
     """GB/s of the median of ``ROUNDS`` timed calls (after one warm-up), each after
     ``setup`` (untimed)."""
-    times = []
-    for _ in range(ROUNDS + 1):
-        if setup is not None:
-            setup()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return CHUNKS * NBYTES / statistics.median(times[1:]) / 1e9
+    return CHUNKS * NBYTES / median_seconds(fn, repeat=ROUNDS, warmup=1, setup=setup) / 1e9
 
 
 def _release(objs) -> None:
