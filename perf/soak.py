@@ -40,6 +40,7 @@ from soak_faults import (  # noqa: E402
     corrupt_files,
     dir_bytes,
     kill_tree,
+    pooled_slope_per_hour,
     slope_per_hour,
     tree_usage,
 )
@@ -59,9 +60,22 @@ STALL_MARGIN_S = 20.0  # CPU contention on a shared 2-core host, stated in relia
 # A request waits on the remote at most: a lookup, a prefetch and a load, each cut at the
 # timeout; a batch slower than that plus the margin is stalled.
 STALL_BOUND_S = 3 * TIMEOUT_MS / 1000 + STALL_MARGIN_S
-# Memory and descriptor slopes are judged only over at least this much of an engine's life
-# after its warm-up; a shorter window (a run of a few minutes) reports them, not judged.
+# A process's warm-up: its first minutes, while RSS still grows as each kind of fault and
+# prompt passes the first time (about 4 minutes for the engine, seen in runs of 40 min).
+WARMUP_S = 240.0
+# Memory and descriptor slopes are judged only over at least this much time after warm-up,
+# summed over the process's lives; a shorter window (a run of a few minutes) reports them,
+# not judged.
 MIN_SLOPE_WINDOW_S = 300.0
+# Per measure: the sample field that tells one life of its process from the next.
+LIFE_OF = {
+    "rss_bytes": "incarnation",
+    "front_rss_bytes": "incarnation",
+    "fds": "incarnation",
+    "cpu_pool_used_bytes": "incarnation",
+    "server_rss_bytes": "server_pid",
+    "server_fds": "server_pid",
+}
 SCHEDULE = (
     "kill_remote",
     "slow",
@@ -250,6 +264,9 @@ class Soak:
         if not force and self.samples and now - self.samples[-1]["t"] < self.sample_every:
             return
         (rss, front_rss), fds = tree_usage(self.engine.process.pid)
+        server = self.server.process
+        alive = server is not None and server.poll() is None
+        (server_rss, _), server_fds = tree_usage(server.pid) if alive else ((0, 0), 0)
         self.samples.append(
             {
                 "t": round(now, 2),
@@ -260,6 +277,9 @@ class Soak:
                 "rss_bytes": rss,
                 "front_rss_bytes": front_rss,
                 "fds": fds,
+                "server_pid": server.pid if alive else None,
+                "server_rss_bytes": server_rss,
+                "server_fds": server_fds,
                 "cpu_pool_used_bytes": gauges.get("cpu_pool_used_bytes", 0.0),
                 "cpu_pool_capacity_bytes": gauges.get("cpu_pool_capacity_bytes", 0.0),
                 "disk_bytes": dir_bytes(self.disk_dir),
@@ -381,33 +401,40 @@ class Soak:
     # -- results ---------------------------------------------------------------------
 
     def slopes(self) -> dict[str, dict]:
-        """Per measure: the least-squares slope per hour over each engine's samples after
-        its warm-up (the first half of its life, at least 45 s: RSS grows while the first
-        faults of each kind pass), the longest such window reported."""
-        best: dict[str, dict] = {}
-        for inc in sorted({s["incarnation"] for s in self.samples}):
-            rows = [s for s in self.samples if s["incarnation"] == inc]
-            if len(rows) < 5:
+        """Per measure: one least-squares slope per hour over every life of its process
+        (the engine's, or the kvtier server's) after that life's warm-up (its first
+        ``WARMUP_S`` seconds), each life at its own level; with each life's own slope."""
+        out: dict[str, dict] = {}
+        for measure, life_key in LIFE_OF.items():
+            lives: dict[object, list[dict]] = {}
+            for s in self.samples:
+                if s.get(life_key) is not None:
+                    lives.setdefault(s[life_key], []).append(s)
+            kept = []
+            for rows in lives.values():
+                warm = rows[0]["t"] + WARMUP_S
+                rows = [s for s in rows if s["t"] >= warm]
+                if len(rows) >= 5:
+                    kept.append(([s["t"] for s in rows], [float(s[measure]) for s in rows]))
+            if not kept:
                 continue
-            t0, t1 = rows[0]["t"], rows[-1]["t"]
-            warm = t0 + max(45.0, (t1 - t0) / 2)
-            rows = [s for s in rows if s["t"] >= warm]
-            if len(rows) < 5:
-                continue
-            times = [s["t"] for s in rows]
-            for measure in ("rss_bytes", "front_rss_bytes", "fds", "cpu_pool_used_bytes"):
-                values = [float(s[measure]) for s in rows]
-                window = times[-1] - times[0]
-                if window > best.get(measure, {}).get("window_s", 0):
-                    best[measure] = {
-                        "per_hour": slope_per_hour(times, values),
-                        "window_s": round(window, 1),
-                        "mean": sum(values) / len(values),
-                        "incarnation": inc,
-                    }
-        return best
+            values = [v for _, vs in kept for v in vs]
+            out[measure] = {
+                "per_hour": pooled_slope_per_hour(kept),
+                "window_s": round(sum(ts[-1] - ts[0] for ts, _ in kept), 1),
+                "mean": sum(values) / len(values),
+                "lives": len(kept),
+                "per_life_per_hour": [round(slope_per_hour(ts, vs)) for ts, vs in kept],
+            }
+        return out
 
     def report(self, elapsed: float) -> dict:
+        def memory_flat(m: dict) -> bool:
+            return m["per_hour"] < 0.1 * m["mean"]
+
+        def fds_flat(m: dict) -> bool:
+            return m["per_hour"] * m["window_s"] / 3600 < 16
+
         def judged(measure: dict | None, flat: Callable[[dict], bool]) -> bool | None:
             if measure is None or measure["window_s"] < MIN_SLOPE_WINDOW_S:
                 return None
@@ -416,6 +443,7 @@ class Soak:
         faults = self.judge_faults()
         slopes = self.slopes()
         rss, fds = slopes.get("rss_bytes"), slopes.get("fds")
+        server_rss, server_fds = slopes.get("server_rss_bytes"), slopes.get("server_fds")
         pool_cap = max((s["cpu_pool_capacity_bytes"] for s in self.samples), default=0.0)
         disk_max = max((s["disk_bytes"] for s in self.samples), default=0)
         criteria = {
@@ -426,8 +454,10 @@ class Soak:
             # descriptors over the window under one remote connection pool (16)
             # None: not judged, the window after warm-up is too short for a slope to mean
             # anything (a short run: its RSS still grows while faults pass the first time)
-            "memory_flat": judged(rss, lambda m: m["per_hour"] < 0.1 * m["mean"]),
-            "fds_flat": judged(fds, lambda m: m["per_hour"] * m["window_s"] / 3600 < 16),
+            "memory_flat": judged(rss, memory_flat),
+            "fds_flat": judged(fds, fds_flat),
+            "server_memory_flat": judged(server_rss, memory_flat),
+            "server_fds_flat": judged(server_fds, fds_flat),
             "pinned_within_pool": all(s["cpu_pool_used_bytes"] <= pool_cap for s in self.samples),
             "disk_within_cap": disk_max <= DISK_CAP,
             "every_fault_seen": all(f["seen"] == f["injected"] for f in faults.values())
@@ -475,7 +505,9 @@ def plot(result: dict, path: Path) -> None:
     axes[1].plot(
         t, [s["cpu_pool_used_bytes"] / 2**20 for s in samples], label="CPU pool used (MiB)"
     )
-    axes[2].plot(t, [s["fds"] for s in samples], label="open descriptors")
+    axes[1].plot(t, [s["server_rss_bytes"] / 2**20 for s in samples], label="server RSS (MiB)")
+    axes[2].plot(t, [s["fds"] for s in samples], label="engine open descriptors")
+    axes[2].plot(t, [s["server_fds"] for s in samples], label="server open descriptors")
     axes[3].plot(t, [s["disk_bytes"] / 2**20 for s in samples], label="disk tier (MiB)")
     axes[3].axhline(result["disk_cap_bytes"] / 2**20, color="red", ls="--", label="cap")
     axes[3].set_ylim(0, result["disk_cap_bytes"] / 2**20 * 1.15)

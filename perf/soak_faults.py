@@ -219,3 +219,18 @@ def slope_per_hour(times: list[float], values: list[float]) -> float:
     if var == 0:
         return 0.0
     return sum((t - mt) * (v - mv) for t, v in zip(times, values, strict=True)) / var * 3600
+
+
+def pooled_slope_per_hour(lives: list[tuple[list[float], list[float]]]) -> float:
+    """One least-squares slope, per hour, over several process lives at once: each life
+    keeps its own level (a restarted process starts from its own baseline) and all share
+    one slope, so a leak shows however the run is cut into lives."""
+    num = var = 0.0
+    for times, values in lives:
+        n = len(times)
+        if n < 2:
+            continue
+        mt, mv = sum(times) / n, sum(values) / n
+        var += sum((t - mt) ** 2 for t in times)
+        num += sum((t - mt) * (v - mv) for t, v in zip(times, values, strict=True))
+    return num / var * 3600 if var else 0.0
