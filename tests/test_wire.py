@@ -63,6 +63,60 @@ def test_payload_is_not_copied_on_encode(pool):
     assert bytes(parts[1][:1]) == bytes(tensor_bytes(obj.tensor)[:1])
 
 
+def test_a_known_checksum_is_not_recomputed_and_still_guards_the_payload(pool, monkeypatch):
+    obj = fill(pool, seed=5)
+    name = key(5).to_string()
+    plain = wire.encode(name, obj.tensor, NaiveSerde())
+    hashed = []
+    monkeypatch.setattr(wire, "checksum_of", lambda *b: hashed.append(b) or checksum_of(*b))
+    known = wire.encode(name, obj.tensor, NaiveSerde(), checksum=obj.checksum)
+    assert len(hashed) == 1  # the header only: the payload's checksum was given
+    assert _header_of(blob_of(known), name).checksum == _header_of(blob_of(plain), name).checksum
+    back = wire.decode(blob_of(known), name, pool.allocate)
+    assert back is not None and same_bytes(back, obj)
+    # bytes changed after the checksum was taken: the object is refused when read
+    stale = wire.encode(name, obj.tensor, NaiveSerde(), checksum=obj.checksum ^ 1)
+    with pytest.raises(CorruptObject, match="payload checksum"):
+        wire.decode(blob_of(stale), name, pool.allocate)
+
+
+def test_a_known_checksum_is_ignored_by_a_transforming_codec(pool):
+    obj = _kv_like(pool, 6)
+    name = key(6).to_string()
+    parts = wire.encode(name, obj.tensor, make_serde("cachegen"), checksum=12345)
+    assert wire.decode(blob_of(parts), name, pool.allocate) is not None  # payload hashed
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(name=st.text(max_size=300), tokens=st.integers(1, 40))
+def test_the_payload_starts_at_an_aligned_offset(pool, name, tokens):
+    obj = pool.allocate((2, 1, tokens, 8), torch.float16)
+    obj.tensor.fill_(1.0)
+    parts = wire.encode(name, obj.tensor, NaiveSerde())
+    assert len(parts[0]) % wire.PAYLOAD_ALIGN == 0
+    back = wire.decode(blob_of(parts), name, pool.allocate)
+    assert back is not None and same_bytes(back, obj)
+    back.ref_down()
+    obj.ref_down()
+
+
+def test_an_object_without_padding_still_reads(pool):
+    """Objects written before the header carried ``pad`` decode as before."""
+    obj = fill(pool, seed=8)
+    name = key(8).to_string()
+    blob = blob_of(wire.encode(name, obj.tensor, NaiveSerde()))
+    header = _header_of(blob, name)
+    header_len = struct.unpack_from("<I", blob, 6)[0]
+    fields = cbor2.loads(blob[wire.PREFIX_SIZE : wire.PREFIX_SIZE + header_len])
+    del fields["pad"]
+    bare = cbor2.dumps(fields)
+    old = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, len(bare), checksum_of(bare)) + bare
+    back = wire.decode(old + blob[wire.PREFIX_SIZE + header_len :], name, pool.allocate)
+    assert back is not None and same_bytes(back, obj) and back.checksum == header.checksum
+
+
 def _damaged(pool, how: str) -> tuple[bytes, str]:
     obj = fill(pool, seed=7)
     name = key(2).to_string()

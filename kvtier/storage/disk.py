@@ -355,7 +355,7 @@ class FileTier:
         path = self.path_of(file_name)
         if path.exists():
             return  # already stored (by us or by another process sharing the tree)
-        parts = wire.encode(key.to_string(), obj.tensor, self.serde)
+        parts = wire.encode(key.to_string(), obj.tensor, self.serde, checksum=obj.checksum)
         size = sum(len(p) for p in parts)
         if self.capacity_bytes is not None:
             with self._lock:

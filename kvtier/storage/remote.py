@@ -327,7 +327,10 @@ class RemoteTier:
                 for name, (_, obj), there in zip(names, batch, present, strict=True)
                 if not there
             ]
-            items = [(name, wire.encode(name, obj.tensor, self.serde)) for name, obj in kept]
+            items = [
+                (name, wire.encode(name, obj.tensor, self.serde, checksum=obj.checksum))
+                for name, obj in kept
+            ]
             if items:
                 self.store.put_many(items)
         except Exception as exc:

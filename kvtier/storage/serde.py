@@ -38,6 +38,9 @@ class Serde(Protocol):
     name: str
     #: whether ``decode(encode(t))`` reproduces ``t`` bit for bit
     lossless: bool
+    #: whether the payload is the tensor's bytes as they are (so the tensor's known
+    #: checksum is the payload's)
+    verbatim: bool
 
     def encode(self, tensor: torch.Tensor) -> tuple[list[Buffer], dict[str, Any]]:
         """The payload parts for ``tensor`` (contiguous, on the CPU) and the codec
@@ -65,6 +68,7 @@ class NaiveSerde:
 
     name = "naive"
     lossless = True
+    verbatim = True
 
     def encode(self, tensor: torch.Tensor) -> tuple[list[Buffer], dict[str, Any]]:
         return [tensor_bytes(tensor)], {}
@@ -97,6 +101,7 @@ class CachegenSerde:
 
     name = "cachegen"
     lossless = False
+    verbatim = False
 
     def __init__(
         self, k_levels: str = "", v_levels: str = "", device: str = "auto", backend: str = "auto"
