@@ -30,7 +30,7 @@ from kvtier.metrics import Counter, Histogram, Stats
 from kvtier.prometheus import export
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import checksum_of
+from kvtier.storage.wire import checksum_holds, checksum_of
 from kvtier.token_db import Chunk, ChunkedTokenDatabase, RequestExtras
 from kvtier.warn import warn_once
 from kvtier_kernels import PagedKV
@@ -475,7 +475,7 @@ class RetrieveTransfer:
             problem = (
                 f"shape {tuple(obj.shape)} {obj.dtype}, expected {expected} {self.connector.dtype}"
             )
-        elif self.engine.config.verify_checksums and obj.checksum != _checksum(obj):
+        elif self.engine.config.verify_checksums and not checksum_holds(obj):
             problem = "a checksum mismatch (its bytes changed after it was stored)"
         else:
             return True

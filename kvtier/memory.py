@@ -95,6 +95,8 @@ class MemoryObj:
             checksum), set by whoever fills the buffer (a store, or a tier that decoded it);
             a load verifies it before the engine sees the bytes. None: not known yet. The
             pool never reads it.
+        verified: the bytes were just checked against ``checksum`` by the tier that read
+            them; the next load takes that (``take_verified``) instead of hashing again.
     """
 
     pool: HostMemoryPool
@@ -103,6 +105,7 @@ class MemoryObj:
     shape: tuple[int, ...]
     dtype: torch.dtype
     checksum: int | None = None
+    verified: bool = field(default=False, compare=False)
     _ref_count: int = field(default=1, init=False)
     _pin_count: int = field(default=0, init=False)
     _freed: bool = field(default=False, init=False)
@@ -131,6 +134,12 @@ class MemoryObj:
             raise RuntimeError(f"{self!r}: its pool was closed")
         raw = buffer[self.offset : self.offset + self.data_nbytes]
         return raw.view(self.dtype).view(self.shape)
+
+    def take_verified(self) -> bool:
+        """Whether a tier verified the bytes since the last call (then clears it: only the
+        first load after a read skips its own check)."""
+        verified, self.verified = self.verified, False
+        return verified
 
     # -- ownership -----------------------------------------------------------------------
 

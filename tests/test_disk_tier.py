@@ -17,9 +17,11 @@ import pytest
 from support.tiers import fill, key, make_pool, same_bytes
 
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage import wire
 from kvtier.storage.disk import SUFFIX, FileTier
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
 from kvtier.storage.tier import WriteQueue
+from kvtier.storage.wire import checksum_of
 
 CHUNK_FILE_BYTES = 2 * 3 * 16 * 64 * 2 + 400  # payload + prefix/header, roughly
 
@@ -69,6 +71,24 @@ def test_round_trip_and_lookup(tmp_path, pool):
     assert counter(stats, TierCounter.GET_BYTES) == 5 * objs[0].data_nbytes
     assert len(chunk_files(tmp_path)) == 5
     assert not list(tmp_path.rglob("*.tmp"))
+    tier.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_a_chunk_read_is_hashed_once_then_checked_again(tmp_path, pool, o_direct, monkeypatch):
+    """The tier verifies a chunk's bytes as it reads them; the first load after that takes
+    its word (no second hash), every later check hashes the bytes again."""
+    tier = make_tier(tmp_path, o_direct=o_direct)
+    put_all(tier, pool, [1])
+    (got,) = tier.get_many([key(1)], pool.allocate)
+    assert got is not None and got.verified
+    hashed = []
+    monkeypatch.setattr(wire, "checksum_of", lambda *b: hashed.append(1) or checksum_of(*b))
+    assert wire.checksum_holds(got) and not hashed
+    assert wire.checksum_holds(got) and hashed == [1]
+    tensor_bytes(got.tensor)[0] ^= 0xFF  # changed after it was read
+    assert not wire.checksum_holds(got)
+    got.ref_down()
     tier.close()
 
 
@@ -228,7 +248,7 @@ WRITER = textwrap.dedent(
     from support.tiers import fill, key, make_pool
     from kvtier.metrics import Stats
     from kvtier.storage.disk import FileTier
-    from kvtier.storage.serde import NaiveSerde, tensor_bytes
+    from kvtier.storage.serde import NaiveSerde
     tier = FileTier({root!r}, capacity_bytes=1 << 30, serde=NaiveSerde(), stats=Stats(),
                     workers=4)
     pool = make_pool(64)

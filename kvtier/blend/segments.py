@@ -23,7 +23,7 @@ from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import checksum_of
+from kvtier.storage.wire import checksum_holds, checksum_of
 from kvtier.token_db import RequestExtras
 
 __all__ = ["Segment", "SegmentStore", "segment_hash", "split_segments"]
@@ -121,9 +121,7 @@ class SegmentStore:
             if any(obj is None for obj in found):
                 return None
             for obj in found:
-                if obj.checksum is not None and obj.checksum != checksum_of(
-                    tensor_bytes(obj.tensor)
-                ):
+                if obj.checksum is not None and not checksum_holds(obj):
                     return None  # NOTE: changed after it was stored: never blended in
             kv, positions = (obj.tensor.clone() for obj in found)
             if kv.dim() != 4 or positions.shape != (kv.shape[2],):

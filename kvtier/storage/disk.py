@@ -301,7 +301,7 @@ class FileTier:
                     if got < len(target) or f.read(1):
                         raise CorruptObject("file length disagrees with its header")
                     wire.verify_payload(header, target)
-                    obj.checksum = header.checksum
+                    obj.checksum, obj.verified = header.checksum, True
                 else:
                     wire.decode_into(header, f.read(), obj, self.serde)
             except BaseException:

@@ -74,7 +74,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], MemoryObj | None]
 
-__all__ = ["CorruptObject", "Header", "checksum_of", "decode", "encode"]
+__all__ = ["CorruptObject", "Header", "checksum_holds", "checksum_of", "decode", "encode"]
 
 
 def checksum_of(*buffers: Buffer) -> int:
@@ -229,6 +229,15 @@ def decode_into(
             raise CorruptObject(f"unknown codec {header.codec!r}") from None
     serde.decode(memoryview(payload), header.codec_params, out.tensor)
     out.checksum = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
+    out.verified = True
+
+
+def checksum_holds(obj: MemoryObj) -> bool:
+    """Whether ``obj``'s bytes still match its checksum: hashed, unless the tier that read
+    them has just verified them (``MemoryObj.take_verified``). False when none is known."""
+    if obj.take_verified():
+        return obj.checksum is not None
+    return obj.checksum is not None and obj.checksum == checksum_of(tensor_bytes(obj.tensor))
 
 
 def decode(

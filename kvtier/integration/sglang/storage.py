@@ -51,7 +51,7 @@ from kvtier.metrics import Counter, Histogram, Stats
 from kvtier.prometheus import MetricsServer, export
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import checksum_of
+from kvtier.storage.wire import checksum_holds, checksum_of
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -420,7 +420,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def _valid(self, key: CacheKey, obj: MemoryObj, fmt: PageFormat) -> bool:
         if tuple(obj.shape) != fmt.shape or obj.dtype != fmt.dtype:
             problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {fmt.shape} {fmt.dtype}"
-        elif self.config.verify_checksums and obj.checksum != checksum_of(tensor_bytes(obj.tensor)):
+        elif self.config.verify_checksums and not checksum_holds(obj):
             problem = "a checksum mismatch (its bytes changed after it was stored)"
         else:
             return True
