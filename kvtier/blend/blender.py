@@ -43,7 +43,7 @@ __all__ = [
     "place_segments",
 ]
 
-_QUERY_BLOCK = 1024  # queries per attention call when a mask is needed (bounds memory)
+_QUERY_BLOCK = 128  # queries per attention call when a mask is needed (bounds memory)
 
 
 class BlendModel(Protocol):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from typing import Any
 
 import torch
@@ -237,6 +238,7 @@ class BlendWorker:
 
     def run(self, spec: BlendSpec) -> None:
         """Blend the request's claimed tokens and write their KV into its blocks."""
+        began = time.perf_counter()
         paged, model = self.tokens.paged, self.model
         num_tokens = len(spec.token_ids)
         width = model.num_kv_heads * model.head_size
@@ -251,6 +253,8 @@ class BlendWorker:
         self.stats.inc("blend_recomputed_tokens", int(result.recomputed.sum()))
         self.stats.inc("blend_seconds", result.seconds)
         self.stats.inc("blend_rope_seconds", rotate_s)
+        # everything: segments read, placed, blended and written into vLLM's blocks
+        self.stats.inc("blend_total_seconds", time.perf_counter() - began)
         if result.deviation and placed:
             # At the first check layer: how far the placed (re-rotated) KV was from the
             # KV computed there, and its size; at layer 0, where KV does not depend on
