@@ -21,8 +21,7 @@ of a chunk) but its last dim must be dense (stride 1). Bytes moved:
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference below;
 ``triton`` runs ``rerotate_kernel`` compiled, on CUDA/ROCm tensors; ``interpret`` runs the
-same kernel under Triton's interpreter on CPU tensors. One launch covers every layer and
-head: grid ``(token tiles x pair blocks, num_layers, num_heads)``.
+same kernel under Triton's interpreter on CPU tensors, one launch for every layer and head.
 
 Sections: torch reference (the definition of correct) -> Triton kernel -> launchers
 (public, then Triton) -> registration.
@@ -38,12 +37,7 @@ from typing import Any
 import torch
 
 from kvtier_kernels import registry, tuning_lookup
-from kvtier_kernels._launch import (
-    LazyKernel,
-    check_launch_config,
-    next_power_of_2,
-    triton_loader,
-)
+from kvtier_kernels._launch import LazyKernel, check_launch_config, next_power_of_2, triton_loader
 from kvtier_kernels.tuning_files import Tunable, register_tunable
 
 __all__ = [
@@ -167,7 +161,10 @@ def _rotate(k, cos, sin, head_size: int, rotary_dim: int, is_neox_style: bool) -
 # pair_block * BLOCK_P : +BLOCK_P) of one head of one layer. Pair i is dims (i, i + R/2)
 # (NeoX) or (2i, 2i + 1) (GPT-J) of the head: both elements of a pair belong to the same
 # program, which loads both before it stores either, so rotating in place has no
-# read-after-write hazard.
+# read-after-write hazard. A token's dims move in contiguous runs (GPT-J: its pairs'
+# 2 * BLOCK_P dims as one tile, split into x1 and x2 in registers). The kernel takes R, not
+# R/2: the launcher marks it a multiple of 16 for the usual heads (80 and 112 too), so the
+# masks end on 16-byte bounds and aligned caches get 128-bit accesses (test_gpu_compile.py).
 #
 # NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that importing
 # this module never imports triton. The kernel calls only Triton builtins (tl.cos and
@@ -187,7 +184,7 @@ def rerotate_kernel(
     s_dim,
     num_tokens,
     head_size,
-    half_rotary,
+    rotary_dim,
     pair_blocks,
     IS_NEOX: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -202,7 +199,7 @@ def rerotate_kernel(
     tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     pairs = pair_block * BLOCK_P + tl.arange(0, BLOCK_P)
     token_in = tokens < num_tokens
-    pair_in = pairs < half_rotary
+    pair_in = pairs < rotary_dim // 2
     mask = token_in[:, None] & pair_in[None, :]
 
     old = tl.load(old_positions + tokens, mask=token_in, other=0)
@@ -212,19 +209,23 @@ def rerotate_kernel(
     cos = tl.cos(angle)
     sin = tl.sin(angle)
 
-    if IS_NEOX:
-        first = pairs
-        second = pairs + half_rotary
-    else:
-        first = 2 * pairs
-        second = first + 1
     rows = layer * s_layer + tokens.to(tl.int64) * s_token + head * head_size * s_dim
-    x1_ptrs = k + rows[:, None] + first.to(tl.int64)[None, :] * s_dim
-    x2_ptrs = k + rows[:, None] + second.to(tl.int64)[None, :] * s_dim
-    x1 = tl.load(x1_ptrs, mask=mask).to(tl.float32)
-    x2 = tl.load(x2_ptrs, mask=mask).to(tl.float32)
-    tl.store(x1_ptrs, (x1 * cos - x2 * sin).to(k.dtype.element_ty), mask=mask)
-    tl.store(x2_ptrs, (x2 * cos + x1 * sin).to(k.dtype.element_ty), mask=mask)
+    if IS_NEOX:  # x1 and x2: two runs of BLOCK_P contiguous dims, R/2 apart
+        x1_ptrs = k + rows[:, None] + pairs.to(tl.int64)[None, :] * s_dim
+        x2_ptrs = k + rows[:, None] + (pairs + rotary_dim // 2).to(tl.int64)[None, :] * s_dim
+        x1 = tl.load(x1_ptrs, mask=mask).to(tl.float32)
+        x2 = tl.load(x2_ptrs, mask=mask).to(tl.float32)
+        tl.store(x1_ptrs, (x1 * cos - x2 * sin).to(k.dtype.element_ty), mask=mask)
+        tl.store(x2_ptrs, (x2 * cos + x1 * sin).to(k.dtype.element_ty), mask=mask)
+    else:  # interleaved pairs: one contiguous tile of 2 * BLOCK_P dims, split in registers
+        dims = pair_block * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
+        dims_mask = token_in[:, None] & (dims < 2 * (rotary_dim // 2))[None, :]  # R, known even
+        ptrs = k + rows[:, None] + dims.to(tl.int64)[None, :] * s_dim
+        x = tl.load(ptrs, mask=dims_mask).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_P, 2)))  # dims 2i, 2i + 1
+        rotated = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        rotated = tl.reshape(rotated, (BLOCK_T, 2 * BLOCK_P)).to(k.dtype.element_ty)
+        tl.store(ptrs, rotated, mask=dims_mask)
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,7 +393,7 @@ register_tunable(
     )
 )
 
-_GPU_TILE_PAIRS = 1024  # pairs per program on a GPU: 8 KiB of fp32 math at 4 warps
+_GPU_TILE_PAIRS = 1024  # pairs per program on a GPU: 8 KiB of fp32 math on 2 warps
 _INTERPRETER_TILE_PAIRS = 1 << 14  # the interpreter pays ~1 ms per program: fewer, bigger ones
 
 
@@ -408,11 +409,11 @@ def launch_config(
 
     A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
     ``half_rotary`` (:func:`kvtier_kernels.tuning_lookup.tuned_config`: files named by op,
-    backend, device and ``dtype``; the entry tuned for the closest token count, its ``block_tokens`` capped at
-    the tokens there are). Otherwise (and always with ``tuned=False``, what the tuner
-    compares against) the built-in heuristic: a whole head's pairs per program when they
-    fit (up to 128), and enough tokens for about 1024 pairs per program (16 Ki under the
-    interpreter, where each program costs about a millisecond).
+    backend, device and ``dtype``; the entry for the closest token count, ``block_tokens``
+    capped at the tokens there are). Otherwise, and always with ``tuned=False`` (the tuner's
+    baseline), a whole head's pairs per program when they fit (up to 128), about 1024 pairs
+    per program (16 Ki under the interpreter, where each program costs about 1 ms), a warp
+    per 512 pairs (16 bytes of a bf16 half-tile per lane on 64-lane wavefronts: 128 bits).
     """
     key = {"half_rotary": half_rotary, "num_tokens": num_tokens}
     found = tuning_lookup.tuned_config("rope_rerotate", device, dtype, key) if tuned else None
@@ -423,7 +424,7 @@ def launch_config(
     tile_pairs = _GPU_TILE_PAIRS if device.type == "cuda" else _INTERPRETER_TILE_PAIRS
     block_pairs = min(next_power_of_2(half_rotary), 128)
     block_tokens = min(next_power_of_2(num_tokens), max(1, tile_pairs // block_pairs))
-    num_warps = max(1, min(8, block_tokens * block_pairs // 256))
+    num_warps = max(1, min(8, block_tokens * block_pairs // 512))
     return LaunchConfig(block_tokens, block_pairs, next_power_of_2(num_warps))
 
 
@@ -520,7 +521,7 @@ def rerotate_triton(
             k.stride(2),
             num_tokens,
             head_size,
-            half_rotary,
+            rotary_dim,
             pair_blocks,
             IS_NEOX=bool(is_neox_style),
             BLOCK_T=config.block_tokens,

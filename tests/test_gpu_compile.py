@@ -12,19 +12,26 @@ For sm80, sm90, gfx90a, gfx942 and gfx1100, Triton lowers each kernel with an ex
   past 2 GiB are addressed right;
 - the paged copies move 128 bits per global load and store, on the chunk side and on the
   paged side, when the caches are 16-byte aligned (``ALIGNED``). A test shows that the
-  check fails on the unaligned fallback, whose paged side moves one word per access.
+  check fails on the unaligned fallback, whose paged side moves one word per access;
+- RoPE re-rotation, NeoX and GPT-J pairing, bf16 and fp32 keys, on the launch config the
+  heuristic picks, moves K 128 bits per global load and store and never one 16-bit
+  element per access (GPT-J loads a token's interleaved pairs as one contiguous run and
+  splits them in registers). A test shows that the check fails when ``k`` is not known to
+  be 16-byte aligned.
 
 Integer arguments carry the divisibility Triton's launcher gives realistic sizes at run
-time (16 for pointers, strides and row lengths), and ``s_dim`` is 1, as Triton
-specializes it.
+time (16 for pointers, strides, row lengths, and RoPE's ``head_size`` and ``rotary_dim``),
+and ``s_dim`` is 1, as Triton specializes it.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from collections import Counter
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -50,6 +57,10 @@ ONE_WORD_STORES = {
     "i64": {"st.global.b64", "global_store_dwordx2", "buffer_store_dwordx2", "global_store_b64"},
     "i32": {"st.global.b32", "global_store_dword", "buffer_store_dword", "global_store_b32"},
 }
+# One 16-bit element per access (NVIDIA .b16; AMD short, d16 and b16 forms): what RoPE's
+# GPT-J pairing compiled to while it read its pairs with stride 2.
+SIXTEEN_BIT = re.compile(r"\.[bsuf]16$|_(?:load|store)_(?:[us]?short|[ui]16|b16|d16)")
+OFFSETS_64 = re.compile(r"\bmul\.(?:lo|wide)\.[su]64\b|\bmad\.lo\.[su]64\b")
 
 
 def compile_paged_copy(word: str, to_chunk: bool, aligned: bool, target: str):
@@ -92,9 +103,7 @@ def test_paged_copy_moves_128_bits_per_access_on_both_sides(target, word, to_chu
     assert not ONE_WORD_STORES[word] & set(accesses), where
     assert spill_count(compiled, target) in (0, None), where
     if is_nvidia(target):
-        assert re.search(r"\bmul\.(?:lo|wide)\.[su]64\b|\bmad\.lo\.[su]64\b", code), (
-            f"{where}: cache offsets are not computed in 64 bits"
-        )
+        assert OFFSETS_64.search(code), f"{where}: cache offsets are not computed in 64 bits"
 
 
 @pytest.mark.parametrize("target", ["sm90", "gfx942"])
@@ -106,26 +115,74 @@ def test_the_width_check_fails_on_the_unaligned_fallback(target):
     assert ONE_WORD_STORES["i64"] & accesses, accesses  # the stores into the cache
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
-def test_rope_compiles_without_spills(target, is_neox):
+def compile_rope(is_neox: bool, dtype: str, target: str, aligned: bool = True):
+    """``rerotate_kernel`` as the launcher runs it on a 256-token chunk of 128-wide heads
+    with full rotary, on the heuristic's launch config; ``k`` 16-byte aligned unless
+    ``aligned`` is False. Any ``rotary_dim`` that is a multiple of 16 is marked the same."""
     params = list(inspect.signature(rope.rerotate_kernel).parameters)
-    ints = params[4:-3]
-    signature = {
-        "k": "*bf16",
+    pointers = {
+        "k": f"*{dtype}",
         "old_positions": "*i64",
         "new_positions": "*i64",
         "inv_freq": "*fp32",
-        **dict.fromkeys(ints, "i64"),
+    }
+    signature = {
+        **pointers,
+        **dict.fromkeys(params[4:-3], "i64"),
+        "s_dim": "constexpr",
         **dict.fromkeys(params[-3:], "constexpr"),
     }
-    constants = {"IS_NEOX": is_neox, "BLOCK_T": 16, "BLOCK_P": 64}
-    divisible = ["k", "old_positions", "new_positions", "inv_freq", "s_layer", "s_token"]
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    config = rope.launch_config(64, 256, torch_dtype, torch.device("cuda"), tuned=False)
+    constants = {"s_dim": 1, "IS_NEOX": is_neox}
+    constants |= {"BLOCK_T": config.block_tokens, "BLOCK_P": config.block_pairs}
+    divisible = [*pointers, "s_layer", "s_token", "head_size", "rotary_dim"]
+    if not aligned:
+        divisible.remove("k")
     kernel = rope.KERNEL.get(interpret=False)
-    compiled = compile_for(kernel, signature, constants, target, divisible)
+    return compile_for(kernel, signature, constants, target, divisible, config.num_warps)
+
+
+def narrow_k_accesses(accesses: Counter) -> list[str]:
+    """Why a RoPE compile's ``accesses`` do not move K 128 bits at a time (empty: they do).
+    Only K is stored, so every store must be 128 bits; K is loaded through the same pointers
+    and mask as it is stored, so there are as many 128-bit loads or more (positions and
+    ``inv_freq`` add loads of their own); and no access may move one 16-bit element."""
+    stores = {f: n for f, n in accesses.items() if f.startswith("st.") or "_store_" in f}
+    wide_loads = sum(n for f, n in accesses.items() if WIDE_LOAD.fullmatch(f))
+    problems = [f"store {f} is not 128 bits" for f in stores if not WIDE_STORE.fullmatch(f)]
+    problems += [f"{f} moves one 16-bit element" for f in accesses if SIXTEEN_BIT.search(f)]
+    if wide_loads < max(1, sum(stores.values())):
+        problems.append(f"{wide_loads} 128-bit loads for {sum(stores.values())} stores")
+    return problems
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rope_moves_128_bits_per_k_access(target, dtype, is_neox):
+    compiled = compile_rope(is_neox, dtype, target)
     assert binary(compiled, target)
     assert "inline_asm" not in compiled.asm["ttgir"]
-    assert spill_count(compiled, target) in (0, None)
+    code = machine_code(compiled, target)
+    accesses = global_accesses(code)
+    where = f"{target}, {dtype}, {'neox' if is_neox else 'gptj'}: {dict(accesses)}"
+    assert not narrow_k_accesses(accesses), f"{where}: {narrow_k_accesses(accesses)}"
+    assert spill_count(compiled, target) in (0, None), where
+    if is_nvidia(target):
+        assert OFFSETS_64.search(code), f"{where}: cache offsets are not computed in 64 bits"
+
+
+@pytest.mark.parametrize("target", ["sm90", "gfx942"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_the_rope_width_check_fails_on_an_unaligned_cache(target, is_neox):
+    """With ``k`` not known to be 16-byte aligned (a view at an odd offset) K moves one
+    bf16 element per access: what the check above reports if the kernel regresses."""
+    compiled = compile_rope(is_neox, "bf16", target, aligned=False)
+    accesses = global_accesses(machine_code(compiled, target))
+    problems = narrow_k_accesses(accesses)
+    assert any("moves one 16-bit element" in p for p in problems), accesses
+    assert any("is not 128 bits" in p for p in problems), accesses
 
 
 @pytest.mark.parametrize("target", ["sm80", "gfx942"])

@@ -129,6 +129,21 @@ def unrotated_dims(k: torch.Tensor, head_size: int, rotary_dim: int) -> torch.Te
     return k.unflatten(-1, (k.shape[-1] // head_size, head_size))[..., rotary_dim:]
 
 
+def gptj_to_neox(k: torch.Tensor, head_size: int, rotary_dim: int) -> torch.Tensor:
+    """Each head's GPT-J pairs (dims 2i, 2i + 1) moved to NeoX's places (i, i + R/2)."""
+    heads = k.unflatten(-1, (k.shape[-1] // head_size, head_size))
+    rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
+    return torch.cat([rot[..., 0::2], rot[..., 1::2], rest], -1).flatten(-2)
+
+
+def neox_to_gptj(k: torch.Tensor, head_size: int, rotary_dim: int) -> torch.Tensor:
+    heads = k.unflatten(-1, (k.shape[-1] // head_size, head_size))
+    x1, x2 = heads[..., : rotary_dim // 2], heads[..., rotary_dim // 2 : rotary_dim]
+    return torch.cat([torch.stack([x1, x2], -1).flatten(-2), heads[..., rotary_dim:]], -1).flatten(
+        -2
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # the reference against an independent RoPE
 # ---------------------------------------------------------------------------------------
@@ -278,23 +293,84 @@ def test_interpret_explicit_scaled_inv_freq(is_neox_style: bool) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("is_neox_style", STYLES)
 @pytest.mark.parametrize(("num_layers", "num_tokens"), [(1, 1), (2, 7)])
-def test_interpret_single_and_odd_token_counts(num_layers: int, num_tokens: int) -> None:
+def test_interpret_single_and_odd_token_counts(
+    is_neox_style: bool, num_layers: int, num_tokens: int
+) -> None:
     chunk, _ = make_k_plane(num_layers, num_tokens, 3 * 64, torch.float32, seed=10)
     old, new = make_positions(num_tokens, 1000, seed=11)
-    check_interpret(chunk, old, new, head_size=64, rotary_dim=32, is_neox_style=True)
+    check_interpret(chunk, old, new, head_size=64, rotary_dim=32, is_neox_style=is_neox_style)
 
 
 @needs_triton
 @pytest.mark.parametrize("is_neox_style", STYLES)
+@pytest.mark.parametrize("rotary_dim", [80, 36])
 def test_interpret_several_token_tiles_and_pair_blocks(
-    is_neox_style: bool, monkeypatch: pytest.MonkeyPatch
+    is_neox_style: bool, rotary_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small tiles: 3 token tiles x 10 pair blocks; no pair may span two programs."""
+    """Small tiles: 3 token tiles x 10 (or 5) pair blocks over 2 layers and 2 heads; no pair
+    may span two programs. With R = 36 the last pair block ends past R (pairs 16..19 of
+    18), and the dims there must be left alone."""
     monkeypatch.setattr(rope, "launch_config", lambda *a: LaunchConfig(2, 4, 1))
-    chunk, _ = make_k_plane(1, 5, 80, torch.float32, seed=12)
+    chunk, _ = make_k_plane(2, 5, 2 * 80, torch.float32, seed=12)
     old, new = make_positions(5, 1000, seed=13)
-    check_interpret(chunk, old, new, head_size=80, rotary_dim=80, is_neox_style=is_neox_style)
+    check_interpret(
+        chunk, old, new, head_size=80, rotary_dim=rotary_dim, is_neox_style=is_neox_style
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("is_neox_style", STYLES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_interpret_writes_nothing_past_the_tokens_or_rotary_dims(
+    is_neox_style: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The masks hold at the token tail and at R inside a pair block: the tokens after the
+    view and each head's dims past R hold inf, which any rotation there, even by a zero
+    angle (inf * sin 0 = nan), would change."""
+    monkeypatch.setattr(rope, "launch_config", lambda *a: LaunchConfig(2, 4, 1))
+    head_size, rotary_dim, num_tokens = 80, 36, 5
+    buffer = torch.randn(
+        2, num_tokens + 3, 2 * head_size, generator=torch.Generator().manual_seed(22)
+    )
+    buffer[:, num_tokens:] = torch.inf
+    unrotated_dims(buffer, head_size, rotary_dim)[:] = torch.inf
+    buffer = buffer.to(dtype)
+    before = buffer.clone()
+    old, new = make_positions(num_tokens, 1000, seed=23)
+    k = buffer[:, :num_tokens]
+    geometry = dict(head_size=head_size, rotary_dim=rotary_dim, is_neox_style=is_neox_style)
+    rerotate(k, old, new, **geometry, backend="interpret")
+    assert_bits_equal(buffer[:, num_tokens:], before[:, num_tokens:], "the tokens after k")
+    assert_bits_equal(
+        unrotated_dims(buffer, head_size, rotary_dim),
+        unrotated_dims(before, head_size, rotary_dim),
+        f"dims past rotary_dim={rotary_dim}",
+    )
+    want = rerotate_reference(before[:, :num_tokens].clone(), old, new, **geometry)
+    assert_rotated_close(k, want, head_size=head_size, atol=1e-5, ulps=1.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [None, LaunchConfig(2, 4, 1)], ids=["heuristic", "small"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interpret_gptj_pairs_get_the_neox_arithmetic_bit_for_bit(
+    dtype: torch.dtype, config: LaunchConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-J's pairs, loaded as one run of dims and split in registers, are rotated with
+    exactly the arithmetic of NeoX's: the same pairs in NeoX's places come out with the same
+    bits (partial rotary, 7 tokens, 2 layers, 3 heads)."""
+    if config is not None:
+        monkeypatch.setattr(rope, "launch_config", lambda *a: config)
+    head_size, rotary_dim = 80, 36
+    _, gptj = make_k_plane(2, 7, 3 * head_size, dtype, seed=20)
+    neox = gptj_to_neox(gptj, head_size, rotary_dim)
+    old, new = make_positions(7, 4096, seed=21)
+    geometry = dict(head_size=head_size, rotary_dim=rotary_dim, backend="interpret")
+    rerotate(gptj, old, new, is_neox_style=False, **geometry)
+    rerotate(neox, old, new, is_neox_style=True, **geometry)
+    assert_bits_equal(gptj, neox_to_gptj(neox, head_size, rotary_dim), "GPT-J vs NeoX keys")
 
 
 @pytest.mark.parametrize(

@@ -36,21 +36,24 @@ WIDE_STORE = re.compile(
 _ACCESS = re.compile(r"\b(ld\.global[\w.]*|st\.global[\w.]*|(?:global|buffer)_(?:load|store)_\w+)")
 
 
-def compile_for(kernel, signature: dict, constants: dict, target: str, divisible=()):
-    """``kernel`` compiled for ``target`` (a key of ``TARGETS``); ``divisible`` names the
-    arguments Triton's launcher would mark divisible by 16. Skips the test when this Triton
-    cannot lower for the target."""
+def compile_for(
+    kernel, signature: dict, constants: dict, target: str, divisible=(), num_warps: int = 4
+):
+    """``kernel`` compiled for ``target`` (a key of ``TARGETS``) on ``num_warps`` warps;
+    ``divisible`` names the arguments Triton's launcher would mark divisible by 16. Skips
+    the test when this Triton cannot lower for the target."""
     return _compile(
         kernel,
         tuple(signature.items()),
         tuple(constants.items()),
         target,
         tuple(divisible),
+        num_warps,
     )
 
 
 @functools.cache
-def _compile(kernel, signature, constants, target, divisible):
+def _compile(kernel, signature, constants, target, divisible, num_warps):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -58,7 +61,9 @@ def _compile(kernel, signature, constants, target, divisible):
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = triton.compiler.ASTSource(kernel, dict(signature), dict(constants), attrs)
     try:
-        return triton.compile(source, target=GPUTarget(*TARGETS[target]))
+        return triton.compile(
+            source, target=GPUTarget(*TARGETS[target]), options={"num_warps": num_warps}
+        )
     except RuntimeError as error:  # pragma: no cover - a Triton build without that backend
         pytest.skip(f"triton cannot lower for {target}: {error}")
 
