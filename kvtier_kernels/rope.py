@@ -168,7 +168,7 @@ def _rotate(k, cos, sin, head_size: int, rotary_dim: int, is_neox_style: bool) -
 #
 # NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that importing
 # this module never imports triton. The kernel calls only Triton builtins (tl.cos and
-# tl.sin included; no libdevice).
+# tl.sin included; Triton, not the source, picks their libdevice lowering).
 # ---------------------------------------------------------------------------------------
 
 tl: Any = None
