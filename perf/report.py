@@ -889,23 +889,43 @@ class Report:
             "",
             "`perf/test_bench_blend.py`: 4 cached 1k-token documents in a new order plus a new "
             "100-token question, blended at ratio 0.15 (kvtier's blend outside vLLM, "
-            "docs/cacheblend.md). Baseline: cold prefill through the same layer code, same run.",
+            "docs/cacheblend.md). Baseline: cold prefill through the same layer code, same run. "
+            "`perf/test_bench_blend_ttft.py`: the same prompt shape through vLLM with kvtier's "
+            "connector; time to first token against a cold prefill in the same engine.",
         )
         for device, rows in sections:
+            outside = [r for r in rows if not r.metric.startswith("blend TTFT")]
+            in_vllm = [r for r in rows if r.metric.startswith("blend TTFT")]
             self.add("", f"### {device}", "")
-            self.add(
-                *table(
-                    ["Prompt tokens", "Blend (ms)", "Cold prefill (ms)", "Ratio blend ÷ cold",
-                     "RoPE (ms)", "RoPE share of load"],
-                    (
-                        [r.fields.get("num_tokens", "—"), fmt(r.value), fmt(r.baseline_value),
-                         fmt_ratio(r.ratio), fmt(r.fields.get("rope_ms")),
-                         fmt(r.fields.get("rope_share_of_load"))]
-                        for r in rows
-                    ),
-                    "rrrrrr",
-                )
-            )  # fmt: skip
+            if outside:
+                self.add(
+                    *table(
+                        ["Prompt tokens", "Blend (ms)", "Cold prefill (ms)", "Ratio blend ÷ cold",
+                         "RoPE (ms)", "RoPE share of load"],
+                        (
+                            [r.fields.get("num_tokens", "—"), fmt(r.value), fmt(r.baseline_value),
+                             fmt_ratio(r.ratio), fmt(r.fields.get("rope_ms")),
+                             fmt(r.fields.get("rope_share_of_load"))]
+                            for r in outside
+                        ),
+                        "rrrrrr",
+                    )
+                )  # fmt: skip
+            if in_vllm:
+                self.add("", "In vLLM (time to first token):", "")
+                self.add(
+                    *table(
+                        ["Prompt tokens", "Claimed by kvtier", "Blend TTFT (ms)",
+                         "Cold TTFT (ms)", "Ratio blend ÷ cold", "Blend in the worker (ms)"],
+                        (
+                            [r.fields.get("num_tokens", "—"), r.fields.get("claimed_tokens", "—"),
+                             fmt(r.value), fmt(r.baseline_value), fmt_ratio(r.ratio),
+                             fmt(r.fields.get("blend_total_ms"))]
+                            for r in in_vllm
+                        ),
+                        "rrrrrr",
+                    )
+                )  # fmt: skip
 
     def other(self) -> None:
         self._table("other", "## Other results", "Rows that no section above takes, as recorded.")
