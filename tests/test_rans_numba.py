@@ -10,6 +10,8 @@ the fallback tests here run everywhere.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -81,6 +83,7 @@ def test_edge_tables(freq_dtype: torch.dtype) -> None:
     whose streams differ in length (a constant lane, a uniform one)."""
     one = np.full((2, 40), 0, dtype=np.uint8), np.full((2, 1), PROB_SCALE, dtype=np.uint32)
     roundtrip(*one, freq_dtype)
+    roundtrip(np.zeros((0, 5), dtype=np.uint8), np.zeros((0, 3), dtype=np.uint32), freq_dtype)
     symbols = np.zeros((3, 300), dtype=np.uint8)
     symbols[:, ::37] = 1
     freq = np.array([[PROB_SCALE - 1, 1]] * 3, dtype=np.uint32)
@@ -256,6 +259,18 @@ def test_codec_rejects_what_the_reference_rejects() -> None:
     for backend in ("torch", "numba"):
         with pytest.raises(ValueError, match="non-finite"):
             encode_chunk(nonfinite, backend=backend)
+
+
+def test_importing_kvtier_imports_no_numba() -> None:
+    """numba loads on the first codec call that picks it, never with the packages."""
+    code = (
+        "import sys, kvtier, kvtier_kernels, kvtier.storage.serde\n"
+        "from kvtier_kernels import cachegen, cachegen_numba, rans_decode, rans_encode\n"
+        "from kvtier.storage.serde import make_serde\n"
+        "make_serde('cachegen')\n"
+        "assert 'numba' not in sys.modules, 'numba imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_fallback_without_numba_writes_the_same_bytes(monkeypatch) -> None:
