@@ -166,7 +166,6 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     # The backend whose launch parameters apply on this machine's device.
     tuning_backend = "triton" if on_gpu else "interpret"
     name = tuning_files.device_name(device) or str(device)
-    auto = registry.resolve_backend("auto", device)
     ops = {}
     for op in registry.ops():
         backends = registry.backends_for(op)
@@ -177,7 +176,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         )
         ops[op] = {
             "backends": backends,
-            "auto": auto if auto in backends else "torch",
+            "auto": registry.pick(op, "auto", device),
             "tunable": op in tuning_files.TUNABLES,
             "tuning_files": [
                 {"dtype": f.dtype, "path": str(f.path), "status": f.status, "detail": f.detail}

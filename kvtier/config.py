@@ -131,8 +131,9 @@ class KVTierConfig(ConnectorKeys):
     kernel_backend: str = key(
         "auto",
         str,
-        "Kernel implementation: auto (Triton on a GPU Triton can drive, else torch), "
-        "triton, interpret (Triton interpreter) or torch (reference kernels).",
+        "Kernel implementation: auto (Triton on a GPU Triton can drive, else numba for the "
+        "CacheGen coder where numba is installed, else torch), triton, interpret (Triton "
+        "interpreter) or torch (reference kernels; the numpy CacheGen coder).",
         choices=("auto", "triton", "interpret", "torch"),
     )
     tuning_dir: str | None = key(

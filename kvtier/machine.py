@@ -67,14 +67,17 @@ def auto_backends(registry) -> dict[str, dict[str, str]]:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    auto = registry.resolve_backend("auto", device)
-    why = registry.available_backends()["triton"]
+    status = registry.available_backends()
     rows = {}
     for op in registry.ops():
-        if auto in registry.backends_for(op):
-            rows[op] = {"backend": auto, "why": f"triton: {why}"}
+        backend = registry.pick(op, "auto", device)
+        if backend == "torch":
+            why = f"no Triton kernel here (triton: {status['triton']})"
+            if "numba" in registry.registered(op):
+                why += f"; numba: {status['numba']}"
         else:
-            rows[op] = {"backend": "torch", "why": f"no Triton kernel here (triton: {why})"}
+            why = f"{backend}: {status[backend]}"
+        rows[op] = {"backend": backend, "why": why}
     return rows
 
 

@@ -1,7 +1,8 @@
 """kvtier_kernels: device ops for kvtier (Triton kernels, torch references, layouts, registry).
 
 Importing this package registers every op's torch reference and never imports ``triton``
-or touches a GPU driver; Triton kernels are loaded on first use through the registry.
+or ``numba`` or touches a GPU driver; Triton and numba kernels are loaded on first use
+through the registry.
 """
 
 import kvtier_kernels.rans_decode

@@ -1,4 +1,4 @@
-"""What every Triton op file shares to launch its kernels, without importing triton.
+"""What every Triton or numba op file shares to launch its kernels, without importing either.
 
 - :class:`LazyKernel`: a kernel written as a plain function, decorated (compiled or
   interpreted) on first use, so importing ``kvtier_kernels`` never imports triton;
@@ -6,7 +6,9 @@
   launcher bound to one backend;
 - :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters;
 - :func:`compile_only`: within it, this thread's launches compile their kernel (Triton's
-  ``warmup``) but run nothing (``kvtier precompile`` and the connector's start-up warm-up).
+  ``warmup``) but run nothing (``kvtier precompile`` and the connector's start-up warm-up);
+- :class:`NumbaKernel` and :func:`numba_loader`: the same laziness for CPU kernels that
+  numba compiles.
 """
 
 from __future__ import annotations
@@ -122,5 +124,82 @@ def triton_loader(
     def load() -> Callable:
         kernel.get(interpret)
         return functools.partial(launcher, interpret=interpret)
+
+    return load
+
+
+_numba_lock = threading.Lock()
+# error_model="numpy": no ZeroDivisionError checks (the kernels never divide by zero), so
+# loops with a division vectorize; no fastmath: the kernels must round as the references.
+_NUMBA_OPTIONS = {"nogil": True, "cache": True, "error_model": "numpy"}
+NUMBA_WORK_PER_THREAD = 1 << 20
+"""Elements or symbols per thread of a numba kernel (a few milliseconds of work): a
+small chunk runs on one thread rather than pay for waking the others."""
+
+
+class NumbaKernel:
+    """A CPU kernel written as a plain Python function (numpy arrays, loops, ``prange``),
+    compiled by numba on first use.
+
+    The kernel's module declares ``prange: Any = range``; :meth:`get` imports numba, binds
+    ``numba.prange`` in that module's globals and wraps the function once in
+    ``numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")``. The
+    ``helpers`` it calls, plain functions of that module, are wrapped in ``numba.njit``
+    and rebound under their names there (once, by whichever kernel gets them first).
+    numba compiles a kernel on its first call with new argument types (seconds) and keeps
+    the machine code in its on-disk cache (``__pycache__`` beside the module, else
+    ``NUMBA_CACHE_DIR`` or a per-user directory), from which later processes load it in
+    milliseconds.
+
+    NOTE: calls run one at a time in a process. Each already uses all of numba's threads
+    (``NUMBA_NUM_THREADS``), and numba's fallback threading layer (workqueue, when neither
+    TBB nor OpenMP loads) aborts the process when two threads launch parallel code at once.
+    ``nogil`` lets other Python threads run meanwhile.
+    """
+
+    def __init__(self, fn: Callable, helpers: Sequence[Callable] = ()) -> None:
+        self.fn, self.helpers = fn, tuple(helpers)
+        self._compiled: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        """The numba dispatcher (imports numba; compiles nothing until it is called)."""
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    import numba
+
+                    module = self.fn.__globals__
+                    module["prange"] = numba.prange
+                    for helper in self.helpers:
+                        if module[helper.__name__] is helper:
+                            module[helper.__name__] = numba.njit(**_NUMBA_OPTIONS)(helper)
+                    self._compiled = numba.njit(parallel=True, **_NUMBA_OPTIONS)(self.fn)
+        return self._compiled
+
+    def __call__(self, *args: Any, work: int) -> Any:
+        """Run the kernel on ``args`` with one thread per ``NUMBA_WORK_PER_THREAD`` of
+        ``work`` (elements or symbols): at least one, at most the calling thread's numba
+        thread count (``NUMBA_NUM_THREADS``, or what ``numba.set_num_threads`` set)."""
+        import numba
+
+        kernel = self.get()
+        with _numba_lock:
+            default = numba.get_num_threads()
+            numba.set_num_threads(min(default, max(1, work // NUMBA_WORK_PER_THREAD)))
+            try:
+                return kernel(*args)
+            finally:
+                numba.set_num_threads(default)
+
+
+def numba_loader(kernels: Sequence[NumbaKernel], launcher: Callable) -> Callable[[], Callable]:
+    """A registry loader: imports numba (an ImportError here is numba missing or broken)
+    and wraps ``kernels``, then returns ``launcher``."""
+
+    def load() -> Callable:
+        for kernel in kernels:
+            kernel.get()
+        return launcher
 
     return load

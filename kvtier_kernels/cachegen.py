@@ -26,14 +26,17 @@ probabilities; at most one word is emitted per symbol. Lanes are independent: th
 the kernel registry's ``rans_encode``/``rans_decode`` (op files
 :mod:`kvtier_kernels.rans_encode` / :mod:`kvtier_kernels.rans_decode`, the bitstream in
 :mod:`kvtier_kernels.rans`), whose ``torch`` backend is a numpy reference (vectorized across
-lanes, a loop over the symbols of a lane) and whose ``triton`` backend (one GPU thread per
-lane) produces the same bytes. A lane's stream is its final encoder state (low word, high word) followed by
-the renormalization words in the order the decoder reads them; a decoded lane must end in
-the initial state ``2**16`` having read exactly its words, which catches most damage.
+lanes, a loop over the symbols of a lane), and whose ``triton`` backend (one GPU thread per
+lane) and ``numba`` backend (compiled CPU loops, lanes across threads) produce the same
+bytes. A lane's stream is its final encoder state (low word, high word) followed by the
+renormalization words in the order the decoder reads them; a decoded lane must end in the
+initial state ``2**16`` having read exactly its words, which catches most damage.
 
 Quantization, statistics and dequantization are torch code that runs on the chunk's
 device with integer or correctly rounded fp32 arithmetic, so a GPU encode gives the bytes
-a CPU encode gives.
+a CPU encode gives. With the ``numba`` coder (``auto`` on a CPU where numba is installed)
+they run as numba kernels instead (:mod:`kvtier_kernels.cachegen_numba`), with the same
+arithmetic and results.
 
 Payload, version 2 (little-endian; each section zero-padded to a multiple of 4 bytes;
 ``lanes = 2 * num_layers * hidden``, lane index ``(kv * num_layers + l) * hidden + d``)::
@@ -74,6 +77,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier_kernels import cachegen_numba, registry
 from kvtier_kernels.rans import PROB_BITS, PROB_SCALE, CodecError
 from kvtier_kernels.rans_decode import rans_decode_lanes
 from kvtier_kernels.rans_encode import rans_encode_lanes
@@ -197,21 +201,62 @@ def _in_range(lo: torch.Tensor, hi: torch.Tensor, alphabet: int) -> torch.Tensor
     return (columns >= lo[:, None]) & (columns <= hi[:, None]) & (hi > lo)[:, None]
 
 
+def _encode_statistics(
+    chunk: torch.Tensor,  # [2, L, T, D]
+    k_levels: list[int],
+    v_levels: list[int],
+    alphabet: int,
+    count_dtype: np.dtype,
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Quantization and tables in torch on ``chunk``'s device: ``(scale, symbols, freq,
+    bounds, stored)`` as :func:`kvtier_kernels.cachegen_numba.encode_statistics` returns
+    them (``symbols`` and ``freq`` on ``chunk``'s device).
+
+    Raises:
+        ValueError: non-finite values.
+    """
+    num_tokens = chunk.shape[2]
+    x = chunk.detach().to(torch.float32)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
+    levels = _levels(k_levels, v_levels, x.device)
+    scale = x.abs().amax(dim=-1)  # [2, L, T]
+    step = scale / levels
+    safe = torch.where(step > 0, step, torch.ones_like(step))[..., None]
+    q = torch.round(x / safe)
+    q = torch.minimum(torch.maximum(q, -levels[..., None]), levels[..., None])
+    symbols = (q + levels[..., None]).to(torch.uint8)  # [2, L, T, D]
+    symbols = symbols.permute(0, 1, 3, 2).reshape(-1, num_tokens).contiguous()  # [lanes, T]
+
+    counts = _histogram(symbols, alphabet)
+    used = counts > 0
+    lo = used.to(torch.uint8).argmax(dim=1)
+    hi = alphabet - 1 - used.flip(1).to(torch.uint8).argmax(dim=1)
+    return (
+        scale.cpu().numpy(),
+        symbols,
+        quantize_counts(counts),
+        torch.stack([lo, hi], dim=1).to(torch.uint8).cpu().numpy(),
+        counts[_in_range(lo, hi, alphabet)].cpu().numpy().astype(count_dtype),
+    )
+
+
 def encode_chunk(
     chunk: torch.Tensor,
     k_levels: list[int] | None = None,
     v_levels: list[int] | None = None,
     *,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> tuple[bytes, dict[str, Any]]:
     """Compress ``chunk`` ``[2, num_layers, num_tokens, hidden]`` (bf16/fp16/fp32, finite;
     ``num_tokens >= 1``). ``k_levels``/``v_levels``: levels_half per layer (1..127);
     default :func:`default_levels`. Deterministic: equal inputs give equal bytes, on any
     device and with any backend.
 
-    Quantization and statistics run in torch on ``chunk``'s device; the rANS coder is the
-    kernel registry's ``rans_encode`` for ``backend`` (``torch`` is the numpy reference;
-    ``auto`` picks Triton for a GPU chunk).
+    The rANS coder is the kernel registry's ``rans_encode`` for ``backend`` (``torch`` is
+    the numpy reference; ``auto`` picks Triton for a GPU chunk, else numba where it is
+    installed). Quantization and statistics run in torch on ``chunk``'s device, or, when
+    the coder is numba, as numba kernels (:mod:`kvtier_kernels.cachegen_numba`).
 
     Returns ``(payload, params)``, see the module docstring.
 
@@ -237,29 +282,19 @@ def encode_chunk(
         default_v if v_levels is None else v_levels, num_layers, "v_levels", ValueError
     )
 
-    x = chunk.detach().to(torch.float32)
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
-    levels = _levels(k_levels, v_levels, x.device)
-    scale = x.abs().amax(dim=-1)  # [2, L, T]
-    step = scale / levels
-    safe = torch.where(step > 0, step, torch.ones_like(step))[..., None]
-    q = torch.round(x / safe)
-    q = torch.minimum(torch.maximum(q, -levels[..., None]), levels[..., None])
-    symbols = (q + levels[..., None]).to(torch.uint8)  # [2, L, T, D]
-    symbols = symbols.permute(0, 1, 3, 2).reshape(-1, num_tokens).contiguous()  # [lanes, T]
-
     alphabet = 2 * max(k_levels + v_levels) + 1
-    counts = _histogram(symbols, alphabet)
-    used = counts > 0
-    lo = used.to(torch.uint8).argmax(dim=1)
-    hi = alphabet - 1 - used.flip(1).to(torch.uint8).argmax(dim=1)
-    words, lengths = rans_encode_lanes(symbols, quantize_counts(counts), backend=backend)
+    count_dtype = _count_dtype(num_tokens)
+    on_cpu = registry.pick("rans_encode", backend, chunk.device) == "numba"
+    statistics = cachegen_numba.encode_statistics if on_cpu else _encode_statistics
+    scale, symbols, freq, bounds, stored = statistics(
+        chunk, k_levels, v_levels, alphabet, count_dtype
+    )
+    words, lengths = rans_encode_lanes(symbols, freq, backend=backend)
 
     sections = [
-        scale.cpu().numpy().astype("<f4").tobytes(),
-        torch.stack([lo, hi], dim=1).to(torch.uint8).cpu().numpy().tobytes(),
-        counts[_in_range(lo, hi, alphabet)].cpu().numpy().astype(_count_dtype(num_tokens)),
+        scale.astype("<f4").tobytes(),
+        bounds.tobytes(),
+        stored.tobytes(),
         lengths.cpu().numpy().astype(_length_dtype(num_tokens)).tobytes(),
         words.cpu().numpy().astype("<u2").tobytes(),
     ]
@@ -282,13 +317,14 @@ def decode_chunk(
     params: dict[str, Any],
     out: torch.Tensor,
     *,
-    backend: str = "torch",
+    backend: str = "auto",
     device: torch.device | str | None = None,
 ) -> None:
     """Fill ``out`` (``[2, L, T, D]`` as in ``params``, bf16/fp16/fp32, contiguous, any
     device) from what :func:`encode_chunk` made. ``out`` is written only once everything
     checked. The rANS decoder is the registry's ``rans_decode`` for ``backend``; it and
-    the dequantization run on ``device`` (default ``out``'s).
+    the dequantization run on ``device`` (default ``out``'s), or, when the decoder is
+    numba, on the CPU as numba kernels (:mod:`kvtier_kernels.cachegen_numba`).
 
     Raises:
         CodecError: the params, the payload or ``out`` disagree with each other or with the
@@ -349,47 +385,67 @@ def decode_chunk(
     scale = section("scales", np.dtype("<f4"), 2 * num_layers * num_tokens).astype(np.float32)
     if not np.isfinite(scale).all() or (scale < 0).any():
         raise CodecError("scales must be finite and non-negative")
-    bounds = section("bounds", np.dtype(np.uint8), lanes * 2).reshape(lanes, 2)
-    lo, hi = (torch.from_numpy(bounds[:, i].astype(np.int64)) for i in (0, 1))
-    lane_levels = torch.tensor(k_levels + v_levels).repeat_interleave(hidden)
-    if bool((lo > hi).any()) or bool((hi > 2 * lane_levels).any()):
+    bounds = section("bounds", np.dtype(np.uint8), lanes * 2).reshape(lanes, 2).copy()
+    lo, hi = (bounds[:, i].astype(np.int64) for i in (0, 1))
+    lane_levels = np.repeat(np.array(k_levels + v_levels, dtype=np.int64), hidden)
+    if (lo > hi).any() or (hi > 2 * lane_levels).any():
         raise CodecError("a lane's symbol range is empty or outside its layer's alphabet")
     alphabet = 2 * max(k_levels + v_levels) + 1
-    stored = _in_range(lo, hi, alphabet)
-    num_stored = int(stored.sum())
+    num_stored = int(np.where(hi > lo, hi - lo + 1, 0).sum())
     if _padded_len(num_stored * count_dtype.itemsize) != sizes[SECTIONS.index("counts")]:
         raise CodecError("section counts does not match the lanes' symbol ranges")
-    counts = torch.zeros((lanes, alphabet), dtype=torch.int64)
-    counts[stored] = torch.from_numpy(section("counts", count_dtype, num_stored).astype(np.int64))
-    single = lo == hi
-    counts[single, lo[single]] = num_tokens
-    rows = torch.arange(lanes)
-    if (
-        bool((counts.sum(dim=1) != num_tokens).any())
-        or bool((counts[rows, lo] == 0).any())
-        or bool((counts[rows, hi] == 0).any())
-    ):
-        raise CodecError("a lane's histogram does not sum to num_tokens or is not tight")
+    stored = section("counts", count_dtype, num_stored).copy()
+    dev = out.device if device is None else torch.device(device)
+    on_cpu = registry.pick("rans_decode", backend, dev) == "numba"
+    if on_cpu:
+        counts, freq = cachegen_numba.decode_tables(bounds, stored, num_tokens, alphabet)
+    else:
+        counts = _stored_histograms(lo, hi, stored, num_tokens, alphabet).to(dev)
+        freq = quantize_counts(counts)
     lengths = section("lengths", length_dtype, lanes).astype(np.int64)
     total_words = int(lengths.sum())
     if _padded_len(total_words * 2) != sizes[SECTIONS.index("words")]:
         raise CodecError("section words does not match the lane lengths")
     words = section("words", np.dtype("<u2"), total_words).astype(np.int32)
 
-    dev = out.device if device is None else torch.device(device)
-    counts = counts.to(dev)
     symbols = rans_decode_lanes(
         torch.from_numpy(words).to(dev),
         torch.from_numpy(lengths).to(dev),
-        quantize_counts(counts),
+        freq,
         num_tokens,
         backend=backend,
     )
+    if on_cpu:
+        cachegen_numba.dequantize(symbols, counts, scale, k_levels, v_levels, out)
+        return
     if not torch.equal(_histogram(symbols, alphabet), counts):
         raise CodecError("decoded symbols disagree with the stored histograms")
-
     levels = _levels(k_levels, v_levels, dev)
     step = torch.from_numpy(scale).to(dev).view(2, num_layers, num_tokens) / levels
     codes = symbols.view(2, num_layers, hidden, num_tokens).permute(0, 1, 3, 2)
     x_hat = (codes.to(torch.float32) - levels[..., None]) * step[..., None]
     out.copy_(x_hat)
+
+
+def _stored_histograms(
+    lo: np.ndarray, hi: np.ndarray, stored: np.ndarray, num_tokens: int, alphabet: int
+) -> torch.Tensor:
+    """Each lane's histogram int64 ``[lanes, alphabet]`` (CPU) from its bounds and the
+    stored counts, as :func:`kvtier_kernels.cachegen_numba.decode_tables` builds it.
+
+    Raises:
+        CodecError: a lane's histogram does not sum to ``num_tokens`` or is not tight.
+    """
+    lo_t, hi_t = torch.from_numpy(lo), torch.from_numpy(hi)
+    counts = torch.zeros((len(lo), alphabet), dtype=torch.int64)
+    counts[_in_range(lo_t, hi_t, alphabet)] = torch.from_numpy(stored.astype(np.int64))
+    single = lo_t == hi_t
+    counts[single, lo_t[single]] = num_tokens
+    rows = torch.arange(len(lo))
+    if (
+        bool((counts.sum(dim=1) != num_tokens).any())
+        or bool((counts[rows, lo_t] == 0).any())
+        or bool((counts[rows, hi_t] == 0).any())
+    ):
+        raise CodecError("a lane's histogram does not sum to num_tokens or is not tight")
+    return counts

@@ -29,6 +29,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 
 from kvtier_kernels._launch import LazyKernel, check_launch_config, next_power_of_2
@@ -45,6 +46,7 @@ __all__ = [
     "check_freq",
     "check_placement",
     "check_same_device",
+    "checked_table",
     "first_lane",
     "launch",
     "launch_config",
@@ -75,6 +77,21 @@ def first_lane(flags: torch.Tensor) -> int:
 def bad_table_rows(freq: torch.Tensor) -> torch.Tensor:
     """bool ``[lanes]``: rows of ``freq`` that are not a probability table (on its device)."""
     return (freq.sum(1, dtype=torch.int64) != PROB_SCALE) | (freq < 0).any(1)
+
+
+def checked_table(freq: torch.Tensor) -> np.ndarray:
+    """``freq`` as a contiguous int64 numpy array on the CPU, checked as the references
+    check it (numpy: no torch threads to wake for a CPU kernel).
+
+    Raises:
+        ValueError: as :func:`raise_bad_table`.
+    """
+    freq_cpu = freq.cpu()
+    table = freq_cpu.to(torch.int64).contiguous().numpy()
+    bad_rows = (table.sum(1) != PROB_SCALE) | (table < 0).any(1)
+    if bad_rows.any():
+        raise_bad_table(torch.from_numpy(bad_rows), freq_cpu)
+    return table
 
 
 def raise_bad_table(bad_rows: torch.Tensor, freq: torch.Tensor) -> NoReturn:

@@ -10,10 +10,11 @@ frequency per symbol, and writes ``lanes * n`` symbol bytes.
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the numpy reference
 :func:`rans_decode` on CPU copies; ``triton`` runs ``rans_decode_kernel`` compiled on
-CUDA/ROCm tensors; ``interpret`` runs it under Triton's interpreter on CPU tensors.
+CUDA/ROCm tensors; ``interpret`` runs it under Triton's interpreter on CPU tensors;
+``numba`` runs ``rans_decode_numba_kernel`` compiled by numba on CPU copies.
 
 Sections: numpy reference (the definition of correct) -> torch reference -> Triton kernel
--> launchers (public, then Triton) -> registration.
+-> numba kernel -> launchers (public, Triton, numba) -> registration.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from kvtier_kernels import registry
-from kvtier_kernels._launch import LazyKernel, triton_loader
+from kvtier_kernels._launch import LazyKernel, NumbaKernel, numba_loader, triton_loader
 from kvtier_kernels.rans import (
     PROB_BITS,
     PROB_SCALE,
@@ -35,6 +36,7 @@ from kvtier_kernels.rans import (
     check_freq,
     check_placement,
     check_same_device,
+    checked_table,
     first_lane,
     launch,
     raise_bad_table,
@@ -42,9 +44,12 @@ from kvtier_kernels.rans import (
 
 __all__ = [
     "KERNEL",
+    "NUMBA_KERNEL",
     "rans_decode",
     "rans_decode_kernel",
     "rans_decode_lanes",
+    "rans_decode_numba",
+    "rans_decode_numba_kernel",
     "rans_decode_reference",
     "rans_decode_triton",
 ]
@@ -256,6 +261,88 @@ KERNEL = LazyKernel(rans_decode_kernel)
 
 
 # ---------------------------------------------------------------------------------------
+# numba kernel (CPU)
+#
+# Lanes are decoded two at a time, interleaved symbol by symbol (a lane is a chain of
+# dependent loads; two chains keep the core busier), in blocks of BLOCK lanes per `prange`
+# iteration (tables allocated once per block), in int64 as the Triton kernel. The symbol of
+# a slot is the number of entries of the lane's cum_hi (cum_hi[A - 1] forced to PROB_SCALE)
+# that are <= slot, as the reference's binary search counts them; here a table of the
+# symbol at every multiple of 2**shift (one entry per count of the n symbols) gives a lower
+# bound and a forward scan, which rarely moves, finishes it. An odd last lane of a block
+# is decoded twice, as both lanes of its pair.
+#
+# Renormalization reads words[at] unconditionally: `words` ends with n + 2 zeros, so a read
+# past a lane's own words stays in bounds; such a lane ends with more reads than words and
+# the final check rejects it, as the reference does (which reads 0 there too). Lengths are
+# checked by the launcher first (each >= 2, summing to the stream's length).
+# ---------------------------------------------------------------------------------------
+
+prange: Any = range
+BLOCK = 64  # lanes per prange iteration
+
+
+def _lane_tables(freq, lane, cum_hi, lane_freq, lut, k, shift):
+    """Row k of cum_hi, lane_freq and lut for ``lane``; lut[b]: the symbol of slot b << shift."""
+    alphabet = freq.shape[1]
+    low = 0
+    for a in range(alphabet):
+        lane_freq[k, a] = freq[lane, a]
+        high = PROB_SCALE if a == alphabet - 1 else low + freq[lane, a]
+        cum_hi[k, a] = high
+        for bucket in range((low + (1 << shift) - 1) >> shift, ((high - 1) >> shift) + 1):
+            lut[k, bucket] = a
+        low = high
+
+
+def rans_decode_numba_kernel(
+    words,  # [num_words + n + 2] uint16: the stream, then n + 2 zeros
+    starts,  # [lanes] int64: where each lane's stream starts in words
+    lengths,  # [lanes] int64, each >= 2, summing to num_words
+    freq,  # [lanes, A] int64, contiguous; rows non-negative, summing to PROB_SCALE
+    out,  # [lanes, n] uint8 (out)
+    bad,  # [lanes] uint8 (out): 1 = the reference rejects this lane's stream
+    shift,  # log2 of the slots per table entry: 16 - shift bits of table
+):
+    lanes, n = out.shape
+    alphabet = freq.shape[1]
+    for block in prange((lanes + BLOCK - 1) // BLOCK):
+        cum_hi = np.empty((2, alphabet), np.int64)
+        lane_freq = np.empty((2, alphabet), np.int64)
+        lut = np.empty((2, 1 << (PROB_BITS - shift)), np.uint8)
+        end = min(lanes, (block + 1) * BLOCK)
+        for l0 in range(block * BLOCK, end, 2):
+            l1 = min(l0 + 1, end - 1)
+            _lane_tables(freq, l0, cum_hi, lane_freq, lut, 0, shift)
+            _lane_tables(freq, l1, cum_hi, lane_freq, lut, 1, shift)
+            at0, at1 = starts[l0] + 2, starts[l1] + 2
+            x0 = np.int64(words[at0 - 2]) | (np.int64(words[at0 - 1]) << 16)
+            x1 = np.int64(words[at1 - 2]) | (np.int64(words[at1 - 1]) << 16)
+            for i in range(n):
+                slot0, slot1 = x0 & (PROB_SCALE - 1), x1 & (PROB_SCALE - 1)
+                s0, s1 = np.int64(lut[0, slot0 >> shift]), np.int64(lut[1, slot1 >> shift])
+                while cum_hi[0, s0] <= slot0:
+                    s0 += 1
+                while cum_hi[1, s1] <= slot1:
+                    s1 += 1
+                out[l0, i], out[l1, i] = s0, s1
+                f0, f1 = lane_freq[0, s0], lane_freq[1, s1]
+                x0 = f0 * (x0 >> PROB_BITS) + slot0 - cum_hi[0, s0] + f0
+                x1 = f1 * (x1 >> PROB_BITS) + slot1 - cum_hi[1, s1] + f1
+                need0, need1 = np.int64(x0 < RANS_LOW), np.int64(x1 < RANS_LOW)
+                word0, word1 = np.int64(words[at0]), np.int64(words[at1])
+                x0 = (x0 << 16) | word0 if need0 else x0
+                x1 = (x1 << 16) | word1 if need1 else x1
+                at0, at1 = at0 + need0, at1 + need1
+            bad[l0] = (at0 - starts[l0] != lengths[l0]) | (x0 != RANS_LOW)
+            bad[l1] = (at1 - starts[l1] != lengths[l1]) | (x1 != RANS_LOW)
+
+
+NUMBA_KERNEL = NumbaKernel(rans_decode_numba_kernel, helpers=[_lane_tables])
+"""The decode kernel, compiled by numba on first use."""
+
+
+# ---------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------
 
@@ -277,7 +364,8 @@ def rans_decode_lanes(
         lengths: int64/int32 ``[lanes]``, each lane's words.
         freq: int32/int64 ``[lanes, A]`` as for :func:`rans_encode_lanes`.
         n: symbols per lane, ``>= 0``.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"interpret"`` (see registry).
+        backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"interpret"`` or ``"numba"``
+            (see registry).
 
     Returns:
         uint8 ``[lanes, n]`` on ``words``' device.
@@ -390,6 +478,52 @@ def rans_decode_triton(
 
 
 # ---------------------------------------------------------------------------------------
+# numba launcher
+# ---------------------------------------------------------------------------------------
+
+
+def rans_decode_numba(
+    words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
+    lengths: torch.Tensor,  # [lanes] int64/int32
+    freq: torch.Tensor,  # [lanes, A] int32/int64
+    n: int,
+) -> torch.Tensor:
+    """numba version of :func:`rans_decode_reference` on CPU copies: the same symbols and
+    errors, in the same order. Shapes are assumed valid (:func:`rans_decode_lanes`)."""
+    # validate: tables, then lengths, as the reference; the streams in the kernel
+    table = checked_table(freq)
+    lengths_np = lengths.cpu().numpy().astype(np.int64)
+    if (lengths_np < 2).any():
+        _raise_short_lanes(torch.from_numpy(lengths_np))
+    ends = lengths_np.cumsum()
+    total = int(ends[-1]) if len(ends) else 0
+    if total != len(words):
+        _raise_length_mismatch(total, len(words))
+
+    # allocate
+    lanes = len(lengths_np)
+    out = np.empty((lanes, n), dtype=np.uint8)
+    bad = np.zeros(lanes, dtype=np.uint8)
+    padded = np.zeros(total + n + 2, dtype=np.uint16)  # the words, then n + 2 zeros
+    padded[:total] = words.cpu().numpy()  # as the reference's uint16: the low 16 bits
+
+    # launch
+    NUMBA_KERNEL(
+        padded,  # [num_words + n + 2]
+        ends - lengths_np,  # starts [lanes]
+        lengths_np,  # [lanes]
+        table,  # [lanes, A]
+        out,  # [lanes, n]
+        bad,  # [lanes]
+        PROB_BITS - min(8, max(1, (n - 1).bit_length())),  # shift: one entry per count
+        work=lanes * n,
+    )
+    if bad.any():
+        _raise_bad_streams(torch.from_numpy(bad != 0))
+    return torch.from_numpy(out).to(words.device)
+
+
+# ---------------------------------------------------------------------------------------
 # registration
 # ---------------------------------------------------------------------------------------
 
@@ -398,3 +532,4 @@ registry.register("rans_decode", "triton", loader=triton_loader(KERNEL, rans_dec
 registry.register(
     "rans_decode", "interpret", loader=triton_loader(KERNEL, rans_decode_triton, True)
 )
+registry.register("rans_decode", "numba", loader=numba_loader([NUMBA_KERNEL], rans_decode_numba))

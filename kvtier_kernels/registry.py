@@ -6,11 +6,17 @@ Backends:
 - ``triton``: the Triton kernel, for tensors on a GPU Triton can drive (CUDA or ROCm).
 - ``interpret``: the same Triton kernel run by Triton's interpreter on CPU tensors, for
   testing; it needs no ``TRITON_INTERPRET`` in the environment (see ``_triton_compat``).
+- ``numba``: a CPU kernel compiled by numba (the optional extra ``kvtier[cpu-codec]``),
+  bit-exact with the reference; ops that have one run it on CPU copies of their tensors.
+
+``auto`` picks, per op: ``triton`` when the tensors are on a GPU Triton can drive, else
+``numba`` when the op has a numba kernel and numba imports, else ``torch``.
 
 Implementations may be registered eagerly (``fn``) or lazily (``loader``): a loader is
-called once, on the first :func:`get` that needs it, and returns the callable. Triton
-kernels are registered with loaders so that importing ``kvtier_kernels`` never imports
-``triton`` or touches a GPU driver.
+called once, on the first :func:`get` that needs it, and returns the callable. Triton and
+numba kernels are registered with loaders so that importing ``kvtier_kernels`` never
+imports ``triton`` or ``numba`` or touches a GPU driver; ``auto`` imports numba (once) the
+first time it considers a numba kernel.
 
 The registry takes explicit arguments only; reading ``KVTIER_KERNEL_BACKEND`` is the job of
 the caller's config.
@@ -18,6 +24,8 @@ the caller's config.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import threading
 from collections.abc import Callable
@@ -31,11 +39,13 @@ __all__ = [
     "backends_for",
     "get",
     "ops",
+    "pick",
     "register",
+    "registered",
     "resolve_backend",
 ]
 
-BACKENDS = ("torch", "triton", "interpret")
+BACKENDS = ("torch", "triton", "interpret", "numba")
 """Every backend name; ``"auto"`` is accepted wherever a backend is requested."""
 
 _GPU_DEVICE_TYPES = frozenset({"cuda"})  # ROCm builds of torch also use the "cuda" device type.
@@ -51,6 +61,8 @@ class _Entry:
 
 _registry: dict[str, dict[str, _Entry]] = {}
 _lock = threading.RLock()
+_NOT_TRIED = "not imported yet"
+_numba_error: str | None = _NOT_TRIED  # None once numba imported, else why it did not
 
 
 def register(
@@ -100,20 +112,59 @@ def ops() -> list[str]:
 def backends_for(op: str) -> list[str]:
     """Backends registered for ``op`` that can run here, in :data:`BACKENDS` order:
     ``interpret`` only when Triton is installed, ``triton`` only when it is and torch sees
-    a GPU (:func:`available_backends` says why one is missing).
+    a GPU, ``numba`` only when numba is installed (and did not fail to import);
+    :func:`available_backends` says why one is missing.
 
     Raises:
         KeyError: ``op`` is not registered (the message lists the registered ops).
     """
     triton = _triton_installed()
-    runnable = [b for b in BACKENDS if b == "torch" or (triton and (b != "triton" or _gpu_kind()))]
+    runnable = ["torch"]
+    if triton:
+        runnable += ["triton", "interpret"] if _gpu_kind() else ["interpret"]
+    if _numba_installed() and _numba_error in (None, _NOT_TRIED):
+        runnable.append("numba")
     with _lock:
         impls = _op_impls(op)
         return [b for b in runnable if b in impls]
 
 
+def registered(op: str) -> list[str]:
+    """Backends registered for ``op``, whether or not they can run here, in
+    :data:`BACKENDS` order.
+
+    Raises:
+        KeyError: ``op`` is not registered.
+    """
+    with _lock:
+        impls = _op_impls(op)
+        return [b for b in BACKENDS if b in impls]
+
+
+@functools.cache
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return importlib.util.find_spec("triton") is not None  # a search of sys.path: once
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+def _numba_imports() -> bool:
+    """Whether numba imports here (tried once; a failure is kept for
+    :func:`available_backends`). ``NUMBA_DISABLE_JIT`` counts as a failure: numba would
+    then run its kernels as plain Python."""
+    global _numba_error
+    with _lock:
+        if _numba_error == _NOT_TRIED:
+            try:
+                import numba
+            except Exception as exc:  # an ImportError, or a numpy version numba refuses
+                _numba_error = f"{type(exc).__name__}: {exc}"
+            else:
+                _numba_error = "NUMBA_DISABLE_JIT is set" if numba.config.DISABLE_JIT else None
+        return _numba_error is None
 
 
 def _gpu_kind() -> str | None:
@@ -151,15 +202,41 @@ def resolve_backend(requested: str, device: torch.device | str | None) -> str:
         raise ValueError(
             f"kernel backend {requested!r} needs triton, which is not installed; use 'torch'"
         )
+    if requested == "numba" and not _numba_installed():
+        raise ValueError(
+            "kernel backend 'numba' needs numba, which is not installed "
+            "(pip install 'kvtier[cpu-codec]'); use 'torch'"
+        )
     return requested
+
+
+def pick(op: str, backend: str = "auto", device: torch.device | str | None = None) -> str:
+    """The backend :func:`get` uses for ``op``, ``backend`` and ``device``, loading nothing.
+
+    An explicit backend is itself. ``"auto"`` resolves with :func:`resolve_backend`; where
+    that gives ``"torch"`` and ``op`` has a numba kernel that can load (numba installed and
+    importable: the first such call imports numba), it is ``"numba"``; where ``op`` has no
+    implementation for the resolved backend, ``"torch"``.
+
+    Raises:
+        KeyError / ValueError: as :func:`get`.
+    """
+    with _lock:
+        impls = _op_impls(op)
+        resolved = resolve_backend(backend, device)
+        if backend != "auto":
+            return resolved
+        if resolved == "torch" and "numba" in impls and _numba_installed() and _numba_imports():
+            return "numba"
+        return resolved if resolved in impls else "torch"
 
 
 def get(op: str, backend: str = "auto", device: torch.device | str | None = None) -> Callable:
     """Return the implementation of ``op`` for ``backend`` on ``device``.
 
-    ``"auto"`` resolves with :func:`resolve_backend` and falls back to ``"torch"`` when the
-    op has no implementation for the resolved backend; an explicitly requested backend
-    never falls back. A lazy loader runs here, once.
+    ``"auto"`` picks as :func:`pick` says (triton on a GPU, else numba where the op has it
+    and numba imports, else torch; torch where the op lacks the pick); an explicitly
+    requested backend never falls back. A lazy loader runs here, once.
 
     Raises:
         KeyError: ``op`` is not registered (lists the registered ops).
@@ -168,9 +245,7 @@ def get(op: str, backend: str = "auto", device: torch.device | str | None = None
     """
     with _lock:
         impls = _op_impls(op)
-        resolved = resolve_backend(backend, device)
-        if resolved not in impls and backend == "auto":
-            resolved = "torch"
+        resolved = pick(op, backend, device)
         if resolved not in impls:
             have = [b for b in BACKENDS if b in impls]
             raise ValueError(f"op {op!r} has no {resolved!r} implementation; it has: {have}")
@@ -200,7 +275,17 @@ def available_backends() -> dict[str, str]:
         "torch": "available",
         "triton": triton_status,
         "interpret": "available (Triton interpreter, slow)" if triton else "triton not installed",
+        "numba": _numba_status(),
     }
+
+
+def _numba_status() -> str:
+    if not _numba_installed():
+        return "numba not installed (pip install 'kvtier[cpu-codec]')"
+    version = importlib.metadata.version("numba")
+    if _numba_error not in (None, _NOT_TRIED):
+        return f"numba {version} installed but unusable ({_numba_error})"
+    return f"available (numba {version}; CPU kernels, compiled on first use, cached on disk)"
 
 
 def _op_impls(op: str) -> dict[str, _Entry]:

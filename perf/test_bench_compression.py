@@ -1,13 +1,19 @@
 """CacheGen codec benchmarks: compression ratio vs error, and encode / decode GB/s.
 
 The codec is ``kvtier_kernels/cachegen.py`` at its default per-layer level schedule
-(``default_levels``), the CPU reference (numpy rANS). Two chunks in ``KV_2LTD``
-(``[2, num_layers, num_tokens, hidden]``, bf16), from ``tests/support/samples.py``:
+(``default_levels``) on the CPU, with each of its CPU coders: ``numba`` (what ``auto``
+runs where numba is installed: the numba kernels of ``kvtier_kernels/cachegen_numba.py``,
+``rans_encode.py`` and ``rans_decode.py``, on numba's threads) and the reference (backend
+``torch``: torch quantization, the numpy rANS coder). Both write the same bytes. Three
+chunks in ``KV_2LTD`` (``[2, num_layers, num_tokens, hidden]``, bf16), from
+``tests/support/samples.py``:
 
 - ``llama_kv``: K (post-RoPE) and V of a real forward pass of a random-weight
   ``transformers`` Llama: 8 layers, 8 KV heads x head size 128, 256 tokens (8 MiB);
 - ``synthetic_kv``: log-normal channel magnitudes with 4 outlier K channels and per-token
-  magnitudes: 32 layers x hidden 1024 x 256 tokens (32 MiB, the tier benchmarks' chunk).
+  magnitudes: 32 layers x hidden 1024 x 256 tokens (32 MiB, the tier benchmarks' chunk);
+- ``small_kv``: the same kind of data for a small model's short chunk: 4 layers x 2 KV
+  heads x head size 64, 64 tokens (128 KiB), where fixed costs per call show.
 
 Rows (``perf/report.py`` puts ``compression …`` rows in its ratio-vs-error section and
 GB/s rows in its throughput section):
@@ -22,10 +28,12 @@ GB/s rows in its throughput section):
   relative to the absmax of its (K/V, layer, token) row — the quantity the codec bounds
   by ``1 / (2 n) + 2**-8`` (``n`` levels_half; ``2**-8``: rounding to bf16). The rows also
   carry ``rel_frobenius_error`` (``‖x - x̂‖ ÷ ‖x‖``) and the bound.
-- ``cachegen encode`` / ``decode (CPU reference, <data>)``: GB/s of raw (bf16) KV, against
-  the int8 quantize / dequantize of the same chunk (torch) measured in the same run; the
-  rows also carry a raw ``torch`` copy of the same bytes (``raw_copy_gbps``).
-- ``cachegen fetch + CPU decode at 10 Gb/s (derived, <data>)``: NOT measured on a network.
+- ``cachegen encode`` / ``decode (CPU numba, <data>)`` and ``(CPU reference, <data>)``:
+  GB/s of raw (bf16) KV, against the int8 quantize / dequantize of the same chunk (torch)
+  measured in the same run; the rows also carry a raw ``torch`` copy of the same bytes
+  (``raw_copy_gbps``) and the threads the coder ran on.
+- ``cachegen fetch + CPU numba decode at 10 Gb/s (derived, <data>)`` and ``cachegen fetch
+  + CPU decode at 10 Gb/s (derived, <data>)`` (the reference): NOT measured on a network.
   From the measured decode GB/s and ratio: ``time_raw = bytes / 1.25e9``, ``time_compressed
   = bytes / ratio / 1.25e9 + bytes / decode``; value = bytes ÷ time_compressed (GB/s of
   raw KV delivered), baseline = raw fetch (1.25 GB/s), so ratio > 1 means compressing
@@ -43,14 +51,18 @@ import pytest
 import torch
 from conftest import median_seconds
 
+from kvtier_kernels import registry
 from kvtier_kernels.cachegen import decode_chunk, default_levels, encode_chunk
 
 TOKENS = 256
 LLAMA_SHAPE = {"num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "head_size": 128}
 SYNTHETIC_SHAPE = {"layers": 32, "hidden": 1024}
-DATASETS = ("llama_kv", "synthetic_kv")
-# the CPU reference takes ~0.3 s (llama_kv) to ~2 s (synthetic_kv) per call
-ROUNDS = {"llama_kv": 5, "synthetic_kv": 3}
+SMALL_SHAPE = {"layers": 4, "hidden": 2 * 64, "tokens": 64}
+DATASETS = ("llama_kv", "synthetic_kv", "small_kv")
+# the reference takes ~0.3 s (llama_kv) to ~2 s (synthetic_kv) per call, numba ~1/30 of it
+ROUNDS = {("llama_kv", "torch"): 5, ("synthetic_kv", "torch"): 3, ("small_kv", "numba"): 200}
+OTHER_ROUNDS = 20
+CODERS = {"numba": "CPU numba", "torch": "CPU reference"}  # backend -> row label
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gb/s
 BF16_ROUNDING = 2.0**-8  # relative rounding of x_hat to bf16, the chunk's dtype
 FP32_SLACK = 2.0**-20  # the codec's own arithmetic (see cachegen.py's error bound)
@@ -119,8 +131,10 @@ def sample(request) -> Sample:
     if request.param == "llama_kv":
         pytest.importorskip("transformers")
         kv = kv_samples.llama_kv(**LLAMA_SHAPE, tokens=TOKENS)
-    else:
+    elif request.param == "synthetic_kv":
         kv = kv_samples.synthetic_kv(**SYNTHETIC_SHAPE, tokens=TOKENS)
+    else:
+        kv = kv_samples.synthetic_kv(**SMALL_SHAPE)
     payload, params = encode_chunk(kv)
     decoded = torch.empty_like(kv)
     decode_chunk(payload, params, decoded)
@@ -181,44 +195,71 @@ def test_compression_ratio_and_error(record, sample):
     )
 
 
-def test_encode_throughput(benchmark, record, sample):
+@pytest.fixture(params=list(CODERS))
+def coder(request) -> str:
+    """The CPU coder's backend: ``numba`` (skipped where it does not run) or ``torch``."""
+    if request.param == "numba" and registry.pick("rans_encode", "auto", "cpu") != "numba":
+        pytest.skip(f"numba does not run here: {registry.available_backends()['numba']}")
+    return request.param
+
+
+def _threads(coder: str) -> int:
+    if coder != "numba":
+        return torch.get_num_threads()  # the reference's torch steps; its rANS is numpy
+    import numba
+
+    return numba.get_num_threads()
+
+
+def test_encode_throughput(benchmark, record, sample, coder):
     baseline_seconds = median_seconds(lambda: int8_quantize(sample.kv))
     payload, _ = benchmark.pedantic(
-        encode_chunk, args=(sample.kv,), rounds=ROUNDS[sample.name], warmup_rounds=1
+        encode_chunk,
+        args=(sample.kv,),
+        kwargs={"backend": coder},
+        rounds=ROUNDS.get((sample.name, coder), OTHER_ROUNDS),
+        warmup_rounds=1,
     )
-    assert payload == sample.payload  # deterministic
-    _record_gbps(record, sample, "encode", benchmark, "int8 absmax quantize", baseline_seconds)
+    assert payload == sample.payload  # deterministic, and the same bytes with either coder
+    _record_gbps(
+        record, sample, "encode", coder, benchmark, "int8 absmax quantize", baseline_seconds
+    )
 
 
-def _record_gbps(record, sample, op: str, benchmark, baseline: str, baseline_seconds: float):
+def _record_gbps(
+    record, sample, op: str, coder: str, benchmark, baseline: str, baseline_seconds: float
+):
     """One ``cachegen <op>`` row: GB/s of raw KV against ``baseline`` (same chunk, same
     run); returns the codec's median seconds."""
     seconds = benchmark.stats.stats.median
     record(
-        metric=f"cachegen {op} (CPU reference, {sample.name})",
+        metric=f"cachegen {op} ({CODERS[coder]}, {sample.name})",
         value=sample.raw_bytes / seconds / 1e9,
         unit="GB/s",
         baseline=f"{baseline} (torch, same chunk)",
         baseline_value=sample.raw_bytes / baseline_seconds / 1e9,
         raw_copy_gbps=_raw_copy_gbps(sample),
         dataset=sample.name,
+        coder=coder,
+        threads=_threads(coder),
     )
     return seconds
 
 
-def test_decode_throughput(benchmark, record, sample):
+def test_decode_throughput(benchmark, record, sample, coder):
     codes, scales = int8_quantize(sample.kv)
     out = torch.empty_like(sample.kv)
     baseline_seconds = median_seconds(lambda: int8_dequantize(codes, scales, out))
     benchmark.pedantic(
         decode_chunk,
         args=(sample.payload, sample.params, out),
-        rounds=ROUNDS[sample.name],
+        kwargs={"backend": coder},
+        rounds=ROUNDS.get((sample.name, coder), OTHER_ROUNDS),
         warmup_rounds=1,
     )
     assert torch.equal(out, sample.decoded)
     decode_seconds = _record_gbps(
-        record, sample, "decode", benchmark, "int8 dequantize", baseline_seconds
+        record, sample, "decode", coder, benchmark, "int8 dequantize", baseline_seconds
     )
     decode_gbps = sample.raw_bytes / decode_seconds / 1e9
 
@@ -227,8 +268,9 @@ def test_decode_throughput(benchmark, record, sample):
     time_compressed = sample.raw_bytes / sample.ratio / LINK_BYTES_PER_S + decode_seconds
     # compressed wins iff bytes / link * (1 - 1 / ratio) > decode time
     break_even = decode_gbps * 1e9 * (1 - 1 / sample.ratio) * 8 / 1e9
+    decoder = "CPU numba decode" if coder == "numba" else "CPU decode"
     record(
-        metric=f"cachegen fetch + CPU decode at 10 Gb/s (derived, {sample.name})",
+        metric=f"cachegen fetch + {decoder} at 10 Gb/s (derived, {sample.name})",
         value=sample.raw_bytes / time_compressed / 1e9,
         unit="GB/s",
         baseline="raw fetch at 10 Gb/s (derived)",
@@ -239,4 +281,5 @@ def test_decode_throughput(benchmark, record, sample):
         compressed_beats_raw=time_compressed < time_raw,
         break_even_link_gbit_s=break_even,
         dataset=sample.name,
+        coder=coder,
     )

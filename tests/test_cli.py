@@ -139,7 +139,14 @@ def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
     if expected_build:
         assert info["torch_build"] == expected_build
     on_gpu = torch.cuda.is_available()
+    numba = info["kernel_backends"]["numba"].startswith("available")
     for op, auto in info["kernel_auto"].items():
-        assert auto["backend"] == ("triton" if on_gpu else "torch"), op
+        if on_gpu:
+            assert auto["backend"] == "triton", op
+        elif op in ("rans_encode", "rans_decode") and numba:
+            assert auto["backend"] == "numba", op
+            assert auto["why"].startswith("numba: available (numba "), op
+        else:
+            assert auto["backend"] == "torch", op
         assert auto["why"]
     assert info["tuning_search_path"][-1]["kind"] == "packaged defaults"

@@ -105,7 +105,8 @@ def test_unknown_names_are_listed() -> None:
         registry.backends_for("no_such_op")
     with pytest.raises(
         ValueError,
-        match=r"unknown kernel backend 'gpu'; choose one of \('auto', 'torch', 'triton', 'interpret'\)",
+        match=r"unknown kernel backend 'gpu'; choose one of "
+        r"\('auto', 'torch', 'triton', 'interpret', 'numba'\)",
     ):
         registry.get("paged_gather", "gpu")
     op = fresh_op()
@@ -141,13 +142,15 @@ def test_available_backends_does_not_initialise_cuda() -> None:
     assert not torch.cuda.is_initialized()
 
 
-def test_import_does_not_import_triton_or_kvtier() -> None:
+def test_import_does_not_import_triton_numba_or_kvtier() -> None:
     code = (
         "import sys, kvtier_kernels\n"
-        "from kvtier_kernels import registry\n"
+        "from kvtier_kernels import cachegen, registry\n"
         "registry.available_backends()\n"
+        "registry.backends_for('rans_encode')\n"
         "registry.get('paged_gather', 'auto', None)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'kvtier', 'vllm'))\n"
+        "top = ('triton', 'numba', 'kvtier', 'vllm')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in top)\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -162,3 +165,49 @@ def test_backends_for_lists_only_what_can_run_here(monkeypatch) -> None:
     assert registry.backends_for("paged_gather") == ["torch", "triton", "interpret"]
     monkeypatch.setattr(registry, "_triton_installed", lambda: False)
     assert registry.backends_for("paged_gather") == ["torch"]
+
+
+@pytest.fixture
+def numba_op(monkeypatch):
+    """An op with torch and numba implementations, numba installed and importable."""
+    op = fresh_op()
+    registry.register(op, "torch", print)
+    registry.register(op, "numba", loader=lambda: repr)
+    monkeypatch.setattr(registry, "_numba_installed", lambda: True)
+    monkeypatch.setattr(registry, "_numba_error", None)
+    return op
+
+
+def test_auto_picks_numba_off_the_gpu(numba_op) -> None:
+    assert registry.pick(numba_op, "auto", torch.device("cpu")) == "numba"
+    assert registry.get(numba_op, "auto", torch.device("cpu")) is repr
+    assert registry.get(numba_op, "torch") is print  # an explicit backend is itself
+    assert registry.get(numba_op, "numba", None) is repr
+    assert registry.backends_for(numba_op) == ["torch", "numba"]
+    assert registry.registered(numba_op) == ["torch", "numba"]
+    if HAS_TRITON:
+        assert registry.pick(numba_op, "auto", torch.device("cuda")) == "torch"  # no kernel
+    assert registry.pick("paged_gather", "auto", torch.device("cpu")) == "torch"
+
+
+def test_auto_falls_back_to_torch_where_numba_does_not_import(numba_op, monkeypatch) -> None:
+    monkeypatch.setattr(registry, "_numba_error", "ImportError: Numba needs NumPy 2.2")
+    assert registry.pick(numba_op, "auto", torch.device("cpu")) == "torch"
+    assert registry.get(numba_op, "auto", torch.device("cpu")) is print
+    assert registry.backends_for(numba_op) == ["torch"]
+    status = registry.available_backends()["numba"]
+    assert "installed but unusable (ImportError: Numba needs NumPy 2.2)" in status
+    monkeypatch.setattr(registry, "_numba_installed", lambda: False)
+    assert registry.available_backends()["numba"].startswith("numba not installed")
+    with pytest.raises(ValueError, match=r"'numba' needs numba, which is not installed"):
+        registry.get(numba_op, "numba")
+
+
+def test_numba_import_is_tried_once_and_disable_jit_counts_as_failure(monkeypatch) -> None:
+    numba = pytest.importorskip("numba")
+    monkeypatch.setattr(registry, "_numba_error", registry._NOT_TRIED)
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
+    assert not registry._numba_imports()
+    assert registry._numba_error == "NUMBA_DISABLE_JIT is set"
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", False)
+    assert not registry._numba_imports()  # kept: tried once per process

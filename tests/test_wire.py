@@ -17,6 +17,7 @@ from kvtier.config import load_config
 from kvtier.storage import wire
 from kvtier.storage.serde import CorruptObject, NaiveSerde, make_serde, tensor_bytes
 from kvtier.storage.wire import checksum_of
+from kvtier_kernels import registry
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -383,7 +384,9 @@ def test_cachegen_on_the_gpu_writes_the_reference_bytes(pool):
     name = key(8).to_string()
     gpu = make_serde("cachegen", load_config({"cachegen_device": "auto"}, env={}))
     cpu = make_serde("cachegen", load_config({"cachegen_device": "cpu"}, env={}))
-    assert (gpu.device.type, gpu.backend, cpu.backend) == ("cuda", "triton", "torch")
+    assert gpu.device.type == "cuda"
+    assert registry.pick("rans_encode", gpu.backend, gpu.device) == "triton"
+    assert registry.pick("rans_encode", cpu.backend, cpu.device) in ("numba", "torch")
     parts, other = wire.encode(name, obj.tensor, gpu), wire.encode(name, obj.tensor, cpu)
     assert blob_of(parts[1:]) == blob_of(other[1:])
     blob = blob_of(parts)

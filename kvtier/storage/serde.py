@@ -92,8 +92,9 @@ class CachegenSerde:
             the default schedule from the layer count).
         device: ``auto`` (the GPU when torch sees one and Triton can drive it, else the
             CPU), ``cpu`` or ``cuda``: where chunks are encoded and decoded.
-        backend: the kernel backend of the rANS coder (``auto``; ``interpret`` runs the
-            Triton kernels in the interpreter, for tests).
+        backend: the kernel backend of the rANS coder: ``auto`` (Triton on the GPU, else
+            numba where it is installed, else the numpy reference), ``torch`` (the numpy
+            reference), or ``interpret`` (the Triton kernels in the interpreter, for tests).
 
     Raises:
         ValueError: ``device``/``backend`` cannot be used on this machine.
@@ -115,7 +116,8 @@ class CachegenSerde:
             raise ValueError("cachegen_device is cuda, but torch sees no GPU")
         self.k_levels, self.v_levels = k_levels, v_levels
         self.device = torch.device(device)
-        self.backend = registry.resolve_backend(backend, self.device)
+        registry.resolve_backend(backend, self.device)  # raises if it cannot run here
+        self.backend = backend  # resolved per op and call (auto: triton, numba or torch)
         self._local = threading.local()
 
     def _stream(self) -> contextlib.AbstractContextManager[Any]:
@@ -168,7 +170,7 @@ def make_serde(name: str, config: KVTierConfig | None = None) -> Serde:
             config.cachegen_k_levels,
             config.cachegen_v_levels,
             config.cachegen_device,
-            "interpret" if config.kernel_backend == "interpret" else "auto",
+            config.kernel_backend if config.kernel_backend in ("interpret", "torch") else "auto",
         )
     with _defaults_lock:  # one default instance per codec (readers of foreign objects)
         if name not in _defaults:
