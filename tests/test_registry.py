@@ -21,6 +21,13 @@ def fresh_op() -> str:
     return f"test_op_{next(_names)}"
 
 
+@pytest.fixture(autouse=True)
+def own_registry(monkeypatch):
+    """The ops a test registers are gone after it: later tests (``kvtier info`` lists
+    every op) see kvtier's ops only."""
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+
+
 def test_paged_copy_ops_are_registered() -> None:
     assert {"paged_gather", "paged_scatter"} <= set(registry.ops())
     assert "torch" in registry.backends_for("paged_gather")
