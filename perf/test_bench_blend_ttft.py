@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from support.engines import generate, make_llm, shutdown, worker_stats  # noqa: E402
-from support.models import add_word_tokenizer, make_tiny_llama  # noqa: E402
+from support.engines import generate, make_llm, shutdown, worker_stats
+from support.models import add_word_tokenizer, make_tiny_llama
 
 pytest.importorskip("vllm")
 

@@ -170,8 +170,9 @@ def test_committed_throughput_and_lookups_tables(committed):
     throughput = _device_part(_section(markdown, "## Throughput"), "cpu")
     gbps = _committed_rows("GB/s")
     assert (
-        len(gbps) == 27
-    )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 3, codec 6
+        len(gbps) == 39
+    )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 3, codec 18 (3 chunks
+    # x 2 coders x encode, decode and fetch + decode)
     for row in gbps:
         tier, op = report.tier_and_op(row["metric"])
         cells = _row_with(throughput, tier, op)
@@ -213,8 +214,8 @@ def test_committed_ttft_and_miss_tables(committed):
         assert cells[4] == f"{median} ({report.fmt(lo)}–{report.fmt(hi)})"
     headlines = _section(markdown, "## Headlines")
     assert "TTFT, 4000-token prompt: kvtier hit" in headlines
-    # with the committed figures: 0.474 s hit vs 7.73 s cold
-    assert "| 0.474 s | cold prefill 7.73 s | 0.0613× (16.3× faster) |" in headlines
+    # with the committed figures: 0.456 s hit vs 7.44 s cold
+    assert "| 0.456 s | cold prefill 7.44 s | 0.0613× (16.3× faster) |" in headlines
 
 
 def test_committed_compression_table(committed):
@@ -223,8 +224,10 @@ def test_committed_compression_table(committed):
     rows = _committed_rows("compression")
     assert {r["codec"] for r in rows} == {
         "cachegen (llama_kv)",
+        "cachegen (small_kv)",
         "cachegen (synthetic_kv)",
         "int8 (llama_kv)",
+        "int8 (small_kv)",
         "int8 (synthetic_kv)",
     }
     for row in rows:
