@@ -83,7 +83,10 @@ def test_kvtier_imports_and_info_reports_the_torch_backend_only(venv_without_tri
     info = json.loads(out)
     assert info["versions"]["triton"] == "not installed"
     assert info["kernel_backends"]["triton"] == "triton not installed"
-    assert info["kernel_ops"] and all(b == ["torch"] for b in info["kernel_ops"].values())
+    # torch everywhere (numba, where it imports, for CacheGen's rANS); nothing Triton
+    assert info["kernel_ops"]
+    for op, backends in info["kernel_ops"].items():
+        assert backends[0] == "torch" and not {"triton", "interpret"} & set(backends), op
 
 
 def test_the_cache_engine_stores_and_loads_bit_exactly(venv_without_triton):
