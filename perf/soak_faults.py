@@ -210,15 +210,9 @@ def kill_tree(pid: int) -> None:
 
 
 def slope_per_hour(times: list[float], values: list[float]) -> float:
-    """Least-squares slope of ``values`` over ``times`` (seconds), per hour."""
-    n = len(times)
-    if n < 3:
-        return 0.0
-    mt, mv = sum(times) / n, sum(values) / n
-    var = sum((t - mt) ** 2 for t in times)
-    if var == 0:
-        return 0.0
-    return sum((t - mt) * (v - mv) for t, v in zip(times, values, strict=True)) / var * 3600
+    """Least-squares slope of ``values`` over ``times`` (seconds), per hour (0 under 3
+    samples)."""
+    return pooled_slope_per_hour([(times, values)]) if len(times) >= 3 else 0.0
 
 
 def pooled_slope_per_hour(lives: list[tuple[list[float], list[float]]]) -> float:
