@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from kvtier.blend.model_spec import RopeSpec
 from kvtier_kernels.rope import rerotate
@@ -43,7 +42,7 @@ __all__ = [
     "place_segments",
 ]
 
-_QUERY_BLOCK = 128  # queries per attention call when a mask is needed (bounds memory)
+_QUERY_BLOCK = 32  # queries per attention block: fewer keys computed past a query
 
 
 class BlendModel(Protocol):
@@ -146,32 +145,35 @@ def _attention(
     values: torch.Tensor,  # [T, Hkv * D]
     query_positions: torch.Tensor,  # [n] int64, increasing
 ) -> torch.Tensor:
-    """Causal attention of ``n`` queries over the first ``T`` cached tokens -> ``[n, Hq * D]``."""
+    """Causal attention of ``n`` queries over the first ``T`` cached tokens -> ``[n, Hq * D]``.
+
+    Blocks of ``_QUERY_BLOCK`` queries, each over the keys up to its last query; a block's
+    query heads of one KV head are the rows of one matrix product (no repeated K/V for
+    GQA), and only the keys past its first query are masked. Every query sees key 0, so
+    no row is fully masked. Half-precision inputs are computed in float32.
+    """
     d, hq, hkv = model.head_size, model.num_heads, model.num_kv_heads
+    group = hq // hkv
     n, total = q.shape[0], keys.shape[0]
-    dtype = q.dtype
-    k = keys.to(dtype).view(total, hkv, d).transpose(0, 1)
-    v = values.to(dtype).view(total, hkv, d).transpose(0, 1)
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=0)
-        v = v.repeat_interleave(hq // hkv, dim=0)
-    queries = q.view(n, hq, d).transpose(0, 1)
-    full = n == total and bool((query_positions == torch.arange(n)).all())
-    if full:
-        out = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=model.scale)
-        return out.transpose(0, 1).reshape(n, hq * d)
-    key_positions = torch.arange(total)
-    outs = []
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    keys_t = keys.to(dtype).view(total, hkv, d).permute(1, 2, 0).contiguous()  # [Hkv, D, T]
+    values = values.to(dtype).view(total, hkv, d).transpose(0, 1).contiguous()  # [Hkv, T, D]
+    out = torch.empty(n, hq * d, dtype=dtype)
     for start in range(0, n, _QUERY_BLOCK):
-        rows = slice(start, start + _QUERY_BLOCK)
-        limit = int(query_positions[rows][-1]) + 1  # keys past the last query are masked
-        mask = key_positions[None, :limit] <= query_positions[rows, None]
-        outs.append(
-            F.scaled_dot_product_attention(
-                queries[:, rows], k[:, :limit], v[:, :limit], attn_mask=mask, scale=model.scale
-            )
-        )
-    return torch.cat(outs, dim=1).transpose(0, 1).reshape(n, hq * d)
+        positions = query_positions[start : start + _QUERY_BLOCK]
+        rows = positions.shape[0]
+        first, limit = int(positions[0]), int(positions[-1]) + 1
+        block = q[start : start + rows].to(dtype) * model.scale
+        block = block.view(rows, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * rows, d)
+        scores = torch.bmm(block, keys_t[:, :, :limit])  # [Hkv, group * rows, limit]
+        if first + 1 < limit:
+            tail = scores.view(hkv, group, rows, limit)[..., first + 1 :]
+            later = torch.arange(first + 1, limit)[None, :] > positions[:, None]
+            tail.masked_fill_(later, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        heads = torch.bmm(probs, values[:, :limit])  # [Hkv, group * rows, D]
+        out[start : start + rows] = heads.view(hkv, group, rows, d).permute(2, 0, 1, 3).flatten(1)
+    return out.to(q.dtype)
 
 
 @torch.inference_mode()
