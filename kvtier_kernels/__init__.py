@@ -6,7 +6,8 @@ through the registry.
 """
 
 import kvtier_kernels.rans_decode
-import kvtier_kernels.rans_encode  # noqa: F401
+import kvtier_kernels.rans_encode
+import kvtier_kernels.rope_numba  # noqa: F401
 from kvtier_kernels import registry
 from kvtier_kernels.layouts import KV_2LTD, LAYOUTS, KVLayout, LayoutError, PagedKV, get_layout
 from kvtier_kernels.paged_copy import gather, scatter

@@ -92,7 +92,7 @@ def rerotate_reference(
     Arguments are assumed valid (:func:`rerotate` validates them).
     """
     rotary_dim = head_size if rotary_dim is None else rotary_dim
-    cos, sin = _cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq)
+    cos, sin = rotation_cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq)
     _rotate(k, cos, sin, head_size, rotary_dim, is_neox_style)
     return k
 
@@ -113,7 +113,7 @@ def rerotate_torch(
     op below torch's parallel grain, so one thread and no join (whole-layer ops waited at
     every join for a descheduled thread on a loaded 2-core CPU: 50x slower there)."""
     rotary_dim = head_size if rotary_dim is None else rotary_dim
-    cos, sin = _cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq)
+    cos, sin = rotation_cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq)
     tile = max(1, _TILE_PAIRS * head_size // (k.shape[-1] * (rotary_dim // 2)))
     for layer in k.split(1):
         for t in range(0, k.shape[1], tile):
@@ -127,7 +127,7 @@ def rerotate_torch(
 _TILE_PAIRS = 32768  # rotated pairs per op in rerotate_torch: torch's parallel grain
 
 
-def _cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq):
+def rotation_cos_sin(k, old_positions, new_positions, rotary_dim, base, inv_freq):
     """cos and sin of each token's rotation, ``[1, T, 1, R/2]`` fp32 on ``k``'s device."""
     if inv_freq is None:
         inv_freq = rope_inv_freq(rotary_dim, base)
@@ -338,7 +338,7 @@ def rerotate(
             scaled variants: llama3, YaRN, ...); converted to fp32.
         is_neox_style: NeoX pairing (dim ``i`` with ``i + rotary_dim / 2``) if True, else
             GPT-J pairing (dims ``2i`` and ``2i + 1``).
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"interpret"`` (see registry).
+        backend: ``"auto"``, ``"torch"``, ``"numba"``, ``"triton"`` or ``"interpret"``.
 
     Returns:
         ``k``.

@@ -64,6 +64,7 @@ TARGETS = {"gather": 0.9, "scatter": 0.9, "rerotate": 0.7}  # Triton ÷ ceiling,
 HAS_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
 PENDING = "GPU figures are pending a run on a GPU machine"
 
 
@@ -294,9 +295,11 @@ def test_paged_copy(op, placement, backend, record, medians, paged, slots):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "numba"])
 def test_rope_rerotate(backend, record, medians):
     _skip_untimeable(backend)
+    if backend == "numba" and (DEVICE.type != "cpu" or not HAS_NUMBA):
+        pytest.skip("the numba backend runs on the CPU, with numba installed (kvtier[cpu-codec])")
     gen = torch.Generator().manual_seed(4)
     chunk = torch.randn(2, LAYERS, CHUNK, HEADS * HEAD_SIZE, generator=gen).to(DTYPE).to(DEVICE)
     k = chunk[0]  # [L, T, H * D]: the K plane, rotated in place
@@ -305,8 +308,8 @@ def test_rope_rerotate(backend, record, medians):
 
     want = rerotate_reference(k.clone(), old, new, head_size=HEAD_SIZE)
     got = rerotate(k.clone(), old, new, head_size=HEAD_SIZE, backend=backend)
-    if backend == "torch":
-        assert torch.equal(bits(got), bits(want)), "the torch backend is not the reference"
+    if backend in ("torch", "numba"):
+        assert torch.equal(bits(got), bits(want)), f"the {backend} backend is not the reference"
     else:  # one bf16 ulp is at most 2**-7 of the value
         torch.testing.assert_close(
             got.float(), want.float(), rtol=2**-7, atol=1e-6,

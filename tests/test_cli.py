@@ -143,7 +143,7 @@ def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
     for op, auto in info["kernel_auto"].items():
         if on_gpu:
             assert auto["backend"] == "triton", op
-        elif op in ("rans_encode", "rans_decode") and numba:
+        elif op in ("rans_encode", "rans_decode", "rope_rerotate") and numba:
             assert auto["backend"] == "numba", op
             assert auto["why"].startswith("numba: available (numba "), op
         else:

@@ -83,7 +83,7 @@ def test_kvtier_imports_and_info_reports_the_torch_backend_only(venv_without_tri
     info = json.loads(out)
     assert info["versions"]["triton"] == "not installed"
     assert info["kernel_backends"]["triton"] == "triton not installed"
-    # torch everywhere (numba, where it imports, for CacheGen's rANS); nothing Triton
+    # torch everywhere (numba, where it imports, for CacheGen's rANS and RoPE); no Triton
     assert info["kernel_ops"]
     for op, backends in info["kernel_ops"].items():
         assert backends[0] == "torch" and not {"triton", "interpret"} & set(backends), op

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvtier_kernels import registry, rope
+from kvtier_kernels import registry, rope, rope_numba
 from kvtier_kernels.dtypes import bits
 from kvtier_kernels.rope import (
     LaunchConfig,
@@ -25,6 +25,10 @@ from kvtier_kernels.rope import (
 has_triton = importlib.util.find_spec("triton") is not None
 has_gpu = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton (interpreter or GPU)")
+has_numba = importlib.util.find_spec("numba") is not None
+needs_numba = pytest.mark.skipif(not has_numba, reason="needs numba (kvtier[cpu-codec])")
+# The CPU backends that are the reference's arithmetic bit for bit.
+EXACT_BACKENDS = ["torch", pytest.param("numba", marks=needs_numba)]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STYLES = [pytest.param(True, id="neox"), pytest.param(False, id="gptj")]
@@ -242,17 +246,19 @@ def check_interpret(
 @pytest.mark.parametrize("head_size", [64, 80, 128])
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_torch_backend_is_the_reference_bit_for_bit(
-    is_neox_style: bool, head_size: int, partial: bool, dtype: torch.dtype
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+def test_cpu_backends_are_the_reference_bit_for_bit(
+    is_neox_style: bool, head_size: int, partial: bool, dtype: torch.dtype, backend: str
 ) -> None:
-    """The torch backend runs the reference's arithmetic a layer at a time: same bits."""
+    """The torch backend runs the reference's arithmetic a layer at a time, the numba
+    kernel a pair at a time with every product and sum rounded alone: same bits."""
     rotary_dim = head_size // 2 if partial else head_size
     chunk, _ = make_k_plane(3, 37, 2 * head_size, dtype, seed=head_size + 1)
     old, new = make_positions(37, 4096, seed=6)
     kwargs = dict(head_size=head_size, rotary_dim=rotary_dim, is_neox_style=is_neox_style)
     want = rerotate_reference(chunk[0].clone(), old, new, **kwargs)
-    got = rerotate(chunk[0], old, new, **kwargs, backend="torch")
-    assert_bits_equal(got, want, "torch backend vs reference")
+    got = rerotate(chunk[0], old, new, **kwargs, backend=backend)
+    assert_bits_equal(got, want, f"{backend} backend vs reference")
 
 
 @needs_triton
@@ -374,7 +380,7 @@ def test_interpret_gptj_pairs_get_the_neox_arithmetic_bit_for_bit(
 
 
 @pytest.mark.parametrize(
-    "backend", ["torch", pytest.param("interpret", marks=needs_triton)], ids=str
+    "backend", [*EXACT_BACKENDS, pytest.param("interpret", marks=needs_triton)], ids=str
 )
 @pytest.mark.parametrize("is_neox_style", STYLES)
 def test_round_trip_restores_the_keys(backend: str, is_neox_style: bool) -> None:
@@ -389,7 +395,7 @@ def test_round_trip_restores_the_keys(backend: str, is_neox_style: bool) -> None
 
 
 @pytest.mark.parametrize(
-    "backend", ["torch", pytest.param("interpret", marks=needs_triton)], ids=str
+    "backend", [*EXACT_BACKENDS, pytest.param("interpret", marks=needs_triton)], ids=str
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_zero_delta_is_bit_identical(backend: str, dtype: torch.dtype) -> None:
@@ -401,7 +407,7 @@ def test_zero_delta_is_bit_identical(backend: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(
-    "backend", ["torch", pytest.param("interpret", marks=needs_triton)], ids=str
+    "backend", [*EXACT_BACKENDS, pytest.param("interpret", marks=needs_triton)], ids=str
 )
 @pytest.mark.parametrize("is_neox_style", STYLES)
 def test_dims_past_rotary_dim_are_untouched(backend: str, is_neox_style: bool) -> None:
@@ -416,7 +422,7 @@ def test_dims_past_rotary_dim_are_untouched(backend: str, is_neox_style: bool) -
 
 
 @pytest.mark.parametrize(
-    "backend", ["torch", pytest.param("interpret", marks=needs_triton)], ids=str
+    "backend", [*EXACT_BACKENDS, pytest.param("interpret", marks=needs_triton)], ids=str
 )
 def test_empty_inputs_are_a_no_op(backend: str) -> None:
     for k in (torch.zeros(2, 0, 128), torch.zeros(0, 3, 128)):
@@ -462,6 +468,7 @@ def test_validation_names_the_problem(kwargs: dict, error: type, match: str) -> 
 
 
 RUNNABLE = ["torch", "triton", "interpret"] if torch.cuda.is_available() else ["torch", "interpret"]
+RUNNABLE += ["numba"] if has_numba else []
 
 
 @needs_triton
@@ -469,7 +476,8 @@ def test_registry_serves_triton_backends_lazily() -> None:
     assert registry.backends_for("rope_rerotate") == RUNNABLE
     impl = registry.get("rope_rerotate", "interpret", "cpu")
     assert impl.func is rerotate_triton and impl.keywords == {"interpret": True}
-    assert registry.get("rope_rerotate", "auto", "cpu") is rope.rerotate_torch
+    on_cpu = registry.get("rope_rerotate", "auto", "cpu")
+    assert on_cpu is (rope_numba.rerotate_numba if has_numba else rope.rerotate_torch)
     with pytest.raises(ValueError, match="'triton' cannot run on device 'cpu'"):
         rerotate(_K, _POS, _POS, head_size=64, backend="triton")
 
