@@ -84,7 +84,7 @@ class FileTier:
         policy: eviction order (LRU | LFU | FIFO | MRU).
         o_direct: bypass the page cache (falls back to buffered I/O, with one warning,
             where the filesystem refuses O_DIRECT).
-        workers: writer threads, and I/O threads for batched gets and ``put_buffers``.
+        workers: writer threads, and reader threads for batched gets.
         queue_capacity: most writes queued; more are dropped and counted.
         config_key: the config key that named ``root`` (for error messages).
         events: where the tier records the chunks it wrote and later lost (evicted,
@@ -128,7 +128,7 @@ class FileTier:
         self._announced: dict[str, bytes] = {}  # file name -> chunk hash (events only)
         if capacity_bytes is not None:
             self._scan()
-        self._io = ThreadPoolExecutor(workers, thread_name_prefix=f"kvtier-{name}-io")
+        self._readers = ThreadPoolExecutor(workers, thread_name_prefix=f"kvtier-{name}-reader")
         self._writes = WriteQueue(
             name, self._write_batch, stats, workers=workers, capacity=queue_capacity
         )
@@ -292,10 +292,10 @@ class FileTier:
         return DirectRead.LOADED if done else DirectRead.MISSING
 
     def _map(self, fn: Callable[[T], object], items: Sequence[T]) -> list:
-        """``fn`` of each item, on the tier's I/O threads when there are several."""
+        """``fn`` of each item, on the tier's reader threads when there are several."""
         if len(items) <= 1:
             return [fn(item) for item in items]
-        return list(self._io.map(fn, items))
+        return list(self._readers.map(fn, items))
 
     def _attempt(self, file_name: str, read: Callable[[str], T]) -> T | None:
         """``read(path)`` of a chunk file; None when it failed: the file is gone (then
@@ -354,8 +354,9 @@ class FileTier:
 
     def put_buffers(self, items: Sequence[tuple[CacheKey, ChunkBuffers]]) -> list[bool]:
         """Write each chunk straight from its buffers (memory the caller owns, such as an
-        engine's host pool: no staging copy, no queue), in parallel across chunks, and
-        return once every file is complete, as a queued write completes it. The payload
+        engine's host pool: no staging copy, no queue), one after another in the calling
+        thread, and return once every file is complete as a queued write completes it.
+        (Two threads writing at once were slower into the page cache.) The payload
         is the buffers' bytes verbatim (naive codec) and the checksum is computed over
         those same bytes, so they must not change until this returns.
 
@@ -363,13 +364,12 @@ class FileTier:
         (counted: no space, a write error). Never raises on a store fault.
         """
 
-        def write(item: tuple[CacheKey, ChunkBuffers]) -> bool:
-            key, chunk = item
-            return self._write(
-                key, lambda: wire.encode_buffers(key.to_string(), chunk), chunk.nbytes
+        return [
+            self._write(
+                key, functools.partial(wire.encode_buffers, key.to_string(), chunk), chunk.nbytes
             )
-
-        return self._map(write, items)
+            for key, chunk in items
+        ]
 
     def _write_batch(self, batch: list[PendingWrite]) -> None:
         for key, obj in batch:
@@ -506,4 +506,4 @@ class FileTier:
 
     def close(self) -> None:
         self._writes.close()
-        self._io.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
