@@ -355,15 +355,14 @@ class FileTier:
     def put_buffers(self, items: Sequence[tuple[CacheKey, ChunkBuffers]]) -> list[bool]:
         """Write each chunk straight from its buffers (memory the caller owns, such as an
         engine's host pool: no staging copy, no queue), one after another in the calling
-        thread, and return once every file is complete as a queued write completes it.
-        (Two threads writing at once were slower into the page cache.) The payload
-        is the buffers' bytes verbatim (naive codec) and the checksum is computed over
-        those same bytes, so they must not change until this returns.
+        thread (two threads were no faster into the page cache), and return once every
+        file is complete as a queued write completes it. The payload is the buffers'
+        bytes verbatim (naive codec) and the checksum is computed over those same bytes,
+        so they must not change until this returns.
 
         Returns True for each chunk stored or already there, False for one dropped
         (counted: no space, a write error). Never raises on a store fault.
         """
-
         return [
             self._write(
                 key, functools.partial(wire.encode_buffers, key.to_string(), chunk), chunk.nbytes
