@@ -6,17 +6,20 @@ every round moves 16 pages (64 MiB) between SGLang's host pool and storage, for 
 ``page_first`` and ``layer_first`` host layouts. Figures are GB/s of page bytes:
 
 - kvtier set = ``batch_set_v1`` (SGLang's zero-copy path, ``interface_v1: 1``): pages
-  copied out of the host pool into kvtier buffers, checksummed, kept in the CPU tier (when
-  on) and written to the disk tier (wire header, temp file, rename) before it returns;
+  copied out of the host pool into kvtier buffers, checksummed, kept in the CPU tier and
+  written to the disk tier (wire header, temp file, rename) before it returns; with the
+  disk tier alone, each page checksummed in the host pool and written from it (``writev``
+  of the header and the page's runs of pool memory, temp file, rename);
 - kvtier get = ``batch_get_v1``: pages fetched (CPU tier, else the disk tier), verified and
-  copied into the host pool;
+  copied into the host pool; with the disk tier alone, read straight into the host pool
+  (``preadv``) and verified there;
 - baseline = ``HiCacheFile`` on the path SGLang's controller takes for it (it has no v1
   methods): set = ``batch_set(keys, [host_pool.get_data_page(i)])``, raw bytes to a temp
   file and a rename; get = ``batch_get(keys, dummy_pages)`` then
   ``set_from_flat_data_page`` into the host pool.
 
 kvtier runs twice: ``disk`` (``local_cpu: false``: the disk tier only, the same medium as
-the baseline) and ``cpu+disk`` (the default deployment: reads hit the CPU tier). Both
+the baseline; the direct path) and ``cpu+disk`` (the default deployment: reads hit the CPU tier). Both
 backends' files are in the same temporary directory (page cache); every set round starts
 from an empty store (untimed). Each figure is the median of 7 rounds after one warm-up.
 Both run with one torch thread: the page copies are a few MiB, and on a machine whose

@@ -118,6 +118,26 @@ def test_an_object_without_padding_still_reads(pool):
     assert back is not None and same_bytes(back, obj) and back.checksum == header.checksum
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_a_token_major_object_decodes_into_the_chunk_layout(pool, dtype):
+    """``encode_buffers``: the header, then the caller's buffers themselves (no copy),
+    checksummed over those bytes; a token-major payload decodes transposed."""
+    chunk = fill(pool, seed=4, dtype=dtype)  # [planes, layers, tokens, width]
+    token_major = chunk.tensor.transpose(1, 2).contiguous()  # [planes, tokens, layers, width]
+    runs = tuple(tensor_bytes(token_major[p]) for p in range(2))
+    buffers = wire.ChunkBuffers(chunk.shape, dtype, wire.TOKEN_MAJOR_LAYOUT, runs)
+    name = key(4).to_string()
+    parts = wire.encode_buffers(name, buffers)
+    assert parts[1:] == list(runs) and len(parts[0]) % wire.PAYLOAD_ALIGN == 0
+    header = _header_of(blob_of(parts), name)
+    assert header.layout == wire.TOKEN_MAJOR_LAYOUT and header.shape == chunk.shape
+    assert header.checksum == checksum_of(tensor_bytes(token_major))
+    back = wire.decode(blob_of(parts), name, pool.allocate)
+    assert back is not None and same_bytes(back, chunk) and back.checksum == chunk.checksum
+    back.ref_down()
+    chunk.ref_down()
+
+
 def _damaged(pool, how: str) -> tuple[bytes, str]:
     obj = fill(pool, seed=7)
     name = key(2).to_string()
@@ -169,6 +189,12 @@ def _damaged(pool, how: str) -> tuple[bytes, str]:
         return with_header(codec="pickle"), name
     elif how == "codec_params":
         return with_header(codec_params={"bins": [1]}), name
+    elif how == "layout":
+        return with_header(layout="KV_L2TD"), name
+    elif how == "token_major_coded":  # token-major objects are written verbatim only
+        return with_header(layout=wire.TOKEN_MAJOR_LAYOUT, codec="cachegen"), name
+    elif how == "token_major_3d":
+        return with_header(layout=wire.TOKEN_MAJOR_LAYOUT, shape=[2, 3, 1024]), name
     elif how == "missing_field":
         fields.pop("checksum")
         return with_header(), name
@@ -193,6 +219,9 @@ DAMAGE = [
     "dtype",
     "codec",
     "codec_params",
+    "layout",
+    "token_major_coded",
+    "token_major_3d",
     "missing_field",
     "not_a_map",
 ]

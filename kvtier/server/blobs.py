@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.storage.backend import Buffer
-from kvtier.storage.disk import TMP_SUFFIX, scan_tree, sharded_path, write_all
+from kvtier.storage.files import TMP_SUFFIX, scan_tree, sharded_path, write_all
 from kvtier.storage.policy import make_policy
 from kvtier.storage.serde import tensor_bytes
 

@@ -12,8 +12,13 @@ NOTE: a file appears only complete. A writer writes ``.<h>.<pid>.<thread>.tmp`` 
 same directory and renames it over the final name (atomic on POSIX), so a crash leaves at
 worst a stray ``.tmp`` file (removed at a later start-up once it is old) and never a torn
 ``.kvt`` file; a torn or otherwise damaged file would fail its checksum anyway and be a
-miss. Several processes may share one tree: identical keys have identical content, a
-rename over an existing file is harmless, and a file deleted by another process is a miss.
+miss. Several processes may share one tree: identical keys hold the same chunk (in
+either byte order of ``wire``'s layouts), a rename over an existing file is harmless, and
+a file deleted by another process is a miss.
+
+Chunks come in and go out as buffers of kvtier's pool (``submit_put``, queued, and
+``get_many``), or straight from and into memory the caller owns (``put_buffers`` and
+``get_into``, synchronous: an engine's host pool, with no staging copy in between).
 
 The local disk tier is capacity-bounded: its index (name → size, in eviction-policy
 order) is rebuilt at start-up from the files present, oldest first, and files written by
@@ -25,16 +30,17 @@ is the index; many machines write to it).
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import functools
 import logging
-import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
@@ -42,24 +48,28 @@ from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
-from kvtier.storage import wire
+from kvtier.storage import files, wire
+from kvtier.storage.backend import Buffer
+from kvtier.storage.files import SUFFIX, TMP_SUFFIX, scan_tree, sharded_path
 from kvtier.storage.policy import make_policy
-from kvtier.storage.serde import CorruptObject, Serde, tensor_bytes
+from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import PendingWrite, WriteQueue
-from kvtier.storage.wire import Allocate
+from kvtier.storage.wire import Allocate, ChunkBuffers
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
 TREE = "kvtier-v1"
-SUFFIX = ".kvt"
-TMP_SUFFIX = ".tmp"
-STALE_TMP_SECONDS = 3600.0
-DIRECT_ALIGN = 4096
+
+T = TypeVar("T")
 
 
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
+class DirectRead(enum.Enum):
+    """What ``FileTier.get_into`` did with one chunk."""
+
+    LOADED = "loaded"  # its bytes are in the buffers, verified
+    MISSING = "missing"  # absent, corrupt (counted, deleted) or unreadable: a miss
+    OTHER_FORMAT = "other_format"  # stored otherwise than the buffers hold it: get_many
 
 
 class FileTier:
@@ -74,7 +84,7 @@ class FileTier:
         policy: eviction order (LRU | LFU | FIFO | MRU).
         o_direct: bypass the page cache (falls back to buffered I/O, with one warning,
             where the filesystem refuses O_DIRECT).
-        workers: writer threads (and reader threads for batched gets).
+        workers: writer threads, and reader threads for batched gets.
         queue_capacity: most writes queued; more are dropped and counted.
         config_key: the config key that named ``root`` (for error messages).
         events: where the tier records the chunks it wrote and later lost (evicted,
@@ -242,86 +252,83 @@ class FileTier:
         return present
 
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
-        if len(keys) <= 1:
-            return [self._read(key, allocate) for key in keys]
-        return list(self._readers.map(lambda key: self._read(key, allocate), keys))
+        return self._map(lambda key: self._read(key, allocate), keys)
 
     def _read(self, key: CacheKey, allocate: Allocate) -> MemoryObj | None:
         started = time.perf_counter()
         file_name = self.file_name(key)
-        path = self.path_of(file_name)
+        obj = self._attempt(
+            file_name,
+            lambda path: files.read_object(
+                path, key.to_string(), allocate, self.serde, o_direct=self.o_direct
+            ),
+        )
+        self._count_get(file_name, None if obj is None else obj.data_nbytes, started)
+        return obj
+
+    def get_into(self, items: Sequence[tuple[CacheKey, ChunkBuffers]]) -> list[DirectRead]:
+        """Read each chunk straight into its buffers (memory the caller owns, such as an
+        engine's host pool) and verify it there; in parallel across chunks.
+
+        LOADED only once the bytes in the buffers matched the stored checksum. After
+        MISSING the buffers may hold part of a damaged file (the caller must not use
+        them). OTHER_FORMAT: nothing was read; the chunk is stored in another layout or
+        codec, which ``get_many`` decodes. A fault is a miss (counted), never raised.
+        """
+        return self._map(lambda item: self._read_into(*item), items)
+
+    def _read_into(self, key: CacheKey, chunk: ChunkBuffers) -> DirectRead:
+        started = time.perf_counter()
+        file_name = self.file_name(key)
+        done = self._attempt(
+            file_name,
+            lambda path: files.read_object_into(
+                path, key.to_string(), chunk, o_direct=self.o_direct
+            ),
+        )
+        if done is False:
+            return DirectRead.OTHER_FORMAT
+        self._count_get(file_name, chunk.nbytes if done else None, started)
+        return DirectRead.LOADED if done else DirectRead.MISSING
+
+    def _map(self, fn: Callable[[T], object], items: Sequence[T]) -> list:
+        """``fn`` of each item, on the tier's reader threads when there are several."""
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        return list(self._readers.map(fn, items))
+
+    def _attempt(self, file_name: str, read: Callable[[str], T]) -> T | None:
+        """``read(path)`` of a chunk file; None when it failed: the file is gone (then
+        forgotten), corrupt (counted, deleted) or unreadable (counted)."""
+        path = self._path_str(file_name)
         try:
-            obj = (self._read_direct if self.o_direct else self._read_buffered)(
-                path, key.to_string(), allocate
-            )
+            return read(path)
         except FileNotFoundError:  # deleted behind the index's back: forget it
             with self._lock:
                 if self.capacity_bytes is not None:
                     self._index_drop(file_name)
                 self._record_removed(file_name)
-            obj = None
         except CorruptObject as exc:
-            self._reject(file_name, path, exc)
-            obj = None
+            self._reject(file_name, Path(path), exc)
         except OSError as exc:
             self.stats.inc(tier_counter(self.name, TierCounter.ERRORS))
             warn_once(logger, f"kvtier {self.name} tier: cannot read {path}: {exc}")
-            obj = None
-        if obj is None:
+        return None
+
+    def _count_get(self, file_name: str, nbytes: int | None, started: float) -> None:
+        """Count one read: a hit of ``nbytes`` (a use, for eviction order), or a miss."""
+        if nbytes is None:
             self.stats.inc(tier_counter(self.name, TierCounter.GET_MISSES))
-            return None
+            return
         if self.capacity_bytes is not None:
             with self._lock:
                 if file_name in self._sizes:
                     self._policy.touch(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
-        self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), obj.data_nbytes)
+        self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), nbytes)
         elapsed = time.perf_counter() - started
         self.stats.inc(tier_counter(self.name, TierCounter.GET_SECONDS), elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
-        return obj
-
-    def _read_buffered(self, path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
-        with open(path, "rb", buffering=0) as f:
-            header_len, header_checksum = wire.read_prefix(f.read(wire.PREFIX_SIZE))
-            header = wire.parse_header(f.read(header_len), key, header_checksum)
-            obj = allocate(header.shape, header.dtype)
-            if obj is None:
-                return None
-            try:
-                if header.codec == "naive" and header.payload_len == header.tensor_nbytes:
-                    # The payload is the tensor's bytes: read it straight into the buffer.
-                    target = tensor_bytes(obj.tensor)
-                    got = 0
-                    while got < len(target):
-                        n = f.readinto(target[got:])
-                        if not n:
-                            break
-                        got += n
-                    if got < len(target) or f.read(1):
-                        raise CorruptObject("file length disagrees with its header")
-                    wire.verify_payload(header, target)
-                    obj.checksum, obj.verified = header.checksum, True
-                else:
-                    wire.decode_into(header, f.read(), obj, self.serde)
-            except BaseException:
-                obj.ref_down()
-                raise
-            return obj
-
-    def _read_direct(self, path: Path, key: str, allocate: Allocate) -> MemoryObj | None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            size = os.fstat(fd).st_size
-            buffer = mmap.mmap(-1, max(_round_up(size, DIRECT_ALIGN), DIRECT_ALIGN))
-            try:
-                got = os.preadv(fd, [buffer], 0)
-                with memoryview(buffer) as view:
-                    return wire.decode(view[: min(got, size)], key, allocate, self.serde)
-            finally:
-                buffer.close()
-        finally:
-            os.close(fd)
 
     def _reject(self, file_name: str, path: Path, exc: CorruptObject) -> None:
         self.stats.inc(tier_counter(self.name, TierCounter.CORRUPT))
@@ -345,23 +352,46 @@ class FileTier:
     def submit_put(self, key: CacheKey, obj: MemoryObj) -> bool:
         return self._writes.submit(key, obj)
 
+    def put_buffers(self, items: Sequence[tuple[CacheKey, ChunkBuffers]]) -> list[bool]:
+        """Write each chunk straight from its buffers (memory the caller owns, such as an
+        engine's host pool: no staging copy, no queue), one after another in the calling
+        thread (two threads were no faster into the page cache), and return once every
+        file is complete as a queued write completes it. The payload is the buffers'
+        bytes verbatim (naive codec) and the checksum is computed over those same bytes,
+        so they must not change until this returns.
+
+        Returns True for each chunk stored or already there, False for one dropped
+        (counted: no space, a write error). Never raises on a store fault.
+        """
+        return [
+            self._write(
+                key, functools.partial(wire.encode_buffers, key.to_string(), chunk), chunk.nbytes
+            )
+            for key, chunk in items
+        ]
+
     def _write_batch(self, batch: list[PendingWrite]) -> None:
         for key, obj in batch:
-            self._write(key, obj)
+            encode = functools.partial(
+                wire.encode, key.to_string(), obj.tensor, self.serde, checksum=obj.checksum
+            )
+            self._write(key, encode, obj.data_nbytes)
 
-    def _write(self, key: CacheKey, obj: MemoryObj) -> None:
+    def _write(self, key: CacheKey, encode: Callable[[], list[Buffer]], raw_nbytes: int) -> bool:
+        """Write the object ``encode()`` makes (called only when the key's file is not
+        there yet); True once the file is complete or was already there."""
         started = time.perf_counter()
         file_name = self.file_name(key)
         path = self.path_of(file_name)
         if path.exists():
-            return  # already stored (by us or by another process sharing the tree)
-        parts = wire.encode(key.to_string(), obj.tensor, self.serde, checksum=obj.checksum)
+            return True  # already stored (by us or by another process sharing the tree)
+        parts = encode()
         size = sum(len(p) for p in parts)
         if self.capacity_bytes is not None:
             with self._lock:
                 if not self._evict_for(size):
                     self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
-                    return
+                    return False
                 self._index_add(file_name, size)  # reserve; undone on failure
         tmp = path.parent / f".{file_name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
@@ -379,7 +409,7 @@ class FileTier:
             else:
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_ERROR))
                 warn_once(logger, f"kvtier {self.name} tier: cannot write {path}: {exc}")
-            return
+            return False
         if self.events is not None and key.layer is None:
             with self._lock:
                 if file_name not in self._announced:
@@ -387,18 +417,19 @@ class FileTier:
                     self.events.stored(self.name, key.chunk_hash)
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_CHUNKS))
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_BYTES), size)
-        self.stats.inc(tier_counter(self.name, TierCounter.PUT_RAW_BYTES), obj.data_nbytes)
+        self.stats.inc(tier_counter(self.name, TierCounter.PUT_RAW_BYTES), raw_nbytes)
         elapsed = time.perf_counter() - started
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_SECONDS), elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
+        return True
 
-    def _write_file(self, tmp: Path, parts: list, size: int) -> None:
+    def _write_file(self, tmp: Path, parts: list[Buffer], size: int) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.o_direct:
             try:
                 fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
                 try:
-                    self._write_direct(fd, parts, size)
+                    files.write_direct(fd, parts, size)
                 finally:
                     os.close(fd)
                 return
@@ -409,23 +440,9 @@ class FileTier:
                 self._unlink_quietly(tmp)
         fd = os.open(tmp, flags, 0o644)
         try:
-            write_all(fd, parts)
+            files.write_all(fd, parts)
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _write_direct(fd: int, parts: list, size: int) -> None:
-        buffer = mmap.mmap(-1, max(_round_up(size, DIRECT_ALIGN), DIRECT_ALIGN))
-        try:
-            offset = 0
-            for part in parts:
-                buffer[offset : offset + len(part)] = part
-                offset += len(part)
-            with memoryview(buffer) as view:
-                write_all(fd, [view[: _round_up(size, DIRECT_ALIGN)]])
-            os.ftruncate(fd, size)
-        finally:
-            buffer.close()
 
     def _give_up_direct(self, exc: OSError) -> None:
         self.o_direct = False
@@ -457,8 +474,8 @@ class FileTier:
     def clear(self) -> None:
         """Delete every chunk file in the tree (queued writes finish first)."""
         self._writes.flush(30.0)
-        for dirpath, _, files in os.walk(self.dir):
-            for file in files:
+        for dirpath, _, names in os.walk(self.dir):
+            for file in names:
                 if file.endswith(SUFFIX):
                     self._unlink_quietly(Path(dirpath) / file)
         with self._lock:
@@ -489,42 +506,3 @@ class FileTier:
     def close(self) -> None:
         self._writes.close()
         self._readers.shutdown(wait=True)
-
-
-def sharded_path(directory: str, file_name: str) -> str:
-    """Where ``file_name`` (a hex hash) lives in the sharded tree under ``directory``."""
-    return f"{directory}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
-
-
-def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
-    """``(mtime, file name without suffix, size)`` of every file in a sharded tree,
-    oldest first; temp files older than ``STALE_TMP_SECONDS`` (left behind by a writer
-    that crashed) are removed."""
-    found: list[tuple[float, str, int]] = []
-    now = time.time()
-    for dirpath, _, files in os.walk(directory):
-        for file in files:
-            path = os.path.join(dirpath, file)
-            try:
-                st = os.stat(path)
-                if file.endswith(SUFFIX):
-                    found.append((st.st_mtime, file[: -len(SUFFIX)], st.st_size))
-                elif file.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
-                    os.unlink(path)
-            except OSError:
-                continue
-    return sorted(found)
-
-
-def write_all(fd: int, parts: list) -> None:
-    """``writev`` every byte of ``parts`` (retrying partial writes)."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        written = os.writev(fd, views[:1024])
-        while written and views:
-            if written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0

@@ -33,6 +33,7 @@ from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Stats
 from kvtier.storage import remotes
 from kvtier.storage.cpu import LocalCPUTier
+from kvtier.storage.disk import FileTier
 from kvtier.storage.remote import RemoteOpener, RemoteRequest, space_of
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import LowerTier
@@ -105,6 +106,17 @@ class StorageManager:
     def lower_tier_names(self) -> list[str]:
         """Names of the tiers below memory (disk, remote), in lookup order."""
         return [t.name for t in self.lower]
+
+    @property
+    def sole_disk(self) -> FileTier | None:
+        """The file tier when it is the only tier (no CPU tier, nothing else below) and
+        stores chunks verbatim: a caller may then move chunks between its own memory and
+        the files directly (``FileTier.put_buffers`` / ``get_into``), as no tier needs a
+        copy in kvtier's pool."""
+        if self.retain_in_cpu or len(self.lower) != 1:
+            return None
+        tier = self.lower[0]
+        return tier if isinstance(tier, FileTier) and tier.serde.verbatim else None
 
     def gauges(self) -> dict[str, float]:
         """What the tiers hold now: the CPU pool's capacity and use, chunks (and pinned
@@ -287,8 +299,6 @@ def open_lower_tiers(
     Raises:
         ValueError: a tier cannot be set up (the message names the config key).
     """
-    from kvtier.storage.disk import FileTier
-
     serde = make_serde(config.remote_serde, config)
     tiers: list[LowerTier] = []
     if config.local_disk:

@@ -10,11 +10,17 @@
     18      H             header: a CBOR map (below)
     18+H    payload_len   payload: the codec's output
 
-Header fields: ``key`` (the canonical ``CacheKey`` string), ``layout`` (the chunk
-layout, ``KV_2LTD``), ``dtype`` and ``shape`` of the chunk tensor, ``codec`` and
+Header fields: ``key`` (the canonical ``CacheKey`` string), ``layout`` (the order of the
+payload's bytes, below), ``dtype`` and ``shape`` of the chunk tensor, ``codec`` and
 ``codec_params`` (see ``serde``), ``payload_len``, ``checksum`` (xxh3-64 of the payload),
 ``created`` (Unix time, informational) and ``pad`` (zero bytes that put the payload at an
 offset that is a multiple of ``PAYLOAD_ALIGN``; readers ignore it).
+
+Layouts: ``KV_2LTD`` (``CHUNK_LAYOUT``), the chunk as its shape says,
+``[planes, layers, tokens, width]``; and ``KV_2TLD`` (``TOKEN_MAJOR_LAYOUT``), the same
+chunk with tokens before layers, ``[planes, tokens, layers, width]`` — how SGLang's
+``page_first`` host pool holds a page, written from the pool as it is (naive codec only).
+``shape`` is the chunk's shape in both; decoding always yields ``KV_2LTD``.
 
 The payload's alignment matters for speed, not correctness: the kernel copies a file's
 bytes to or from a buffer fastest when both sit at the same offset within a cache line;
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import cbor2
+import numpy as np
 import torch
 import xxhash
 
@@ -53,7 +60,9 @@ VERSION = 1
 PREFIX = struct.Struct("<4sHIQ")
 PREFIX_SIZE = PREFIX.size
 MAX_HEADER_BYTES = 1 << 20
-CHUNK_LAYOUT = "KV_2LTD"
+CHUNK_LAYOUT = "KV_2LTD"  # [planes, layers, tokens, width]: the chunk as its shape says
+TOKEN_MAJOR_LAYOUT = "KV_2TLD"  # [planes, tokens, layers, width] (naive codec only)
+LAYOUTS = (CHUNK_LAYOUT, TOKEN_MAJOR_LAYOUT)
 PAYLOAD_ALIGN = 64  # bytes; a cache line (the CPU pool's buffers are aligned to more)
 
 DTYPES: dict[str, torch.dtype] = {
@@ -74,7 +83,16 @@ DTYPES: dict[str, torch.dtype] = {
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], MemoryObj | None]
 
-__all__ = ["CorruptObject", "Header", "checksum_holds", "checksum_of", "decode", "encode"]
+__all__ = [
+    "ChunkBuffers",
+    "CorruptObject",
+    "Header",
+    "checksum_holds",
+    "checksum_of",
+    "decode",
+    "encode",
+    "encode_buffers",
+]
 
 
 def checksum_of(*buffers: Buffer) -> int:
@@ -103,16 +121,39 @@ class Header:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkBuffers:
+    """A chunk held in memory kvtier does not own (an engine's host pool) as byte buffers,
+    concatenated in the order of ``layout``: what a tier writes from, or reads into, with
+    no staging copy (``FileTier.put_buffers`` / ``get_into``).
+
+    Attributes:
+        shape: the chunk's shape (``[planes, layers, tokens, width]`` for the KV layouts).
+        dtype: its dtype.
+        layout: the order of the bytes, one of ``LAYOUTS``.
+        buffers: the bytes (writable to be read into).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.buffers)
+
+
 def encode(
     key: str,
     tensor: torch.Tensor,
     serde: Serde,
     *,
-    layout: str = CHUNK_LAYOUT,
     checksum: int | None = None,
 ) -> list[Buffer]:
-    """The object for ``tensor`` stored under ``key``: a list of parts to be written
-    concatenated (the payload parts are views, not copies, for the naive codec).
+    """The object for ``tensor`` (a ``CHUNK_LAYOUT`` chunk) stored under ``key``: a list
+    of parts to be written concatenated (the payload parts are views, not copies, for the
+    naive codec).
 
     ``checksum``: the xxh3-64 of ``tensor``'s bytes when the caller knows it (a stored
     chunk's ``MemoryObj.checksum``); a verbatim codec's payload is those bytes, so they are
@@ -124,20 +165,61 @@ def encode(
         serde = NaiveSerde()
         payload, params = serde.encode(tensor)
     known = checksum is not None and serde.verbatim
+    header = encode_header(
+        key,
+        CHUNK_LAYOUT,
+        tensor.dtype,
+        tuple(tensor.shape),
+        serde.name,
+        params,
+        payload_len=sum(len(p) for p in payload),
+        checksum=checksum if known else checksum_of(*payload),
+    )
+    return [header, *payload]
+
+
+def encode_buffers(key: str, chunk: ChunkBuffers) -> list[Buffer]:
+    """The object for ``chunk`` stored under ``key``, verbatim (naive codec): the header,
+    then ``chunk.buffers`` themselves, whose checksum is computed here, over those bytes."""
+    header = encode_header(
+        key,
+        chunk.layout,
+        chunk.dtype,
+        chunk.shape,
+        NaiveSerde.name,
+        {},
+        payload_len=chunk.nbytes,
+        checksum=checksum_of(*chunk.buffers),
+    )
+    return [header, *chunk.buffers]
+
+
+def encode_header(
+    key: str,
+    layout: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    codec: str,
+    codec_params: dict[str, Any],
+    *,
+    payload_len: int,
+    checksum: int,
+) -> bytes:
+    """The prefix and header of an object (everything before its payload)."""
     header = _aligned_header(
         {
             "key": key,
             "layout": layout,
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-            "shape": list(tensor.shape),
-            "codec": serde.name,
-            "codec_params": params,
-            "payload_len": sum(len(p) for p in payload),
-            "checksum": checksum if known else checksum_of(*payload),
+            "dtype": str(dtype).removeprefix("torch."),
+            "shape": list(shape),
+            "codec": codec,
+            "codec_params": codec_params,
+            "payload_len": payload_len,
+            "checksum": checksum,
             "created": time.time(),
         }
     )
-    return [PREFIX.pack(MAGIC, VERSION, len(header), checksum_of(header)) + header, *payload]
+    return PREFIX.pack(MAGIC, VERSION, len(header), checksum_of(header)) + header
 
 
 def _aligned_header(fields: dict[str, Any]) -> bytes:
@@ -185,7 +267,7 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
         raise CorruptObject(f"header lacks field {exc.args[0]!r}") from None
     if key != expected_key:
         raise CorruptObject(f"holds key {key!r}, not the one asked for")
-    if layout != CHUNK_LAYOUT:
+    if layout not in LAYOUTS:
         raise CorruptObject(f"unknown chunk layout {layout!r}")
     if dtype not in DTYPES:
         raise CorruptObject(f"unknown dtype {dtype!r}")
@@ -197,6 +279,8 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
         raise CorruptObject(f"bad shape {shape!r}")
     if not isinstance(codec, str) or not isinstance(params, dict):
         raise CorruptObject("bad codec fields")
+    if layout == TOKEN_MAJOR_LAYOUT and (codec != NaiveSerde.name or len(shape) != 4):
+        raise CorruptObject(f"layout {layout} needs the naive codec and a 4-d shape")
     if not isinstance(payload_len, int) or not 0 <= payload_len < 1 << 44:
         raise CorruptObject(f"bad payload length {payload_len!r}")
     if not isinstance(checksum, int):
@@ -204,13 +288,15 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
     return Header(key, layout, DTYPES[dtype], tuple(shape), codec, params, payload_len, checksum)
 
 
-def verify_payload(header: Header, payload: Buffer) -> None:
-    """Check ``payload`` against the header's length and checksum."""
-    if len(payload) != header.payload_len:
+def verify_payload(header: Header, *payload: Buffer) -> None:
+    """Check ``payload`` (one buffer, or several concatenated) against the header's length
+    and checksum."""
+    length = sum(len(p) for p in payload)
+    if length != header.payload_len:
         raise CorruptObject(
-            f"payload is {len(payload)} bytes, the header says {header.payload_len} (truncated?)"
+            f"payload is {length} bytes, the header says {header.payload_len} (truncated?)"
         )
-    if checksum_of(payload) != header.checksum:
+    if checksum_of(*payload) != header.checksum:
         raise CorruptObject("payload checksum mismatch")
 
 
@@ -222,6 +308,9 @@ def decode_into(
     tier's configured serde, used when the header names its codec (any other codec is
     decoded with that codec's defaults)."""
     verify_payload(header, payload)
+    if header.layout == TOKEN_MAJOR_LAYOUT:
+        _untranspose(header, payload, out)
+        return
     if serde is None or serde.name != header.codec:
         try:
             serde = make_serde(header.codec)
@@ -229,6 +318,22 @@ def decode_into(
             raise CorruptObject(f"unknown codec {header.codec!r}") from None
     serde.decode(memoryview(payload), header.codec_params, out.tensor)
     out.checksum = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
+    out.verified = True
+
+
+def _untranspose(header: Header, payload: Buffer, out: MemoryObj) -> None:
+    """A verified ``TOKEN_MAJOR_LAYOUT`` payload into ``out`` in ``CHUNK_LAYOUT``."""
+    if header.payload_len != header.tensor_nbytes:
+        need = header.tensor_nbytes
+        raise CorruptObject(f"payload is {header.payload_len} bytes, the shape needs {need}")
+    planes, layers, tokens, width = header.shape
+    row = width * header.dtype.itemsize  # bytes of one (plane, layer, token)
+    source = np.frombuffer(payload, np.uint8, header.payload_len)
+    target = np.frombuffer(tensor_bytes(out.tensor), np.uint8)
+    target.reshape(planes, layers, tokens, row)[:] = source.reshape(
+        planes, tokens, layers, row
+    ).transpose(0, 2, 1, 3)
+    out.checksum = checksum_of(tensor_bytes(out.tensor))  # of the chunk's bytes, as stored
     out.verified = True
 
 
@@ -240,6 +345,21 @@ def checksum_holds(obj: MemoryObj) -> bool:
     return obj.checksum is not None and obj.checksum == checksum_of(tensor_bytes(obj.tensor))
 
 
+def split(blob: Buffer, expected_key: str) -> tuple[Header, memoryview]:
+    """The validated header of the object ``blob`` (read for ``expected_key``) and its
+    payload (a view, not yet verified).
+
+    Raises:
+        CorruptObject: anything wrong up to the payload.
+    """
+    view = memoryview(blob).cast("B")
+    length, header_checksum = read_prefix(view[:PREFIX_SIZE])
+    if len(view) < PREFIX_SIZE + length:
+        raise CorruptObject("truncated inside the header")
+    header = parse_header(view[PREFIX_SIZE : PREFIX_SIZE + length], expected_key, header_checksum)
+    return header, view[PREFIX_SIZE + length :]
+
+
 def decode(
     blob: Buffer, expected_key: str, allocate: Allocate, serde: Serde | None = None
 ) -> MemoryObj | None:
@@ -248,16 +368,12 @@ def decode(
 
     Returns None when no buffer could be allocated. Raises CorruptObject.
     """
-    view = memoryview(blob).cast("B")
-    length, header_checksum = read_prefix(view[:PREFIX_SIZE])
-    if len(view) < PREFIX_SIZE + length:
-        raise CorruptObject("truncated inside the header")
-    header = parse_header(view[PREFIX_SIZE : PREFIX_SIZE + length], expected_key, header_checksum)
+    header, payload = split(blob, expected_key)
     obj = allocate(header.shape, header.dtype)
     if obj is None:
         return None
     try:
-        decode_into(header, view[PREFIX_SIZE + length :], obj, serde)
+        decode_into(header, payload, obj, serde)
     except BaseException:
         obj.ref_down()
         raise

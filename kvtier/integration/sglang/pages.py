@@ -23,6 +23,14 @@ Any other layout (``page_head``, …) and the pools of SGLang's v2 path (Mamba s
 indexers, …) are stored as the pool's own flat page (``get_data_page(flat=True)``, 1-D),
 under a key tagged with the layout so that a page is only ever read back into a pool of
 the same format.
+
+Where the disk tier is the only tier, a page moves between the pool and its file directly
+(``PageFormat.buffers``): the file is written from, and read into, the runs of pool memory
+that hold the page, in the pool's own order — ``page_first`` pages token-major
+(``wire.TOKEN_MAJOR_LAYOUT``, ``[K, P, L, W]``: each plane one run), the others in the
+chunk layout (``layer_first``: one run per plane and layer; ``page_first_direct``: one per
+plane). The order is in the file's header, so any pool reads any page (``get_many``
+decodes a page stored in another order into the chunk layout).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.keys import CacheKey
+from kvtier.storage.serde import tensor_bytes
+from kvtier.storage.wire import CHUNK_LAYOUT, TOKEN_MAJOR_LAYOUT, ChunkBuffers
 from kvtier_kernels.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -130,6 +140,20 @@ class PageFormat:
             return _canonical_view(self.layout, self.is_mla, pool.get_data_page(index, False))
         return pool.get_data_page(index, flat=True)
 
+    def buffers(self, pool: HostPool, index: int) -> ChunkBuffers | None:
+        """The page starting at host slot ``index`` as the runs of pool memory holding
+        it, in the order it is stored in directly (module docstring); None for a flat
+        format or a page the pool does not hold in contiguous runs."""
+        if not self.canonical:
+            return None
+        data_page = pool.get_data_page(index, flat=False)
+        if self.layout == "page_first":
+            layout, view = TOKEN_MAJOR_LAYOUT, _token_major_view(self.is_mla, data_page)
+        else:
+            layout, view = CHUNK_LAYOUT, _canonical_view(self.layout, self.is_mla, data_page)
+        runs = _byte_runs(view, depth=2) if view.device.type == "cpu" else None
+        return None if runs is None else ChunkBuffers(self.shape, self.dtype, layout, runs)
+
     def from_flat(self, flat: torch.Tensor) -> torch.Tensor:
         """A flattened data page of this pool's layout (SGLang's generic ``get``/``set``
         path) seen in the stored layout (a view).
@@ -161,6 +185,40 @@ def _canonical_view(layout: str, is_mla: bool, d: torch.Tensor) -> torch.Tensor:
     elif layout == "page_first_direct":  # [2, 1, L, P, H, D]
         d = d[:, 0]
     return d.view(d.shape[0], d.shape[1], d.shape[2], -1)
+
+
+def _token_major_view(is_mla: bool, d: torch.Tensor) -> torch.Tensor:
+    """A ``page_first`` data page seen as ``[K, P, L, W]``, its own order (a view)."""
+    if is_mla:  # [P, L, 1, D]
+        return d.view(1, d.shape[0], d.shape[1], -1)
+    return d.view(d.shape[0], d.shape[1], d.shape[2], -1)  # [2, P, L, H, D]
+
+
+def _byte_runs(t: torch.Tensor, depth: int) -> tuple[memoryview, ...] | None:
+    """The bytes of ``t`` (a CPU tensor) as contiguous runs of its storage, in order,
+    split along up to ``depth`` leading dims; None if that is not enough. Computed from
+    the strides: a ``layer_first`` page is 2·L runs, and a tensor per run would cost more
+    than the page's checksum."""
+    shape, stride = tuple(t.shape), t.stride()
+    split = next((d for d in range(depth + 1) if _contiguous(shape[d:], stride[d:])), None)
+    if split is None:
+        return None
+    item = t.element_size()
+    starts = [t.storage_offset() * item]
+    for size, step in zip(shape[:split], stride[:split], strict=True):
+        starts = [s + i * step * item for s in starts for i in range(size)]
+    run = math.prod(shape[split:]) * item
+    storage = tensor_bytes(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()))
+    return tuple(storage[s : s + run] for s in starts)
+
+
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ backup threads::
 
 One page is one kvtier chunk (``pages.py``): copied between the host pool and a chunk
 buffer of kvtier's CPU pool, kept in the CPU tier and written through to the disk and
-remote tiers. A store returns once the lower tiers have written it.
+remote tiers; or, where the disk tier is the only tier, written from and read into the
+host pool directly (``page_store.py``). A store returns once the lower tiers have it.
 
 NOTE: SGLang calls ``close()`` only when storage is detached at run time, never at
 shutdown, so nothing may wait for it: every ``batch_set*`` flushes its pages to the disk
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -44,19 +44,15 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.integration.sglang.page_store import Moved, PageBuffers, PageStore
 from kvtier.integration.sglang.pages import HostPool, PageFormat, PageKeys, split_extra_config
-from kvtier.keys import CacheKey
-from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Histogram, Stats
+from kvtier.metrics import Counter, Stats
 from kvtier.prometheus import MetricsServer, export
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import checksum_holds, checksum_of
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
-FLUSH_TIMEOUT_S = 60.0
 KV = str(PoolName.KV)
 
 T = TypeVar("T")
@@ -123,6 +119,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
         )
         self.stats = Stats()
         self.storage = StorageManager(self.config, self.stats, namespace=model)
+        self.pages = PageStore(
+            self.storage, self.stats, self.keys, verify_checksums=self.config.verify_checksums
+        )
         self._pools: dict[str, tuple[HostPool, PageFormat]] = {}
         self._recent = StorageMetrics()
         self._metrics_server: MetricsServer | None = None
@@ -216,12 +215,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
             else:
                 pool.set_from_flat_data_page(starts[i], data)
 
-        return self._load(pool_name, fmt, keys, write)
+        return self._load(pool_name, fmt, keys, write, lambda i: fmt.buffers(pool, starts[i]))
 
     def _store_pages(self, pool_name: str, keys: Sequence[str], host_indices) -> list[bool]:
         pool, fmt = self._pool(pool_name)
         starts = self._starts(pool, len(keys), host_indices)
-        return self._store(pool_name, fmt, keys, lambda i: fmt.page(pool, starts[i]))
+        return self._store(
+            pool_name,
+            fmt,
+            keys,
+            lambda i: fmt.page(pool, starts[i]),
+            lambda i: fmt.buffers(pool, starts[i]),
+        )
 
     # -- the generic path ------------------------------------------------------------
 
@@ -297,18 +302,6 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.stats.inc(Counter.LOOKUP_HIT_TOKENS, hits * fmt.page_size)
         return hits
 
-    def _held(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each key is held by some tier (one batched call per lower tier)."""
-        held = [self.storage.contains(k) for k in keys]
-        for tier in self.storage.lower:
-            missing = [i for i, there in enumerate(held) if not there]
-            if not missing:
-                break
-            found = tier.contains_many([keys[i] for i in missing])
-            for i, there in zip(missing, found, strict=True):
-                held[i] = there
-        return held
-
     # -- the v2 pool-transfer path ---------------------------------------------------
 
     @_absent_on_error(lambda *args, **kwargs: PoolTransferResult.empty())
@@ -329,7 +322,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             name = str(transfer.name)
             if name in self._pools:
                 _, fmt = self._pools[name]
-                held = self._held([self.keys.key(k, fmt, name) for k in keys[:kv_pages]])
+                held = self.pages.held([self.keys.key(k, fmt, name) for k in keys[:kv_pages]])
             else:
                 held = [False] * kv_pages
             policy = PoolHitPolicy(transfer.hit_policy)
@@ -386,48 +379,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
         fmt: PageFormat,
         page_keys: Sequence[str],
         write: Callable[[int, torch.Tensor], Any],
+        buffers: PageBuffers | None = None,
     ) -> list[bool]:
-        """Fetch and verify each page, ``write(i, chunk)`` the run held from the first."""
-        started = time.perf_counter()
-        keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
-        objs = self.storage.get_many(keys)
-        loaded = [False] * len(keys)
-        run = True
-        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
-            if obj is None:
-                run = False
-                continue
-            try:
-                if run and self._valid(key, obj, fmt):
-                    write(i, obj.tensor)
-                    loaded[i] = True
-                else:
-                    run = False
-            finally:
-                obj.ref_down()
-        hits = loaded.index(False) if False in loaded else len(loaded)
-        seconds = time.perf_counter() - started
-        s = self.stats
-        s.inc(Counter.RETRIEVE_REQUESTS)
-        s.inc(Counter.REQUESTED_TOKENS, len(keys) * fmt.page_size)
-        s.inc(Counter.HIT_TOKENS, hits * fmt.page_size)
-        s.inc(Counter.LOADED_BYTES, hits * fmt.nbytes)
-        s.inc(Counter.LOAD_SECONDS, seconds)
-        s.observe(Histogram.LOAD, seconds)
-        self._note(self._recent.prefetch_pgs, self._recent.prefetch_bandwidth, hits, fmt, seconds)
-        return loaded
-
-    def _valid(self, key: CacheKey, obj: MemoryObj, fmt: PageFormat) -> bool:
-        if tuple(obj.shape) != fmt.shape or obj.dtype != fmt.dtype:
-            problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {fmt.shape} {fmt.dtype}"
-        elif self.config.verify_checksums and not checksum_holds(obj):
-            problem = "a checksum mismatch (its bytes changed after it was stored)"
-        else:
-            return True
-        self.stats.inc(Counter.CORRUPT_CHUNKS)
-        warn_once(logger, f"stored page {key} has {problem}: rejected, treated as a miss")
-        self.storage.remove(key)
-        return False
+        """``PageStore.load``, noted for SGLang's storage metrics."""
+        moved = self.pages.load(pool_name, fmt, page_keys, write, buffers)
+        self._note(self._recent.prefetch_pgs, self._recent.prefetch_bandwidth, moved, fmt)
+        return moved.ok
 
     def _store(
         self,
@@ -435,48 +392,17 @@ class KVTierHiCacheStorage(HiCacheStorage):
         fmt: PageFormat,
         page_keys: Sequence[str],
         read: Callable[[int], torch.Tensor],
+        buffers: PageBuffers | None = None,
     ) -> list[bool]:
-        """Store ``read(i)`` (one page in the stored layout) under each key not yet held,
-        then wait for the lower tiers to write them."""
-        started = time.perf_counter()
-        keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
-        stored = self._held(keys)
-        skipped_existing = sum(stored)
-        new = no_memory = 0
-        for i, key in enumerate(keys):
-            if stored[i]:
-                continue
-            obj = self.storage.allocate(fmt.shape, fmt.dtype)
-            if obj is None:
-                no_memory += 1
-                continue
-            try:
-                obj.tensor.copy_(read(i))
-                if self.config.verify_checksums:
-                    obj.checksum = checksum_of(tensor_bytes(obj.tensor))
-                stored[i] = self.storage.put(key, obj)
-                new += stored[i]
-            finally:
-                obj.ref_down()
-        if new and not self.storage.flush(FLUSH_TIMEOUT_S):
-            warn_once(logger, f"kvtier: lower tiers still writing after {FLUSH_TIMEOUT_S:.0f} s")
-        seconds = time.perf_counter() - started
-        s = self.stats
-        s.inc(Counter.STORE_REQUESTS)
-        s.inc(Counter.STORED_CHUNKS, new)
-        s.inc(Counter.STORED_TOKENS, new * fmt.page_size)
-        s.inc(Counter.STORED_BYTES, new * fmt.nbytes)
-        s.inc(Counter.STORE_SECONDS, seconds)
-        s.observe(Histogram.STORE, seconds)
-        s.inc(Counter.STORE_SKIPPED_EXISTING, skipped_existing)
-        s.inc(Counter.STORE_SKIPPED_NO_MEMORY, no_memory)
-        self._note(self._recent.backup_pgs, self._recent.backup_bandwidth, new, fmt, seconds)
-        return stored
+        """``PageStore.store``, noted for SGLang's storage metrics."""
+        moved = self.pages.store(pool_name, fmt, page_keys, read, buffers)
+        self._note(self._recent.backup_pgs, self._recent.backup_bandwidth, moved, fmt)
+        return moved.ok
 
-    def _note(self, pages: list, bandwidth: list, n: int, fmt: PageFormat, seconds: float):
-        if self.storage_config.enable_storage_metrics and n:
-            pages.append(n)
-            bandwidth.append(n * fmt.nbytes / 1e9 / max(seconds, 1e-9))
+    def _note(self, pages: list, bandwidth: list, moved: Moved, fmt: PageFormat) -> None:
+        if self.storage_config.enable_storage_metrics and moved.pages:
+            pages.append(moved.pages)
+            bandwidth.append(moved.pages * fmt.nbytes / 1e9 / max(moved.seconds, 1e-9))
 
     # -- management ------------------------------------------------------------------
 

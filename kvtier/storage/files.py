@@ -1,0 +1,226 @@
+"""Files in a sharded tree, written and read whole through lists of buffers: what the file
+tiers (``disk``) and the node server's blob directory (``server/blobs``) share, and the
+reading of one wire-format chunk file (``read_object``, ``read_object_into``).
+
+A file's bytes go out with ``writev`` and come back with ``preadv`` from and into the
+caller's buffers (a wire header, then a payload that may be several runs of an engine's
+memory), so nothing is joined into one buffer on the way. With ``O_DIRECT`` a file goes
+through one aligned buffer instead (the kernel's rule for direct I/O).
+
+NOTE: writers make a file appear only complete: they write ``.<name>.<pid>.<thread>.tmp``
+in the same directory and rename it over the final name. ``scan_tree`` removes temp files
+that a crashed writer left behind, once they are old.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+from kvtier.memory import MemoryObj
+from kvtier.storage import wire
+from kvtier.storage.backend import Buffer
+from kvtier.storage.serde import CorruptObject, NaiveSerde, Serde, tensor_bytes
+from kvtier.storage.wire import Allocate, ChunkBuffers, Header
+
+SUFFIX = ".kvt"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_SECONDS = 3600.0
+DIRECT_ALIGN = 4096
+IOV_MAX = 1024  # buffers per writev / preadv call (Linux's limit)
+
+T = TypeVar("T")
+
+
+def round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def sharded_path(directory: str, file_name: str) -> str:
+    """Where ``file_name`` (a hex hash) lives in the sharded tree under ``directory``."""
+    return f"{directory}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
+
+
+def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
+    """``(mtime, file name without suffix, size)`` of every file in a sharded tree,
+    oldest first; temp files older than ``STALE_TMP_SECONDS`` (left behind by a writer
+    that crashed) are removed."""
+    found: list[tuple[float, str, int]] = []
+    now = time.time()
+    for dirpath, _, files in os.walk(directory):
+        for file in files:
+            path = os.path.join(dirpath, file)
+            try:
+                st = os.stat(path)
+                if file.endswith(SUFFIX):
+                    found.append((st.st_mtime, file[: -len(SUFFIX)], st.st_size))
+                elif file.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
+                    os.unlink(path)
+            except OSError:
+                continue
+    return sorted(found)
+
+
+def write_all(fd: int, parts: Sequence[Buffer]) -> None:
+    """``writev`` every byte of ``parts`` (retrying partial writes)."""
+    views = _byte_views(parts)
+    while views:
+        views = _advance(views, os.writev(fd, views[:IOV_MAX]))
+
+
+def read_into(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+    """``preadv`` from ``offset`` until ``buffers`` are full or the file ends; returns the
+    bytes read (fewer than the buffers hold: the file is shorter)."""
+    views = _byte_views(buffers)
+    total = 0
+    while views:
+        n = os.preadv(fd, views[:IOV_MAX], offset + total)
+        if not n:
+            break
+        total += n
+        views = _advance(views, n)
+    return total
+
+
+def write_direct(fd: int, parts: Sequence[Buffer], size: int) -> None:
+    """Write ``parts`` (``size`` bytes) to a file opened with ``O_DIRECT``: staged through
+    one aligned buffer, padded to ``DIRECT_ALIGN``, then truncated to ``size``."""
+    buffer = mmap.mmap(-1, max(round_up(size, DIRECT_ALIGN), DIRECT_ALIGN))
+    try:
+        offset = 0
+        for part in parts:
+            buffer[offset : offset + len(part)] = part
+            offset += len(part)
+        with memoryview(buffer) as view:
+            write_all(fd, [view[: round_up(size, DIRECT_ALIGN)]])
+        os.ftruncate(fd, size)
+    finally:
+        buffer.close()
+
+
+def read_object(
+    path: str, key: str, allocate: Allocate, serde: Serde, *, o_direct: bool
+) -> MemoryObj | None:
+    """The chunk in the file at ``path``, stored under ``key``, in a fresh buffer from
+    ``allocate`` (None when none could be had), verified, its ``checksum`` set.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CorruptObject: anything wrong in it (``wire``).
+        OSError: it cannot be read.
+    """
+    if o_direct:
+        return _read_whole_direct(path, lambda blob: wire.decode(blob, key, allocate, serde))
+    with open(path, "rb", buffering=0) as f:
+        header, offset = _read_header(f, key)
+        obj = allocate(header.shape, header.dtype)
+        if obj is None:
+            return None
+        try:
+            if header.codec == NaiveSerde.name and header.layout == wire.CHUNK_LAYOUT:
+                # The payload is the tensor's bytes: read it straight into the buffer.
+                _read_payload(f.fileno(), header, offset, [tensor_bytes(obj.tensor)])
+                obj.checksum, obj.verified = header.checksum, True
+            else:
+                wire.decode_into(header, f.read(), obj, serde)
+        except BaseException:
+            obj.ref_down()
+            raise
+        return obj
+
+
+def read_object_into(path: str, key: str, chunk: ChunkBuffers, *, o_direct: bool) -> bool:
+    """Read the chunk in the file at ``path``, stored under ``key``, into ``chunk.buffers``
+    and verify it; False (nothing read) when it is stored in another format than
+    ``chunk``'s (layout, codec, shape or dtype).
+
+    NOTE: when this raises, the buffers may hold part of the file's (unverified) bytes.
+
+    Raises:
+        FileNotFoundError, CorruptObject, OSError: as ``read_object``.
+    """
+    if o_direct:
+        return _read_whole_direct(path, lambda blob: _copy_into(blob, key, chunk))
+    with open(path, "rb", buffering=0) as f:
+        header, offset = _read_header(f, key)
+        if not _stored_as(header, chunk):
+            return False
+        _read_payload(f.fileno(), header, offset, chunk.buffers)
+        return True
+
+
+def _stored_as(header: Header, chunk: ChunkBuffers) -> bool:
+    """Whether the object of ``header`` is ``chunk``'s bytes as they are."""
+    return (header.layout, header.codec, header.shape, header.dtype) == (
+        chunk.layout,
+        NaiveSerde.name,
+        chunk.shape,
+        chunk.dtype,
+    )
+
+
+def _read_header(f: BinaryIO, key: str) -> tuple[Header, int]:
+    """The header of the object in the file ``f`` (at its start) and its payload offset."""
+    header_len, header_checksum = wire.read_prefix(f.read(wire.PREFIX_SIZE))
+    header = wire.parse_header(f.read(header_len), key, header_checksum)
+    return header, wire.PREFIX_SIZE + header_len
+
+
+def _read_payload(fd: int, header: Header, offset: int, buffers: Sequence[Buffer]) -> None:
+    """The payload at ``offset`` into ``buffers`` (exactly its length), then verified."""
+    if header.payload_len != sum(len(b) for b in buffers):
+        raise CorruptObject(f"payload of {header.payload_len} bytes disagrees with its shape")
+    got = read_into(fd, buffers, offset)
+    if got < header.payload_len or os.fstat(fd).st_size != offset + header.payload_len:
+        raise CorruptObject("file length disagrees with its header")
+    wire.verify_payload(header, *buffers)
+
+
+def _copy_into(blob: memoryview, key: str, chunk: ChunkBuffers) -> bool:
+    header, payload = wire.split(blob, key)
+    if not _stored_as(header, chunk):
+        return False
+    wire.verify_payload(header, payload)
+    if len(payload) != chunk.nbytes:
+        raise CorruptObject(f"payload of {len(payload)} bytes disagrees with its shape")
+    offset = 0
+    for target in _byte_views(chunk.buffers):
+        target[:] = payload[offset : offset + len(target)]
+        offset += len(target)
+    return True
+
+
+def _read_whole_direct(path: str, consume: Callable[[memoryview], T]) -> T:
+    """``consume`` the bytes of the file at ``path``, read with ``O_DIRECT``."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        size = os.fstat(fd).st_size
+        buffer = mmap.mmap(-1, max(round_up(size, DIRECT_ALIGN), DIRECT_ALIGN))
+        try:
+            got = os.preadv(fd, [buffer], 0)
+            with memoryview(buffer) as view:
+                return consume(view[: min(got, size)])
+        finally:
+            buffer.close()
+    finally:
+        os.close(fd)
+
+
+def _byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers if len(b)]
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` after their first ``n`` bytes were moved."""
+    skip = 0
+    while skip < len(views) and n >= len(views[skip]):
+        n -= len(views[skip])
+        skip += 1
+    views = views[skip:]
+    if n:
+        views[0] = views[0][n:]
+    return views
