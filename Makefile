@@ -33,7 +33,7 @@ SGLANG_DEPS ?= triton numpy pydantic pyzmq msgspec gguf orjson pybase64 starlett
 	apache-tvm-ffi==0.1.11
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
-SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py
+SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py tests/test_sglang_direct.py
 
 .PHONY: demo test test-sglang bench-sglang gpu-check test-oldest-triton lint format bench soak install services clean
 
