@@ -155,10 +155,17 @@ class NumbaKernel:
     (``NUMBA_NUM_THREADS``), and numba's fallback threading layer (workqueue, when neither
     TBB nor OpenMP loads) aborts the process when two threads launch parallel code at once.
     ``nogil`` lets other Python threads run meanwhile.
+
+    NOTE: ``parallel=False`` compiles a serial kernel that never enters a threading layer,
+    for kernels a serving engine's own thread calls: numba's OpenMP layer leaves the
+    launching thread's OpenMP thread count at its last launch's, and vLLM's CPU attention,
+    which checks that count against its plan, aborted the engine.
     """
 
-    def __init__(self, fn: Callable, helpers: Sequence[Callable] = ()) -> None:
-        self.fn, self.helpers = fn, tuple(helpers)
+    def __init__(
+        self, fn: Callable, helpers: Sequence[Callable] = (), *, parallel: bool = True
+    ) -> None:
+        self.fn, self.helpers, self.parallel = fn, tuple(helpers), parallel
         self._compiled: Any = None
         self._lock = threading.Lock()
 
@@ -174,7 +181,7 @@ class NumbaKernel:
                     for helper in self.helpers:
                         if module[helper.__name__] is helper:
                             module[helper.__name__] = numba.njit(**_NUMBA_OPTIONS)(helper)
-                    self._compiled = numba.njit(parallel=True, **_NUMBA_OPTIONS)(self.fn)
+                    self._compiled = numba.njit(parallel=self.parallel, **_NUMBA_OPTIONS)(self.fn)
         return self._compiled
 
     def __call__(self, *args: Any, work: int) -> Any:
@@ -184,6 +191,8 @@ class NumbaKernel:
         import numba
 
         kernel = self.get()
+        if not self.parallel:
+            return kernel(*args)  # no threading layer: the caller's thread alone
         with _numba_lock:
             default = numba.get_num_threads()
             numba.set_num_threads(min(default, max(1, work // NUMBA_WORK_PER_THREAD)))

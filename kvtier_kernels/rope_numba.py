@@ -10,13 +10,12 @@ to nearest even for bf16). cos and sin come from the reference's own ``rotation_
 Bytes moved: the rotary dims of K once read, once written, in place (torch's eager
 reference makes about ten float32 passes over them). Layout: ``k`` ``[L, T, H * D]``,
 any strides with the last dim contiguous; bf16 and float32 are read as their bits
-(uint16 shifted up, uint32), fp16 goes to the torch backend. One ``(layer, token)`` row per
-``prange`` iteration.
+(uint16 shifted up, uint32), fp16 goes to the torch backend. One thread, a
+``(layer, token)`` row at a time: the kernel is serial (no numba threading layer; see
+``NUMBA_KERNEL``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,8 +25,6 @@ from kvtier_kernels._launch import NumbaKernel, numba_loader
 from kvtier_kernels.rope import rerotate_torch, rotation_cos_sin
 
 __all__ = ["NUMBA_KERNEL", "rerotate_numba"]
-
-prange: Any = range  # numba.prange once the kernel is compiled (NumbaKernel.get)
 
 
 def _to_bf16(word):
@@ -48,7 +45,7 @@ def rerotate_kernel(
 ):
     layers, tokens, width = k.shape
     half = rotary_dim // 2
-    for row in prange(layers * tokens):
+    for row in range(layers * tokens):
         keys, c, s = k[row // tokens, row % tokens], cos[row % tokens], sin[row % tokens]
         for o in range(0, width, head_size):
             if neox:  # two contiguous runs (twice as fast as strided ones, measured)
@@ -72,7 +69,8 @@ def _rotate_pairs(first, second, c, s, shift):
             first[i], second[i] = r1, r2
 
 
-NUMBA_KERNEL = NumbaKernel(rerotate_kernel, helpers=[_to_bf16, _rotate_pairs])
+# Serial (see NumbaKernel): CacheBlend calls it from the engine's own thread.
+NUMBA_KERNEL = NumbaKernel(rerotate_kernel, helpers=[_to_bf16, _rotate_pairs], parallel=False)
 
 _BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float32: (torch.int32, np.uint32)}
 
