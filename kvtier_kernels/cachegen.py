@@ -94,7 +94,6 @@ import torch
 
 from kvtier_kernels import cachegen_numba, registry
 from kvtier_kernels.cachegen_format import (
-    MAX_LEVELS,
     MODELS,
     VERSION,
     check_levels,
@@ -107,8 +106,11 @@ from kvtier_kernels.cachegen_format import (
 )
 from kvtier_kernels.cachegen_tables import (
     GAUSSIAN_MAX_TOKENS,
+    MAX_LEVELS,
     choose_gaussian,
     coding_cost,
+    entropy_cost,
+    gaussian_codebook,
     gaussian_freq,
     gaussian_models,
     quantize_counts,
@@ -221,23 +223,23 @@ def _encode_statistics(
     used = counts > 0
     lo = used.to(torch.uint8).argmax(dim=1)
     hi = alphabet - 1 - used.flip(1).to(torch.uint8).argmax(dim=1)
-    freq = quantize_counts(counts)
     stored = _in_range(lo, hi, alphabet)
     if model != "histogram" and num_tokens <= GAUSSIAN_MAX_TOKENS:
         lane_levels = torch.from_numpy(_lane_levels(k_levels, v_levels, hidden)).to(x.device)
         models = gaussian_models(counts, num_tokens)
-        gaussian = gaussian_freq(models, lane_levels, alphabet)
+        codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
+        gaussian = gaussian_freq(models, lane_levels, codebook)
         if model is None:
-            costs = [stored.sum(), coding_cost(counts, freq), coding_cost(counts, gaussian)]
-            num_stored, cost, gaussian_cost = torch.stack(costs).tolist()
+            costs = [stored.sum(), entropy_cost(counts, num_tokens), coding_cost(counts, gaussian)]
+            num_stored, entropy, gaussian_cost = torch.stack(costs).tolist()
             histogram_bytes = 2 * len(counts) + num_stored * counts_dtype.itemsize
-        if model or choose_gaussian(cost, histogram_bytes, gaussian_cost, 2 * len(counts)):
+        if model or choose_gaussian(entropy, histogram_bytes, gaussian_cost, 2 * len(counts)):
             return scale_np, symbols, gaussian, "gaussian", [models.cpu().numpy()]
     bounds = torch.stack([lo, hi], dim=1).to(torch.uint8).cpu().numpy()
     return (
         scale_np,
         symbols,
-        freq,
+        quantize_counts(counts),
         "histogram",
         [bounds, counts[stored].cpu().numpy().astype(counts_dtype)],
     )
@@ -380,12 +382,13 @@ def decode_chunk(
             freq = quantize_counts(expected)
     else:
         expected = container.gaussian_models()
-        lane_levels = container.lane_levels
+        codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
         if on_cpu:
-            freq = cachegen_numba.gaussian_tables(expected, lane_levels, alphabet)
+            freq = torch.from_numpy(codebook.freq(expected, container.lane_levels))
         else:
             expected = torch.from_numpy(expected).to(dev)
-            freq = gaussian_freq(expected, torch.from_numpy(lane_levels).to(dev), alphabet)
+            lane_levels = torch.from_numpy(container.lane_levels).to(dev)
+            freq = gaussian_freq(expected, lane_levels, codebook)
     lengths, words = container.streams()
 
     symbols = rans_decode_lanes(

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier_kernels.cachegen_tables import GAUSSIAN_MAX_TOKENS, SPREADS
+from kvtier_kernels.cachegen_tables import GAUSSIAN_MAX_TOKENS, MAX_LEVELS, SPREADS
 from kvtier_kernels.rans import PROB_BITS, CodecError
 
 __all__ = [
-    "MAX_LEVELS",
     "MODELS",
     "MODEL_FIELDS",
     "SCALE_DTYPES",
@@ -37,7 +36,6 @@ __all__ = [
 ]
 
 VERSION = 3
-MAX_LEVELS = 127  # alphabet 2n+1 <= 255 fits the uint8 symbols and bounds
 MODELS = {
     "histogram": ("scales", "bounds", "counts", "lengths", "words"),
     "gaussian": ("scales", "models", "lengths", "words"),

@@ -6,10 +6,11 @@ them here instead, with the same results bit for bit (the tests compare both):
 
 - :func:`encode_statistics`: chunk ``[2, L, T, D]`` -> per-token scales, the symbols of
   each lane ``[lanes, T]``, each lane's frequency table under the model the encoder
-  picks (:mod:`kvtier_kernels.cachegen_tables`: both are built, with their estimated
-  sizes) and that model's payload sections: one pass over the chunk, one over the counts;
-- :func:`histogram_tables` / :func:`gaussian_tables`: the stored model -> each lane's
-  frequency table (the histogram model's histograms checked);
+  picks (:mod:`kvtier_kernels.cachegen_tables`: both models' sizes estimated, the
+  Gaussian fitted) and that model's payload sections: one pass over the chunk, one or two
+  over the counts;
+- :func:`histogram_tables`: the stored histograms -> each lane's frequency table, once
+  the histograms are checked (a Gaussian lane's table is a row of the codebook);
 - :func:`dequantize`: symbols -> ``out``, once the symbols' histograms match the stored
   ones, or give the stored Gaussian models (``out`` is untouched otherwise).
 
@@ -35,11 +36,11 @@ import torch
 from kvtier_kernels._launch import NumbaKernel
 from kvtier_kernels.cachegen_tables import (
     GAUSSIAN_MAX_TOKENS,
-    MAX_DISTANCE,
+    SPREADS,
     VARIANCE_BITS,
     choose_gaussian,
     cost_table,
-    gaussian_weights,
+    gaussian_codebook,
     spread_thresholds,
 )
 from kvtier_kernels.rans import PROB_SCALE, CodecError
@@ -48,7 +49,6 @@ __all__ = [
     "KERNELS",
     "dequantize",
     "encode_statistics",
-    "gaussian_tables",
     "histogram_tables",
 ]
 
@@ -90,17 +90,14 @@ def _gaussian_model(counts, num_tokens, thresholds):
         second += a * a * counts[a]
     centre = (2 * first + num_tokens) // (2 * num_tokens)
     variance = ((num_tokens * second - first * first) << VARIANCE_BITS) // (num_tokens * num_tokens)
-    spread = 0
-    while spread < thresholds.shape[0] and thresholds[spread] <= variance:
-        spread += 1
+    spread, above = 0, thresholds.shape[0]  # spread: the number of thresholds <= variance
+    while spread < above:
+        middle = (spread + above) // 2
+        if thresholds[middle] <= variance:
+            spread = middle + 1
+        else:
+            above = middle
     return centre, spread
-
-
-def _gaussian_frequencies(centre, spread, top_symbol, weights, freq):
-    """One lane's Gaussian table into ``freq``, as ``gaussian_freq`` computes it."""
-    for a in range(freq.shape[0]):
-        freq[a] = weights[spread, min(abs(a - centre), MAX_DISTANCE)] if a <= top_symbol else 0
-    _frequencies(freq, freq)
 
 
 def _cost(counts, freq, cost):
@@ -161,36 +158,43 @@ def quantize_kernel(
 
 def tables_kernel(
     counts,  # [lanes, A] int64: histograms summing to num_tokens
-    lane_levels,  # [lanes] int64: each lane's n
-    weights,  # [SPREADS, MAX_DISTANCE + 1] int64: gaussian_weights()
+    lane_first_row,  # [lanes] int64: the codebook row of (lane's n, centre 0, spread 0)
+    codebook,  # [rows, A] int32: the Gaussian tables (GaussianCodebook.tables)
     thresholds,  # [SPREADS - 1] int64: spread_thresholds()
     cost,  # [PROB_SCALE + 1] int64: cost_table()
     num_tokens,
-    gaussian,  # whether to build the Gaussian model too
-    freq,  # [lanes, A] int64 (out): histogram model's tables
-    gaussian_freq,  # [lanes, A] int64 (out): Gaussian model's tables, if gaussian
+    gaussian,  # whether to fit the Gaussian model (num_tokens <= GAUSSIAN_MAX_TOKENS)
     bounds,  # [lanes, 2] uint8 (out): (lo, hi), the used symbol range
     models,  # [lanes, 2] uint8 (out): (centre, spread), if gaussian
-    lane_cost,  # [lanes, 3] int64 (out): histogram bits, stored counts, Gaussian bits
+    rows,  # [lanes] int64 (out): the lane's codebook row, if gaussian
+    lane_cost,  # [lanes, 3] int64 (out): entropy bits, stored counts, Gaussian bits
 ):
     lanes, alphabet = counts.shape
     for lane in prange(lanes):
         row = counts[lane]
-        _frequencies(row, freq[lane])
         lo, hi = alphabet, 0
         for a in range(alphabet):
             if row[a] > 0:
                 lo, hi = min(lo, a), a
         bounds[lane, 0], bounds[lane, 1] = lo, hi
-        lane_cost[lane, 0] = _cost(row, freq[lane], cost)
         lane_cost[lane, 1] = hi - lo + 1 if hi > lo else 0
         if gaussian:
+            entropy = 0
+            for a in range(lo, hi + 1):
+                entropy += row[a] * (cost[row[a]] - cost[num_tokens])
+            lane_cost[lane, 0] = entropy
             centre, spread = _gaussian_model(row, num_tokens, thresholds)
             models[lane, 0], models[lane, 1] = centre, spread
-            _gaussian_frequencies(
-                centre, spread, 2 * lane_levels[lane], weights, gaussian_freq[lane]
-            )
-            lane_cost[lane, 2] = _cost(row, gaussian_freq[lane], cost)
+            rows[lane] = lane_first_row[lane] + centre * SPREADS + spread
+            lane_cost[lane, 2] = _cost(row, codebook[rows[lane]], cost)
+
+
+def frequencies_kernel(
+    counts,  # [lanes, A] int64: histograms with a positive total
+    freq,  # [lanes, A] int64 (out): quantize_counts(counts)
+):
+    for lane in prange(counts.shape[0]):
+        _frequencies(counts[lane], freq[lane])
 
 
 def pack_kernel(
@@ -244,17 +248,6 @@ def unpack_kernel(
         else:
             _frequencies(counts[lane], freq[lane])
     return bad
-
-
-def gaussian_kernel(
-    models,  # [lanes, 2] uint8: (centre <= 2n, spread < SPREADS)
-    lane_levels,  # [lanes] int64: each lane's n
-    weights,  # [SPREADS, MAX_DISTANCE + 1] int64
-    freq,  # [lanes, A] int64 (out)
-):
-    for lane in prange(models.shape[0]):
-        centre, spread = np.int64(models[lane, 0]), np.int64(models[lane, 1])
-        _gaussian_frequencies(centre, spread, 2 * lane_levels[lane], weights, freq[lane])
 
 
 def dequantize_kernel(
@@ -315,13 +308,13 @@ def dequantize_kernel(
     return 0
 
 
-_HELPERS = [_frequencies, _gaussian_model, _gaussian_frequencies, _cost]
+_HELPERS = [_frequencies, _gaussian_model, _cost]
 KERNELS = {
     "quantize": NumbaKernel(quantize_kernel),
     "tables": NumbaKernel(tables_kernel, helpers=_HELPERS),
+    "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS),
     "pack": NumbaKernel(pack_kernel),
     "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS),
-    "gaussian": NumbaKernel(gaussian_kernel, helpers=_HELPERS),
     "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS),
 }
 """The codec's numba kernels by step, compiled on first use."""
@@ -368,42 +361,41 @@ def encode_statistics(
     if KERNELS["quantize"](bits, shift, levels, scale, symbols, counts, work=symbols.size):
         raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
     gaussian = model != "histogram" and num_tokens <= GAUSSIAN_MAX_TOKENS
-    freq = np.empty((lanes, alphabet), dtype=np.int64)
-    gaussian_freq = np.empty((lanes, alphabet) if gaussian else (1, alphabet), dtype=np.int64)
+    codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
+    lane_levels = np.repeat(np.array(k_levels + v_levels, dtype=np.int64), hidden)
     bounds = np.empty((lanes, 2), dtype=np.uint8)
     models = np.empty((lanes, 2), dtype=np.uint8)
+    rows = np.empty(lanes, dtype=np.int64)
     lane_cost = np.zeros((lanes, 3), dtype=np.int64)
     KERNELS["tables"](
         counts,  # [lanes, A]
-        np.repeat(levels.astype(np.int64), hidden),  # lane_levels [lanes]
-        gaussian_weights(),
+        codebook.first_row[lane_levels],  # [lanes]
+        codebook.tables,  # [rows, A]
         spread_thresholds(),
         cost_table(),
         num_tokens,
         gaussian,
-        freq,  # [lanes, A]
-        gaussian_freq,  # [lanes, A]
         bounds,  # [lanes, 2]
         models,  # [lanes, 2]
+        rows,  # [lanes]
         lane_cost,  # [lanes, 3]
         work=counts.size,
     )
     scale = scale.reshape(2, num_layers, num_tokens)
-    histogram_cost, num_stored, gaussian_cost = lane_cost.sum(0).tolist()
-    histogram_bytes = 2 * lanes + num_stored * count_dtype.itemsize
-    if model == "gaussian" or (
-        gaussian and choose_gaussian(histogram_cost, histogram_bytes, gaussian_cost, 2 * lanes)
-    ):
-        return (
-            scale,
-            torch.from_numpy(symbols),
-            torch.from_numpy(gaussian_freq),
-            "gaussian",
-            [models],
-        )
+    symbols_t = torch.from_numpy(symbols)
+    if gaussian:
+        entropy, num_stored, gaussian_cost = lane_cost.sum(0).tolist()
+        histogram_bytes = 2 * lanes + num_stored * count_dtype.itemsize
+        if model == "gaussian" or choose_gaussian(
+            entropy, histogram_bytes, gaussian_cost, 2 * lanes
+        ):
+            freq = torch.from_numpy(codebook.tables[rows].astype(np.int64))
+            return scale, symbols_t, freq, "gaussian", [models]
+    freq = np.empty((lanes, alphabet), dtype=np.int64)
+    KERNELS["frequencies"](counts, freq, work=counts.size)
     like = np.zeros(1, dtype=count_dtype)
     stored = KERNELS["pack"](counts, bounds, like, work=counts.size)
-    return scale, torch.from_numpy(symbols), torch.from_numpy(freq), "histogram", [bounds, stored]
+    return scale, symbols_t, torch.from_numpy(freq), "histogram", [bounds, stored]
 
 
 def histogram_tables(
@@ -424,17 +416,6 @@ def histogram_tables(
     if KERNELS["unpack"](bounds, stored, num_tokens, counts, freq, work=counts.size):
         raise CodecError("a lane's histogram does not sum to num_tokens or is not tight")
     return counts, torch.from_numpy(freq)
-
-
-def gaussian_tables(
-    models: np.ndarray,  # [lanes, 2] uint8, centre <= 2n, spread < SPREADS (checked)
-    lane_levels: np.ndarray,  # [lanes] int64
-    alphabet: int,
-) -> torch.Tensor:
-    """Each lane's Gaussian frequency table, an int64 CPU tensor ``[lanes, alphabet]``."""
-    freq = np.empty((models.shape[0], alphabet), dtype=np.int64)
-    KERNELS["gaussian"](models, lane_levels, gaussian_weights(), freq, work=freq.size)
-    return torch.from_numpy(freq)
 
 
 def dequantize(

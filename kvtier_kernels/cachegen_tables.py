@@ -16,13 +16,17 @@ stores; the bitstream's ``model`` field (version 3) says what that is:
   ``k`` is the spread whose model variance is nearest (geometrically) to the lane's
   variance (:func:`spread_thresholds`). Per-token quantization leaves each channel
   near-Gaussian around its own offset; the model costs 0.1-0.2 bits per symbol more than a
-  lane's own histogram at 64-256 tokens and saves the histogram's bytes.
+  lane's own histogram at 64-256 tokens and saves the histogram's bytes. The tables of
+  every ``(n, c, k)`` are computed once per process (:func:`gaussian_codebook`), so a
+  lane's table is a row lookup.
 
-The encoder builds both tables for every lane and estimates the chunk's coded size with
-each: ``sum over symbols of -log2(f / 2**16)`` (from :func:`cost_table`, in
-``2**-COST_BITS`` bits) plus the stored model's bytes; it keeps the smaller, ``gaussian``
-on a tie (:func:`choose_gaussian`). Chunks of more than ``GAUSSIAN_MAX_TOKENS`` tokens use
-``histogram`` (the variance arithmetic stays inside int64).
+The encoder estimates the chunk's coded size with each model: the symbols' cost is
+``sum -log2(f / 2**16)`` with the Gaussian tables and the lanes' empirical entropy
+``sum -log2(count / T)`` with their own histograms (both from :func:`cost_table`, in
+``2**-COST_BITS`` bits), plus the stored model's bytes; it keeps the smaller,
+``gaussian`` on a tie (:func:`choose_gaussian`), and builds the histogram tables only if
+it keeps those. Chunks of more than ``GAUSSIAN_MAX_TOKENS`` tokens use ``histogram`` (the
+variance arithmetic stays inside int64).
 
 Everything is integer arithmetic on tables built from integers (the Gaussian decays are
 constants below), so every device, backend and machine derives the same tables and makes
@@ -35,6 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,11 +50,15 @@ __all__ = [
     "COST_BITS",
     "GAUSSIAN_MAX_TOKENS",
     "MAX_DISTANCE",
+    "MAX_LEVELS",
     "SPREADS",
     "VARIANCE_BITS",
+    "GaussianCodebook",
     "choose_gaussian",
     "coding_cost",
     "cost_table",
+    "entropy_cost",
+    "gaussian_codebook",
     "gaussian_freq",
     "gaussian_models",
     "gaussian_weights",
@@ -58,7 +67,8 @@ __all__ = [
     "spread_thresholds",
 ]
 
-MAX_DISTANCE = 254  # |s - c| within the largest alphabet, 2 * 127 + 1 symbols
+MAX_LEVELS = 127  # n: the alphabet 2n + 1 <= 255 fits the uint8 symbols and bounds
+MAX_DISTANCE = 2 * MAX_LEVELS  # |s - c| within the largest alphabet
 SPREADS = 64
 GAUSSIAN_MAX_TOKENS = 1 << 16  # (T * sum s^2) << VARIANCE_BITS < 2**63
 VARIANCE_BITS = 12  # a lane's variance in 2**-12 symbols^2
@@ -157,6 +167,57 @@ def cost_table() -> np.ndarray:
     return table
 
 
+@dataclass(frozen=True, slots=True)
+class GaussianCodebook:
+    """The Gaussian model's frequency table of every ``(n, centre, spread)`` for a set of
+    levels ``n``: lane ``l`` with levels ``n`` and model ``(c, k)`` is coded with row
+    ``first_row[n] + c * SPREADS + k`` of ``tables``."""
+
+    tables: np.ndarray  # int32 [rows, alphabet]
+    first_row: np.ndarray  # int64 [MAX_LEVELS + 1]: n -> its (c, k) = (0, 0) row, else -1
+    device_copies: dict = field(default_factory=dict)  # torch.device -> (tables, first_row)
+
+    def freq(self, models: np.ndarray, lane_levels: np.ndarray) -> np.ndarray:
+        """:func:`gaussian_freq` in numpy (no torch threads to wake for a CPU kernel):
+        int64 ``[lanes, alphabet]`` from uint8 ``models`` and int64 ``lane_levels``."""
+        centre, spread = (models[:, i].astype(np.int64) for i in (0, 1))
+        rows = self.first_row[lane_levels] + centre * SPREADS + spread
+        return self.tables[rows].astype(np.int64)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tables, first_row)`` as tensors on ``device`` (cached)."""
+        device = torch.device(device)
+        copies = self.device_copies.get(device)
+        if copies is None:
+            copies = self.device_copies[device] = (
+                torch.from_numpy(self.tables.copy()).to(device),
+                torch.from_numpy(self.first_row.copy()).to(device),
+            )
+        return copies
+
+
+@functools.lru_cache(maxsize=16)
+def gaussian_codebook(levels: tuple[int, ...], alphabet: int) -> GaussianCodebook:
+    """The codebook of the distinct ``levels`` (each ``n`` with ``2n < alphabet``), built
+    by :func:`quantize_counts` from :func:`gaussian_weights` (a few ms at ``n = 127``)."""
+    symbol = torch.arange(alphabet)
+    weights = torch.from_numpy(gaussian_weights().copy())
+    first_row = np.full(MAX_LEVELS + 1, -1, dtype=np.int64)
+    books, rows = [], 0
+    for n in sorted(set(levels)):
+        centre = torch.arange(2 * n + 1)
+        distance = (symbol[None, :] - centre[:, None]).abs().clamp_(max=MAX_DISTANCE)
+        book = weights[:, distance].permute(1, 0, 2)  # [centre, spread, symbol]
+        book = torch.where(symbol <= 2 * n, book, 0).reshape(-1, alphabet)
+        books.append(quantize_counts(book).to(torch.int32))
+        first_row[n] = rows
+        rows += len(book)
+    tables = torch.cat(books).numpy()
+    tables.flags.writeable = False
+    first_row.flags.writeable = False
+    return GaussianCodebook(tables, first_row)
+
+
 _device_copies: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -165,9 +226,11 @@ def _on(device: torch.device, name: str) -> torch.Tensor:
     key = (name, torch.device(device))
     tensor = _device_copies.get(key)
     if tensor is None:
-        array = {"weights": gaussian_weights, "thresholds": spread_thresholds, "cost": cost_table}
-        tensor = _device_copies[key] = torch.from_numpy(array[name]().copy()).to(device)
+        tensor = _device_copies[key] = torch.from_numpy(_CONSTANTS[name]().copy()).to(device)
     return tensor
+
+
+_CONSTANTS = {"thresholds": spread_thresholds, "cost": cost_table}
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,23 +272,32 @@ def gaussian_models(counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.stack([centre, spread], dim=1).to(torch.uint8)
 
 
-def gaussian_freq(models: torch.Tensor, lane_levels: torch.Tensor, alphabet: int) -> torch.Tensor:
+def gaussian_freq(
+    models: torch.Tensor, lane_levels: torch.Tensor, codebook: GaussianCodebook
+) -> torch.Tensor:
     """The Gaussian model's frequency tables, int64 ``[lanes, alphabet]`` on ``models``'
     device, from ``models`` uint8 ``[lanes, 2]`` (centre ``<= 2n``, spread ``<
-    SPREADS``, checked by the caller) and each lane's ``n``, ``lane_levels`` int64
-    ``[lanes]``; symbols above ``2n`` get frequency 0."""
-    symbol = torch.arange(alphabet, device=models.device, dtype=torch.int64)
-    centre, spread = models[:, 0].long(), models[:, 1].long()
-    distance = (symbol[None, :] - centre[:, None]).abs().clamp_(max=MAX_DISTANCE)
-    weights = _on(models.device, "weights")[spread[:, None], distance]
-    weights = torch.where(symbol[None, :] <= 2 * lane_levels[:, None], weights, 0)
-    return quantize_counts(weights)
+    SPREADS``, checked by the caller), each lane's ``n`` (``lane_levels`` int64
+    ``[lanes]``, on the same device) and the codebook of those levels; symbols above
+    ``2n`` get frequency 0."""
+    tables, first_row = codebook.on(models.device)
+    rows = first_row[lane_levels] + models[:, 0].long() * SPREADS + models[:, 1].long()
+    return tables[rows].long()
 
 
 def coding_cost(counts: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     """Estimated bits (in ``2**-COST_BITS``) of coding the symbols ``counts`` counts
     with ``freq`` (positive wherever ``counts`` is), an int64 scalar on their device."""
     return (counts * _on(counts.device, "cost")[freq]).sum()
+
+
+def entropy_cost(counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The lanes' empirical entropy in ``2**-COST_BITS`` bits, ``sum -log2(count / T)``
+    over their symbols (rows of ``counts`` sum to ``num_tokens <= PROB_SCALE``), an int64
+    scalar on ``counts``' device: what coding each lane with its own histogram costs,
+    less the rounding of the histogram to a table."""
+    cost = _on(counts.device, "cost")
+    return (counts * (cost[counts] - cost[num_tokens])).sum()
 
 
 def choose_gaussian(

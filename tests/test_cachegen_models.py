@@ -25,6 +25,8 @@ from kvtier_kernels.cachegen_tables import (
     SPREADS,
     VARIANCE_BITS,
     cost_table,
+    entropy_cost,
+    gaussian_codebook,
     gaussian_freq,
     gaussian_models,
     gaussian_weights,
@@ -110,12 +112,39 @@ def test_mean_rounds_half_up():
 @pytest.mark.parametrize("levels", [1, 8, 127])
 def test_gaussian_tables_cover_exactly_the_lanes_alphabet(levels):
     alphabet = 2 * 127 + 1
+    codebook = gaussian_codebook((levels, 127), alphabet)
     centres = torch.tensor([0, levels, 2 * levels, levels])
     spreads = torch.tensor([0, 20, SPREADS - 1, 40])
     models = torch.stack([centres, spreads], 1).to(torch.uint8)
-    freq = gaussian_freq(models, torch.full((4,), levels), alphabet)
+    freq = gaussian_freq(models, torch.full((4,), levels), codebook)
     assert (freq.sum(1) == PROB_SCALE).all()
     assert (freq[:, : 2 * levels + 1] > 0).all() and (freq[:, 2 * levels + 1 :] == 0).all()
+    as_numpy = codebook.freq(models.numpy(), np.full(4, levels))
+    np.testing.assert_array_equal(as_numpy, freq.numpy())
+
+
+def test_codebook_rows_are_the_quantized_weights():
+    """The definition the codebook caches: quantize_counts of W[k][|s - c|] on [0, 2n]."""
+    alphabet = 33
+    codebook = gaussian_codebook((4, 16), alphabet)
+    rng = np.random.default_rng(0)
+    for n in (4, 16):
+        models = zip(rng.integers(0, 2 * n + 1, 20), rng.integers(0, SPREADS, 20), strict=True)
+        for centre, spread in models:
+            symbol = np.arange(alphabet)
+            distance = np.minimum(np.abs(symbol - centre), MAX_DISTANCE)
+            weights = np.where(symbol <= 2 * n, gaussian_weights()[spread, distance], 0)
+            expected = quantize_counts(weights[None, :])[0]
+            got = codebook.freq(np.array([[centre, spread]], np.uint8), np.array([n]))[0]
+            np.testing.assert_array_equal(got, expected, err_msg=f"n={n} ({centre}, {spread})")
+
+
+def test_entropy_cost_is_the_empirical_entropy():
+    rng = np.random.default_rng(1)
+    counts = torch.from_numpy(rng.multinomial(100, np.ones(9) / 9, size=20))
+    exact = sum(-c * math.log2(c / 100) for c in counts.flatten().tolist() if c)
+    got = int(entropy_cost(counts, 100)) / 2**cachegen_tables.COST_BITS
+    assert got == pytest.approx(exact, abs=counts.sum().item() * 2**-cachegen_tables.COST_BITS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,7 +265,8 @@ def forged(model: str) -> tuple[bytes, dict]:
     if model == "gaussian":
         models = gaussian_models(counts, TOKENS)
         models[0, 1] += 1
-        freq = gaussian_freq(models, torch.full((LANES,), LEVELS), alphabet)
+        codebook = gaussian_codebook((LEVELS,), alphabet)
+        freq = gaussian_freq(models, torch.full((LANES,), LEVELS), codebook)
         tables = [models.numpy().tobytes()]
     else:
         counts[0, LEVELS] += 1
