@@ -166,7 +166,7 @@ def tables_kernel(
     gaussian,  # whether to fit the Gaussian model (num_tokens <= GAUSSIAN_MAX_TOKENS)
     bounds,  # [lanes, 2] uint8 (out): (lo, hi), the used symbol range
     models,  # [lanes, 2] uint8 (out): (centre, spread), if gaussian
-    rows,  # [lanes] int64 (out): the lane's codebook row, if gaussian
+    freq,  # [lanes, A] int64 (out): the lane's Gaussian table, if gaussian
     lane_cost,  # [lanes, 3] int64 (out): entropy bits, stored counts, Gaussian bits
 ):
     lanes, alphabet = counts.shape
@@ -185,8 +185,10 @@ def tables_kernel(
             lane_cost[lane, 0] = entropy
             centre, spread = _gaussian_model(row, num_tokens, thresholds)
             models[lane, 0], models[lane, 1] = centre, spread
-            rows[lane] = lane_first_row[lane] + centre * SPREADS + spread
-            lane_cost[lane, 2] = _cost(row, codebook[rows[lane]], cost)
+            table = codebook[lane_first_row[lane] + centre * SPREADS + spread]
+            for a in range(alphabet):
+                freq[lane, a] = table[a]
+            lane_cost[lane, 2] = _cost(row, freq[lane], cost)
 
 
 def frequencies_kernel(
@@ -365,7 +367,7 @@ def encode_statistics(
     lane_levels = np.repeat(np.array(k_levels + v_levels, dtype=np.int64), hidden)
     bounds = np.empty((lanes, 2), dtype=np.uint8)
     models = np.empty((lanes, 2), dtype=np.uint8)
-    rows = np.empty(lanes, dtype=np.int64)
+    freq = np.empty((lanes, alphabet), dtype=np.int64)
     lane_cost = np.zeros((lanes, 3), dtype=np.int64)
     KERNELS["tables"](
         counts,  # [lanes, A]
@@ -377,7 +379,7 @@ def encode_statistics(
         gaussian,
         bounds,  # [lanes, 2]
         models,  # [lanes, 2]
-        rows,  # [lanes]
+        freq,  # [lanes, A]
         lane_cost,  # [lanes, 3]
         work=counts.size,
     )
@@ -389,9 +391,7 @@ def encode_statistics(
         if model == "gaussian" or choose_gaussian(
             entropy, histogram_bytes, gaussian_cost, 2 * lanes
         ):
-            freq = torch.from_numpy(codebook.tables[rows].astype(np.int64))
-            return scale, symbols_t, freq, "gaussian", [models]
-    freq = np.empty((lanes, alphabet), dtype=np.int64)
+            return scale, symbols_t, torch.from_numpy(freq), "gaussian", [models]
     KERNELS["frequencies"](counts, freq, work=counts.size)
     like = np.zeros(1, dtype=count_dtype)
     stored = KERNELS["pack"](counts, bounds, like, work=counts.size)
