@@ -18,7 +18,7 @@ from support.samples import assert_within_bound, synthetic_kv
 
 from kvtier_kernels import cachegen_tables
 from kvtier_kernels.cachegen import MODELS, CodecError, decode_chunk, encode_chunk
-from kvtier_kernels.cachegen_format import length_dtype, make_params, padded
+from kvtier_kernels.cachegen_format import length_dtype, make_params, padded, params_checksum
 from kvtier_kernels.cachegen_tables import (
     GAUSSIAN_MAX_TOKENS,
     MAX_DISTANCE,
@@ -293,3 +293,19 @@ def test_stored_model_must_be_the_symbols_own(model, backend):
     with pytest.raises(CodecError, match=f"disagree with the stored {model} model"):
         decode_chunk(payload, params, out, backend=backend)
     assert bool((out == 7.0).all()), "out written before the check"
+
+
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+@pytest.mark.parametrize(("byte", "value"), [(0, 2 * LEVELS + 1), (1, SPREADS), (1, 255)])
+def test_models_outside_the_alphabet_or_the_spreads_are_rejected(byte, value, backend):
+    payload, params = encode_chunk(
+        synthetic_kv(layers=1, tokens=TOKENS, hidden=HIDDEN), [LEVELS], [LEVELS], model="gaussian"
+    )
+    damaged = bytearray(payload)
+    damaged[params["sections"][0] + 2 * 5 + byte] = value  # lane 5's centre or spread
+    damaged = bytes(damaged)
+    params = {**params, "crc": params_checksum(params, damaged)}
+    out = torch.full((2, 1, TOKENS, HIDDEN), 7.0)
+    with pytest.raises(CodecError, match="Gaussian model is outside"):
+        decode_chunk(damaged, params, out, backend=backend)
+    assert bool((out == 7.0).all())
