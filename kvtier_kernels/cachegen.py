@@ -229,11 +229,13 @@ def _encode_statistics(
         models = gaussian_models(counts, num_tokens)
         codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
         gaussian = gaussian_freq(models, lane_levels, codebook)
-        if model is None:
+        if model is None:  # the smaller, estimated
             costs = [stored.sum(), entropy_cost(counts, num_tokens), coding_cost(counts, gaussian)]
             num_stored, entropy, gaussian_cost = torch.stack(costs).tolist()
             histogram_bytes = 2 * len(counts) + num_stored * counts_dtype.itemsize
-        if model or choose_gaussian(entropy, histogram_bytes, gaussian_cost, 2 * len(counts)):
+            smaller = choose_gaussian(entropy, histogram_bytes, gaussian_cost, 2 * len(counts))
+            model = "gaussian" if smaller else "histogram"
+        if model == "gaussian":
             return scale_np, symbols, gaussian, "gaussian", [models.cpu().numpy()]
     bounds = torch.stack([lo, hi], dim=1).to(torch.uint8).cpu().numpy()
     return (
