@@ -5,12 +5,14 @@ its rANS coder is the ``numba`` backend (``auto`` on a CPU with numba installed)
 them here instead, with the same results bit for bit (the tests compare both):
 
 - :func:`encode_statistics`: chunk ``[2, L, T, D]`` -> per-token scales, the symbols of
-  each lane ``[lanes, T]``, each lane's frequency table, ``(lo, hi)`` bounds and stored
-  counts (the payload's ``counts`` section): one pass over the chunk, one over the counts;
-- :func:`decode_tables`: bounds + stored counts -> each lane's histogram (checked) and
-  frequency table;
+  each lane ``[lanes, T]``, each lane's frequency table under the model the encoder
+  picks (:mod:`kvtier_kernels.cachegen_tables`: both models' sizes estimated, the
+  Gaussian fitted) and that model's payload sections: one pass over the chunk, one or two
+  over the counts;
+- :func:`histogram_tables`: the stored histograms -> each lane's frequency table, once
+  the histograms are checked (a Gaussian lane's table is a row of the codebook);
 - :func:`dequantize`: symbols -> ``out``, once the symbols' histograms match the stored
-  ones (``out`` is untouched otherwise).
+  ones, or give the stored Gaussian models (``out`` is untouched otherwise).
 
 The arithmetic is the torch code's: float32 absmax, ``step = scale / n`` and
 ``x / step`` as correctly rounded float32 divisions, round half to even, integer tables,
@@ -32,9 +34,23 @@ import numpy as np
 import torch
 
 from kvtier_kernels._launch import NumbaKernel
+from kvtier_kernels.cachegen_tables import (
+    GAUSSIAN_MAX_TOKENS,
+    SPREADS,
+    VARIANCE_BITS,
+    choose_gaussian,
+    cost_table,
+    gaussian_codebook,
+    spread_thresholds,
+)
 from kvtier_kernels.rans import PROB_SCALE, CodecError
 
-__all__ = ["KERNELS", "decode_tables", "dequantize", "encode_statistics"]
+__all__ = [
+    "KERNELS",
+    "dequantize",
+    "encode_statistics",
+    "histogram_tables",
+]
 
 prange: Any = range  # numba.prange once a kernel is compiled (NumbaKernel.get)
 _TILE = 16  # tokens quantized together, then transposed to lanes
@@ -45,24 +61,52 @@ _TILE = 16  # tokens quantized together, then transposed to lanes
 # ---------------------------------------------------------------------------------------
 
 
-def _frequencies(counts, freq, lane):
-    """``freq[lane] = quantize_counts(counts[lane])`` (see :mod:`kvtier_kernels.cachegen`):
-    proportional, floored, every used symbol at least 1, the remainder to the first most
-    frequent symbol. The row's total must be positive."""
-    alphabet = counts.shape[1]
+def _frequencies(counts, freq):
+    """``freq = quantize_counts(counts)`` for one lane's row (see
+    :mod:`kvtier_kernels.cachegen_tables`): proportional, floored, every used symbol at
+    least 1, the remainder to the first most frequent symbol. The row's total must be
+    positive; ``freq`` may be ``counts`` itself."""
+    alphabet = counts.shape[0]
     total, top, best = 0, 0, -1
     for a in range(alphabet):
-        total += counts[lane, a]
-        if counts[lane, a] > best:
-            top, best = a, counts[lane, a]
+        total += counts[a]
+        if counts[a] > best:
+            top, best = a, counts[a]
     assigned = 0
     for a in range(alphabet):
         f = 0
-        if counts[lane, a] > 0:
-            f = max(1, counts[lane, a] * PROB_SCALE // total)
-        freq[lane, a] = f
+        if counts[a] > 0:
+            f = max(1, counts[a] * PROB_SCALE // total)
+        freq[a] = f
         assigned += f
-    freq[lane, top] += PROB_SCALE - assigned
+    freq[top] += PROB_SCALE - assigned
+
+
+def _gaussian_model(counts, num_tokens, thresholds):
+    """``(centre, spread)`` of one lane's histogram, as ``gaussian_models`` computes it."""
+    first, second = 0, 0
+    for a in range(counts.shape[0]):
+        first += a * counts[a]
+        second += a * a * counts[a]
+    centre = (2 * first + num_tokens) // (2 * num_tokens)
+    variance = ((num_tokens * second - first * first) << VARIANCE_BITS) // (num_tokens * num_tokens)
+    spread, above = 0, thresholds.shape[0]  # spread: the number of thresholds <= variance
+    while spread < above:
+        middle = (spread + above) // 2
+        if thresholds[middle] <= variance:
+            spread = middle + 1
+        else:
+            above = middle
+    return centre, spread
+
+
+def _cost(counts, freq, cost):
+    """Estimated bits (``2**-COST_BITS``) of one lane's symbols coded with ``freq``."""
+    bits = 0
+    for a in range(counts.shape[0]):
+        if counts[a] > 0:
+            bits += counts[a] * cost[freq[a]]
+    return bits
 
 
 def quantize_kernel(
@@ -113,31 +157,66 @@ def quantize_kernel(
 
 
 def tables_kernel(
-    counts,  # [lanes, A] int64: histograms with a positive total
-    freq,  # [lanes, A] int64 (out): frequency tables
+    counts,  # [lanes, A] int64: histograms summing to num_tokens
+    lane_first_row,  # [lanes] int64: the codebook row of (lane's n, centre 0, spread 0)
+    codebook,  # [rows, A] int32: the Gaussian tables (GaussianCodebook.tables)
+    thresholds,  # [SPREADS - 1] int64: spread_thresholds()
+    cost,  # [PROB_SCALE + 1] int64: cost_table()
+    num_tokens,
+    gaussian,  # whether to fit the Gaussian model (num_tokens <= GAUSSIAN_MAX_TOKENS)
     bounds,  # [lanes, 2] uint8 (out): (lo, hi), the used symbol range
-    like,  # [1] of the stored counts' dtype
-):  # -> stored counts: counts[lo..hi] of each lane with lo < hi, lanes in order
+    models,  # [lanes, 2] uint8 (out): (centre, spread), if gaussian
+    freq,  # [lanes, A] int64 (out): the lane's Gaussian table, if gaussian
+    lane_cost,  # [lanes, 3] int64 (out): entropy bits, stored counts, Gaussian bits
+):
     lanes, alphabet = counts.shape
-    widths = np.empty(lanes, np.int64)
     for lane in prange(lanes):
-        _frequencies(counts, freq, lane)
+        row = counts[lane]
         lo, hi = alphabet, 0
         for a in range(alphabet):
-            if counts[lane, a] > 0:
+            if row[a] > 0:
                 lo, hi = min(lo, a), a
         bounds[lane, 0], bounds[lane, 1] = lo, hi
-        widths[lane] = hi - lo + 1 if hi > lo else 0
+        lane_cost[lane, 1] = hi - lo + 1 if hi > lo else 0
+        if gaussian:
+            entropy = 0
+            for a in range(lo, hi + 1):
+                entropy += row[a] * (cost[row[a]] - cost[num_tokens])
+            lane_cost[lane, 0] = entropy
+            centre, spread = _gaussian_model(row, num_tokens, thresholds)
+            models[lane, 0], models[lane, 1] = centre, spread
+            table = codebook[lane_first_row[lane] + centre * SPREADS + spread]
+            for a in range(alphabet):
+                freq[lane, a] = table[a]
+            lane_cost[lane, 2] = _cost(row, freq[lane], cost)
+
+
+def frequencies_kernel(
+    counts,  # [lanes, A] int64: histograms with a positive total
+    freq,  # [lanes, A] int64 (out): quantize_counts(counts)
+):
+    for lane in prange(counts.shape[0]):
+        _frequencies(counts[lane], freq[lane])
+
+
+def pack_kernel(
+    counts,  # [lanes, A] int64
+    bounds,  # [lanes, 2] uint8: (lo, hi)
+    like,  # [1] of the stored counts' dtype
+):  # -> stored counts: counts[lo..hi] of each lane with lo < hi, lanes in order
+    lanes = counts.shape[0]
     starts = np.empty(lanes, np.int64)
     total = 0
     for lane in range(lanes):
         starts[lane] = total
-        total += widths[lane]
+        if bounds[lane, 1] > bounds[lane, 0]:
+            total += np.int64(bounds[lane, 1]) - np.int64(bounds[lane, 0]) + 1
     stored = np.empty(total, like.dtype)
     for lane in prange(lanes):
-        lo = np.int64(bounds[lane, 0])
-        for k in range(widths[lane]):
-            stored[starts[lane] + k] = counts[lane, lo + k]
+        lo, hi = np.int64(bounds[lane, 0]), np.int64(bounds[lane, 1])
+        if hi > lo:
+            for k in range(hi - lo + 1):
+                stored[starts[lane] + k] = counts[lane, lo + k]
     return stored
 
 
@@ -169,32 +248,48 @@ def unpack_kernel(
         if row_total != num_tokens or counts[lane, lo] == 0 or counts[lane, hi] == 0:
             bad += 1
         else:
-            _frequencies(counts, freq, lane)
+            _frequencies(counts[lane], freq[lane])
     return bad
 
 
 def dequantize_kernel(
     symbols,  # [planes * D, T] uint8
+    gaussian,  # whether the check is against models (else against counts)
     counts,  # [planes * D, A] int64: the histograms the symbols must have
+    models,  # [planes * D, 2] uint8: the Gaussian models the symbols must give
+    thresholds,  # [SPREADS - 1] int64
     scale,  # [planes, T] float32
     levels,  # [planes] float32: levels_half n of each plane
     out,  # [planes, T, D] float32, or uint16 for bf16 bits (out)
     bf16,  # whether out holds bf16 bits (rounded to nearest even from float32)
-):  # -> the number of planes where a lane's symbols disagree with counts (out untouched)
+):  # -> the number of planes where a lane's symbols disagree with its model (out untouched)
     lanes, tokens = symbols.shape
     planes, alphabet = scale.shape[0], counts.shape[1]
     hidden = lanes // planes
     bad = 0
     for p in prange(planes):
         seen = np.empty((4, alphabet + 1), np.int64)  # 4 histograms, then a bin for >= A
+        row = np.empty(alphabet, np.int64)
         plane_bad = 0
         for lane in range(p * hidden, (p + 1) * hidden):
             seen[:] = 0
             for t in range(tokens):
                 seen[t & 3, min(np.int64(symbols[lane, t]), alphabet)] += 1
             for a in range(alphabet):
-                if seen[0, a] + seen[1, a] + seen[2, a] + seen[3, a] != counts[lane, a]:
+                row[a] = seen[0, a] + seen[1, a] + seen[2, a] + seen[3, a]
+            if gaussian:
+                centre, spread = _gaussian_model(row, tokens, thresholds)
+                extra = seen[0, alphabet] + seen[1, alphabet] + seen[2, alphabet]
+                if (
+                    extra + seen[3, alphabet]
+                    or centre != models[lane, 0]
+                    or spread != models[lane, 1]
+                ):
                     plane_bad = 1
+            else:
+                for a in range(alphabet):
+                    if row[a] != counts[lane, a]:
+                        plane_bad = 1
         bad += plane_bad
     if bad:
         return bad
@@ -215,11 +310,14 @@ def dequantize_kernel(
     return 0
 
 
+_HELPERS = [_frequencies, _gaussian_model, _cost]
 KERNELS = {
     "quantize": NumbaKernel(quantize_kernel),
-    "tables": NumbaKernel(tables_kernel, helpers=[_frequencies]),
-    "unpack": NumbaKernel(unpack_kernel, helpers=[_frequencies]),
-    "dequantize": NumbaKernel(dequantize_kernel),
+    "tables": NumbaKernel(tables_kernel, helpers=_HELPERS),
+    "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS),
+    "pack": NumbaKernel(pack_kernel),
+    "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS),
+    "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS),
 }
 """The codec's numba kernels by step, compiled on first use."""
 
@@ -239,12 +337,13 @@ def encode_statistics(
     v_levels: list[int],
     alphabet: int,
     count_dtype: np.dtype,
-) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
-    """Quantize ``chunk`` (checked by the caller but for finiteness) and build its tables.
+    model: str | None,
+) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, str, list[np.ndarray]]:
+    """Quantize ``chunk`` (checked by the caller but for finiteness) and build its tables
+    for ``model`` (None: the model estimated smaller).
 
-    Returns ``(scale, symbols, freq, bounds, stored)``: float32 ``[2, L, T]``, uint8
-    ``[lanes, T]`` and int64 ``[lanes, alphabet]`` tensors on the CPU, uint8
-    ``[lanes, 2]``, and the stored counts as ``count_dtype``.
+    Returns ``(scale, symbols, freq, model, tables)`` as
+    :data:`kvtier_kernels.cachegen.Statistics` describes them (the tensors on the CPU).
 
     Raises:
         ValueError: the chunk holds a non-finite value.
@@ -263,20 +362,43 @@ def encode_statistics(
     levels = _plane_levels(k_levels, v_levels)
     if KERNELS["quantize"](bits, shift, levels, scale, symbols, counts, work=symbols.size):
         raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
-    freq = np.empty((lanes, alphabet), dtype=np.int64)
+    gaussian = model != "histogram" and num_tokens <= GAUSSIAN_MAX_TOKENS
+    codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
+    lane_levels = np.repeat(np.array(k_levels + v_levels, dtype=np.int64), hidden)
     bounds = np.empty((lanes, 2), dtype=np.uint8)
-    like = np.zeros(1, dtype=count_dtype)
-    stored = KERNELS["tables"](counts, freq, bounds, like, work=counts.size)
-    return (
-        scale.reshape(2, num_layers, num_tokens),
-        torch.from_numpy(symbols),
-        torch.from_numpy(freq),
-        bounds,
-        stored,
+    models = np.empty((lanes, 2), dtype=np.uint8)
+    freq = np.empty((lanes, alphabet), dtype=np.int64)
+    lane_cost = np.zeros((lanes, 3), dtype=np.int64)
+    KERNELS["tables"](
+        counts,  # [lanes, A]
+        codebook.first_row[lane_levels],  # [lanes]
+        codebook.tables,  # [rows, A]
+        spread_thresholds(),
+        cost_table(),
+        num_tokens,
+        gaussian,
+        bounds,  # [lanes, 2]
+        models,  # [lanes, 2]
+        freq,  # [lanes, A]
+        lane_cost,  # [lanes, 3]
+        work=counts.size,
     )
+    scale = scale.reshape(2, num_layers, num_tokens)
+    symbols_t = torch.from_numpy(symbols)
+    if gaussian:
+        entropy, num_stored, gaussian_cost = lane_cost.sum(0).tolist()
+        histogram_bytes = 2 * lanes + num_stored * count_dtype.itemsize
+        if model == "gaussian" or choose_gaussian(
+            entropy, histogram_bytes, gaussian_cost, 2 * lanes
+        ):
+            return scale, symbols_t, torch.from_numpy(freq), "gaussian", [models]
+    KERNELS["frequencies"](counts, freq, work=counts.size)
+    like = np.zeros(1, dtype=count_dtype)
+    stored = KERNELS["pack"](counts, bounds, like, work=counts.size)
+    return scale, symbols_t, torch.from_numpy(freq), "histogram", [bounds, stored]
 
 
-def decode_tables(
+def histogram_tables(
     bounds: np.ndarray,  # [lanes, 2] uint8, lo <= hi < alphabet (checked by the caller)
     stored: np.ndarray,  # the stored counts, as many as the bounds say (checked)
     num_tokens: int,
@@ -298,33 +420,41 @@ def decode_tables(
 
 def dequantize(
     symbols: torch.Tensor,  # [lanes, T] uint8
-    counts: np.ndarray,  # [lanes, A] int64
-    scale: np.ndarray,  # [2, L, T] float32
+    model: str,  # "histogram" or "gaussian"
+    expected: np.ndarray,  # [lanes, A] int64 histograms, or [lanes, 2] uint8 models
+    scale: np.ndarray,  # [2 * L * T] float32
     k_levels: list[int],
     v_levels: list[int],
     out: torch.Tensor,  # [2, L, T, D] bf16/fp16/fp32, contiguous, any device
 ) -> None:
     """Write the dequantized chunk into ``out`` once every lane's symbols have the
-    histogram ``counts`` holds for it.
+    histogram ``expected`` holds for it, or give its Gaussian model.
 
     Raises:
-        CodecError: some lane's symbols disagree with its histogram (``out`` untouched).
+        CodecError: some lane's symbols disagree with its model (``out`` untouched).
     """
     _, num_layers, num_tokens, hidden = out.shape
     planes = 2 * num_layers
+    alphabet = 2 * max(k_levels + v_levels) + 1
+    gaussian = model == "gaussian"
+    counts = np.zeros((1, alphabet), np.int64) if gaussian else expected
+    models = expected if gaussian else np.zeros((1, 2), np.uint8)
     bf16 = out.dtype == torch.bfloat16
     direct = out.device.type == "cpu" and out.dtype in (torch.bfloat16, torch.float32)
     target = out if direct else torch.empty(out.shape, dtype=out.dtype if bf16 else torch.float32)
     values = target.view(torch.int16).numpy().view(np.uint16) if bf16 else target.numpy()
     if KERNELS["dequantize"](
         symbols.cpu().contiguous().numpy(),  # [lanes, T]
+        gaussian,
         counts,  # [lanes, A]
+        models,  # [lanes, 2]
+        spread_thresholds(),
         scale.reshape(planes, num_tokens),  # [planes, T]
         _plane_levels(k_levels, v_levels),  # [planes]
         values.reshape(planes, num_tokens, hidden),  # [planes, T, D]
         bf16,
         work=symbols.numel(),
     ):
-        raise CodecError("decoded symbols disagree with the stored histograms")
+        raise CodecError(f"decoded symbols disagree with the stored {model} model")
     if not direct:
         out.copy_(target)

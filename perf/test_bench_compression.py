@@ -13,7 +13,10 @@ chunks in ``KV_2LTD`` (``[2, num_layers, num_tokens, hidden]``, bf16), from
 - ``synthetic_kv``: log-normal channel magnitudes with 4 outlier K channels and per-token
   magnitudes: 32 layers x hidden 1024 x 256 tokens (32 MiB, the tier benchmarks' chunk);
 - ``small_kv``: the same kind of data for a small model's short chunk: 4 layers x 2 KV
-  heads x head size 64, 64 tokens (128 KiB), where fixed costs per call show.
+  heads x head size 64, 64 tokens (128 KiB), where fixed costs per call show;
+- ``small_llama_kv_64`` / ``small_llama_kv_256``: a real forward pass of a small random-weight
+  Llama (4 layers, 2 KV heads x head size 64), chunks of 64 and 256 tokens (128 / 512 KiB),
+  where the statistics stored per lane weigh most.
 
 Rows (``perf/report.py`` puts ``compression …`` rows in its ratio-vs-error section and
 GB/s rows in its throughput section):
@@ -58,9 +61,17 @@ TOKENS = 256
 LLAMA_SHAPE = {"num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "head_size": 128}
 SYNTHETIC_SHAPE = {"layers": 32, "hidden": 1024}
 SMALL_SHAPE = {"layers": 4, "hidden": 2 * 64, "tokens": 64}
-DATASETS = ("llama_kv", "synthetic_kv", "small_kv")
+SMALL_LLAMA_SHAPE = {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_size": 64}
+SMALL_LLAMA_TOKENS = {"small_llama_kv_64": 64, "small_llama_kv_256": 256}
+DATASETS = ("llama_kv", "synthetic_kv", "small_kv", *SMALL_LLAMA_TOKENS)
 # the reference takes ~0.3 s (llama_kv) to ~2 s (synthetic_kv) per call, numba ~1/30 of it
-ROUNDS = {("llama_kv", "torch"): 5, ("synthetic_kv", "torch"): 3, ("small_kv", "numba"): 200}
+ROUNDS = {
+    ("llama_kv", "torch"): 5,
+    ("synthetic_kv", "torch"): 3,
+    ("small_kv", "numba"): 200,
+    ("small_llama_kv_64", "numba"): 200,
+    ("small_llama_kv_256", "numba"): 100,
+}
 OTHER_ROUNDS = 20
 CODERS = {"numba": "CPU numba", "torch": "CPU reference"}  # backend -> row label
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gb/s
@@ -131,6 +142,9 @@ def sample(request) -> Sample:
     if request.param == "llama_kv":
         pytest.importorskip("transformers")
         kv = kv_samples.llama_kv(**LLAMA_SHAPE, tokens=TOKENS)
+    elif request.param in SMALL_LLAMA_TOKENS:
+        pytest.importorskip("transformers")
+        kv = kv_samples.llama_kv(**SMALL_LLAMA_SHAPE, tokens=SMALL_LLAMA_TOKENS[request.param])
     elif request.param == "synthetic_kv":
         kv = kv_samples.synthetic_kv(**SYNTHETIC_SHAPE, tokens=TOKENS)
     else:
@@ -186,6 +200,7 @@ def test_compression_ratio_and_error(record, sample):
         shape=shape,
         k_levels=k_levels,
         v_levels=v_levels,
+        statistics_model=sample.params["model"],
         compressed_bytes=sample.compressed_bytes,
         raw_bytes=sample.raw_bytes,
         error=cachegen_error,

@@ -3,7 +3,7 @@ implies, error against the level count, and the compression ratio.
 
 Data: K and V of real forward passes of random-weight ``transformers`` Llamas
 (``support.samples.llama_kv``; K post-RoPE) over head sizes 64 and 128, 2/4/8 KV heads, 3-12
-layers and 16/100/256 tokens, and synthetic KV with outlier K channels and an odd width.
+layers and 16/64/100/256 tokens, and synthetic KV with outlier K channels and an odd width.
 
 Relative error from the bound. For one (plane, layer) with ``T`` tokens of ``D``
 channels, token absmax ``scale_t`` and ``n`` levels, every element has
@@ -20,9 +20,11 @@ channels), 0.61-1.0 on the synthetic KV (most K channels sit within a step or tw
 there, where the error is the value itself, less than uniform). At the default schedule
 that is 0.052-0.063 at 16 levels and 0.092-0.146 at 8 levels on ``llama_kv``.
 
-Compression at the default schedule, ``llama_kv`` at 256 tokens: 3.92x (6 layers, head 64,
-4 KV heads), 3.76x (4 layers, head 128, 2 KV heads) and 4.65x (12 layers, head 64, 8 KV
-heads) smaller than bf16.
+Compression at the default schedule (bitstream version 3, the Gaussian model chosen),
+``llama_kv`` at 256 tokens: 4.48x (6 layers, head 64, 4 KV heads), 4.32x (4 layers, head
+128, 2 KV heads) and 5.14x (12 layers, head 64, 8 KV heads) smaller than bf16 (version 2:
+3.92x, 3.76x, 4.65x); a small model's 64-token chunk (4 layers, head 64, 2 KV heads):
+3.77x (version 2: 2.62x).
 
 Exact symbol round trips, rejection and the bound on small synthetic chunks are in
 ``test_cachegen.py``.
@@ -46,6 +48,9 @@ LLAMA_SHAPES = {
     "llama-h64-kv2-L3-T16": dict(
         head_size=64, num_heads=8, num_kv_heads=2, num_layers=3, tokens=16
     ),
+    "llama-h64-kv2-L4-T64": dict(
+        head_size=64, num_heads=4, num_kv_heads=2, num_layers=4, tokens=64
+    ),
     "llama-h128-kv8-L12-T100": dict(
         head_size=128, num_heads=8, num_kv_heads=8, num_layers=12, tokens=100
     ),
@@ -67,7 +72,9 @@ SCHEDULES = ["default", "k32-v4"]
 # The uniform-rounding estimate holds to a few percent on llama_kv (see the docstring);
 # 10% is several standard deviations of that estimate on the smallest plane (2048 values).
 UNIFORM_ESTIMATE_SLACK = 1.10
-DEFAULT_RATIO_BF16 = 3.5
+# the smallest ratio over bf16 at the default schedule, by chunk size (issue 14's targets:
+# 3.5x from 64 tokens up on small models; the Llama shapes measure 4.3-5.1x at 256)
+DEFAULT_RATIO_BF16 = {64: 3.5, 256: 4.0}
 
 
 @functools.cache
@@ -184,11 +191,14 @@ def test_more_levels_give_strictly_smaller_error(source):
     print(f"\n{source}: worst relative error over planes and layers by levels: {worst}")
 
 
-@pytest.mark.parametrize("source", [s for s, a in LLAMA_SHAPES.items() if a["tokens"] == 256])
-def test_default_schedule_is_3_5x_smaller_than_bf16(source):
+@pytest.mark.parametrize(
+    "source", [s for s, a in LLAMA_SHAPES.items() if a["tokens"] in DEFAULT_RATIO_BF16]
+)
+def test_default_schedule_ratio_over_bf16(source):
     chunk = kv(source)
     payload, params = encoded(source, "default")
     assert (params["k_levels"], params["v_levels"]) == default_levels(chunk.shape[1])
     ratio = chunk.numel() * 2 / len(payload)
-    print(f"\n{source}: default schedule {ratio:.2f}x smaller than bf16")
-    assert ratio >= DEFAULT_RATIO_BF16, f"{ratio:.2f}x smaller than bf16"
+    print(f"\n{source}: default schedule {ratio:.2f}x smaller than bf16 ({params['model']})")
+    minimum = DEFAULT_RATIO_BF16[chunk.shape[2]]
+    assert ratio >= minimum, f"{ratio:.2f}x smaller than bf16, expected at least {minimum}x"

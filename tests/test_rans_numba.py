@@ -31,7 +31,13 @@ from support.rans_cases import (
 from support.samples import synthetic_kv
 
 from kvtier_kernels import _launch, registry
-from kvtier_kernels.cachegen import decode_chunk, encode_chunk, params_checksum, quantize_counts
+from kvtier_kernels.cachegen import (
+    MODELS,
+    decode_chunk,
+    encode_chunk,
+    params_checksum,
+    quantize_counts,
+)
 from kvtier_kernels.rans import PROB_SCALE, CodecError
 from kvtier_kernels.rans_decode import rans_decode, rans_decode_lanes
 from kvtier_kernels.rans_encode import rans_encode, rans_encode_lanes
@@ -208,15 +214,17 @@ CHUNKS = [
 
 
 @needs_numba
+@pytest.mark.parametrize("model", [None, *MODELS])
 @pytest.mark.parametrize(("shape", "dtype"), CHUNKS, ids=lambda v: str(v))
-def test_codec_bytes_match_the_reference(shape, dtype, threads: str) -> None:
+def test_codec_bytes_match_the_reference(shape, dtype, model, threads: str) -> None:
     layers, tokens, hidden = shape
     chunk = synthetic_kv(layers=layers, tokens=tokens, hidden=hidden, seed=tokens).to(dtype)
     chunk[1, 0, :, hidden // 2] = 0.0  # a channel with one symbol: stores no counts
     chunk[0, -1, tokens // 2] = 0.0  # a token of zeros: step 0
-    reference = encode_chunk(chunk, backend="torch")
-    assert encode_chunk(chunk, backend="numba") == reference
-    assert encode_chunk(chunk) == reference  # auto: numba here
+    reference = encode_chunk(chunk, backend="torch", model=model)
+    assert model is None or reference[1]["model"] == model
+    assert encode_chunk(chunk, backend="numba", model=model) == reference
+    assert encode_chunk(chunk, model=model) == reference  # auto: numba here
     for out_dtype in (dtype, torch.float32):
         by_reference, by_numba = (torch.empty(chunk.shape, dtype=out_dtype) for _ in range(2))
         decode_chunk(*reference, by_reference, backend="torch")
@@ -224,25 +232,32 @@ def test_codec_bytes_match_the_reference(shape, dtype, threads: str) -> None:
         assert torch.equal(by_numba, by_reference), f"{out_dtype}: decoded KV differs"
 
 
+# section -> (byte offset in it, from its end if negative; xor mask)
+DAMAGES_BY_MODEL = {
+    "histogram": {"bounds": (3, 0x01), "counts": (0, 0x02)},
+    "gaussian": {"models": (0, 0x01), "models, spread": (3, 0x01)},
+}
+
+
 @needs_numba
-def test_codec_rejects_what_the_reference_rejects() -> None:
+@pytest.mark.parametrize("model", list(MODELS))
+def test_codec_rejects_what_the_reference_rejects(model: str) -> None:
     chunk = synthetic_kv(layers=2, tokens=40, hidden=16, seed=5)
-    payload, params = encode_chunk(chunk, backend="torch")
-    starts = np.cumsum([0, *params["sections"]])
-
-    def damaged(section: int, at: int, mask: int) -> bytes:
-        data = bytearray(payload)
-        data[starts[section] + at] ^= mask
-        return bytes(data)
-
-    cases = {
-        "bounds": damaged(1, 3, 0x01),
-        "counts": damaged(2, 0, 0x02),
-        "lengths": damaged(3, 0, 0x01),
-        "words": damaged(4, 5, 0x40),
-        "words, late": damaged(4, params["sections"][4] - 6, 0x08),
+    payload, params = encode_chunk(chunk, backend="torch", model=model)
+    names = MODELS[model]
+    starts = dict(zip(names, np.cumsum([0, *params["sections"]]).tolist(), strict=False))
+    ends = dict(zip(names, np.cumsum(params["sections"]).tolist(), strict=True))
+    damages = {
+        **DAMAGES_BY_MODEL[model],
+        "lengths": (0, 0x01),
+        "words": (5, 0x40),
+        "words, late": (-6, 0x08),
     }
-    for name, data in cases.items():
+    for name, (at, mask) in damages.items():
+        section = name.split(",")[0]
+        data = bytearray(payload)
+        data[(starts if at >= 0 else ends)[section] + at] ^= mask
+        data = bytes(data)
         fixed = {**params}
         fixed["crc"] = params_checksum(fixed, data)  # past the CRC, into the tables
         errors = []
@@ -258,7 +273,7 @@ def test_codec_rejects_what_the_reference_rejects() -> None:
     nonfinite[1, 1, 3, 2] = float("nan")
     for backend in ("torch", "numba"):
         with pytest.raises(ValueError, match="non-finite"):
-            encode_chunk(nonfinite, backend=backend)
+            encode_chunk(nonfinite, backend=backend, model=model)
 
 
 def test_importing_kvtier_imports_no_numba() -> None:

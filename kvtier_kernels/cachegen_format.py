@@ -1,0 +1,281 @@
+"""The CacheGen bitstream's container: the params and the payload's sections, checked.
+
+The format itself (both versions, field by field) is documented in
+:mod:`kvtier_kernels.cachegen` and docs/compression.md. This module builds the params of a
+version-3 object (:func:`make_params`) and, for the decoder, turns params + payload into a
+:class:`Container` whose readers return each section as numpy arrays once its size, range
+and consistency are checked (:func:`read_container`). Anything wrong raises
+:class:`~kvtier_kernels.rans.CodecError` before the decoder writes any output.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier_kernels.cachegen_tables import GAUSSIAN_MAX_TOKENS, MAX_LEVELS, SPREADS
+from kvtier_kernels.rans import PROB_BITS, CodecError
+
+__all__ = [
+    "MODELS",
+    "MODEL_FIELDS",
+    "SCALE_DTYPES",
+    "VERSION",
+    "Container",
+    "check_levels",
+    "count_dtype",
+    "length_dtype",
+    "make_params",
+    "padded",
+    "params_checksum",
+    "read_container",
+]
+
+VERSION = 3
+MODELS = {
+    "histogram": ("scales", "bounds", "counts", "lengths", "words"),
+    "gaussian": ("scales", "models", "lengths", "words"),
+}
+"""Statistics model -> the payload's sections, in order."""
+SCALE_DTYPES = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2")}
+"""How the scales are stored (bfloat16: the high 16 bits of the float32)."""
+MODEL_FIELDS = ("model", "scale_dtype", "length_bytes")
+"""The params version 3 adds to version 2's."""
+_KEYS = {2: {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}}
+_KEYS[3] = _KEYS[2] | set(MODEL_FIELDS)
+_WIDTHS = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def count_dtype(num_tokens: int) -> np.dtype:
+    """Stored counts: a lane with one symbol stores none (its count is ``num_tokens``), so
+    every stored count is below ``num_tokens``."""
+    dtype = np.uint8 if num_tokens <= 256 else np.uint16 if num_tokens <= 65536 else np.uint32
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def length_dtype(longest: int) -> np.dtype:
+    """The narrowest of uint8/16/32 that holds ``longest`` (a lane's words)."""
+    return _WIDTHS[1 if longest < 256 else 2 if longest < 65536 else 4]
+
+
+def padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 4)
+
+
+def _padded_len(nbytes: int) -> int:
+    return nbytes + (-nbytes % 4)
+
+
+def params_checksum(params: dict[str, Any], payload: bytes | memoryview) -> int:
+    """The ``crc`` of ``params`` (every field but ``crc``, as sorted JSON) and ``payload``."""
+    fields = {k: v for k, v in params.items() if k != "crc"}
+    head = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return zlib.crc32(payload, zlib.crc32(head))
+
+
+def check_levels(levels: Any, num_layers: int, what: str, error: type[Exception]) -> list[int]:
+    """``levels`` as a list of ``num_layers`` ints in ``1..MAX_LEVELS``, else ``error``."""
+    if not isinstance(levels, list | tuple) or len(levels) != num_layers:
+        raise error(f"{what} must be a list of {num_layers} ints (one per layer)")
+    for layer, n in enumerate(levels):
+        if type(n) is not int or not 1 <= n <= MAX_LEVELS:
+            raise error(f"{what}[{layer}] = {n!r}: levels must be an int in 1..{MAX_LEVELS}")
+    return list(levels)
+
+
+def make_params(
+    shape: list[int],
+    k_levels: list[int],
+    v_levels: list[int],
+    model: str,
+    scale_dtype: str,
+    length_bytes: int,
+    sections: list[bytes],
+) -> tuple[bytes, dict[str, Any]]:
+    """``(payload, params)`` of a version-3 object from its padded ``sections``."""
+    payload = b"".join(sections)
+    params: dict[str, Any] = {
+        "version": VERSION,
+        "shape": shape,
+        "prob_bits": PROB_BITS,
+        "k_levels": k_levels,
+        "v_levels": v_levels,
+        "model": model,
+        "scale_dtype": scale_dtype,
+        "length_bytes": length_bytes,
+        "sections": [len(s) for s in sections],
+    }
+    params["crc"] = params_checksum(params, payload)
+    return payload, params
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """A checked object's layout and payload; each reader checks its section."""
+
+    version: int
+    model: str  # a key of MODELS
+    num_layers: int
+    num_tokens: int
+    hidden: int
+    k_levels: list[int]
+    v_levels: list[int]
+    scale_dtype: np.dtype
+    length_dtype: np.dtype
+    sizes: dict[str, int]  # section -> padded bytes
+    offsets: dict[str, int]  # section -> where it starts in the payload
+    buffer: Any  # the payload, bytes-like
+
+    @property
+    def lanes(self) -> int:
+        return 2 * self.num_layers * self.hidden
+
+    @property
+    def lane_levels(self) -> np.ndarray:
+        """int64 ``[lanes]``: each lane's levels ``n``."""
+        levels = np.array(self.k_levels + self.v_levels, dtype=np.int64)
+        return np.repeat(levels, self.hidden)
+
+    def section(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
+        if count * dtype.itemsize > self.sizes[name]:
+            raise CodecError(f"section {name} is too short for {count} entries")
+        return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.offsets[name])
+
+    def scales(self) -> np.ndarray:
+        """float32 ``[2 * L * T]``, finite and non-negative."""
+        stored = self.section("scales", self.scale_dtype, 2 * self.num_layers * self.num_tokens)
+        if self.scale_dtype == SCALE_DTYPES["bfloat16"]:
+            scale = (stored.astype(np.uint32) << 16).view(np.float32)
+        else:
+            scale = stored.astype(np.float32)
+        if not np.isfinite(scale).all() or (scale < 0).any():
+            raise CodecError("scales must be finite and non-negative")
+        return scale
+
+    def histogram_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(bounds, stored)`` of the histogram model: uint8 ``[lanes, 2]`` with ``lo <= hi
+        <= 2n`` per lane, and the stored counts, as many as the bounds say (their sums and
+        tightness are checked where the histograms are built)."""
+        bounds = self.section("bounds", np.dtype(np.uint8), self.lanes * 2)
+        bounds = bounds.reshape(self.lanes, 2).copy()
+        lo, hi = (bounds[:, i].astype(np.int64) for i in (0, 1))
+        if (lo > hi).any() or (hi > 2 * self.lane_levels).any():
+            raise CodecError("a lane's symbol range is empty or outside its layer's alphabet")
+        num_stored = int(np.where(hi > lo, hi - lo + 1, 0).sum())
+        counts = count_dtype(self.num_tokens)
+        if _padded_len(num_stored * counts.itemsize) != self.sizes["counts"]:
+            raise CodecError("section counts does not match the lanes' symbol ranges")
+        return bounds, self.section("counts", counts, num_stored).copy()
+
+    def gaussian_models(self) -> np.ndarray:
+        """uint8 ``[lanes, 2]``: each lane's ``(centre, spread)``, centre ``<= 2n``,
+        spread ``< SPREADS``."""
+        models = self.section("models", np.dtype(np.uint8), self.lanes * 2)
+        models = models.reshape(self.lanes, 2).copy()
+        if (models[:, 0] > 2 * self.lane_levels).any() or (models[:, 1] >= SPREADS).any():
+            raise CodecError(
+                f"a lane's Gaussian model is outside its alphabet or spreads (< {SPREADS})"
+            )
+        return models
+
+    def streams(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(lengths, words)``: int64 ``[lanes]`` and int32 ``[sum(lengths)]``."""
+        lengths = self.section("lengths", self.length_dtype, self.lanes).astype(np.int64)
+        total_words = int(lengths.sum())
+        if _padded_len(total_words * 2) != self.sizes["words"]:
+            raise CodecError("section words does not match the lane lengths")
+        return lengths, self.section("words", np.dtype("<u2"), total_words).astype(np.int32)
+
+
+def _is_key(value: Any, mapping: dict, kind: type) -> bool:
+    return type(value) is kind and value in mapping
+
+
+def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int]) -> Container:
+    """Check ``params`` (version 2 or 3), the payload's section sizes and CRC against
+    each other and ``out_shape``.
+
+    Raises:
+        CodecError: anything inconsistent (the message says what).
+    """
+    if not isinstance(params, dict):
+        raise CodecError(f"params must be a map, got {type(params).__name__}")
+    version = params.get("version")
+    if not _is_key(version, _KEYS, int) or params.get("prob_bits") != PROB_BITS:
+        raise CodecError(
+            f"unsupported version/prob_bits {version!r}/{params.get('prob_bits')!r} "
+            f"(this decoder reads versions 2 and {VERSION}, prob_bits {PROB_BITS})"
+        )
+    if set(params) != _KEYS[version]:
+        raise CodecError(
+            f"params have keys {sorted(params)}, version {version} has {sorted(_KEYS[version])}"
+        )
+    shape = params["shape"]
+    if not isinstance(shape, list) or len(shape) != 4 or any(type(s) is not int for s in shape):
+        raise CodecError(f"params shape {shape!r} is not four ints")
+    if shape[0] != 2 or min(shape) < 1:
+        raise CodecError(f"params shape {shape} is not a non-empty [2, L, T, D]")
+    if list(out_shape) != shape:
+        raise CodecError(f"out has shape {list(out_shape)}, the params say {shape}")
+    _, num_layers, num_tokens, hidden = shape
+    k_levels = check_levels(params["k_levels"], num_layers, "k_levels", CodecError)
+    v_levels = check_levels(params["v_levels"], num_layers, "v_levels", CodecError)
+
+    if version == 2:  # histograms, float32 scales, uint16 lengths unless T + 2 needs more
+        model, scale_dtype = "histogram", SCALE_DTYPES["float32"]
+        lengths_dtype = np.dtype("<u2" if num_tokens + 2 < 65536 else "<u4")
+    else:
+        model, scale_name, length_bytes = (params[k] for k in MODEL_FIELDS)
+        known = _is_key(model, MODELS, str) and _is_key(scale_name, SCALE_DTYPES, str)
+        if not known or not _is_key(length_bytes, _WIDTHS, int):
+            raise CodecError(
+                f"params model/scale_dtype/length_bytes {model!r}/{scale_name!r}/"
+                f"{length_bytes!r}: expected one of {sorted(MODELS)} / {sorted(SCALE_DTYPES)} "
+                f"/ {sorted(_WIDTHS)}"
+            )
+        if model == "gaussian" and num_tokens > GAUSSIAN_MAX_TOKENS:
+            raise CodecError(f"the gaussian model takes at most {GAUSSIAN_MAX_TOKENS} tokens")
+        scale_dtype, lengths_dtype = SCALE_DTYPES[scale_name], _WIDTHS[length_bytes]
+    names = MODELS[model]
+
+    sizes = params["sections"]
+    if (
+        not isinstance(sizes, list)
+        or len(sizes) != len(names)
+        or any(type(s) is not int or s < 0 for s in sizes)
+    ):
+        raise CodecError(f"params sections {sizes!r} is not {len(names)} byte lengths")
+    if sum(sizes) != len(payload):
+        raise CodecError(f"payload is {len(payload)} bytes, the sections add up to {sum(sizes)}")
+    if params["crc"] != params_checksum(params, payload):
+        raise CodecError("CRC mismatch: the params or the payload are damaged")
+
+    lanes = 2 * num_layers * hidden
+    fixed = {
+        "scales": _padded_len(2 * num_layers * num_tokens * scale_dtype.itemsize),
+        "bounds": _padded_len(lanes * 2),
+        "models": _padded_len(lanes * 2),
+        "lengths": _padded_len(lanes * lengths_dtype.itemsize),
+    }
+    for name, size in zip(names, sizes, strict=True):
+        if name in fixed and size != fixed[name]:
+            raise CodecError(f"section {name} is {size} bytes, the shape needs {fixed[name]}")
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    return Container(
+        version=version,
+        model=model,
+        num_layers=num_layers,
+        num_tokens=num_tokens,
+        hidden=hidden,
+        k_levels=k_levels,
+        v_levels=v_levels,
+        scale_dtype=scale_dtype,
+        length_dtype=lengths_dtype,
+        sizes=dict(zip(names, sizes, strict=True)),
+        offsets=dict(zip(names, offsets, strict=True)),
+        buffer=memoryview(payload).cast("B") if isinstance(payload, memoryview) else payload,
+    )
