@@ -208,10 +208,10 @@ def copy_whole_blocks(
 ) -> bool:
     """Move whole blocks between the cache and the chunk, one pass over the bytes, no
     per-token indexing, over the cache seen as a table of ``[KV, BS, H, D]`` block slices
-    (one per layer and block): one ``index_select`` for a gather; for a scatter a
-    ``copy_`` per slice on the CPU (where it beat ``index_copy_``, see the note below) and
-    one ``index_copy_`` elsewhere (one kernel); one strided ``copy_`` per block over every
-    layer where the layer step is not a whole number of blocks.
+    (one per layer and block): one ``index_select`` for a gather; for a scatter one
+    ``index_copy_`` (a ``copy_`` per slice on a single CPU thread, see the note below);
+    one strided ``copy_`` per block over every layer where the layer step is not a whole
+    number of blocks.
 
     Returns False, having moved nothing, when it does not apply (slots that are not whole
     blocks, layers that are not evenly spaced views of one buffer, a chunk on another
@@ -251,16 +251,15 @@ def copy_whole_blocks(
         slices = per_block.view(kv, -1, *per_block.shape[3:]).transpose(0, 1)
         if to_chunk:
             torch.index_select(table, 0, index.flatten(), out=slices)
-        elif table.device.type == "cpu":
-            # NOTE: on the CPU, index_copy_ of strided slices goes element by element; a
-            # copy_ per slice runs the strided copy kernel: 32 vs 42 ms per 128 MiB of
-            # 64 KiB slices on one thread, 40 vs 70 ms on two beside a busy process. (For
-            # the gather, index_select with out= was 20 % faster on one thread and 10 %
-            # slower on two: kept.)
+        elif table.device.type == "cpu" and torch.get_num_threads() == 1:
+            # NOTE: index_copy_ of strided slices runs torch's element-wise indexing
+            # kernel; on one thread a copy_ per slice (the strided copy kernel) is faster:
+            # 33-36 vs 47-49 ms per 128 MiB of 64 KiB slices. With two threads index_copy_
+            # is one parallel region and wins: 28 vs 37 ms (quiet 2-core machine).
             for row, block_slice in zip(index.flatten().tolist(), slices, strict=True):
                 table[row].copy_(block_slice)
         else:
-            table.index_copy_(0, index.flatten(), slices)  # one kernel, not one per slice
+            table.index_copy_(0, index.flatten(), slices)  # one parallel op (one kernel)
         return True
     stacked = first_words.as_strided(  # [KV, L, NB, BS, H, D]
         (kv, num_layers, *first_words.shape[1:]), (s_kv, step, s_nb, *rest)

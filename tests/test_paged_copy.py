@@ -149,6 +149,7 @@ def test_torch_backend_moves_head_rows_bit_exactly(
 @pytest.mark.parametrize(
     ("block_size", "layers"), [(1, range(3)), (4, range(1, 3)), (16, range(2))]
 )
+@pytest.mark.parametrize("threads", [1, 2])  # one thread: the scatter copies slice by slice
 def test_torch_backend_moves_whole_blocks_bit_exactly(
     name: str,
     heads: int,
@@ -156,9 +157,12 @@ def test_torch_backend_moves_whole_blocks_bit_exactly(
     dtype: torch.dtype,
     block_size: int,
     layers: range,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Slots that are whole blocks of a random block table (what a serving engine hands
     out): the block path against the loop, both directions, every layout."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     paged = make_cache(name, dtype, block_size, heads, head_size)
     num_blocks = paged.num_slots // block_size
     blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(block_size))

@@ -170,9 +170,9 @@ def test_committed_throughput_and_lookups_tables(committed):
     throughput = _device_part(_section(markdown, "## Throughput"), "cpu")
     gbps = _committed_rows("GB/s")
     assert (
-        len(gbps) == 39
-    )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 3, codec 18 (3 chunks
-    # x 2 coders x encode, decode and fetch + decode)
+        len(gbps) == 52
+    )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 4 (gather, scatter,
+    # RoPE torch and numba), codec 30 (5 chunks x 2 coders x encode, decode, fetch + decode)
     for row in gbps:
         tier, op = report.tier_and_op(row["metric"])
         cells = _row_with(throughput, tier, op)
@@ -225,9 +225,13 @@ def test_committed_compression_table(committed):
     assert {r["codec"] for r in rows} == {
         "cachegen (llama_kv)",
         "cachegen (small_kv)",
+        "cachegen (small_llama_kv_64)",
+        "cachegen (small_llama_kv_256)",
         "cachegen (synthetic_kv)",
         "int8 (llama_kv)",
         "int8 (small_kv)",
+        "int8 (small_llama_kv_64)",
+        "int8 (small_llama_kv_256)",
         "int8 (synthetic_kv)",
     }
     for row in rows:
