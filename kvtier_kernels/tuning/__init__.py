@@ -86,7 +86,7 @@ def build_problems(
     *,
     device: torch.device | str,
     backend: str,
-    ops: Sequence[str] = tuple(TUNABLES),
+    ops: Sequence[str] = tuple(sorted(TUNABLES)),
     chunk_memory: str = "pinned",
     quick: bool = False,
 ) -> tuple[list[TuningProblem], list[str]]:
@@ -325,7 +325,7 @@ def tune(
     backend: str,
     timer: Timer,
     out_dir: str | Path | None,
-    ops: Sequence[str] = tuple(TUNABLES),
+    ops: Sequence[str] = tuple(sorted(TUNABLES)),
     chunk_memory: str = "pinned",
     quick: bool = False,
     warmup: int = 5,
