@@ -60,21 +60,32 @@ def median_seconds(
 
 
 def interleaved_medians(
-    fn: Callable[[], object], baseline: Callable[[], object], *, repeat: int = 15, warmup: int = 2
+    fn: Callable[[], object],
+    baseline: Callable[[], object],
+    *,
+    repeat: int = 15,
+    warmup: int = 2,
+    setup: Callable[[], object] | None = None,
+    baseline_setup: Callable[[], object] | None = None,
 ) -> tuple[float, float]:
     """Median wall times of ``fn`` and of ``baseline``, timed in alternation (one call of
-    each per round), so that load from elsewhere on the machine weighs on both alike."""
-    for _ in range(warmup):
-        fn()
-        baseline()
+    each per round), so that load from elsewhere on the machine weighs on both alike.
+    ``setup`` / ``baseline_setup`` (untimed) run before every call of their function."""
     fn_times, baseline_times = [], []
-    for _ in range(repeat):
+    for i in range(warmup + repeat):
+        if baseline_setup is not None:
+            baseline_setup()
         t0 = time.perf_counter()
         baseline()
         t1 = time.perf_counter()
+        if setup is not None:
+            setup()
+        t2 = time.perf_counter()
         fn()
-        fn_times.append(time.perf_counter() - t1)
-        baseline_times.append(t1 - t0)
+        t3 = time.perf_counter()
+        if i >= warmup:
+            fn_times.append(t3 - t2)
+            baseline_times.append(t1 - t0)
     return statistics.median(fn_times), statistics.median(baseline_times)
 
 
