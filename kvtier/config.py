@@ -154,7 +154,9 @@ class KVTierConfig(ConnectorKeys):
         "vLLM connector: at start-up, compile the paged-copy Triton kernels for this "
         "engine's KV cache (every token count up to chunk_size) in a background thread, so "
         "the first request does not wait for Triton's JIT; kept in Triton's cache "
-        "(TRITON_CACHE_DIR). Off: they compile on first use. See `kvtier precompile`.",
+        "(TRITON_CACHE_DIR). On a CPU: the numba kernels this config runs (cachegen, "
+        "CacheBlend's RoPE), kept in numba's cache. Off: they compile on first use. See "
+        "`kvtier precompile`.",
     )
     model_name: str | None = key(
         None,

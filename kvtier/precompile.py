@@ -6,8 +6,10 @@ kernels in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache`
 ``kvtier precompile`` on the GPU machine, with the same Triton and the same
 ``TRITON_CACHE_DIR`` as the engine, and the engine's process loads them from there.
 
-Without a GPU there is nothing to compile: the torch kernels run, and they are not
-compiled. The command says so and exits 0. (Compiling for a GPU that is absent is what
+Without a GPU there is no Triton kernel to compile: the torch kernels run, and they are
+not compiled. The command says so and exits 0. What numba compiles on a CPU (CacheGen's
+coder with ``remote_serde: cachegen``, CacheBlend's RoPE with ``enable_blending``; about
+2-5 s each on first use) is compiled, or loaded from numba's on-disk cache, instead. (Compiling for a GPU that is absent is what
 ``make gpu-check`` does to inspect machine code; its results are not written where the
 JIT looks, because Triton's cache keys include the live device's options and toolchain.)
 """
@@ -19,17 +21,31 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 
 import torch
 
 from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.engine import CacheEngine
 from kvtier_kernels import PagedKV, registry
-from kvtier_kernels.precompile import WARMABLE_OPS, WarmupReport, cache_dir, plan_warmup
+from kvtier_kernels.precompile import (
+    NUMBA_OPS,
+    WARMABLE_OPS,
+    WarmupReport,
+    cache_dir,
+    plan_warmup,
+    warm_numba,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "nothing_to_compile", "run_precompile", "start_background"]
+__all__ = [
+    "add_arguments",
+    "nothing_to_compile",
+    "numba_ops",
+    "run_precompile",
+    "start_background",
+]
 
 _ENGINE_OPS = ("paged_gather", "paged_scatter")
 
@@ -55,6 +71,38 @@ def engine_ops(config: KVTierConfig) -> tuple[str, ...]:
     return (*_ENGINE_OPS, "cachegen") if config.remote_serde == "cachegen" else _ENGINE_OPS
 
 
+def numba_ops(config: KVTierConfig) -> tuple[str, ...]:
+    """The ops with numba CPU kernels an engine with ``config`` runs: CacheGen's coder
+    (``remote_serde: cachegen``) and CacheBlend's RoPE (``enable_blending``)."""
+    return tuple(
+        op
+        for op, used in (
+            ("cachegen", config.remote_serde == "cachegen"),
+            ("rope_rerotate", config.enable_blending),
+        )
+        if used
+    )
+
+
+def _warm_numba_in_background(ops: tuple[str, ...], dtype: torch.dtype) -> threading.Thread:
+    def warm() -> None:
+        began = time.perf_counter()
+        try:
+            warmed = warm_numba(ops, dtype)
+        except Exception:  # a failed warm-up leaves numba to compile on first use
+            logger.exception("kvtier precompile_kernels: numba warm-up failed")
+            return
+        logger.info(
+            "kvtier precompile_kernels: numba kernels of %s ready in %.2f s (numba's cache)",
+            ", ".join(warmed) or "nothing (numba is not what runs here)",
+            time.perf_counter() - began,
+        )
+
+    thread = threading.Thread(target=warm, name="kvtier-precompile-numba", daemon=True)
+    thread.start()
+    return thread
+
+
 def start_background(config: KVTierConfig, engine: CacheEngine) -> threading.Thread | None:
     """With ``precompile_kernels`` on, compile the paged-copy kernels for ``engine``'s own
     cache in a daemon thread; None when off or when nothing would be compiled.
@@ -69,6 +117,9 @@ def start_background(config: KVTierConfig, engine: CacheEngine) -> threading.Thr
         return None
     why = nothing_to_compile(config.kernel_backend, paged.device)
     if why is not None:
+        cpu_ops = numba_ops(config) if paged.device.type == "cpu" else ()
+        if cpu_ops:  # the CPU kernels that numba compiles on first use
+            return _warm_numba_in_background(cpu_ops, paged.dtype)
         logger.info("kvtier precompile_kernels: nothing to compile (%s)", why)
         return None
     plan = plan_warmup(
@@ -171,6 +222,14 @@ def run_precompile(args: argparse.Namespace) -> int:
         return 2
     why = nothing_to_compile(config.kernel_backend, device)
     if why is not None:
+        cpu_ops = [op for op in ops or numba_ops(config) if op in NUMBA_OPS]
+        began = time.perf_counter()
+        warmed = warm_numba(cpu_ops, shape.dtype) if device.type == "cpu" else []
+        if warmed:
+            print(
+                f"kvtier precompile: numba CPU kernels of {', '.join(warmed)} ready in "
+                f"{time.perf_counter() - began:.2f} s (compiled, or loaded from numba's cache)."
+            )
         print(f"kvtier precompile: nothing to compile on this machine: {why}.")
         print("Run it on the GPU machine, with the engine's Triton and TRITON_CACHE_DIR.")
         return 0

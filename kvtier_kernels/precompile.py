@@ -30,7 +30,7 @@ Nothing here is needed on a machine without a GPU: the torch kernels compile not
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,7 @@ from kvtier_kernels.layouts import PagedKV
 from kvtier_kernels.paged_rows import layer_table
 
 __all__ = [
+    "NUMBA_OPS",
     "WARMABLE_OPS",
     "OpWarmup",
     "WarmupPlan",
@@ -49,6 +50,7 @@ __all__ = [
     "cache_dir",
     "plan_warmup",
     "token_counts",
+    "warm_numba",
 ]
 
 WARMABLE_OPS = ("paged_gather", "paged_scatter", "cachegen", "rope_rerotate")
@@ -280,3 +282,46 @@ def _rope_calls(
 
         calls.append(("rope_rerotate", rotate))
     return calls
+
+
+NUMBA_OPS = ("cachegen", "rope_rerotate")
+"""The warmable ops with numba CPU kernels (``auto``'s pick on a CPU where numba imports)."""
+
+
+def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
+    """Compile the numba CPU kernels of ``ops`` (of :data:`NUMBA_OPS`) for KV of ``dtype``,
+    or load them from numba's on-disk cache, by running each once on a tiny input with
+    every argument type kvtier calls it with: contiguous and strided keys for RoPE, both
+    statistics models of CacheGen. Returns the ops warmed: none where ``auto`` does not
+    pick numba on the CPU (numba not installed, or it fails to import).
+
+    numba compiles per argument type, not per shape, so this covers every model shape.
+    """
+    cpu = torch.device("cpu")
+    warmed = []
+    if "cachegen" in ops and registry.pick("rans_encode", "auto", cpu) == "numba":
+        from kvtier_kernels.cachegen import FLOAT_DTYPES, decode_chunk, encode_chunk
+
+        if dtype in FLOAT_DTYPES:
+            chunk = torch.randn(2, 2, 16, 64, generator=torch.Generator().manual_seed(0))
+            chunk = chunk.to(dtype)
+            for model in ("gaussian", "histogram"):
+                payload, params = encode_chunk(chunk, backend="numba", model=model)
+                decode_chunk(payload, params, torch.empty_like(chunk), backend="numba")
+            warmed.append("cachegen")
+    rope_on_numba = dtype in (torch.bfloat16, torch.float32)  # fp16 keys go to torch
+    if (
+        "rope_rerotate" in ops
+        and rope_on_numba
+        and registry.pick("rope_rerotate", "auto", cpu) == "numba"
+    ):
+        from kvtier_kernels.rope import rerotate
+
+        chunk = torch.zeros(2, 2, 4, 2 * 64, dtype=dtype)  # [KV, L, T, H * D]
+        positions = torch.arange(4)
+        for k in (chunk[0], chunk[0, :, 1:3]):  # a whole chunk's K plane, and a strided view
+            for neox in (True, False):
+                n = k.shape[1]
+                rerotate(k, positions[:n], positions[:n] + 1, head_size=64, is_neox_style=neox)
+        warmed.append("rope_rerotate")
+    return warmed

@@ -8,6 +8,7 @@ checked against a stand-in kernel that records Triton ``warmup`` calls.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
@@ -19,10 +20,10 @@ import torch
 from kvtier.cli import main
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.precompile import engine_ops, nothing_to_compile, start_background
+from kvtier.precompile import engine_ops, nothing_to_compile, numba_ops, start_background
 from kvtier_kernels import PagedKV, gather, paged_copy
 from kvtier_kernels._launch import compile_only
-from kvtier_kernels.precompile import WARMABLE_OPS, plan_warmup, token_counts
+from kvtier_kernels.precompile import WARMABLE_OPS, plan_warmup, token_counts, warm_numba
 
 pytest.importorskip("triton")
 
@@ -207,3 +208,42 @@ def test_info_names_the_tuning_files_in_effect_and_tritons_cache(tmp_path, capsy
         assert all(
             backends != ["torch", "triton", "interpret"] for backends in info["kernel_ops"].values()
         )
+
+
+needs_numba = pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="needs numba (kvtier[cpu-codec])"
+)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_numba_kernels_are_warmed_for_every_argument_type(dtype) -> None:
+    from kvtier_kernels import rope_numba
+
+    assert warm_numba(("cachegen", "rope_rerotate"), dtype) == ["cachegen", "rope_rerotate"]
+    layouts = {sig[0].layout for sig in rope_numba.NUMBA_KERNEL.get().signatures}
+    assert {"C", "A"} <= layouts  # a chunk's K plane and a strided view of one
+    assert warm_numba(("paged_gather",), dtype) == []
+
+
+def test_the_command_warms_numba_kernels_on_a_cpu(capsys, monkeypatch) -> None:
+    if torch.cuda.is_available() or importlib.util.find_spec("numba") is None:
+        pytest.skip("a CPU machine with numba")
+    monkeypatch.delenv("KVTIER_KERNEL_BACKEND", raising=False)
+    assert main(["precompile", "--ops", "rope_rerotate", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "numba CPU kernels of rope_rerotate ready" in out
+    assert "nothing to compile on this machine" in out
+
+
+def test_the_connector_key_warms_numba_kernels_in_a_background_thread(caplog) -> None:
+    if torch.cuda.is_available() or importlib.util.find_spec("numba") is None:
+        pytest.skip("a CPU machine with numba")
+    caplog.set_level(logging.INFO, logger="kvtier.precompile")
+    config = load_config({"precompile_kernels": True, "remote_serde": "cachegen"}, env={})
+    assert numba_ops(config) == ("cachegen",)
+    paged = small_cache()
+    thread = start_background(config, CacheEngine(config, EngineMetadata("m"), paged))
+    assert thread is not None and thread.daemon
+    thread.join(timeout=120)
+    assert "numba kernels of cachegen ready" in caplog.text
