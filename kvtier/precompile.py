@@ -9,9 +9,10 @@ kernels in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache`
 Without a GPU there is no Triton kernel to compile: the torch kernels run, and they are
 not compiled. The command says so and exits 0. What numba compiles on a CPU (CacheGen's
 coder with ``remote_serde: cachegen``, CacheBlend's RoPE with ``enable_blending``; about
-2-5 s each on first use) is compiled, or loaded from numba's on-disk cache, instead. (Compiling for a GPU that is absent is what
-``make gpu-check`` does to inspect machine code; its results are not written where the
-JIT looks, because Triton's cache keys include the live device's options and toolchain.)
+2-5 s each on first use) is compiled, or loaded from numba's on-disk cache, instead.
+(Compiling for a GPU that is absent is what ``make gpu-check`` does to inspect machine
+code; its results are not written where the JIT looks, because Triton's cache keys include
+the live device's options and toolchain.)
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def _warm_numba_in_background(ops: tuple[str, ...], dtype: torch.dtype) -> threa
 
 def start_background(config: KVTierConfig, engine: CacheEngine) -> threading.Thread | None:
     """With ``precompile_kernels`` on, compile the paged-copy kernels for ``engine``'s own
-    cache in a daemon thread; None when off or when nothing would be compiled.
+    cache in a daemon thread (on a CPU: warm the numba kernels of :func:`numba_ops`); None
+    when off or when nothing would be compiled.
 
     Buffers are allocated here, in the caller's thread; the thread only compiles (no
     launch, no allocation, no device sync), so it cannot disturb an engine that captures
