@@ -199,6 +199,17 @@ def frequencies_kernel(
         _frequencies(counts[lane], freq[lane])
 
 
+def _lane_starts(bounds, starts):
+    """``starts[lane]``: where each lane's stored counts ``counts[lo..hi]`` begin (lanes with
+    ``lo < hi`` store ``hi - lo + 1`` of them, the others none); returns their total."""
+    total = 0
+    for lane in range(bounds.shape[0]):
+        starts[lane] = total
+        if bounds[lane, 1] > bounds[lane, 0]:
+            total += np.int64(bounds[lane, 1]) - np.int64(bounds[lane, 0]) + 1
+    return total
+
+
 def pack_kernel(
     counts,  # [lanes, A] int64
     bounds,  # [lanes, 2] uint8: (lo, hi)
@@ -206,11 +217,7 @@ def pack_kernel(
 ):  # -> stored counts: counts[lo..hi] of each lane with lo < hi, lanes in order
     lanes = counts.shape[0]
     starts = np.empty(lanes, np.int64)
-    total = 0
-    for lane in range(lanes):
-        starts[lane] = total
-        if bounds[lane, 1] > bounds[lane, 0]:
-            total += np.int64(bounds[lane, 1]) - np.int64(bounds[lane, 0]) + 1
+    total = _lane_starts(bounds, starts)
     stored = np.empty(total, like.dtype)
     for lane in prange(lanes):
         lo, hi = np.int64(bounds[lane, 0]), np.int64(bounds[lane, 1])
@@ -229,11 +236,7 @@ def unpack_kernel(
 ):  # -> the number of lanes whose histogram does not sum to num_tokens or is not tight
     lanes = bounds.shape[0]
     starts = np.empty(lanes, np.int64)
-    total = 0
-    for lane in range(lanes):
-        starts[lane] = total
-        if bounds[lane, 1] > bounds[lane, 0]:
-            total += np.int64(bounds[lane, 1]) - np.int64(bounds[lane, 0]) + 1
+    _lane_starts(bounds, starts)
     bad = 0
     for lane in prange(lanes):
         lo, hi = np.int64(bounds[lane, 0]), np.int64(bounds[lane, 1])
@@ -310,12 +313,12 @@ def dequantize_kernel(
     return 0
 
 
-_HELPERS = [_frequencies, _gaussian_model, _cost]
+_HELPERS = [_frequencies, _gaussian_model, _cost, _lane_starts]
 KERNELS = {
     "quantize": NumbaKernel(quantize_kernel),
     "tables": NumbaKernel(tables_kernel, helpers=_HELPERS),
     "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS),
-    "pack": NumbaKernel(pack_kernel),
+    "pack": NumbaKernel(pack_kernel, helpers=_HELPERS),
     "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS),
     "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS),
 }
