@@ -210,8 +210,11 @@ def test_info_names_the_tuning_files_in_effect_and_tritons_cache(tmp_path, capsy
         )
 
 
-needs_numba = pytest.mark.skipif(
-    importlib.util.find_spec("numba") is None, reason="needs numba (kvtier[cpu-codec])"
+has_numba = importlib.util.find_spec("numba") is not None
+needs_numba = pytest.mark.skipif(not has_numba, reason="needs numba (kvtier[cpu-codec])")
+# where numba's kernels are what runs: a CPU machine (with a GPU, the Triton kernels do)
+needs_cpu_numba = pytest.mark.skipif(
+    torch.cuda.is_available() or not has_numba, reason="a CPU machine with numba"
 )
 
 
@@ -226,9 +229,8 @@ def test_numba_kernels_are_warmed_for_every_argument_type(dtype) -> None:
     assert warm_numba(("paged_gather",), dtype) == []
 
 
+@needs_cpu_numba
 def test_the_command_warms_numba_kernels_on_a_cpu(capsys, monkeypatch) -> None:
-    if torch.cuda.is_available() or importlib.util.find_spec("numba") is None:
-        pytest.skip("a CPU machine with numba")
     monkeypatch.delenv("KVTIER_KERNEL_BACKEND", raising=False)
     assert main(["precompile", "--ops", "rope_rerotate", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -236,9 +238,8 @@ def test_the_command_warms_numba_kernels_on_a_cpu(capsys, monkeypatch) -> None:
     assert "nothing to compile on this machine" in out
 
 
+@needs_cpu_numba
 def test_the_connector_key_warms_numba_kernels_in_a_background_thread(caplog) -> None:
-    if torch.cuda.is_available() or importlib.util.find_spec("numba") is None:
-        pytest.skip("a CPU machine with numba")
     caplog.set_level(logging.INFO, logger="kvtier.precompile")
     config = load_config({"precompile_kernels": True, "remote_serde": "cachegen"}, env={})
     assert numba_ops(config) == ("cachegen",)
