@@ -324,12 +324,15 @@ def test_manager_keeps_serving_from_cpu_while_the_remote_is_down(pool):
     manager.cpu.remove(key(2))
     store.mode = "down"
     assert manager.lookup_prefix([key(0), key(1), key(2)]) == 2
+    assert manager.contains_many([key(2), key(0), key(3)]) == [False, True, False]
     got = manager.get_many([key(0), key(1), key(2)])
     assert same_bytes(got[0], objs[0]) and same_bytes(got[1], objs[1]) and got[2] is None
     for obj in got[:2]:
         obj.ref_down()
     store.mode = "ok"
     wait_until(lambda: manager.lookup_prefix([key(0), key(1), key(2)]) == 3)
+    # key(2) only in the remote, key(0) in the CPU tier, key(3) nowhere
+    assert manager.contains_many([key(2), key(0), key(3)]) == [True, True, False]
     manager.close()
 
 

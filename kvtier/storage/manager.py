@@ -167,18 +167,28 @@ class StorageManager:
         rest = list(keys[in_cpu:])
         if not rest or not self.lower:
             return in_cpu
-        present = [False] * len(rest)
-        for tier in self.lower:
-            missing = [i for i, p in enumerate(present) if not p]
-            if not missing:
-                break
-            found = tier.contains_many([rest[i] for i in missing])
-            for i, there in zip(missing, found, strict=True):
-                present[i] = there
+        present = self._held_below(rest, [False] * len(rest))
         run = next((i for i, p in enumerate(present) if not p), len(present))
         if prefetch and run:
             self._prefetch(rest[:run])
         return in_cpu + run
+
+    def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Whether some tier holds each of ``keys``: the CPU tier, then one batched call
+        per lower tier for the keys still missing."""
+        return self._held_below(keys, [self.cpu.contains(k) for k in keys])
+
+    def _held_below(self, keys: Sequence[CacheKey], held: list[bool]) -> list[bool]:
+        """``held`` with each key it lacks looked up in the lower tiers, in order, one
+        batched call per tier for the keys still missing."""
+        for tier in self.lower:
+            missing = [i for i, there in enumerate(held) if not there]
+            if not missing:
+                break
+            found = tier.contains_many([keys[i] for i in missing])
+            for i, there in zip(missing, found, strict=True):
+                held[i] = there
+        return held
 
     def get(self, key: CacheKey) -> MemoryObj | None:
         """The chunk under ``key`` with a reference for the caller, or None on a miss."""

@@ -81,18 +81,6 @@ class PageStore:
         self.keys = keys
         self.verify_checksums = verify_checksums
 
-    def held(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Whether each key is held by some tier (one batched call per lower tier)."""
-        held = [self.storage.contains(k) for k in keys]
-        for tier in self.storage.lower:
-            missing = [i for i, there in enumerate(held) if not there]
-            if not missing:
-                break
-            found = tier.contains_many([keys[i] for i in missing])
-            for i, there in zip(missing, found, strict=True):
-                held[i] = there
-        return held
-
     def _direct(
         self, fmt: PageFormat, buffers: PageBuffers | None, todo: list[int]
     ) -> tuple[FileTier | None, dict[int, ChunkBuffers]]:
@@ -174,7 +162,7 @@ class PageStore:
         Returns once the lower tiers have written them."""
         started = time.perf_counter()
         keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
-        stored = self.held(keys)
+        stored = self.storage.contains_many(keys)
         skipped_existing = sum(stored)
         staged = [i for i, held in enumerate(stored) if not held]
         disk, direct = self._direct(fmt, buffers, staged)

@@ -322,7 +322,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
             name = str(transfer.name)
             if name in self._pools:
                 _, fmt = self._pools[name]
-                held = self.pages.held([self.keys.key(k, fmt, name) for k in keys[:kv_pages]])
+                held = self.storage.contains_many(
+                    [self.keys.key(k, fmt, name) for k in keys[:kv_pages]]
+                )
             else:
                 held = [False] * kv_pages
             policy = PoolHitPolicy(transfer.hit_policy)
