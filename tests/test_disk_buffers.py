@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
-from support.tiers import CHUNK_SHAPE, fill, key, make_pool
+from support.tiers import CHUNK_SHAPE, counter, fill, key, make_pool, make_tier
 
-from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.metrics import Counter, Stats, TierCounter
 from kvtier.storage import wire
-from kvtier.storage.disk import DirectRead, FileTier
-from kvtier.storage.serde import NaiveSerde, tensor_bytes
+from kvtier.storage.disk import DirectRead
+from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import CHUNK_LAYOUT, TOKEN_MAJOR_LAYOUT, ChunkBuffers
 from kvtier_kernels.dtypes import fill_random_bits_
 
@@ -26,15 +26,6 @@ def pool():
     pool = make_pool(64)
     yield pool
     pool.close()
-
-
-def make_tier(root, stats=None, **kwargs) -> FileTier:
-    kwargs.setdefault("capacity_bytes", 1 << 30)
-    return FileTier(root, serde=NaiveSerde(), stats=stats or Stats(), **kwargs)
-
-
-def counter(stats: Stats, what: str) -> float:
-    return stats.get(tier_counter("disk", what))
 
 
 class Page:

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from support.tiers import fill, key, make_pool, same_bytes
+from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
 
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.disk import SUFFIX, FileTier
-from kvtier.storage.serde import NaiveSerde, tensor_bytes
+from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.tier import WriteQueue
 from kvtier.storage.wire import checksum_of
 
@@ -31,15 +31,6 @@ def pool():
     pool = make_pool(64)
     yield pool
     pool.close()
-
-
-def make_tier(root, stats=None, **kwargs) -> FileTier:
-    kwargs.setdefault("capacity_bytes", 1 << 30)
-    return FileTier(root, serde=NaiveSerde(), stats=stats or Stats(), **kwargs)
-
-
-def counter(stats: Stats, what: str, tier: str = "disk") -> float:
-    return stats.get(tier_counter(tier, what))
 
 
 def put_all(tier: FileTier, pool, seeds) -> dict[int, object]:

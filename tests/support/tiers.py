@@ -1,6 +1,6 @@
 """Helpers shared by the tier tests: chunk keys, chunk buffers with known bytes, a
-check that a buffer holds exactly what was stored, and a storage manager on a remote
-configured as an operator would (``remote_manager``)."""
+check that a buffer holds exactly what was stored, a disk tier and its counters, and a
+storage manager on a remote configured as an operator would (``remote_manager``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from kvtier.config import load_config
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.serde import tensor_bytes
+from kvtier.storage.serde import NaiveSerde, tensor_bytes
 from kvtier.storage.wire import checksum_of
 
 CHUNK_SHAPE = (2, 3, 16, 64)  # [K/V, layers, tokens, heads * head_size]
@@ -25,6 +26,16 @@ def key(i: int, *, model: str = "org/model-a", rank: int = 0, layer: int | None 
 
 def make_pool(mib: int = 64) -> HostMemoryPool:
     return HostMemoryPool(mib * 2**20, alignment=256, pin_memory=False)
+
+
+def make_tier(root, stats: Stats | None = None, **kwargs) -> FileTier:
+    """A disk tier at ``root`` (naive codec, 1 GiB cap unless ``capacity_bytes`` is given)."""
+    kwargs.setdefault("capacity_bytes", 1 << 30)
+    return FileTier(root, serde=NaiveSerde(), stats=stats or Stats(), **kwargs)
+
+
+def counter(stats: Stats, what: str, tier: str = "disk") -> float:
+    return stats.get(tier_counter(tier, what))
 
 
 def fill(pool: HostMemoryPool, seed: int, shape=CHUNK_SHAPE, dtype=torch.bfloat16) -> MemoryObj:
