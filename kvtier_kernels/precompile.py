@@ -319,9 +319,10 @@ def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
 
         chunk = torch.zeros(2, 2, 4, 2 * 64, dtype=dtype)  # [KV, L, T, H * D]
         positions = torch.arange(4)
-        for k in (chunk[0], chunk[0, :, 1:3]):  # a whole chunk's K plane, and a strided view
-            for neox in (True, False):
-                n = k.shape[1]
-                rerotate(k, positions[:n], positions[:n] + 1, head_size=64, is_neox_style=neox)
+        # a whole chunk's K plane, and a strided view (the pairing style is an argument's
+        # value, not its type: one style compiles both)
+        for k in (chunk[0], chunk[0, :, 1:3]):
+            n = k.shape[1]
+            rerotate(k, positions[:n], positions[:n] + 1, head_size=64)
         warmed.append("rope_rerotate")
     return warmed
