@@ -15,11 +15,22 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 STAMP := $(VENV)/.kvtier-installed
 EXTRAS ?= test,bench
 
-# The oldest Triton kvtier claims (pyproject: triton>=3.5): the kernels' interpreter tests
-# in a second venv with it, beside the current one in .venv.
+# The oldest torch and Triton kvtier claims (pyproject: torch>=2.4, triton>=3.5): the
+# kernels' interpreter tests and the core tests in a second venv with both, beside the
+# current ones in .venv. PyPI's x86_64 wheels of torch 2.4 are CUDA builds (its CPU builds
+# live only on download.pytorch.org); a CUDA build runs on a machine without a GPU. It pins
+# triton==3.0.0, so kvtier goes in first (on the CPU torch, as in .venv: no resolver picks a
+# torch), then that torch, then the oldest Triton over its pin, without dependencies.
+OLDEST_TORCH ?= torch==2.4.0
 OLDEST_TRITON ?= triton==3.5.0
-OLDEST_VENV ?= .venv-oldest-triton
-KERNEL_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_cachegen_kernels.py
+OLDEST_VENV ?= .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.kvtier-installed
+OLDEST_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_cachegen_kernels.py \
+	tests/test_paged_copy.py tests/test_layouts.py tests/test_gpu_compile.py \
+	tests/test_engine.py tests/test_storage_manager.py tests/test_memory.py tests/test_cpu_tier.py \
+	tests/test_disk_tier.py tests/test_wire.py tests/test_hashing.py tests/test_cachegen.py \
+	tests/test_blend.py
 
 # SGLang's HiCache storage backend is tested against SGLang's own code in a venv of its own:
 # torch first (the CPU wheel), SGLang without its dependencies (they include CUDA kernels
@@ -35,7 +46,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
 SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py tests/test_sglang_direct.py
 
-.PHONY: demo test test-sglang bench-sglang gpu-check test-oldest-triton lint format bench soak install services clean
+.PHONY: demo test test-sglang bench-sglang gpu-check test-oldest lint format bench soak install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -90,12 +101,21 @@ bench-sglang: $(SGLANG_STAMP)
 gpu-check: $(STAMP)
 	$(PY) -m pytest -q tests/test_gpu_compile.py tests/test_cachegen_kernels.py -k "compile or spill or width or 128"
 
-test-oldest-triton:
-	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "$(OLDEST_TRITON)"
-	$(OLDEST_VENV)/bin/python -m pip install -q -e ".[test]" "$(OLDEST_TRITON)"
-	$(OLDEST_VENV)/bin/python -c "import triton; print('kernel tests on triton', triton.__version__)"
-	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+# Installed once per change of pyproject.toml (the stamp), as .venv is.
+$(OLDEST_STAMP): pyproject.toml
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(OLDEST_PY) -m pip install -q -e ".[test]" "$(OLDEST_TRITON)"
+	$(OLDEST_PY) -m pip install -q "$(OLDEST_TORCH)"
+	$(OLDEST_PY) -m pip install -q --no-deps "$(OLDEST_TRITON)"
+	touch $@
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -c "import sys, torch, triton; \
+		v = (torch.__version__.split('+')[0], triton.__version__); \
+		print('oldest claimed: torch %s, triton %s' % v); \
+		sys.exit(v != ('$(patsubst torch==%,%,$(OLDEST_TORCH))', '$(patsubst triton==%,%,$(OLDEST_TRITON))'))"
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
