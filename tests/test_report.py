@@ -214,8 +214,8 @@ def test_committed_ttft_and_miss_tables(committed):
         assert cells[4] == f"{median} ({report.fmt(lo)}–{report.fmt(hi)})"
     headlines = _section(markdown, "## Headlines")
     assert "TTFT, 4000-token prompt: kvtier hit" in headlines
-    # with the committed figures: 0.456 s hit vs 7.44 s cold
-    assert "| 0.456 s | cold prefill 7.44 s | 0.0613× (16.3× faster) |" in headlines
+    # with the committed figures: 0.442 s hit vs 7.29 s cold
+    assert "| 0.442 s | cold prefill 7.29 s | 0.0606× (16.5× faster) |" in headlines
 
 
 def test_committed_compression_table(committed):
