@@ -94,7 +94,7 @@ test-sglang: $(SGLANG_STAMP) services
 	$(SGLANG_PY) -m pytest -q -p no:cacheprovider $(SGLANG_TESTS)
 
 bench-sglang: $(SGLANG_STAMP)
-	$(SGLANG_PY) -m pytest -q -p no:cacheprovider perf/test_bench_sglang.py
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider perf/benchmarks/test_bench_sglang.py
 
 # Every Triton kernel compiled for sm80, sm90, gfx90a, gfx942 and gfx1100 without a GPU, its
 # machine code inspected (128-bit accesses, no spills, 64-bit offsets). Also part of `make test`.
@@ -130,14 +130,14 @@ format: $(STAMP)
 # and perf/plots/) is rendered from those files even when a benchmark failed, and make
 # still fails with pytest's status.
 bench: $(STAMP)
-	$(PY) -m pytest perf -q --save-results --benchmark-json=perf/results/latest.json; status=$$?; \
+	$(PY) -m pytest perf/benchmarks -q --save-results --benchmark-json=perf/results/latest.json; status=$$?; \
 	$(PY) perf/report.py && exit $$status
 
 # The reliability soak (docs/reliability.md): SOAK_SECONDS of mixed load with faults
 # injected; perf/results/soak/cpu-soak.json and .png; fails when a criterion fails.
 SOAK_SECONDS ?= 3600
 soak: $(STAMP) services
-	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) perf/soak.py
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) perf/soak/soak.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

@@ -81,7 +81,7 @@ lane's counts stored, uint8 only below 256 tokens) is not read: a stored object 
 a miss.
 
 Bytes moved: the chunk is read once to quantize, the symbols once per pass (histogram,
-encode); the output is the payload. Measured figures: ``perf/test_bench_compression.py``
+encode); the output is the payload. Measured figures: ``perf/benchmarks/test_bench_compression.py``
 and docs/compression.md.
 """
 

@@ -3,7 +3,7 @@
     python perf/report.py [--results perf/results] [--out perf]
 
 Reads every kvtier results file in ``--results`` (``<device>.json``,
-``<device>-<suffix>.json``, as ``perf/conftest.py`` writes them; pytest-benchmark's raw
+``<device>-<suffix>.json``, as ``perf/benchmarks/conftest.py`` writes them; pytest-benchmark's raw
 ``latest.json`` is ignored, any other file without a ``results`` list is named as not
 read) and writes ``<out>/report.md`` with PNG plots in ``<out>/plots/`` (matplotlib, Agg,
 no pyplot state). Rows are
@@ -14,7 +14,7 @@ section they have rows for.
 Sections, and the rows that feed them:
 
 - time to first token, cold vs warm — ``ttft_warm_kvtier_<N>_tokens`` (baseline: cold
-  prefill) from ``perf/test_bench_vllm_ttft.py``;
+  prefill) from ``perf/benchmarks/test_bench_vllm_ttft.py``;
 - miss overhead — ``ttft_miss_kvtier_<N>_tokens`` (baseline: no connector), with the
   per-round ratios;
 - throughput — every row in GB/s, by tier and op (``"<tier> tier <op>"``,
@@ -627,7 +627,7 @@ class Report:
             "",
             "## Time to first token: cold vs warm (kvtier hit) vs prompt length",
             "",
-            "A real vLLM engine (`perf/test_bench_vllm_ttft.py`). Warm: the prompt served again "
+            "A real vLLM engine (`perf/benchmarks/test_bench_vllm_ttft.py`). Warm: the prompt served again "
             "after vLLM's prefix cache was reset, so its KV comes from kvtier. Baseline: the "
             "same prompts' cold prefill in the same engine processes. Medians over rounds, "
             "min–max in parentheses.",
@@ -775,8 +775,8 @@ class Report:
         self._bars_section(
             "throughput",
             "Throughput: GB/s per op and tier",
-            "Bytes of KV chunks moved per second (`perf/test_bench_cpu_tier.py`, "
-            "`perf/test_bench_tiers.py`, `perf/test_bench_server.py`), each against the raw "
+            "Bytes of KV chunks moved per second (`perf/benchmarks/test_bench_cpu_tier.py`, "
+            "`perf/benchmarks/test_bench_tiers.py`, `perf/benchmarks/test_bench_server.py`), each against the raw "
             "equivalent of the same bytes measured in the same run (a `torch` copy, raw file "
             "I/O, raw client calls; for `kvtier serve`, the in-process CPU tier and raw Redis).",
             ["Tier", "Op"],
@@ -789,8 +789,8 @@ class Report:
         self._bars_section(
             "lookups",
             "Lookups per second per tier",
-            "Prefix lookups of a long prompt (`perf/test_bench_tiers.py`, "
-            "`perf/test_bench_server.py`), each against the "
+            "Prefix lookups of a long prompt (`perf/benchmarks/test_bench_tiers.py`, "
+            "`perf/benchmarks/test_bench_server.py`), each against the "
             "bare client calls that answer the same question, batches alternating.",
             ["Tier", "Lookup"],
             lambda r: [lookup_tier(r.metric), re.sub(r"\s*\([^)]*\)\s*$", "", r.metric)],
@@ -803,7 +803,7 @@ class Report:
         self._bars_section(
             "hashing",
             "Chunk hashing: tokens/s",
-            "Prefix-chained chunk hashes of a long prompt (`perf/test_bench_hashing.py`), each "
+            "Prefix-chained chunk hashes of a long prompt (`perf/benchmarks/test_bench_hashing.py`), each "
             "against a baseline measured in the same run: the other algorithm, or vLLM's own "
             "`hash_block_tokens` over the same tokens (identical bytes).",
             ["Algorithm"],
@@ -865,7 +865,7 @@ class Report:
             "shared_ttft",
             "## TTFT through a shared cache and disaggregated prefill",
             "Real vLLM engines, each a fresh process, behind one `kvtier serve` "
-            "(`perf/test_bench_server_ttft.py`): engine B on prompts only engine A served vs "
+            "(`perf/benchmarks/test_bench_server_ttft.py`): engine B on prompts only engine A served vs "
             "A's cold prefill; a `kv_consumer` on prompts a `kv_producer` just served vs the "
             "consumer's own cold prefill ([docs/disaggregated.md](../docs/disaggregated.md)).",
         )
@@ -874,7 +874,7 @@ class Report:
         self._table(
             "proxy",
             "## Proxy overhead",
-            "`kvtier proxy` in front of fake OpenAI engines (`perf/test_bench_proxy.py`): "
+            "`kvtier proxy` in front of fake OpenAI engines (`perf/benchmarks/test_bench_proxy.py`): "
             "per-request latency through the proxy vs the same calls made directly, "
             "interleaved in one run ([docs/proxy.md](../docs/proxy.md)).",
         )
@@ -887,10 +887,10 @@ class Report:
             "",
             "## CacheBlend: blend vs cold prefill",
             "",
-            "`perf/test_bench_blend.py`: 4 cached 1k-token documents in a new order plus a new "
+            "`perf/benchmarks/test_bench_blend.py`: 4 cached 1k-token documents in a new order plus a new "
             "100-token question, blended at ratio 0.15 (kvtier's blend outside vLLM, "
             "docs/cacheblend.md). Baseline: cold prefill through the same layer code, same run. "
-            "`perf/test_bench_blend_ttft.py`: the same prompt shape through vLLM with kvtier's "
+            "`perf/benchmarks/test_bench_blend_ttft.py`: the same prompt shape through vLLM with kvtier's "
             "connector; time to first token against a cold prefill in the same engine.",
         )
         for device, rows in sections:

@@ -1,4 +1,4 @@
-"""The reliability soak (``perf/soak.py``, ``make soak``) in its short form: about two and
+"""The reliability soak (``perf/soak/soak.py``, ``make soak``) in its short form: about two and
 a half minutes of mixed load on a real vLLM engine (CPU build) with kvtier over CPU,
 a size-capped disk and a remote, with every fault of its schedule injected once (the
 remote killed, a slow and a dropping network path, files truncated, bit-flipped and
@@ -28,8 +28,8 @@ pytestmark = [
     pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING),
 ]
 
-SOAK = Path(__file__).resolve().parents[1] / "perf" / "soak.py"
-ROOT = SOAK.parents[1]
+SOAK = Path(__file__).resolve().parents[1] / "perf" / "soak" / "soak.py"
+ROOT = SOAK.parents[2]
 
 
 def test_short_soak_passes_every_criterion(tmp_path):

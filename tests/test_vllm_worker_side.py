@@ -346,7 +346,7 @@ def test_missing_chunk_loads_the_prefix_and_reports_the_rest(
 
 @pytest.mark.parametrize("mode", ["sync", "layerwise"])
 def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode):
-    """Found by the soak (perf/soak.py): a load fails (chunk 1 gone), and in the same step
+    """Found by the soak (perf/soak/soak.py): a load fails (chunk 1 gone), and in the same step
     vLLM computes the rest of that request, and of a request sharing the failed blocks
     through its prefix cache, over those blocks' garbage before it learns of the
     failure. Those saves must be dropped (vLLM recomputes them); a request that does not

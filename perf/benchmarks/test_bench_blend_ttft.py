@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from support.engines import generate, make_llm, shutdown, worker_stats
 from support.models import add_word_tokenizer, make_tiny_llama
 

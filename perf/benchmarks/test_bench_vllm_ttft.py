@@ -5,7 +5,7 @@ Model: the demo's random-weight Llama (8 layers, 16 heads / 4 KV heads, head siz
 bf16); kvtier with 256-token chunks. TTFT is the wall time of a one-token greedy
 generation.
 
-Every engine runs in its own fresh process (``perf/vllm_ttft_run.py``), warms up there
+Every engine runs in its own fresh process (``perf/benchmarks/vllm_ttft_run.py``), warms up there
 (not timed), then times prompts it has never seen. The two configurations alternate, and
 the order of each pair flips from one round to the next so that a drift of the machine's
 load favours neither::
@@ -22,7 +22,7 @@ and the same prompts are served again, so the hit can only come from kvtier.
 
 Both configurations get the same CPU binding: vLLM's CPU build would otherwise give the
 engine with a connector one more OpenMP thread on a 2-core machine (see the NOTE in
-``perf/vllm_ttft_run.py``); every run records its binding and the test checks they match.
+``perf/benchmarks/vllm_ttft_run.py``); every run records its binding and the test checks they match.
 
 Results go to ``perf/results/<device>-vllm-ttft.json``.
 """
@@ -61,7 +61,7 @@ def model():
 
 
 def _run(mode: str, round_: int, model: Path, out: Path) -> dict:
-    """One fresh engine process; its timings (``perf/vllm_ttft_run.py``'s JSON)."""
+    """One fresh engine process; its timings (``perf/benchmarks/vllm_ttft_run.py``'s JSON)."""
     command = [
         sys.executable,
         str(RUNNER),

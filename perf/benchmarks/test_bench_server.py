@@ -25,9 +25,7 @@ EXISTS frame, so the transport hardly matters), against raw redis-py pipelined E
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -65,9 +63,6 @@ KEYS = [_key(i) for i in range(CHUNKS)]
 
 
 def _support():
-    tests = str(Path(__file__).parents[1] / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
     import support.kvtier_server
     import support.redis_server
 

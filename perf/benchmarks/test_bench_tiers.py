@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -205,16 +204,8 @@ def test_disk_tier_get(benchmark, record, pool, chunks, disk_dir):
 # -- redis --------------------------------------------------------------------------------
 
 
-def _test_servers_on_path() -> None:
-    """Make ``tests/``'s server helpers (``redis_server``, ``s3_server``) importable."""
-    tests = str(Path(__file__).parents[1] / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-
-
 @pytest.fixture(scope="module")
 def redis_url():
-    _test_servers_on_path()
     from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 
     if not redis_available():
@@ -294,7 +285,6 @@ def s3_server():
     developer's AWS variables or config files while it runs."""
     pytest.importorskip("boto3")
     pytest.importorskip("moto")
-    _test_servers_on_path()
     from support.s3_server import S3Server, isolate_aws_environment
 
     with pytest.MonkeyPatch.context() as env:

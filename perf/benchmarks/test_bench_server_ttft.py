@@ -3,7 +3,7 @@
 
 Model and timing as in ``test_bench_vllm_ttft.py`` (the demo's random-weight Llama,
 256-token chunks, TTFT = wall time of a one-token greedy generation, every engine in a
-fresh process run by ``perf/vllm_ttft_run.py``). Both engines have no CPU tier of their
+fresh process run by ``perf/benchmarks/vllm_ttft_run.py``). Both engines have no CPU tier of their
 own (``local_cpu: false``): the node server is their only tier. A round:
 
 1. engine A serves the round's prompts (timed: its cold prefill, the baseline) and shuts

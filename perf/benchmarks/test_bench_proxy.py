@@ -39,7 +39,7 @@ import pytest
 pytest.importorskip("aiohttp")
 
 RESULTS_NAME = "proxy"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAKE = ROOT / "tests" / "support" / "openai_fakes.py"
 ROUNDS = 400
 WARMUP = 40

@@ -33,7 +33,6 @@ Runs in .venv-sglang (``make bench-sglang``); skipped where SGLang is not instal
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -46,12 +45,9 @@ pytest.importorskip(
     reason="SGLang is not installed here: this benchmark runs in .venv-sglang (make bench-sglang)",
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+from support.sglang_hicache import make_backend, mha_pool, page_indices, storage_config
 
 RESULTS_NAME = "sglang"
-TESTS = str(Path(__file__).resolve().parent.parent / "tests")
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
-from support.sglang_hicache import make_backend, mha_pool, page_indices, storage_config  # noqa: E402
 
 PAGE_TOKENS = 64
 PAGES = 16

@@ -1,4 +1,4 @@
-"""The soak's fault injectors and process probes (``perf/soak.py``).
+"""The soak's fault injectors and process probes (``perf/soak/soak.py``).
 
 - ``FaultyProxy``: a TCP proxy between an engine and its remote (redis-server or
   ``kvtier serve``) that can be made slow (every forwarded chunk delayed) or dropping

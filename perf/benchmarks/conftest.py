@@ -10,7 +10,7 @@ Only a run asked to save (``--save-results``, which ``make bench`` passes) write
 committed files in ``perf/results/``. Any other run (one benchmark file, a ``-k``
 selection, an experiment) merges its rows into ``perf/results/scratch/`` (not
 committed), so a partial run never replaces the figures the report is rendered from;
-``python perf/report.py --results perf/results/scratch --out perf/results/scratch``
+``python -m perf.report --results perf/results/scratch --out perf/results/scratch``
 renders a report of it.
 
 NOTE: a results file holds the latest figure of every benchmark that ever wrote to it.
@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +34,11 @@ from pathlib import Path
 import pytest
 import torch
 
-RESULTS_DIR = Path(__file__).parent / "results"
+PERF = Path(__file__).resolve().parents[1]
+RESULTS_DIR = PERF / "results"
 SCRATCH_DIR = RESULTS_DIR / "scratch"
+# The benchmarks share the tests' helpers (``tests/support``), imported as ``support``.
+sys.path.insert(0, str(PERF.parent / "tests"))
 # Rows measured in this session, per results-file suffix ("" for ``<device>.json``).
 _ROWS: dict[str, list[dict]] = {}
 

@@ -11,14 +11,10 @@ the work, not two attention implementations; the transformers forward is recorde
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from support.blend import documents, full_kv, join, tiny_hf_llama
 
 from kvtier.blend import PlacedSegment, blend, place_segments, rope_spec

@@ -46,9 +46,7 @@ GB/s rows in its throughput section):
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -82,9 +80,6 @@ ERROR_METRIC = "max |x - x̂| ÷ token absmax"
 
 def _kv_samples():
     """``tests/support/samples.py``, the codec's sample KV shared with the tests."""
-    tests = str(Path(__file__).parents[1] / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
     from support import samples as kv_samples
 
     return kv_samples

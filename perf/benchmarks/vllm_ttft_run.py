@@ -1,6 +1,6 @@
 """One engine configuration of the TTFT benchmark, in a fresh process.
 
-``perf/test_bench_vllm_ttft.py`` starts this script once per configuration and round,
+``perf/benchmarks/test_bench_vllm_ttft.py`` starts this script once per configuration and round,
 alternating ``--mode none`` (vLLM with no connector) and ``--mode kvtier`` (vLLM with
 ``KVTierConnector``), so that neither configuration inherits the other's warm-up,
 allocator state or threads. One run:
@@ -33,7 +33,7 @@ on 2 threads and the no-connector engine on 1, a 2x difference that is not kvtie
 run therefore sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM's own choice without a
 connector) unless the environment already sets it, and records the binding it got.
 
-    python perf/vllm_ttft_run.py --mode kvtier --tokens 1024 2048 --prompts 3 --json out.json
+    python perf/benchmarks/vllm_ttft_run.py --mode kvtier --tokens 1024 2048 --prompts 3 --json out.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 local disk + a remote, under mixed load, with faults injected on a schedule, every output
 checked against an engine without kvtier (docs/reliability.md).
 
-    SOAK_SECONDS=3600 python perf/soak.py        # or: make soak
+    SOAK_SECONDS=3600 python perf/soak/soak.py   # or: make soak
     → perf/results/soak/cpu-soak.json (+ .png); exit status 1 when a criterion fails
 
 1. A tiny random-weight float32 Llama is written locally; a no-connector engine computes
@@ -31,10 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+PERF = HERE.parent
+sys.path[:0] = [str(HERE), str(PERF.parent / "tests")]
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # as tests/conftest.py
 
-from soak_faults import (  # noqa: E402
+from faults import (  # noqa: E402
     FaultyProxy,
     SmallDisk,
     corrupt_files,
@@ -524,7 +525,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     seconds = float(os.environ.get("SOAK_SECONDS", "3600"))
-    out = Path(os.environ.get("SOAK_OUT", HERE / "results" / "soak" / "cpu-soak.json"))
+    out = Path(os.environ.get("SOAK_OUT", PERF / "results" / "soak" / "cpu-soak.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as work:
         soak = Soak(seconds, Path(work), out)
