@@ -131,7 +131,7 @@ format: $(STAMP)
 # still fails with pytest's status.
 bench: $(STAMP)
 	$(PY) -m pytest perf/benchmarks -q --save-results --benchmark-json=perf/results/latest.json; status=$$?; \
-	$(PY) perf/report.py && exit $$status
+	$(PY) -m perf.report && exit $$status
 
 # The reliability soak (docs/reliability.md): SOAK_SECONDS of mixed load with faults
 # injected; perf/results/soak/cpu-soak.json and .png; fails when a criterion fails.

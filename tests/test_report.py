@@ -1,4 +1,4 @@
-"""The benchmark report (``perf/report.py``): rendered from the committed results and from
+"""The benchmark report (``perf/report/``): rendered from the committed results and from
 a synthetic results folder with a GPU device, a compression row and files it cannot read."""
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def _load_report_module():
-    spec = importlib.util.spec_from_file_location("kvtier_perf_report", PERF / "report.py")
+    package = PERF / "report"
+    spec = importlib.util.spec_from_file_location(
+        "kvtier_perf_report", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -133,7 +136,7 @@ def test_committed_report_is_deterministic(committed):
 def test_committed_report_is_up_to_date(committed):
     _, markdown, _, _ = committed
     assert (PERF / "report.md").read_text() == markdown, (
-        "perf/report.md is not the render of perf/results/*.json: run `python perf/report.py`"
+        "perf/report.md is not the render of perf/results/*.json: run `python -m perf.report`"
     )
     committed_pngs = sorted(p.name for p in (PERF / "plots").glob("*.png"))
     assert committed_pngs == sorted(p.name for p in _linked_pngs(markdown, PERF))

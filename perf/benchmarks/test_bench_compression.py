@@ -18,7 +18,7 @@ chunks in ``KV_2LTD`` (``[2, num_layers, num_tokens, hidden]``, bf16), from
   Llama (4 layers, 2 KV heads x head size 64), chunks of 64 and 256 tokens (128 / 512 KiB),
   where the statistics stored per lane weigh most.
 
-Rows (``perf/report.py`` puts ``compression …`` rows in its ratio-vs-error section and
+Rows (``perf/report/`` puts ``compression …`` rows in its ratio-vs-error section and
 GB/s rows in its throughput section):
 
 - ``compression cachegen (<data>)``: value = raw bf16 bytes ÷ compressed bytes (payload +
