@@ -156,15 +156,6 @@ def _read_rows(path: Path) -> list[dict] | None:
     return rows if isinstance(rows, list) else None
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--save-results",
-        action="store_true",
-        help="merge this run's figures into the committed perf/results/ files (make bench "
-        "does); without it they go to perf/results/scratch/",
-    )
-
-
 def pytest_sessionfinish(session, exitstatus):
     if not _ROWS:
         return
