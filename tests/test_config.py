@@ -13,17 +13,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier import config_docs
 from kvtier.config import CONFIG_KEYS, LMCACHE_ALIASES, ConfigError, KVTierConfig, load_config
-from kvtier.config_blend import blend_schedule
-from kvtier.config_keys import parse_levels
-from kvtier.config_lmcache import (
+from kvtier.config import docs as config_docs
+from kvtier.config.blend import blend_schedule
+from kvtier.config.lmcache import (
     LMCACHE_NO_EFFECT_KEYS,
     LMCACHE_PLANNED_KEYS,
     LMCACHE_UNSUPPORTED_KEYS,
     is_switched_off,
 )
-from kvtier.config_sources import RESERVED_ENV_VARS
+from kvtier.config.sources import RESERVED_ENV_VARS
+from kvtier.config.tiers import parse_levels
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -927,7 +927,7 @@ def test_docs_are_in_sync_with_the_registry() -> None:
     for name, make in config_docs.GENERATORS.items():
         block = config_docs.generated_block(doc, name)
         assert block is not None, f"docs/configuration.md has no generated block {name!r}"
-        assert block == make(), "regenerate with: python -m kvtier.config_docs"
+        assert block == make(), "regenerate with: python -m kvtier.config.docs"
 
 
 def test_docs_generator_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
