@@ -24,6 +24,7 @@ from support.tiers import (
 )
 
 from kvtier.config import ConfigError, load_config
+from kvtier.config.remote import REMOTE_SCHEMES
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import remotes, wire
 from kvtier.storage.backend import join_parts
@@ -333,6 +334,10 @@ def test_the_config_takes_exactly_the_registered_schemes():
             load_config({"remote_url": url}, env={})
     with pytest.raises(ValueError, match=allowed):
         remotes.load_module("memcached://localhost:11211")
+
+
+def test_the_registry_covers_exactly_the_declared_schemes():
+    assert remotes.remote_schemes() == REMOTE_SCHEMES
 
 
 def test_a_missing_client_library_names_its_pip_extra(monkeypatch):

@@ -35,7 +35,7 @@ from support.sglang_hicache import (
     randomize,
 )
 
-from kvtier.config_keys import ConfigError
+from kvtier.config import ConfigError
 from kvtier.integration.sglang import KVTierHiCacheStorage
 from kvtier_kernels.dtypes import bits
 

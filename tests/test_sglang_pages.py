@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.config import load_config
-from kvtier.config_keys import ConfigError
+from kvtier.config import ConfigError, load_config
 from kvtier.integration.sglang.pages import PageFormat, PageKeys, page_hash, split_extra_config
 from kvtier.keys import CacheKey
 

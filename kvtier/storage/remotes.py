@@ -1,19 +1,17 @@
-"""The registry of remote stores: which ``remote_url`` schemes kvtier takes, and which
-module opens each one.
+"""The registry of remote stores: which module opens each ``remote_url`` scheme.
 
 As in vLLM's ``kv_offload/factory.py``, a scheme is registered by name with the module
 that implements it, and that module is imported only when a remote of its scheme is
 opened: redis-py loads only for a Redis remote, boto3 only for an S3 one.
-``KVTierConfig`` asks this registry whether a ``remote_url`` names a known scheme;
 ``StorageManager`` asks it for the module that opens the URL.
 
-A new scheme is one module plus one ``register`` line below. The module defines
-``open_remote`` with the signature of ``kvtier.storage.remote.RemoteOpener``: it parses
-the URL (a ValueError names ``remote_url`` and the accepted form) and returns the tier.
-A byte store (a ``BlobStore``) becomes a tier through ``remote.open_blob_tier``.
-
-NOTE: this module imports nothing from kvtier: the config, which every other module
-imports, asks it.
+The schemes a user may write are declared by the config (``REMOTE_SCHEMES`` in
+``kvtier.config.remote``), which checks ``remote_url`` against them; a test holds this
+registry to exactly those schemes. A new scheme is one module, its name in
+``REMOTE_SCHEMES`` and one ``register`` line below. The module defines ``open_remote`` with the signature of
+``kvtier.storage.remote.RemoteOpener``: it parses the URL (a ValueError names
+``remote_url`` and the accepted form) and returns the tier. A byte store (a
+``BlobStore``) becomes a tier through ``remote.open_blob_tier``.
 """
 
 from __future__ import annotations
@@ -22,6 +20,8 @@ import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
+
+from kvtier.config.remote import REMOTE_SCHEMES, redact_url, url_scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +78,8 @@ def remote_schemes() -> tuple[str, ...]:
 
 def scheme_of(url: str) -> RemoteScheme | None:
     """The registered scheme of ``url`` (matched case-insensitively), or None."""
-    name, sep, _ = url.partition("://")
-    return _SCHEMES.get(name.lower()) if sep else None
-
-
-def is_remote_url(url: str) -> bool:
-    """Whether ``url`` has a registered scheme (its rest is checked when it is opened)."""
-    return scheme_of(url) is not None
+    name = url_scheme(url)
+    return None if name is None else _SCHEMES.get(name)
 
 
 def load_module(url: str) -> ModuleType:
@@ -96,7 +91,7 @@ def load_module(url: str) -> ModuleType:
     """
     scheme = scheme_of(url)
     if scheme is None:
-        allowed = ", ".join(_SCHEMES)
+        allowed = ", ".join(REMOTE_SCHEMES)
         raise ValueError(f"remote_url {redact_url(url)!r}: expected a URL with scheme {allowed}")
     try:
         return importlib.import_module(scheme.module)
@@ -107,16 +102,3 @@ def load_module(url: str) -> ModuleType:
             f"remote_url needs an optional dependency that is not installed ({exc.name}): "
             f"pip install 'kvtier[{scheme.extra}]'"
         ) from None
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password in its user-info replaced by ``***`` (logs, tables)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    end = rest.find("/")
-    authority, tail = (rest, "") if end < 0 else (rest[:end], rest[end:])
-    userinfo, at, hosts = authority.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hosts}{tail}"

@@ -132,7 +132,7 @@ class CachegenSerde:
         return torch.cuda.stream(stream)
 
     def encode(self, tensor: torch.Tensor) -> tuple[list[Buffer], dict[str, Any]]:
-        from kvtier.config_keys import parse_levels
+        from kvtier.config.tiers import parse_levels
         from kvtier_kernels.cachegen import encode_chunk
 
         layers = tensor.shape[1] if tensor.dim() == 4 else 1

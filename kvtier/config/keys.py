@@ -1,9 +1,10 @@
-"""Config keys: what one key is (``KeySpec``), how a dataclass field declares one
-(``key``), how a raw value becomes a valid one (``coerce``), and the normalizers and
-checks that declarations use.
+"""Config keys: what one key is (``KeySpec``), how groups of keys make the fields of a
+config dataclass (``key_registry``, ``key_fields``), and how a raw value becomes a valid
+one (``coerce``).
 
-``kvtier.config`` declares every key of ``KVTierConfig`` with :func:`key`; the registry
-``CONFIG_KEYS`` is read back from the fields with :func:`key_specs`.
+Each concern declares its keys as tuples of ``KeySpec`` (``engine``, ``tiers``,
+``remote``, ``connector``, ``blend``); ``kvtier.config`` composes them into the registry
+``CONFIG_KEYS`` and the fields of ``KVTierConfig``.
 
 Values come typed from YAML files and mappings (checked strictly) or as text from
 environment variables (parsed to the key's type first). Problems are collected, not
@@ -14,15 +15,14 @@ once in one :class:`ConfigError`.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "KVTIER_"
 
-_SPEC = "kvtier.config.KeySpec"  # dataclass field-metadata slot holding a field's KeySpec
 _ENV_TRUE = frozenset({"true", "1", "yes", "on"})
 _ENV_FALSE = frozenset({"false", "0", "no", "off"})
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
@@ -52,13 +52,13 @@ class ConfigError(ValueError):
 class KeySpec:
     """Everything kvtier knows about one config key.
 
-    ``kind`` is one of bool, int, float, str. ``choices`` (str keys) are matched
-    case-insensitively and stored in the spelling given here. ``check`` is a predicate on
-    the typed value; ``allowed`` describes, for error messages and docs, what passes it.
-    ``normalize`` runs before type checking (e.g. int -> str). ``lmcache_names`` lists the
-    names LMCache uses for the same setting (its own name included when identical).
-    ``secret`` values are never shown; ``redact`` hides the secret part of a shown string
-    value (a URL's password).
+    ``name`` is the key and the config's attribute; ``kind`` is one of bool, int, float,
+    str. ``choices`` (str keys) are matched case-insensitively and stored in the spelling
+    given here. ``check`` is a predicate on the typed value; ``allowed`` describes, for
+    error messages and docs, what passes it. ``normalize`` runs before type checking
+    (e.g. int -> str). ``lmcache_names`` lists the names LMCache uses for the same setting
+    (its own name included when identical). ``secret`` values are never shown; ``redact``
+    hides the secret part of a shown string value (a URL's password).
     """
 
     name: str
@@ -89,6 +89,11 @@ class KeySpec:
             text = _TYPE_NAMES[self.kind]
         return f"{text}, or null" if self.nullable else text
 
+    @property
+    def annotation(self) -> Any:
+        """The type of the config attribute: ``kind``, or ``kind | None`` when nullable."""
+        return self.kind | None if self.nullable else self.kind
+
     def shown(self, value: Any) -> str:
         """``value`` as logs, tables and error messages show it: a secret as ``'***'``,
         a string with its secret part redacted."""
@@ -99,48 +104,32 @@ class KeySpec:
         return repr(value)
 
 
-def key(
-    default: Any,
-    kind: type,
-    help: str,
-    *,
-    choices: Iterable[str] = (),
-    check: Callable[[Any], bool] | None = None,
-    allowed: str = "",
-    nullable: bool = False,
-    normalize: Callable[[Any], Any] | None = None,
-    lmcache_names: Iterable[str] = (),
-    secret: bool = False,
-    redact: Callable[[str], str] | None = None,
-) -> Any:
-    """A dataclass field carrying its KeySpec; the name is filled in from the field."""
-    spec = KeySpec(
-        name="",
-        kind=kind,
-        default=default,
-        help=help,
-        choices=tuple(choices),
-        check=check,
-        allowed=allowed,
-        nullable=nullable,
-        normalize=normalize,
-        lmcache_names=tuple(lmcache_names),
-        secret=secret,
-        redact=redact,
-    )
-    return field(default=default, metadata={_SPEC: spec})
+def key_registry(*groups: Iterable[KeySpec]) -> dict[str, KeySpec]:
+    """The keys of ``groups``, in order: key name -> KeySpec.
+
+    Raises:
+        ValueError: two groups declare the same key.
+    """
+    keys: dict[str, KeySpec] = {}
+    for spec in (spec for group in groups for spec in group):
+        if spec.name in keys:
+            raise ValueError(f"config key {spec.name!r} is declared twice")
+        keys[spec.name] = spec
+    return keys
 
 
-def key_specs(cls: type) -> dict[str, KeySpec]:
-    """The keys that dataclass ``cls`` declares with :func:`key`, in field order: its
-    own fields first, then those it inherits."""
-    own = set(vars(cls).get("__annotations__", {}))
-    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
-    return {
-        f.name: dataclasses.replace(f.metadata[_SPEC], name=f.name)
-        for f in fields
-        if _SPEC in f.metadata
-    }
+def key_fields(keys: Mapping[str, KeySpec]) -> Callable[[type], type]:
+    """A class decorator, applied before ``@dataclass``: one field per key (its name, type
+    and default), in registry order, ahead of the fields the class declares itself."""
+
+    def add_fields(cls: type) -> type:
+        own = inspect.get_annotations(cls)
+        for name, spec in keys.items():
+            setattr(cls, name, spec.default)
+        cls.__annotations__ = {**{n: s.annotation for n, s in keys.items()}, **own}
+        return cls
+
+    return add_fields
 
 
 def coerce(
@@ -218,65 +207,3 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
     """``; did you mean 'x'?`` naming the candidate closest to ``name``, or ``""``."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {match[0]!r}?" if match else ""
-
-
-# --------------------------------------------------------------------------------------
-# Value helpers of key declarations: normalizers and checks
-# --------------------------------------------------------------------------------------
-
-
-def levels_text(value: Any) -> Any:
-    """A levels schedule as text: YAML may give an int or a list of ints."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, list | tuple) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        return ",".join(map(str, value))
-    return value.replace(" ", "") if isinstance(value, str) else value
-
-
-LEVELS_ALLOWED = "empty, or comma-separated integers from 1 to 127 (one, or one per layer)"
-
-
-def valid_levels_text(text: str) -> bool:
-    """Whether ``text`` (after ``levels_text``) is a levels schedule."""
-    if not text:
-        return True
-    parts = text.split(",")
-    return all(p.isdigit() and 1 <= int(p) <= 127 for p in parts)
-
-
-def parse_levels(text: str, num_layers: int, key: str) -> list[int] | None:
-    """The per-layer levels ``text`` (a ``cachegen_*_levels`` value) sets for a model of
-    ``num_layers`` layers; None for the default schedule.
-
-    Raises:
-        ValueError: ``text`` lists a number of layers other than 1 or ``num_layers``
-            (the message names ``key``).
-    """
-    if not text:
-        return None
-    levels = [int(p) for p in text.split(",")]
-    if len(levels) == 1:
-        return levels * num_layers
-    if len(levels) != num_layers:
-        raise ValueError(
-            f"{key} lists {len(levels)} layers, the model has {num_layers}: give one "
-            "integer for every layer or exactly one per layer"
-        )
-    return levels
-
-
-def strip_file_scheme(path: str) -> str:
-    """LMCache spells ``local_disk`` as ``file:///path``; kvtier takes either."""
-    return path[len("file://") :] if path.startswith("file://") else path
-
-
-def int_to_str(value: Any) -> Any:
-    """An int as a string (keys whose strings YAML may give as numbers)."""
-    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-def is_power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0

@@ -1,10 +1,10 @@
 """The generated parts of docs/configuration.md: the key table and the LMCache key lists,
-made from ``CONFIG_KEYS`` and the LMCache tables (``config_lmcache``) so that the docs
-cannot drift from the code.
+made from ``CONFIG_KEYS`` and the LMCache tables (``lmcache``) so that the docs cannot
+drift from the code.
 
 Each block sits between ``<!-- BEGIN GENERATED: name -->`` and
 ``<!-- END GENERATED: name -->``, named after the function that makes it.
-``python -m kvtier.config_docs [docs/configuration.md]`` rewrites the blocks in place; a
+``python -m kvtier.config.docs [docs/configuration.md]`` rewrites the blocks in place; a
 test checks that they are current.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import CONFIG_KEYS, LMCACHE_ALIASES
-from kvtier.config_keys import yaml_literal
-from kvtier.config_lmcache import (
+from kvtier.config.keys import yaml_literal
+from kvtier.config.lmcache import (
     LMCACHE_NO_EFFECT_KEYS,
     LMCACHE_PLANNED_KEYS,
     LMCACHE_UNSUPPORTED_KEYS,
@@ -49,7 +49,7 @@ def config_reference_markdown() -> str:
 
 
 def lmcache_reference_markdown() -> str:
-    """The LMCache key lists of docs/configuration.md, generated from ``config_lmcache``."""
+    """The LMCache key lists of docs/configuration.md, generated from ``lmcache``."""
 
     def names(keys: Iterable[str]) -> str:
         return ", ".join(f"`{k}`" for k in sorted(keys))

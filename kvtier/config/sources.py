@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from kvtier.config_keys import ENV_PREFIX, KeySpec, coerce, suggest
-from kvtier.config_lmcache import (
+from kvtier.config.keys import ENV_PREFIX, KeySpec, coerce, suggest
+from kvtier.config.lmcache import (
     LMCACHE_NO_EFFECT_KEYS,
     LMCACHE_PLANNED_KEYS,
     LMCACHE_UNSUPPORTED_KEYS,

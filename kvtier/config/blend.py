@@ -2,16 +2,15 @@
 reuse of the cached KV of separator-delimited text segments that are not a prefix
 (docs/cacheblend.md).
 
-``ConnectorKeys`` (``config_connector``) inherits them; ``blend_problems`` is the
-cross-key check ``KVTierConfig`` runs.
+``blend_problems`` is the cross-key check ``KVTierConfig`` runs; ``blend_schedule`` is
+what the vLLM connector reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from kvtier.config_keys import key
+from kvtier.config.keys import KeySpec
 
 
 def _number_list_text(default: str) -> Any:
@@ -59,41 +58,43 @@ def _valid(parse) -> Any:
     return check
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BlendKeys:
-    """CacheBlend's keys (a base of ``ConnectorKeys``)."""
-
-    enable_blending: bool = key(
-        False,
+# CacheBlend's keys, LMCache's names.
+BLEND: tuple[KeySpec, ...] = (
+    KeySpec(
+        "enable_blending",
         bool,
+        False,
         "CacheBlend (vLLM connector): store the KV of each separator-delimited segment of "
         "a prompt on its own, and reuse it wherever the segment appears in a later prompt "
         "(keys re-rotated to the new positions, the most deviating tokens recomputed). "
         "Needs a RoPE decoder without sliding window, MLA or hybrid layers.",
         lmcache_names=("enable_blending",),
-    )
-    blend_special_str: str = key(
-        " # # ",
+    ),
+    KeySpec(
+        "blend_special_str",
         str,
+        " # # ",
         "CacheBlend: the separator text between segments, tokenized with the engine's "
         "tokenizer (without special tokens).",
         normalize=lambda v: v or " # # ",
         allowed="a string (empty: the default)",
         lmcache_names=("blend_special_str",),
-    )
-    blend_recompute_ratios: str = key(
-        "0.15",
+    ),
+    KeySpec(
+        "blend_recompute_ratios",
         str,
+        "0.15",
         "CacheBlend: the fraction of reused tokens recomputed (those whose KV deviates most "
         "at the check layer); one ratio, or one per check layer (non-increasing).",
         normalize=_number_list_text("0.15"),
         check=_valid(parse_ratios),
         allowed="a number from 0 to 1, or a comma-separated list of them",
         lmcache_names=("blend_recompute_ratios", "blend_recompute_ratio"),
-    )
-    blend_check_layers: str = key(
-        "0",
+    ),
+    KeySpec(
+        "blend_check_layers",
         str,
+        "0",
         "CacheBlend: the layer(s) where the KV deviation is measured and the tokens to "
         "recompute are picked (0 is the first layer); layers before the first one are "
         "recomputed for every token.",
@@ -101,18 +102,27 @@ class BlendKeys:
         check=_valid(parse_check_layers),
         allowed="an integer >= 0, or a comma-separated increasing list of them",
         lmcache_names=("blend_check_layers",),
-    )
-    blend_min_tokens: int = key(
-        256,
+    ),
+    KeySpec(
+        "blend_min_tokens",
         int,
+        256,
         "CacheBlend: segments shorter than this many tokens are neither stored nor reused.",
         check=lambda v: v >= 1,
         allowed="an integer >= 1",
         lmcache_names=("blend_min_tokens",),
-    )
+    ),
+)
 
 
-def blend_problems(config: BlendKeys) -> list[str]:
+class BlendSettings(Protocol):
+    """The blend keys that the cross-key check and the schedule read (a ``KVTierConfig``)."""
+
+    blend_recompute_ratios: str
+    blend_check_layers: str
+
+
+def blend_problems(config: BlendSettings) -> list[str]:
     """Cross-key problems of the blend keys (each names the keys and the fix)."""
     try:
         ratios = parse_ratios(config.blend_recompute_ratios)
@@ -139,7 +149,7 @@ def blend_problems(config: BlendKeys) -> list[str]:
     return problems
 
 
-def blend_schedule(config: BlendKeys) -> list[tuple[int, float]]:
+def blend_schedule(config: BlendSettings) -> list[tuple[int, float]]:
     """``(check layer, ratio)`` pairs of a valid config, in layer order."""
     layers = parse_check_layers(config.blend_check_layers)
     ratios = parse_ratios(config.blend_recompute_ratios)

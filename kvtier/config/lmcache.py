@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.config_keys import KeySpec, yaml_literal
+from kvtier.config.keys import KeySpec, yaml_literal
 
 # Operational knobs with no meaning in kvtier: accepted with any value, ignored, and
 # reported in one warning per load_config call.
@@ -73,7 +73,7 @@ LMCACHE_NO_EFFECT_KEYS: frozenset[str] = frozenset(
 # LMCache features kvtier does not implement: key -> (feature, LMCache's default value).
 # Accepted silently while switched off (see is_switched_off); an error otherwise.
 LMCACHE_UNSUPPORTED_KEYS: dict[str, tuple[str, Any]] = {
-    # CacheBlend options kvtier does not have (its own keys: config_blend)
+    # CacheBlend options kvtier does not have (its own keys: config.blend)
     "blend_thresholds": ("CacheBlend blending", None),
     "blend_separator": ("CacheBlend blending", "[BLEND_SEP]"),
     "blend_add_special_in_precomp": ("CacheBlend blending", False),

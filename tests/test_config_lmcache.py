@@ -1,0 +1,194 @@
+"""Tests for kvtier.config's LMCache compatibility: LMCache configs load, shared keys and
+aliases are real keys, no-effect knobs are ignored with one warning, features kvtier
+lacks are accepted only while switched off."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from support.config import LMCACHE_YAML, assert_one_problem_mentions, write
+
+from kvtier.config import CONFIG_KEYS, LMCACHE_ALIASES, ConfigError, load_config
+from kvtier.config.lmcache import (
+    LMCACHE_NO_EFFECT_KEYS,
+    LMCACHE_PLANNED_KEYS,
+    LMCACHE_UNSUPPORTED_KEYS,
+    is_switched_off,
+)
+
+
+def test_lmcache_yaml_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path, LMCACHE_YAML, "lmcache.yaml")
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(config_file=path, env={})
+    assert cfg.chunk_size == 512
+    assert cfg.local_cpu is True
+    assert cfg.max_local_cpu_size == 20.0
+    assert cfg.max_local_cpu_bytes == 20 * 2**30
+    assert cfg.cache_policy == "LRU"
+    assert cfg.save_unfull_chunk is True
+    assert cfg.source_of("max_local_cpu_size") == f"file {path} (as max_local_cache_size)"
+
+    assert cfg.local_disk is None and cfg.remote_url is None
+    ignored = (
+        "blocking_timeout_secs",
+        "extra_config",
+        "internal_api_server_enabled",
+        "internal_api_server_port_start",
+        "lmcache_instance_id",
+        "numa_mode",
+        "py_enable_gc",
+    )
+    assert cfg.ignored_lmcache_keys == ignored
+    warnings = [r for r in caplog.records if r.name == "kvtier.config"]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+    assert all(name in warnings[0].getMessage() for name in ignored)
+
+
+def test_lmcache_keys_in_overrides(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(
+            overrides={"max_local_cache_size": 1, "py_enable_gc": False, "enable_p2p": False},
+            env={},
+        )
+    assert cfg.max_local_cpu_size == 1.0
+    assert cfg.ignored_lmcache_keys == ("py_enable_gc",)
+    assert len(caplog.records) == 1
+
+
+def test_no_warning_without_ignored_keys(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        load_config(overrides={"enable_blending": False, "remote_url": None}, env={})
+    assert caplog.records == []
+
+
+def test_ignored_keys_from_several_sources_warn_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, "numa_mode: auto\npy_enable_gc: true\n")
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(overrides={"py_enable_gc": False}, config_file=path, env={})
+    assert cfg.ignored_lmcache_keys == ("numa_mode", "py_enable_gc")
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "feature"),
+    [
+        ("blend_thresholds", [0.5], "CacheBlend"),
+        ("enable_p2p", True, "P2P"),
+        ("enable_controller", True, "controller"),
+        ("enable_pd", True, "PD disaggregation"),
+        ("pd_role", "sender", "PD disaggregation"),
+        ("nixl_backends", ["UCX"], "NIXL"),
+        ("nixl_peer_host", "10.0.0.1", "NIXL"),
+        ("gds_path", "/mnt/gds", "GPUDirect Storage"),
+        ("weka_path", "/mnt/weka", "Weka"),
+        ("external_lookup_client", "mooncakestore://x", "external lookup"),
+        ("blend_separator", "<sep>", "CacheBlend"),
+        ("mp_port", 1234, "multi-process"),
+    ],
+)
+def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, feature: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={key: value}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, f"LMCache key '{key}' is not supported by kvtier", feature, repr(value)
+    )
+    assert "not supported yet" not in excinfo.value.problems[0]
+
+
+def test_lmcache_pd_keys_point_to_kvtiers_roles() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"enable_pd": True}, env={})
+    assert_one_problem_mentions(excinfo.value, "kv_role", "kv_producer", "disaggregated.md")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("local_disk", "file:///tmp/lmcache/", "/tmp/lmcache/"),
+        ("local_disk", "/var/cache/kvtier", "/var/cache/kvtier"),
+        ("local_disk", "", None),
+        ("max_local_disk_size", 10, 10.0),
+        ("remote_url", "redis://localhost:6379", "redis://localhost:6379"),
+        ("remote_url", "s3://bucket/prefix", "s3://bucket/prefix"),
+        ("remote_url", "fs:///mnt/shared", "fs:///mnt/shared"),
+        ("remote_url", "", None),
+        ("remote_serde", "NAIVE", "naive"),
+        ("remote_serde", "cachegen", "cachegen"),
+        ("min_retrieve_tokens", 256, 256),
+    ],
+)
+def test_lmcache_tier_keys_are_real_keys(key: str, value: object, expected: object) -> None:
+    config = load_config(overrides={key: value}, env={})
+    assert getattr(config, key) == expected
+    assert config.ignored_lmcache_keys == ()
+
+
+def test_lmcache_disk_and_timeout_knobs_are_ignored() -> None:
+    config = load_config(
+        overrides={"blocking_timeout_secs": 30, "local_disk_path_sharding": "by_gpu"}, env={}
+    )
+    assert config.ignored_lmcache_keys == ("blocking_timeout_secs", "local_disk_path_sharding")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("enable_blending", False),
+        ("blend_check_layers", []),
+        ("blend_special_str", " # # "),
+        ("blend_special_str", ""),
+        ("pd_role", None),
+        ("pd_buffer_size", 0),
+        ("remote_serde", "naive"),
+        ("remote_url", ""),
+        ("max_local_disk_size", 0.0),
+        ("blocking_timeout_secs", 10),
+        ("use_gds", True),
+        ("nixl_enable_gc", True),
+        ("nixl_buffer_device", None),
+        ("extra_config", {}),
+    ],
+)
+def test_switched_off_lmcache_keys_are_accepted(key: str, value: object) -> None:
+    assert load_config(overrides={key: value}, env={}).chunk_size == 256
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("use_layerwise", True), ("save_decode_cache", True), ("enable_async_loading", True)],
+)
+def test_lmcache_connector_mode_keys_are_real_keys(key: str, value: object) -> None:
+    config = load_config(overrides={key: value}, env={})
+    assert getattr(config, key) is value
+    assert config.ignored_lmcache_keys == ()
+
+
+def test_switched_off_compares_bools_to_bools() -> None:
+    assert not is_switched_off(True, 1)  # True == 1, but true is not an LMCache default of 1
+    assert not is_switched_off(1, True)
+    assert is_switched_off(True, True)
+    assert is_switched_off(0.0, 5.0)
+    assert not is_switched_off([0], None)
+
+
+def test_lmcache_tables_are_disjoint_and_cover_aliases() -> None:
+    tables = [
+        set(CONFIG_KEYS),
+        set(LMCACHE_ALIASES),
+        set(LMCACHE_NO_EFFECT_KEYS),
+        set(LMCACHE_UNSUPPORTED_KEYS),
+        set(LMCACHE_PLANNED_KEYS),
+    ]
+    for i, first in enumerate(tables):
+        for second in tables[i + 1 :]:
+            assert not first & second, first & second
+    assert LMCACHE_ALIASES == {
+        "max_local_cache_size": "max_local_cpu_size",
+        "blend_recompute_ratio": "blend_recompute_ratios",
+    }
