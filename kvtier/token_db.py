@@ -96,6 +96,50 @@ def _as_int64_array(tokens: TokenIds) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+class HashChain:
+    """The chained hashes of one token sequence's chunks, extended as its tokens become
+    known: each chunk is hashed once however often the sequence is asked for.
+
+    Args:
+        hasher: the chained hash (algorithm + seed).
+        chunk_size: tokens per chunk.
+        extras: LoRA / multimodal / cache-salt keys of the sequence.
+    """
+
+    def __init__(self, hasher: ChunkHasher, chunk_size: int, extras: RequestExtras | None = None):
+        self.hasher = hasher
+        self.chunk_size = chunk_size
+        self.extras = extras
+        self.full: list[bytes] = []
+
+    def _chain(self, tokens: Sequence[int] | np.ndarray, bounds: list[tuple[int, int]], parent):
+        """Hashes of the chunks ``bounds`` of ``tokens``, chained on ``parent``."""
+        if not bounds:
+            return []
+        first, last = bounds[0][0], bounds[-1][1]
+        array = _as_int64_array(tokens[first:last])
+        extras = None
+        if self.extras is not None:
+            extras = [self.extras.chunk_extra_keys(s, e) for s, e in bounds]
+        local = [(s - first, e - first) for s, e in bounds]
+        return self.hasher.chain_array(array, local, extras, parent)
+
+    def upto(self, tokens: TokenIds, num_tokens: int, *, partial: bool) -> list[bytes]:
+        """Hashes of the chunks of ``tokens[:num_tokens]``: every full chunk, plus the
+        partial last one when ``partial``."""
+        cs = self.chunk_size
+        done = len(self.full)
+        if num_tokens // cs > done:
+            bounds = [(i * cs, (i + 1) * cs) for i in range(done, num_tokens // cs)]
+            self.full += self._chain(tokens, bounds, self.full[-1] if self.full else None)
+        hashes = self.full[: num_tokens // cs]
+        if partial and num_tokens % cs:
+            start = num_tokens // cs * cs
+            tail = self._chain(tokens, [(start, num_tokens)], hashes[-1] if hashes else None)
+            hashes = [*hashes, *tail]
+        return hashes
+
+
 class ChunkedTokenDatabase:
     """Cuts token sequences into chunks and names each chunk with a storage key.
 
@@ -160,11 +204,8 @@ class ChunkedTokenDatabase:
     ) -> list[bytes]:
         """The chained hash of every (full, plus optionally the partial) chunk."""
         array = _as_int64_array(tokens)
-        bounds = self.chunk_bounds(len(array), include_partial)
-        chunk_extras = None
-        if extras is not None:
-            chunk_extras = [extras.chunk_extra_keys(s, e) for s, e in bounds]
-        return self.hasher.chain_array(array, bounds, chunk_extras)
+        chain = HashChain(self.hasher, self.chunk_size, extras)
+        return chain.upto(array, len(array), partial=include_partial)
 
     def chunks(
         self,

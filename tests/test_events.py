@@ -406,9 +406,9 @@ def make_scheduler(ev, workers: list[WorkerSide]):
             for w in workers
         )
 
-    side = SchedulerSide(workers[0].config, lookup, block_size=BLOCK)
     tracker = ev.events.KVEventTracker(len(workers), CHUNK, BLOCK)
-    side.chunk_observer = tracker.record_chunks
+    extension = ev.events.KVEventScheduling(tracker)
+    side = SchedulerSide(workers[0].config, lookup, block_size=BLOCK, extensions=[extension])
     return side, tracker
 
 

@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.blend import UnsupportedModelError
+from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
+from kvtier.blend.vllm_worker import PagedTokens, cpu_block_map
 from kvtier.config import KVTierConfig
-from kvtier.integration.vllm.blend import PagedTokens, cpu_block_map
-from kvtier.integration.vllm.blend_plan import BlendPlanner
-from kvtier.integration.vllm.connector import check_blending
-from kvtier.integration.vllm.scheduler import StepPlan
+from kvtier.integration.vllm.common import StepPlan
+from kvtier.integration.vllm.extensions import check_extensions
 from kvtier_kernels import PagedKV
 
 
@@ -29,19 +29,28 @@ def test_unsupported_model_is_named() -> None:
     config = KVTierConfig(enable_blending=True)
     vllm_config = _vllm_config(architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        check_blending(vllm_config, config)
+        check_extensions(config, vllm_config)
 
 
 def test_blendable_model_is_accepted() -> None:
     config = KVTierConfig(enable_blending=True)
-    check_blending(_vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0), config)
+    check_extensions(config, _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0))
 
 
 def test_blending_off_changes_nothing() -> None:
-    check_blending(_vllm_config(architectures=["GPT2LMHeadModel"]), KVTierConfig())
+    check_extensions(KVTierConfig(), _vllm_config(architectures=["GPT2LMHeadModel"]))
 
 
 # -- the scheduler's claims and stores ---------------------------------------------------
+
+
+def _blends(plan: StepPlan) -> list[BlendSpec]:
+    return [s for s in plan.extensions.get(PLAN_KEY, []) if isinstance(s, BlendSpec)]
+
+
+def _segment_saves(plan: StepPlan) -> list[SegmentSaveSpec]:
+    return [s for s in plan.extensions.get(PLAN_KEY, []) if isinstance(s, SegmentSaveSpec)]
+
 
 SEP = [7, 7]
 
@@ -79,11 +88,11 @@ def test_planner_stores_then_claims() -> None:
     assert planner.after_alloc(_request("r1", first), [0], 0) is False
     plan = StepPlan()
     planner.extend(plan, _step([("r1", 0, 8, [0, 1])]), lambda r: [0, 1])
-    assert [(s, e) for s, e, _ in plan.segment_saves[0].segments] == [(0, 3)]  # computed
+    assert [(s, e) for s, e, _ in _segment_saves(plan)[0].segments] == [(0, 3)]  # computed
     plan = StepPlan()
     planner.extend(plan, _step([("r1", 8, len(first) - 8, [0, 1])]), lambda r: [0, 1])
-    assert [(s, e) for s, e, _ in plan.segment_saves[0].segments] == [(5, 9), (11, 14)]
-    stored = {h for _, _, h in plan.segment_saves[0].segments}
+    assert [(s, e) for s, e, _ in _segment_saves(plan)[0].segments] == [(5, 9), (11, 14)]
+    stored = {h for _, _, h in _segment_saves(plan)[0].segments}
 
     second = [5, 6, 5, *SEP, *doc_b, *SEP, *doc_a, *SEP, 8, 9]
     planner, asked = _planner(stored)
@@ -94,10 +103,10 @@ def test_planner_stores_then_claims() -> None:
     assert planner.after_alloc(request, [3, 4], claimed)
     plan = StepPlan()
     planner.extend(plan, _step([("r2", claimed, 1, [3, 4])]), lambda r: [3, 4])
-    (spec,) = plan.blends
+    (spec,) = _blends(plan)
     assert spec.token_ids == second[:claimed] and spec.block_ids == [3, 4]
     assert [(s, e) for s, e, _ in spec.segments] == [(5, 8), (10, 14)]
-    assert not plan.segment_saves  # a blended prompt stores nothing
+    assert not _segment_saves(plan)  # a blended prompt stores nothing
     assert planner.counters()["blend_reused_tokens"] == 7
 
 
@@ -114,7 +123,7 @@ def test_planner_leaves_prefix_hits_and_refusals_alone() -> None:
     assert planner.after_alloc(request, [0], 0) is False  # vLLM did not take the claim
     plan = StepPlan()
     planner.extend(plan, _step([("b", 0, len(prompt), [0])]), lambda r: [0])
-    assert not plan.blends
+    assert not _blends(plan)
 
 
 def _spans(tokens: list[int]) -> list:

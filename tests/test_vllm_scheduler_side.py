@@ -21,13 +21,9 @@ import pytest
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.hashing import ChunkHasher
-from kvtier.integration.vllm.scheduler import (
-    LoadSpec,
-    SaveSpec,
-    SchedulerSide,
-    StepPlan,
-    request_extras,
-)
+from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan
+from kvtier.integration.vllm.facts import request_extras
+from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.keys import CacheKey
 from kvtier.token_db import ChunkedTokenDatabase, MultiModalSpan, RequestExtras
 

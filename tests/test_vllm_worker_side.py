@@ -23,9 +23,11 @@ from support.kv import bits, fill_random_
 
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
+from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan, slot_mapping
+from kvtier.integration.vllm.facts import detect_paged_kv
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
-from kvtier.integration.vllm.scheduler import LoadSpec, SaveSpec, SchedulerSide, StepPlan
-from kvtier.integration.vllm.worker import WorkerSide, detect_paged_kv, slot_mapping
+from kvtier.integration.vllm.scheduler import SchedulerSide
+from kvtier.integration.vllm.worker import WorkerSide
 from kvtier.metrics import Counter
 from kvtier_kernels import LayoutError, PagedKV
 

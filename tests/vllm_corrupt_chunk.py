@@ -21,7 +21,7 @@ def main() -> None:
 
     llm = make_llm(model, block_size=32, kvtier={"chunk_size": 64})
     generate(llm, [prompt])
-    worker = get_kv_transfer_group()._worker.mover
+    worker = get_kv_transfer_group()._worker
     engine = worker.engine
     key = engine.chunk_keys(prompt)[int(chunk_index)]
     obj = engine.storage.get(key)  # the stored object itself: the fault is injected there

@@ -31,7 +31,7 @@ from support.engines import generate, make_llm, shutdown, worker_stats
 def chunk_names(prompt: list[int]) -> list[str]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    engine = get_kv_transfer_group()._worker.mover.engine
+    engine = get_kv_transfer_group()._worker.engine
     return [key.to_string() for key in engine.chunk_keys(prompt)]
 
 

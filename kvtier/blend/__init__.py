@@ -2,7 +2,9 @@
 
 ``model_spec`` (which models, their RoPE) → ``segments`` (splitting, keys, the segment
 store) → ``blender`` (re-rotation and selective recompute over a ``BlendModel``);
-``hf`` drives a transformers decoder. The vLLM side is ``integration/vllm/blend.py``.
+``hf`` drives a transformers decoder. In vLLM: ``vllm_extension`` plugs ``vllm_plan``
+(the scheduler's claims and segment stores) and ``vllm_worker`` (the blend with the running
+model) into the connector.
 """
 
 from kvtier.blend.blender import BlendModel, BlendResult, PlacedSegment, blend, place_segments

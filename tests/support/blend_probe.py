@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.blend import blend, place_segments
-from kvtier.integration.vllm.worker import slot_mapping
+from kvtier.integration.vllm.common import slot_mapping
 
 
 def _blend_worker():

@@ -2,18 +2,16 @@
 
 vLLM builds two instances: one with the SCHEDULER role in the engine-core process (it
 decides what to load and save) and one with the WORKER role in each worker process (it
-moves the KV). This facade only passes each hook on to its role object
-(``roles.SchedulerRole`` around ``scheduler.SchedulerSide``, ``roles.WorkerRole`` around
-``worker.WorkerSide``), which own the wiring. The scheduler learns what
-the workers' tiers hold through a local RPC socket per rank (``rpc``): a lookup that fails
-or takes longer than ``lookup_timeout_ms`` is a miss. With tensor or pipeline parallelism
-every rank stores its own shard, and a chunk counts as a hit only when every rank has it.
+moves the KV). This facade passes each hook, in one call, to ``scheduler.SchedulerSide``
+or ``worker.WorkerSide``. The scheduler learns what the workers' tiers hold through a
+local RPC socket per rank (``rpc``): a lookup that fails or takes longer than
+``lookup_timeout_ms`` is a miss. With tensor or pipeline parallelism every rank stores its
+own shard, and a chunk counts as a hit only when every rank has it.
 
-With ``enable_blending`` the roles also blend prompts with cached segments (CacheBlend:
-``blend_plan`` on the scheduler, ``blend`` on the worker; docs/cacheblend.md).
-
-With vLLM's ``kv_events_config`` enabled, what kvtier's CPU tier stores and drops comes
-out of vLLM's KV event stream as ``BlockStored`` / ``BlockRemoved`` events (``events``).
+Optional features plug into both sides as extensions (``extensions``): CacheBlend with
+``enable_blending`` (``kvtier.blend.vllm_extension``; docs/cacheblend.md), and KV events
+with vLLM's ``kv_events_config`` (``events``: what kvtier's tiers store and drop comes out
+of vLLM's KV event stream as ``BlockStored`` / ``BlockRemoved``).
 
 Supported vLLM: the V1 connector API with the 3-argument constructor
 ``(vllm_config, role, kv_cache_config)`` (vLLM 0.32 and 0.33).
@@ -28,12 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.blend.model_spec import check_blendable
 from kvtier.config import KVTierConfig, load_config
-from kvtier.integration.vllm.events import KVTierKVEvents
-from kvtier.integration.vllm.roles import SchedulerRole, WorkerRole
-from kvtier.integration.vllm.scheduler import StepPlan
-from kvtier.precompile import start_background
+from kvtier.integration.vllm.common import StepPlan
+from kvtier.integration.vllm.extensions import check_extensions
+from kvtier.integration.vllm.scheduler import SchedulerSide
+from kvtier.integration.vllm.worker import WorkerSide
 
 try:
     import vllm
@@ -68,16 +65,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+    from kvtier.integration.vllm.events import KVTierKVEvents
 
-# vLLM configures only its own loggers: give kvtier's a handler so its start-up lines
-# (the config in effect, the layout found) show in the engine's log.
-_kvtier_logger = logging.getLogger("kvtier")
-if not _kvtier_logger.handlers and not logging.getLogger().handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("(kvtier) %(levelname)s %(asctime)s %(message)s"))
-    _kvtier_logger.addHandler(_handler)
-    _kvtier_logger.setLevel(logging.INFO)
+logger = logging.getLogger(__name__)
 
 
 class KVTierConnectorMetadata(KVConnectorMetadata):
@@ -124,13 +114,6 @@ def kvtier_config_from_vllm(vllm_config: VllmConfig) -> KVTierConfig:
     return load_config(overrides=extra)
 
 
-def check_blending(vllm_config: VllmConfig, config: KVTierConfig) -> None:
-    """With ``enable_blending``, refuse at start-up a model CacheBlend cannot blend (an
-    ``UnsupportedModelError`` naming its class). Nothing happens with it off."""
-    if config.enable_blending:
-        check_blendable(vllm_config.model_config.hf_config)
-
-
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier as a vLLM KV connector (see the module docstring)."""
 
@@ -148,14 +131,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"{len(groups)} (hybrid attention)"
             )
         self.kvtier_config = config = kvtier_config_from_vllm(vllm_config)
-        check_blending(vllm_config, config)
-        self._last_stats: dict[str, float] = {}
-        self._scheduler: SchedulerRole | None = None
-        self._worker: WorkerRole | None = None
+        check_extensions(config, vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerRole(config, vllm_config)
+            self._scheduler = SchedulerSide.from_vllm(config, vllm_config)
         else:
-            self._worker = WorkerRole(config, vllm_config)
+            self._worker = WorkerSide.from_vllm(config, vllm_config)
         logger.info("kvtier connector (%s role): %s", role.name.lower(), config.summary())
         logger.debug("kvtier config in effect:\n%s", config.describe())
 
@@ -165,14 +147,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
         block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self._scheduler.after_alloc(request, block_ids, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -189,7 +171,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' output of a step: merge their tier records (KV events)."""
         if self._scheduler is not None:
-            self._scheduler.add_worker_events(connector_output.kv_cache_events)
+            self._scheduler.update_connector_output(connector_output)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtier's ``BlockStored`` / ``BlockRemoved`` events since the last call."""
@@ -204,9 +186,6 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
-        engine = self._worker.mover.engine
-        if engine is not None:  # precompile_kernels: compile in the background
-            start_background(self.kvtier_config, engine)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -216,46 +195,33 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
-        self._worker.mover.wait_for_layer_load(layer_name)
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         assert self._worker is not None
-        self._worker.mover.save_layer(layer_name)
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
-        self._worker.wait_for_save(getattr(metadata, "plan", None))
+        self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        loaded = self._worker.mover.get_finished()
-        return None, (loaded or None)
+        return None, (self._worker.get_finished() or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
-        return self._worker.mover.take_load_errors()
+        return self._worker.take_load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> KVTierKVEvents | None:
         """This rank's tier records since the last step (None: none, or events off)."""
         return self._worker.take_events() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
-        if self._worker is not None:
-            now = self._worker.mover.stats.snapshot()
-        elif self._scheduler is not None:
-            now = self._scheduler.counters()
-        else:
-            return None
-        delta = {
-            name: value - self._last_stats.get(name, 0)
-            for name, value in now.items()
-            if not name.endswith("_gbps") and not name.endswith("_ratio")
-        }
-        self._last_stats = now
-        delta = {name: value for name, value in delta.items() if value}
+        side = self._worker or self._scheduler
+        delta = side.take_stats() if side is not None else None
         return KVTierConnectorStats(data=delta) if delta else None
 
     @classmethod
@@ -273,10 +239,11 @@ class KVTierConnector(KVConnectorBase_V1):
         # NOTE: the first hook vLLM calls in the engine core on every backend (before memory
         # profiling and the KV cache): a config mistake is reported here once, not by each
         # worker after profiling. kvtier reads any layout, so it asks for none.
-        check_blending(vllm_config, kvtier_config_from_vllm(vllm_config))
+        check_extensions(kvtier_config_from_vllm(vllm_config), vllm_config)
         return None
 
     def shutdown(self) -> None:
-        for role in (self._scheduler, self._worker):
-            if role is not None:
-                role.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.shutdown()

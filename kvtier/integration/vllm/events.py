@@ -38,7 +38,7 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import (
     BlockRemoved,
@@ -52,9 +52,15 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from kvtier.config import KVTierConfig
 from kvtier.events import CLEARED, OWNERSHIP, PLACEMENTS, REMOVED, STORED, TierEvent
+from kvtier.integration.vllm import facts
+from kvtier.integration.vllm.common import RankContext, SchedulerExtension, WorkerExtension
 from kvtier.metrics import Counter
 from kvtier.warn import warn_once
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -324,3 +330,55 @@ class KVEventTracker:
         events = list(self._events)
         self._events.clear()
         return events
+
+
+class KVEventScheduling(SchedulerExtension):
+    """The scheduler's hooks, passed to a ``KVEventTracker``."""
+
+    name = "kv_events"
+
+    def __init__(self, tracker: KVEventTracker):
+        self.tracker = tracker
+
+    def on_chunks(self, request: Any, first_chunk: int, hashes: list[bytes], end: int) -> None:
+        self.tracker.record_chunks(request, first_chunk, hashes, end)
+
+    def add_worker_events(self, events: Any) -> None:
+        if isinstance(events, KVTierKVEvents):
+            self.tracker.add(events.get_all_events())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.tracker.take()
+
+    def counters(self) -> dict[str, float]:
+        return dict(self.tracker.counters)
+
+
+class KVEventWorking(WorkerExtension):
+    """A rank's hooks: its tiers' records of each step, for ``KVConnectorOutput``."""
+
+    name = "kv_events"
+
+    def __init__(self) -> None:
+        self.rank: RankContext | None = None
+
+    def attach(self, rank: RankContext) -> None:
+        self.rank = rank
+
+    def take_events(self) -> KVTierKVEvents | None:
+        if self.rank is None:
+            return None
+        return rank_events(self.rank.engine.metadata.rank, self.rank.take_tier_events())
+
+
+def scheduler_extension(
+    config: KVTierConfig, vllm_config: VllmConfig, client: Any
+) -> KVEventScheduling:
+    tracker = KVEventTracker(
+        facts.world_size(vllm_config), config.chunk_size, vllm_config.cache_config.block_size
+    )
+    return KVEventScheduling(tracker)
+
+
+def worker_extension(config: KVTierConfig, vllm_config: VllmConfig) -> KVEventWorking:
+    return KVEventWorking()

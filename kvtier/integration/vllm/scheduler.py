@@ -22,147 +22,46 @@ request it keeps one ``RequestTracker``::
 Chunk hashes are computed here (the workers receive hashes, not tokens) and cached per
 request, so a long prompt is hashed once, not once per step.
 
-With KV events on, ``chunk_observer`` sees every chunk a worker may come to hold: the
-chunks of each planned save and the chunks of each lookup hit (a lower-tier hit is copied
-into the CPU tier). It snapshots what the events about them will say while the request,
-its tokens and its vLLM block hashes are at hand (``events.KVEventTracker``).
+Optional features (CacheBlend, KV events) are ``SchedulerExtension`` objects
+(``extensions``): each hook of this side calls theirs, e.g. every chunk a worker may come to
+hold (a planned save, a lookup hit) goes to ``on_chunks``.
 
-Everything here duck-types vLLM's objects (``Request``, ``SchedulerOutput``); nothing
-imports vLLM, so the logic is tested without an engine.
+``SchedulerSide.from_vllm`` wires one up in vLLM's engine core: the lookup client that asks
+every worker rank what its tiers hold, the enabled extensions, the Prometheus endpoint, the
+failure policy. Everything else duck-types vLLM's objects (``Request``,
+``SchedulerOutput``) and imports no vLLM, so the logic is tested without an engine.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher
-from kvtier.token_db import MultiModalSpan, RequestExtras
+from kvtier.integration.vllm import facts
+from kvtier.integration.vllm.common import (
+    LoadSpec,
+    SaveSpec,
+    SchedulerExtension,
+    StatsDelta,
+    StepPlan,
+    show_kvtier_logs,
+)
+from kvtier.integration.vllm.extensions import scheduler_extensions
+from kvtier.integration.vllm.facts import request_extras
+from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
+from kvtier.prometheus import MetricsServer
+from kvtier.token_db import HashChain
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class LoadSpec:
-    """Load chunks ``first_chunk ...`` into the request's blocks.
-
-    Tokens ``[start, end)`` are written; the chunks cover ``[first_chunk * chunk_size,
-    chunks_end)`` (their tokens outside ``[start, end)`` are skipped). An empty ``hashes``
-    list loads nothing (an async load cancelled before it was sent): the worker only
-    reports it finished.
-    """
-
-    req_id: str
-    first_chunk: int
-    hashes: list[bytes]
-    chunks_end: int
-    start: int
-    end: int
-    block_ids: list[int]
-    is_async: bool = False
-
-
-@dataclass(slots=True)
-class SaveSpec:
-    """Store chunks ``first_chunk ...`` (tokens up to ``chunks_end``) from the request's
-    blocks."""
-
-    req_id: str
-    first_chunk: int
-    hashes: list[bytes]
-    chunks_end: int
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class BlendSpec:
-    """CacheBlend: build the KV of ``token_ids`` (tokens ``[0, len(token_ids))`` of the
-    request) from the cached segments ``(start, end, hash)`` and write it to its blocks."""
-
-    req_id: str
-    token_ids: list[int]
-    segments: list[tuple[int, int, bytes]]
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class SegmentSaveSpec:
-    """CacheBlend: store the KV of tokens ``[start, end)`` (in the request's blocks, just
-    computed by vLLM) as the segment ``hash``, with the positions it sits at."""
-
-    req_id: str
-    segments: list[tuple[int, int, bytes]]
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What the workers do in one engine step (the connector metadata's payload)."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    blends: list[BlendSpec] = field(default_factory=list)
-    segment_saves: list[SegmentSaveSpec] = field(default_factory=list)
-
-
-def request_extras(request: Any) -> RequestExtras | None:
-    """What separates this request's cache besides its tokens: LoRA, multimodal items,
-    the cache salt (read off a vLLM ``Request``)."""
-    lora = getattr(request, "lora_request", None)
-    mm = []
-    for feature in getattr(request, "mm_features", None) or ():
-        position = getattr(feature, "mm_position", None)
-        identifier = getattr(feature, "identifier", None)
-        if position is not None and identifier is not None:
-            mm.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
-    salt = getattr(request, "cache_salt", None)
-    if lora is None and not mm and not salt:
-        return None
-    return RequestExtras(
-        lora_name=getattr(lora, "lora_name", None),
-        lora_path=getattr(lora, "lora_path", None),
-        mm=tuple(sorted(mm, key=lambda item: item.offset)),
-        cache_salt=salt,
-    )
-
-
-class ChunkHashes:
-    """The chained chunk hashes of one request, extended as its tokens become known."""
-
-    def __init__(self, hasher: ChunkHasher, chunk_size: int, extras: RequestExtras | None):
-        self.hasher = hasher
-        self.chunk_size = chunk_size
-        self.extras = extras
-        self.full: list[bytes] = []
-
-    def _extra(self, start: int, end: int):
-        return self.extras.chunk_extra_keys(start, end) if self.extras else None
-
-    def upto(self, tokens: Sequence[int], num_tokens: int, *, partial: bool) -> list[bytes]:
-        """Hashes of the chunks of ``tokens[:num_tokens]``: every full chunk, plus the
-        partial last one when ``partial``."""
-        cs = self.chunk_size
-        while len(self.full) < num_tokens // cs:
-            i = len(self.full)
-            parent = self.full[-1] if self.full else self.hasher.root()
-            piece = list(tokens[i * cs : (i + 1) * cs])
-            self.full.append(
-                self.hasher.hash_chunk(parent, piece, self._extra(i * cs, (i + 1) * cs))
-            )
-        hashes = self.full[: num_tokens // cs]
-        if partial and num_tokens % cs:
-            start = num_tokens // cs * cs
-            parent = hashes[-1] if hashes else self.hasher.root()
-            piece = list(tokens[start:num_tokens])
-            hashes = [
-                *hashes,
-                self.hasher.hash_chunk(parent, piece, self._extra(start, num_tokens)),
-            ]
-        return hashes
 
 
 @dataclass(slots=True)
@@ -171,7 +70,7 @@ class RequestTracker:
 
     req_id: str
     request: Any  # vLLM's Request: read for its token ids only
-    hashes: ChunkHashes
+    hashes: HashChain
     block_ids: list[int] = field(default_factory=list)
     vllm_cached: int = 0
     saved_upto: int = 0
@@ -200,11 +99,7 @@ class SchedulerSide:
             the prompt's last whole block.
         partial_chunks: store and look up a prompt's partial last chunk (default:
             ``save_unfull_chunk``).
-
-    Attributes:
-        chunk_observer: None, or called as ``(request, first_chunk, hashes, end)`` for
-            chunks ``first_chunk, ...`` of ``request`` (their tokens end at ``end``) that
-            a worker may come to hold: planned saves and lookup hits.
+        extensions: optional features, called from each hook.
     """
 
     def __init__(
@@ -217,8 +112,10 @@ class SchedulerSide:
         block_size: int = 1,
         whole_blocks: bool = False,
         partial_chunks: bool | None = None,
+        extensions: Sequence[SchedulerExtension] = (),
     ):
         self.config = config
+        self.extensions = list(extensions)
         self.chunk_size = config.chunk_size
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.lookup = lookup
@@ -243,22 +140,85 @@ class SchedulerSide:
                 block_size,
             )
         self.trackers: dict[str, RequestTracker] = {}
-        self._hash_cache: dict[str, ChunkHashes] = {}
+        self._hash_cache: dict[str, HashChain] = {}
         # req_id -> (vllm_cached, load_end, tokens kvtier holds) from the last lookup
         self._hits: dict[str, tuple[int, int, int]] = {}
         self._cancelled_async: list[LoadSpec] = []
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
         self.pd_waits = 0  # lookups answered "ask again later" (pd_wait_ms)
-        self.chunk_observer: Callable[[Any, int, list[bytes], int], None] | None = None
+        self._stats = StatsDelta(self.counters)
+        self._clients: list[RpcClient] = []  # lookup sockets (from_vllm)
+        self._metrics: MetricsServer | None = None
+
+    @classmethod
+    def from_vllm(cls, config: KVTierConfig, vllm_config: VllmConfig) -> SchedulerSide:
+        """The scheduler side of an engine: lookups over every worker rank's socket, the
+        extensions its config enables, its metrics endpoint."""
+        show_kvtier_logs()
+        transfer = vllm_config.kv_transfer_config
+        endpoints = [
+            endpoint_for(facts.engine_tag(vllm_config), rank)
+            for rank in range(facts.world_size(vllm_config))
+        ]
+        client = RpcClient(endpoints, config.lookup_timeout_ms / 1000)
+
+        def lookup(hashes: list[bytes]) -> int:
+            """Leading chunks every worker rank holds (0 when any rank is late or fails)."""
+            replies = client.call_all("lookup", hashes=hashes)
+            return 0 if replies is None else min(int(r.get("hits", 0)) for r in replies)
+
+        side = cls(
+            config,
+            lookup,
+            can_load=transfer.is_kv_consumer,
+            can_save=transfer.is_kv_producer,
+            block_size=vllm_config.cache_config.block_size,
+            whole_blocks=not facts.token_major_layout(config),
+            partial_chunks=facts.stores_partial_chunks(config, transfer.kv_role),
+            extensions=scheduler_extensions(config, vllm_config, client),
+        )
+        side._clients.append(client)
+        if config.metrics_port is not None:
+            side._serve_metrics(endpoints, vllm_config)
+        if transfer.kv_load_failure_policy != config.kv_load_failure_policy:
+            # NOTE: by default a chunk kvtier cannot load is recomputed, never a failed
+            # request; vLLM's own default is "fail", so kvtier's key decides (vLLM reads
+            # this after building the scheduler's connector).
+            logger.info(
+                "kvtier: kv_load_failure_policy set to %r (kvtier's kv_load_failure_policy)",
+                config.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = config.kv_load_failure_policy
+        return side
+
+    def _serve_metrics(self, endpoints: list[str], vllm_config: VllmConfig) -> None:
+        """The Prometheus endpoint (``metrics_port``), served from this process: each
+        scrape asks every worker rank for its metrics over the lookup sockets."""
+        client = RpcClient(endpoints, self.config.lookup_timeout_ms / 1000)
+        self._clients.append(client)
+        lock = threading.Lock()  # one scrape at a time on the client's sockets
+
+        def sources() -> list[dict]:
+            own = {"labels": {"rank": "scheduler"}, "counters": self.counters()}
+            with lock:
+                replies = client.call_all("metrics")
+            if replies is None:
+                logger.warning("kvtier metrics: a worker rank did not answer; serving partial")
+                replies = []
+            return [own, *replies]
+
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
+        port = self.config.metrics_port + dp_rank if self.config.metrics_port else 0
+        self._metrics = MetricsServer(self.config.metrics_host, port, sources)
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _hashes(self, request: Any) -> ChunkHashes:
+    def _hashes(self, request: Any) -> HashChain:
         req_id = request.request_id
         hashes = self._hash_cache.get(req_id)
         if hashes is None:
-            hashes = ChunkHashes(self.hasher, self.chunk_size, request_extras(request))
+            hashes = HashChain(self.hasher, self.chunk_size, request_extras(request))
             self._hash_cache[req_id] = hashes
         return hashes
 
@@ -284,11 +244,22 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that kvtier can load (chunk-aligned,
-        never the whole sequence). Calling it again for the same request is harmless.
+        never the whole sequence): a prefix hit, else an extension's claim. Calling it
+        again for the same request is harmless.
 
         A consumer with ``pd_wait_ms`` answers None (vLLM: "not known yet, ask again in a
         later step"; other requests run meanwhile) while its prompt is not fully held and
         the wait has not run out."""
+        hit = self._prefix_hit(request, num_computed_tokens)
+        if hit != (0, False):
+            return hit
+        for extension in self.extensions:
+            claimed = extension.claim(request, num_computed_tokens)
+            if claimed > 0:
+                return claimed, False
+        return hit
+
+    def _prefix_hit(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._hits.pop(request.request_id, None)
         if not self.can_load:
             return 0, False
@@ -304,8 +275,8 @@ class SchedulerSide:
         hit_tokens = self._bounds(0, hashes[:hits], held_end)
         self.lookup_tokens += num_tokens
         self.lookup_hit_tokens += hit_tokens
-        if hits and self.chunk_observer is not None:
-            self.chunk_observer(request, 0, hashes[:hits], hit_tokens)
+        if hits:
+            self._on_chunks(request, 0, hashes[:hits], hit_tokens)
         load_end = min(hit_tokens, num_tokens - 1)
         if self.whole_blocks:
             load_end = load_end // self.block_size * self.block_size
@@ -330,6 +301,10 @@ class SchedulerSide:
         """Record the request's blocks and, when vLLM accepted a hit, plan its load."""
         tracker = self._tracker(request)
         tracker.block_ids = list(block_ids)
+        for extension in self.extensions:
+            if extension.after_alloc(request, tracker.block_ids, num_external_tokens):
+                # NOTE: e.g. a blended prompt's KV is approximate: never stored as chunks.
+                tracker.saved_upto = len(request.all_token_ids)
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
@@ -357,7 +332,9 @@ class SchedulerSide:
         )
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:
-        """Loads and saves for this step (resets what was planned)."""
+        """Loads and saves for this step (resets what was planned), then the extensions'
+        specs."""
+        self.on_preempted(getattr(scheduler_output, "preempted_req_ids", None))
         plan = StepPlan(loads=self._cancelled_async)
         self._cancelled_async = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -390,7 +367,13 @@ class SchedulerSide:
         for tracker in self.trackers.values():
             if tracker.load is not None and tracker.load.is_async:
                 self._send_load(tracker, plan)
+        for extension in self.extensions:
+            extension.extend_plan(plan, scheduler_output, self._block_ids)
         return plan
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        tracker = self.trackers.get(req_id)
+        return list(tracker.block_ids) if tracker is not None else []
 
     def _take_sync_load(self, tracker: RequestTracker, plan: StepPlan) -> None:
         if tracker.load is not None and not tracker.load.is_async:
@@ -421,8 +404,7 @@ class SchedulerSide:
             SaveSpec(tracker.req_id, first, hashes, save_end, list(tracker.block_ids))
         )
         tracker.saved_upto = save_end
-        if self.chunk_observer is not None:
-            self.chunk_observer(tracker.request, first, hashes, save_end)
+        self._on_chunks(tracker.request, first, hashes, save_end)
 
     def on_preempted(self, req_ids: set[str] | None) -> None:
         """A preempted request lost its blocks: drop any load planned into them."""
@@ -430,6 +412,8 @@ class SchedulerSide:
             tracker = self.trackers.get(req_id)
             if tracker is not None and tracker.load is not None and not tracker.load.is_async:
                 tracker.load = None
+        for extension in self.extensions:
+            extension.on_preempted(set(req_ids or ()))
 
     def request_finished(self, request: Any) -> None:
         """Forget the request. An async load planned but never sent is sent empty, so the
@@ -443,3 +427,49 @@ class SchedulerSide:
             load = tracker.load
             load.hashes, load.end, load.chunks_end = [], load.start, load.start
             self._cancelled_async.append(load)
+        for extension in self.extensions:
+            extension.request_finished(request)
+
+    # -- extensions, events, counters --------------------------------------------------
+
+    def _on_chunks(self, request: Any, first_chunk: int, hashes: list[bytes], end: int) -> None:
+        for extension in self.extensions:
+            extension.on_chunks(request, first_chunk, hashes, end)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output of a step: their KV events go to the extensions."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if events is not None:
+            for extension in self.extensions:
+                extension.add_worker_events(events)
+
+    def take_events(self) -> list:
+        """The extensions' vLLM KV events since the last call."""
+        return [event for extension in self.extensions for event in extension.take_events()]
+
+    def counters(self) -> dict[str, float]:
+        """This process's own counters: lookups (once for all ranks) and the extensions'."""
+        counters: dict[str, float] = {
+            "lookup_tokens": self.lookup_tokens,
+            "lookup_hit_tokens": self.lookup_hit_tokens,
+            "pd_waits": self.pd_waits,
+        }
+        for extension in self.extensions:
+            counters.update(extension.counters())
+        return counters
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the previous call (vLLM reports per interval)."""
+        return self._stats.take()
+
+    def clear_tiers(self) -> bool:
+        """Empty every rank's tiers; False when a rank did not answer (or none is known)."""
+        return bool(self._clients) and self._clients[0].call_all("clear") is not None
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+        for extension in self.extensions:
+            extension.close()
+        for client in self._clients:
+            client.close()

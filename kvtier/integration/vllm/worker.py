@@ -11,7 +11,11 @@ RPC socket. Per engine step it executes the ``StepPlan`` the scheduler side buil
     save_kv_layer       layer-wise only: copy this layer of the chunks to save
     wait_for_save       copy (or finish copying) the chunks to save and publish them
     (after the step)    with KV events on, hand over what the tiers recorded since the
-                        last step (``take_tier_events``)
+                        last step (``take_events``)
+
+Optional features (CacheBlend, KV events) are ``WorkerExtension`` objects: they run their
+part of the step's plan before the forward pass (after the loads) and after it (before the
+saves). ``WorkerSide.from_vllm`` wires one up in a vLLM worker process.
 
 NOTE: a chunk that cannot be loaded (evicted since the lookup, corrupt, wrong shape) is
 never written into vLLM's cache; the blocks it should have filled are reported through
@@ -23,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,74 +37,26 @@ from kvtier.config import KVTierConfig
 from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTransfer
 from kvtier.events import TierEvent, TierEventLog
 from kvtier.gpu_connector import use_tuning_dir
-from kvtier.integration.vllm.rpc import RpcServer
-from kvtier.integration.vllm.scheduler import LoadSpec, SaveSpec, StepPlan
+from kvtier.integration.vllm import facts
+from kvtier.integration.vllm.common import (
+    LoadSpec,
+    RankContext,
+    SaveSpec,
+    StatsDelta,
+    StepPlan,
+    WorkerExtension,
+    show_kvtier_logs,
+    slot_mapping,
+)
+from kvtier.integration.vllm.extensions import worker_extensions
+from kvtier.integration.vllm.rpc import RpcServer, endpoint_for
 from kvtier.metrics import Stats
-from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
+from kvtier.precompile import start_background
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
-
-# vLLM attention backend -> how its per-layer tensor [NB, H, BS, 2 * D] holds K and V.
-_HALVES_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA")
-_CPU_BACKENDS = ("CPU_ATTN",)
-
-
-def detect_paged_kv(
-    kv_caches: dict[str, torch.Tensor], backend: str | None, forced_layout: str | None = None
-) -> PagedKV:
-    """Describe vLLM's KV tensors as a ``PagedKV``.
-
-    Args:
-        kv_caches: layer name -> that layer's KV tensor, in model order.
-        backend: vLLM's attention backend name (``AttentionBackend.get_name()``).
-        forced_layout: a layout name from ``kvtier_kernels.LAYOUTS`` that overrides
-            detection (``kv_layout`` in the config).
-
-    Raises:
-        LayoutError: a backend or tensor shape kvtier does not know how to read; the
-            message names the backend, the shape and strides, and the ``kv_layout`` key.
-    """
-    tensors = list(kv_caches.values())
-    if not tensors:
-        raise LayoutError("vLLM registered no KV cache tensors")
-    first = tensors[0]
-    described = (
-        f"attention backend {backend!r}, per-layer tensor shape {tuple(first.shape)} "
-        f"strides {first.stride()} dtype {first.dtype}"
-    )
-    if forced_layout is not None:
-        name = forced_layout
-    elif backend in _CPU_BACKENDS:
-        name = "vllm_cpu"
-    elif backend in _HALVES_BACKENDS and first.dim() == 4:
-        # [NB, H, BS, 2D] view; NHD storage (LBNHC) has heads inside tokens.
-        name = "vllm_nhd" if first.stride(1) < first.stride(2) else "vllm_hnd"
-    else:
-        raise LayoutError(
-            f"kvtier cannot read the KV cache of {described}: supported backends are "
-            f"{', '.join(_CPU_BACKENDS + _HALVES_BACKENDS)}; set kv_layout to one of "
-            f"{', '.join(LAYOUTS)} if you know the layout"
-        )
-    if name == "vllm_cpu" and not first.is_contiguous():
-        raise LayoutError(f"vllm_cpu layout needs contiguous per-layer tensors; got {described}")
-    try:
-        return PagedKV(name, tensors)
-    except LayoutError as error:
-        raise LayoutError(f"{described} does not fit layout {name!r}: {error}") from None
-
-
-def slot_mapping(
-    block_ids: list[int], block_size: int, num_tokens: int, start: int = 0, end: int | None = None
-) -> torch.Tensor:
-    """``[num_tokens]`` int64 slots of a request's tokens; tokens outside ``[start, end)``
-    or beyond its blocks get -1 (skipped)."""
-    end = num_tokens if end is None else end
-    positions = torch.arange(num_tokens, dtype=torch.int64)
-    blocks = torch.tensor(block_ids or [0], dtype=torch.int64)
-    block_index = positions // block_size
-    valid = (positions >= start) & (positions < end) & (block_index < len(block_ids))
-    slots = blocks[block_index.clamp(max=len(blocks) - 1)] * block_size + positions % block_size
-    return torch.where(valid, slots, torch.full_like(slots, -1))
 
 
 class WorkerSide:
@@ -112,6 +69,7 @@ class WorkerSide:
         record_events: record what the tiers hold for KV events (``take_tier_events``).
         wait_stored_s: a ``kv_producer``'s ``producer_store_timeout_ms``: after a step's
             saves, wait up to this long until they reached every tier (0: do not wait).
+        extensions: optional features, run around each forward pass.
     """
 
     def __init__(
@@ -122,8 +80,10 @@ class WorkerSide:
         *,
         record_events: bool = False,
         wait_stored_s: float = 0.0,
+        extensions: Sequence[WorkerExtension] = (),
     ):
         self.config = config
+        self.extensions = list(extensions)
         self.metadata = metadata
         self.endpoint = endpoint
         self.wait_stored_s = wait_stored_s
@@ -144,23 +104,46 @@ class WorkerSide:
         # NOTE: one lock orders the engine's users (forward thread, async loader, lookup
         # server); the tiers lock internally, this keeps transfers from interleaving.
         self._lock = threading.RLock()
+        self._stats = StatsDelta(self.stats.snapshot)
+        self._vllm_config: VllmConfig | None = None  # from_vllm: vLLM says backend and tags
+
+    @classmethod
+    def from_vllm(cls, config: KVTierConfig, vllm_config: VllmConfig) -> WorkerSide:
+        """The worker side of one rank of an engine, with the extensions its config
+        enables."""
+        show_kvtier_logs()
+        rank = facts.worker_rank(vllm_config)
+        model_name = config.model_name or str(vllm_config.model_config.model)
+        producer = vllm_config.kv_transfer_config.kv_role == "kv_producer"
+        side = cls(
+            config,
+            EngineMetadata(model_name, facts.world_size(vllm_config), rank),
+            endpoint_for(facts.engine_tag(vllm_config), rank),
+            record_events=facts.kv_events_enabled(vllm_config),
+            wait_stored_s=config.producer_store_timeout_ms / 1000 if producer else 0.0,
+            extensions=worker_extensions(config, vllm_config),
+        )
+        side._vllm_config = vllm_config
+        return side
 
     # -- set-up ----------------------------------------------------------------------
 
     def register_kv_caches(
         self,
         kv_caches: dict[str, torch.Tensor],
-        backend: str | None,
+        backend: str | None = None,
         tags: tuple[tuple[str, str], ...] = (),
-        handlers: dict[str, Callable[[dict], dict]] | None = None,
     ) -> None:
         """Describe vLLM's KV tensors, build this rank's cache engine, serve lookups.
 
-        ``tags`` join every key (e.g. the CPU backend's instruction set, which decides
-        how bytes sit inside a block), so chunks from incompatible engines never mix.
-        ``handlers``: more operations for the lookup socket (op name -> handler).
+        ``backend``: vLLM's attention backend (from_vllm: asked of vLLM). ``tags`` join
+        every key (from_vllm: e.g. the CPU backend's instruction set, which decides how
+        bytes sit inside a block), so chunks from incompatible engines never mix.
         """
-        paged = detect_paged_kv(kv_caches, backend, self.config.kv_layout)
+        if self._vllm_config is not None:
+            backend = facts.attention_backend(self._vllm_config, kv_caches)
+            tags = facts.layout_tags(self._vllm_config, backend)
+        paged = facts.detect_paged_kv(kv_caches, backend, self.config.kv_layout)
         if tags:
             self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
@@ -187,10 +170,19 @@ class WorkerSide:
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
                     "metrics": lambda args: self._require_engine().metrics(),
-                    **(handlers or {}),
+                    **{
+                        op: h
+                        for extension in self.extensions
+                        for op, h in extension.handlers().items()
+                    },
                 },
             )
             self._server.start()
+        rank = RankContext(self.engine, self.stats, backend, self.take_tier_events)
+        for extension in self.extensions:
+            extension.attach(rank)
+        if self._vllm_config is not None:  # precompile_kernels: compile in the background
+            start_background(self.config, self.engine)
 
     def _require_engine(self) -> CacheEngine:
         if self.engine is None:
@@ -220,21 +212,10 @@ class WorkerSide:
         bs = self.block_size
         return set(load.block_ids[first_bad // bs : -(-load.end // bs)])
 
-    def _begin_load(self, load: LoadSpec) -> tuple[RetrieveTransfer, set[int]]:
-        engine = self._require_engine()
-        slots = slot_mapping(load.block_ids, self.block_size, load.chunks_end, load.start, load.end)
-        transfer = engine.begin_retrieve(self._chunks(load), slots)
-        return transfer, self._failed_blocks(load, transfer.end)
+    def _load_slots(self, load: LoadSpec) -> torch.Tensor:
+        return slot_mapping(load.block_ids, self.block_size, load.chunks_end, load.start, load.end)
 
-    def _load_now(self, load: LoadSpec) -> set[int]:
-        if not load.hashes:
-            return set()
-        with self._lock:
-            transfer, failed = self._begin_load(load)
-            try:
-                transfer.scatter()
-            finally:
-                transfer.close()
+    def _reported(self, load: LoadSpec, failed: set[int]) -> set[int]:
         if failed:
             logger.warning(
                 "kvtier: request %s: %d blocks could not be loaded; vLLM recomputes them",
@@ -243,20 +224,49 @@ class WorkerSide:
             )
         return failed
 
+    def _load_now(self, load: LoadSpec) -> set[int]:
+        """An async load, in the loader thread: fetch, verify, write every layer."""
+        if not load.hashes:
+            return set()
+        with self._lock:
+            transfer = self._require_engine().begin_retrieve(
+                self._chunks(load), self._load_slots(load)
+            )
+            failed = self._failed_blocks(load, transfer.end)
+            try:
+                transfer.scatter()
+            finally:
+                transfer.close()
+        return self._reported(load, failed)
+
     def start_load(self, plan: StepPlan) -> None:
-        """Run (or start) this step's loads; bound before the forward pass."""
+        """Before the forward pass: run (or start) this step's loads, then the extensions'
+        part of the plan."""
         self._plan = plan
         for load in plan.loads:
             if load.is_async:
                 future = self._async.submit(self._load_now, load)
                 self._async_futures[load.req_id] = (load, future)
-            elif self.config.use_layerwise and load.hashes:
-                with self._lock:
-                    transfer, failed = self._begin_load(load)
-                self._load_errors |= failed
-                self._layer_loads.append((load, transfer))
-            else:
-                self._load_errors |= self._load_now(load)
+                continue
+            if not load.hashes:
+                continue
+            layerwise = self.config.use_layerwise
+            with self._lock:
+                # fetch + verify now; write now, or layer by layer (wait_for_layer_load)
+                transfer = self._require_engine().begin_retrieve(
+                    self._chunks(load), self._load_slots(load)
+                )
+                failed = self._failed_blocks(load, transfer.end)
+                if layerwise:
+                    self._layer_loads.append((load, transfer))
+                else:
+                    try:
+                        transfer.scatter()
+                    finally:
+                        transfer.close()
+            self._load_errors |= failed if layerwise else self._reported(load, failed)
+        for extension in self.extensions:
+            extension.before_forward(plan.extensions.get(extension.name, []))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: write this layer of the step's loads before its attention runs."""
@@ -352,7 +362,10 @@ class WorkerSide:
             self._saved_layers.add(layer)
 
     def wait_for_save(self) -> None:
-        """Publish this step's saves (every layer's KV is computed by now)."""
+        """After the forward pass: the extensions' part of the plan, then publish this
+        step's saves (every layer's KV is computed by now)."""
+        for extension in self.extensions:
+            extension.after_forward(self._plan.extensions.get(extension.name, []))
         with self._lock:
             if self._layer_loads:  # a layer-wise load some layer never waited for
                 self._finish_layer_loads()
@@ -391,11 +404,25 @@ class WorkerSide:
         ``record_events``)."""
         return self.events.drain() if self.events is not None else []
 
+    def take_events(self) -> Any:
+        """This rank's KV events for vLLM since the last step (None: none, or events off)."""
+        for extension in self.extensions:
+            events = extension.take_events()
+            if events is not None:
+                return events
+        return None
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the previous call (vLLM reports per interval)."""
+        return self._stats.take()
+
     # -- shutdown --------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Finish in-flight loads, stop serving lookups, release the tiers (idempotent)."""
         self._async.shutdown(wait=True)
+        for extension in self.extensions:
+            extension.close()
         if self._server is not None:
             self._server.close()
             self._server = None

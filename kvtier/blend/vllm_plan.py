@@ -3,7 +3,7 @@ segments to store.
 
 vLLM accepts externally computed tokens only as a prefix of the prompt, so a prompt with
 cached segments is claimed as an ordinary external hit of all but its last token; the
-workers build that KV themselves before the forward pass (``blend.BlendWorker``)::
+workers build that KV themselves before the forward pass (``vllm_worker.BlendWorker``)::
 
     token    0                                                      T-1   T
              | sys |sep| doc B (cached) |sep| doc A (cached) |sep| question |
@@ -21,28 +21,47 @@ workers build that KV themselves before the forward pass (``blend.BlendWorker``)
   prompt stores nothing (neither segments nor prefix chunks): its KV is an approximation
   below ratio 1.
 
-Like ``scheduler``, nothing here imports vLLM; its objects are duck-typed.
+Nothing here imports vLLM; its objects are duck-typed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.blend.segments import segment_hash, split_segments
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher
-from kvtier.integration.vllm.scheduler import (
-    BlendSpec,
-    SegmentSaveSpec,
-    StepPlan,
-    request_extras,
-)
+from kvtier.integration.vllm.common import StepPlan
+from kvtier.integration.vllm.facts import request_extras
 
 logger = logging.getLogger(__name__)
 
 Span = tuple[int, int, bytes]  # (start, end, segment hash)
+PLAN_KEY = "blend"  # this feature's specs in ``StepPlan.extensions``
+
+
+@dataclass(slots=True)
+class BlendSpec:
+    """Build the KV of ``token_ids`` (tokens ``[0, len(token_ids))`` of the request) from
+    the cached segments ``(start, end, hash)`` and write it to its blocks."""
+
+    req_id: str
+    token_ids: list[int]
+    segments: list[Span]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SegmentSaveSpec:
+    """Store the KV of tokens ``[start, end)`` (in the request's blocks, just computed by
+    vLLM) as the segment ``hash``, with the positions it sits at."""
+
+    req_id: str
+    segments: list[Span]
+    block_ids: list[int]
 
 
 class BlendPlanner:
@@ -137,7 +156,7 @@ class BlendPlanner:
             spec = self._blends.pop(new.req_id, None)
             if spec is not None:
                 spec.block_ids = list(new.block_ids[0])
-                plan.blends.append(spec)
+                plan.extensions.setdefault(PLAN_KEY, []).append(spec)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
@@ -147,7 +166,9 @@ class BlendPlanner:
                 continue
             ready = [span for span in pending if span[1] <= end]
             if ready:
-                plan.segment_saves.append(SegmentSaveSpec(req_id, ready, block_ids(req_id)))
+                plan.extensions.setdefault(PLAN_KEY, []).append(
+                    SegmentSaveSpec(req_id, ready, block_ids(req_id))
+                )
                 self._to_store[req_id] = [span for span in pending if span[1] > end]
 
     def on_preempted(self, req_ids: set[str] | None) -> None:

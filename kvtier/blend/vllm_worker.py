@@ -31,10 +31,10 @@ import torch
 
 from kvtier.blend import PlacedSegment, UnsupportedModelError, blend, place_segments, rope_spec
 from kvtier.blend.segments import SegmentStore
+from kvtier.blend.vllm_plan import BlendSpec, SegmentSaveSpec
 from kvtier.config import KVTierConfig
 from kvtier.config.blend import blend_schedule
-from kvtier.integration.vllm.scheduler import BlendSpec, SegmentSaveSpec
-from kvtier.integration.vllm.worker import slot_mapping
+from kvtier.integration.vllm.common import slot_mapping
 from kvtier.keys import CacheKey
 from kvtier.metrics import Stats
 from kvtier.storage.manager import StorageManager

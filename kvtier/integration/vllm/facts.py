@@ -1,0 +1,193 @@
+"""What kvtier reads off vLLM: its config (ranks, roles, KV events, layout), a request
+(what separates its cache besides its tokens) and the running engine (attention backend,
+the CPU backend's instruction set).
+
+vLLM's objects are duck-typed; vLLM itself is imported only inside the functions that ask
+the running engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.token_db import MultiModalSpan, RequestExtras
+from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+def request_extras(request: Any) -> RequestExtras | None:
+    """What separates this request's cache besides its tokens: LoRA, multimodal items,
+    the cache salt (read off a vLLM ``Request``)."""
+    lora = getattr(request, "lora_request", None)
+    mm = []
+    for feature in getattr(request, "mm_features", None) or ():
+        position = getattr(feature, "mm_position", None)
+        identifier = getattr(feature, "identifier", None)
+        if position is not None and identifier is not None:
+            mm.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
+    salt = getattr(request, "cache_salt", None)
+    if lora is None and not mm and not salt:
+        return None
+    return RequestExtras(
+        lora_name=getattr(lora, "lora_name", None),
+        lora_path=getattr(lora, "lora_path", None),
+        mm=tuple(sorted(mm, key=lambda item: item.offset)),
+        cache_salt=salt,
+    )
+
+
+def engine_tag(vllm_config: VllmConfig) -> str:
+    """The engine's name among the lookup sockets of one host (engine id, data-parallel
+    rank)."""
+    parallel = vllm_config.parallel_config
+    engine_id = vllm_config.kv_transfer_config.engine_id or "engine"
+    return f"{engine_id}-dp{getattr(parallel, 'data_parallel_rank', 0) or 0}"
+
+
+def world_size(vllm_config: VllmConfig) -> int:
+    """Worker ranks of the engine (tensor x pipeline parallel)."""
+    parallel = vllm_config.parallel_config
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def stores_partial_chunks(config: KVTierConfig, kv_role: str | None) -> bool:
+    """Whether a prompt's partial last chunk is stored and looked up: ``save_unfull_chunk``,
+    which defaults to on for both sides of disaggregated prefill (as in LMCache), so the
+    consumer loads all of the prompt but its last token."""
+    if config.source_of("save_unfull_chunk") == "default" and kv_role in (
+        "kv_producer",
+        "kv_consumer",
+    ):
+        return True
+    return config.save_unfull_chunk
+
+
+def kv_events_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (``kv_events_config.enable_kv_cache_events``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+def worker_rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank among the engine's ``tp * pp`` ranks."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        return get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
+    except (ImportError, AssertionError, AttributeError):
+        if world_size(vllm_config) > 1:
+            raise
+        return 0
+
+
+def token_major_layout(config: KVTierConfig) -> bool:
+    """Whether the workers' KV layout addresses single tokens inside a block (decided in
+    the scheduler process, which has no KV tensors: by the forced layout or the platform)."""
+    if config.kv_layout is not None:
+        return LAYOUTS[config.kv_layout].token_major
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
+def layout_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, str], ...]:
+    """Key tags for chunks whose bytes depend on more than model and dtype: the CPU
+    backend tiles blocks per instruction set, so its chunks carry that ISA."""
+    if backend != "CPU_ATTN":
+        return ()
+    isa = cpu_attn_isa(vllm_config)
+    if isa is None:
+        import platform
+
+        isa = f"unknown-{platform.machine()}"
+    return (("cpu_attn_isa", isa),)
+
+
+def cpu_attn_isa(vllm_config: VllmConfig) -> str | None:
+    """The instruction set vLLM's CPU attention uses for this model (None: unknown)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(
+            _get_attn_isa(
+                vllm_config.model_config.dtype,
+                vllm_config.cache_config.block_size,
+                vllm_config.model_config.get_head_size(),
+                vllm_config.cache_config.cache_dtype,
+            )
+        )
+    except Exception:
+        return None
+
+
+def attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> str | None:
+    """Name of the attention backend of the layers in ``kv_caches`` (None if unknown)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        backends = get_current_attn_backends(vllm_config, list(kv_caches))
+    except Exception:
+        logger.warning("kvtier: could not ask vLLM for the attention backend", exc_info=True)
+        return None
+    names = {backend.get_name() for backend in backends}
+    if len(names) != 1:
+        raise ValueError(f"kvtier needs one attention backend for every layer; got {sorted(names)}")
+    return names.pop()
+
+
+# vLLM attention backend -> how its per-layer tensor [NB, H, BS, 2 * D] holds K and V.
+_HALVES_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA")
+_CPU_BACKENDS = ("CPU_ATTN",)
+
+
+def detect_paged_kv(
+    kv_caches: dict[str, torch.Tensor], backend: str | None, forced_layout: str | None = None
+) -> PagedKV:
+    """Describe vLLM's KV tensors as a ``PagedKV``.
+
+    Args:
+        kv_caches: layer name -> that layer's KV tensor, in model order.
+        backend: vLLM's attention backend name (``AttentionBackend.get_name()``).
+        forced_layout: a layout name from ``kvtier_kernels.LAYOUTS`` that overrides
+            detection (``kv_layout`` in the config).
+
+    Raises:
+        LayoutError: a backend or tensor shape kvtier does not know how to read; the
+            message names the backend, the shape and strides, and the ``kv_layout`` key.
+    """
+    tensors = list(kv_caches.values())
+    if not tensors:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    first = tensors[0]
+    described = (
+        f"attention backend {backend!r}, per-layer tensor shape {tuple(first.shape)} "
+        f"strides {first.stride()} dtype {first.dtype}"
+    )
+    if forced_layout is not None:
+        name = forced_layout
+    elif backend in _CPU_BACKENDS:
+        name = "vllm_cpu"
+    elif backend in _HALVES_BACKENDS and first.dim() == 4:
+        # [NB, H, BS, 2D] view; NHD storage (LBNHC) has heads inside tokens.
+        name = "vllm_nhd" if first.stride(1) < first.stride(2) else "vllm_hnd"
+    else:
+        raise LayoutError(
+            f"kvtier cannot read the KV cache of {described}: supported backends are "
+            f"{', '.join(_CPU_BACKENDS + _HALVES_BACKENDS)}; set kv_layout to one of "
+            f"{', '.join(LAYOUTS)} if you know the layout"
+        )
+    if name == "vllm_cpu" and not first.is_contiguous():
+        raise LayoutError(f"vllm_cpu layout needs contiguous per-layer tensors; got {described}")
+    try:
+        return PagedKV(name, tensors)
+    except LayoutError as error:
+        raise LayoutError(f"{described} does not fit layout {name!r}: {error}") from None
