@@ -22,6 +22,12 @@ from kvtier.config import ConfigError, load_config
 from kvtier.server.client import KVTierStore, parse_server_url
 from kvtier.storage.backend import StoreUnavailable
 
+HELP = "a running kvtier serve's health, tiers and counters"
+DESCRIPTION = (
+    "Read a kvtier server's counters over its cache port. Exit 0: ok, "
+    "1: degraded (its remote is down), 2: unreachable or refused."
+)
+
 STATUS_NAMESPACE = "kvtier-status"  # a namespace no engine uses; STATS reads no blobs
 
 
@@ -34,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw counters as JSON")
 
 
-def run_status(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     address = args.server if "://" in args.server else f"kvtier://{args.server}"
     try:
         host, port = parse_server_url(address)

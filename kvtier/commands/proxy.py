@@ -1,4 +1,4 @@
-"""``kvtier proxy``: the command-line entry of the prefill/decode proxy.
+"""``kvtier proxy``: run the prefill/decode proxy of :mod:`kvtier.proxy`.
 
     kvtier proxy --prefill http://10.0.0.1:8100 --prefill http://10.0.0.2:8100 \\
                  --decode http://10.0.0.3:8200 --policy least_loaded --port 8000
@@ -19,6 +19,15 @@ import logging
 import sys
 
 from kvtier.proxy.instances import POLICIES
+
+HELP = "an OpenAI-compatible prefill/decode router in front of vLLM instances"
+DESCRIPTION = (
+    "Serve /v1/completions and /v1/chat/completions: each request runs "
+    "on a prefill instance with max_tokens=1 (its KV goes to the kvtier tier the "
+    "engines share), then goes unchanged to a decode instance, whose answer "
+    "(streamed or not) is passed back. Also /v1/models, /health and /metrics. "
+    "Needs aiohttp: pip install 'kvtier[proxy]'. See docs/proxy.md."
+)
 
 DEFAULT_PORT = 8000  # vLLM's: clients point at the proxy as they would at one engine
 MISSING_AIOHTTP = (
@@ -93,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_proxy(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the proxy until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting or a
     missing aiohttp."""
     if importlib.util.find_spec("aiohttp") is None:
