@@ -1,4 +1,6 @@
-"""The ``kvtier`` command line.
+"""kvtier, a KV-cache tier for vLLM and SGLang: check an install, run the demo, compile
+and tune the kernels, run a node's cache server and a prefill/decode proxy. `kvtier
+COMMAND --help` says more about each.
 
 kvtier info     versions, devices seen, kernel backends, config in effect
 kvtier demo     a real vLLM engine: time to first token cold vs a kvtier hit
@@ -9,7 +11,8 @@ kvtier serve    a node-level cache server that engines share (remote_url: kvtier
 kvtier status   a running kvtier serve's health, tiers and counters
 kvtier proxy    an OpenAI-compatible prefill/decode router in front of vLLM instances
 
-Each subcommand is a module of :mod:`kvtier.commands`; this one only assembles them.
+Each subcommand is a module of :mod:`kvtier.commands`; this one only assembles them
+(the first paragraph above is ``kvtier --help``'s description).
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the subcommand ``argv`` names; its exit code (2 when argparse refuses the
+    arguments, 0 after ``--help``)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
     return args.func(args)
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 
 HELP = "a real vLLM engine: cold prefill vs a kvtier hit (--synthetic: no engine)"
-DESCRIPTION = None
+DESCRIPTION = (
+    "Serve a long prompt with a vLLM engine and kvtier on a random-weight Llama built "
+    "locally (nothing is downloaded): time to first token cold, then loaded from kvtier's "
+    "memory, then from its disk tier in a new engine process; the loaded KV is checked "
+    "bit-identical to the cold prefill's. With --synthetic, store → evict → retrieve on a "
+    "synthetic paged KV cache instead, without vLLM. Exit 0 when every check held."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,15 @@ from kvtier.machine import (
 from kvtier_kernels.precompile import cache_dir
 
 HELP = "versions, devices, kernel backends, config in effect"
-DESCRIPTION = None
+DESCRIPTION = (
+    "Print what this install of kvtier runs with: the versions of kvtier, Python, torch, "
+    "Triton, numpy and vLLM; the devices torch sees; the kernel backends available, each "
+    "op's backends and what kernel_backend auto picks for it; the tuning files searched "
+    "and in effect; Triton's kernel cache; and every config key in effect, with where its "
+    "value came from (--config, KVTIER_* variables, defaults). With --kv-transfer-config, "
+    "check vLLM's JSON as the engine would take it before starting one. Exit 0, or 2 on a "
+    "config error."
+)
 
 KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
 

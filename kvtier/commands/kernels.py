@@ -9,7 +9,11 @@ import json
 from kvtier.machine import search_path_rows
 
 HELP = "kernel ops, backends available, what auto picks, tuning files in effect"
-DESCRIPTION = None
+DESCRIPTION = (
+    "List the kernel ops, the backends available on this machine, what kernel_backend "
+    "auto picks for each op, and the tuning files in effect (written by kvtier tune), in "
+    "the order they are searched."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

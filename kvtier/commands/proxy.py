@@ -18,7 +18,7 @@ import importlib.util
 import logging
 import sys
 
-from kvtier.proxy.instances import POLICIES
+from kvtier.proxy.instances import POLICIES, normalize_url
 
 HELP = "an OpenAI-compatible prefill/decode router in front of vLLM instances"
 DESCRIPTION = (
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode",
         action="append",
         default=[],
+        required=True,
         metavar="URL",
         help="a decode instance (http://host:port); repeat for several (at least one)",
     )
@@ -105,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the proxy until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting or a
     missing aiohttp."""
+    try:
+        check_arguments(args)
+    except ValueError as exc:
+        print(f"kvtier proxy: {exc}", file=sys.stderr)
+        return 2
     if importlib.util.find_spec("aiohttp") is None:
         print(MISSING_AIOHTTP, file=sys.stderr)
         return 2
@@ -115,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        check_arguments(args)
         settings = ProxySettings(
             prefill=tuple(args.prefill),
             decode=tuple(args.decode),
@@ -135,8 +140,12 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raises ValueError naming the flag that is wrong."""
-    if not args.decode:
-        raise ValueError("give at least one --decode URL")
+    for role in ("prefill", "decode"):
+        for url in getattr(args, role):
+            try:
+                normalize_url(url)
+            except ValueError as exc:
+                raise ValueError(f"--{role} {url!r}: {exc}") from None
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     for flag in ("retry_after_s", "shutdown_grace_s"):

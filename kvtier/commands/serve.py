@@ -21,7 +21,8 @@ import ipaddress
 import logging
 import sys
 
-from kvtier.config import ConfigError, KVTierConfig, load_config
+from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
+from kvtier.config_keys import coerce
 from kvtier.server.protocol import DEFAULT_MAX_FRAME_BYTES
 from kvtier.server.serve import serve
 
@@ -45,19 +46,41 @@ _CONFIG_FLAGS = {
 }
 
 
+def _key_default(key: str) -> str:
+    """A config key's default as help shows it: a flag left out leaves the key to the
+    config file, then its ``KVTIER_*`` variable, then the key's default."""
+    spec = CONFIG_KEYS[key]
+    return f"default: {key} from --config or {spec.env_var}, else {spec.default:g}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (the keys an engine reads)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
     parser.add_argument(
-        "--admin-port", type=int, help="serve /health, /stats, /metrics, /clear here (0: any)"
+        "--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0: any free port"
     )
     parser.add_argument(
-        "--chunk-size", type=int, help="the engines' chunk_size, for /lookup by tokens"
+        "--admin-port",
+        type=int,
+        help="serve the admin HTTP API here: GET /health, /stats, /metrics; POST /clear, "
+        "/lookup (0: any free port; default: no admin API)",
     )
-    parser.add_argument("--max-local-cpu-size", type=float, help="memory tier in GB")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        help=f"the engines' chunk_size, for /lookup by tokens ({_key_default('chunk_size')})",
+    )
+    parser.add_argument(
+        "--max-local-cpu-size",
+        type=float,
+        help=f"memory tier in GB ({_key_default('max_local_cpu_size')})",
+    )
     parser.add_argument("--local-disk", help="disk tier directory (kept across restarts)")
-    parser.add_argument("--max-local-disk-size", type=float, help="disk tier in GB")
+    parser.add_argument(
+        "--max-local-disk-size",
+        type=float,
+        help=f"disk tier in GB ({_key_default('max_local_disk_size')})",
+    )
     parser.add_argument("--remote-url", help="write-through remote (redis://, s3://, ...)")
     parser.add_argument(
         "--auth-token",
@@ -67,9 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-frame-mb",
         type=float,
         default=DEFAULT_MAX_FRAME_BYTES / 2**20,
-        help="largest payload of one frame in MiB",
+        help="largest payload of one frame in MiB (default %(default)g)",
     )
-    parser.add_argument("--max-clients", type=int, default=256, help="connections held at once")
+    parser.add_argument(
+        "--max-clients", type=int, default=256, help="connections held at once (default 256)"
+    )
     parser.add_argument(
         "--no-shm",
         action="store_true",
@@ -79,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-shm-mb",
         type=float,
         default=DEFAULT_MAX_FRAME_BYTES / 2**20,
-        help="largest shared-memory segment a same-host client may offer, in MiB",
+        help="largest shared-memory segment a same-host client may offer, in MiB "
+        "(default %(default)g)",
     )
 
 
@@ -96,10 +122,18 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
     """The config of ``args``: flags over ``--config`` over ``KVTIER_*`` over defaults.
 
     Raises:
-        ConfigError: a bad value, or a non-loopback address without a token.
+        ConfigError: a bad value (naming its flag), or a non-loopback address without a
+            token.
     """
-    flags = {key: getattr(args, dest) for dest, key in _CONFIG_FLAGS.items()}
-    overrides = {key: value for key, value in flags.items() if value is not None}
+    overrides, problems = {}, []
+    for dest, key in _CONFIG_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:  # checked here, so that a problem names the flag
+            flag = "--" + dest.replace("_", "-")
+            coerce(CONFIG_KEYS[key], value, origin=flag, problems=problems)
+            overrides[key] = value
+    if problems:
+        raise ConfigError(problems)
     config = load_config(overrides=overrides, config_file=args.config)
     if not is_loopback(args.host) and config.server_token is None:
         raise ConfigError(
