@@ -1,37 +1,33 @@
-"""``kvtier precompile`` and the connector's opt-in start-up warm-up (``precompile_kernels``).
+"""What an engine's kernels need compiled: the connector's opt-in start-up warm-up
+(``precompile_kernels``) and the questions ``kvtier precompile`` asks.
 
 Both compile the Triton kernels an engine will launch (:mod:`kvtier_kernels.precompile`)
 so that its first request does not wait for Triton's JIT. Triton keeps the compiled
-kernels in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): run
-``kvtier precompile`` on the GPU machine, with the same Triton and the same
-``TRITON_CACHE_DIR`` as the engine, and the engine's process loads them from there.
+kernels in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), where
+the engine's process finds what ``kvtier precompile`` compiled with the same Triton.
 
 Without a GPU there is no Triton kernel to compile: the torch kernels run, and they are
-not compiled. The command says so and exits 0. What numba compiles on a CPU (CacheGen's
-coder with ``remote_serde: cachegen``, CacheBlend's RoPE with ``enable_blending``; about
-2-5 s each on first use) is compiled, or loaded from numba's on-disk cache, instead.
-(Compiling for a GPU that is absent is what ``make gpu-check`` does to inspect machine
-code; its results are not written where the JIT looks, because Triton's cache keys include
-the live device's options and toolchain.)
+not compiled. What numba compiles on a CPU (CacheGen's coder with ``remote_serde:
+cachegen``, CacheBlend's RoPE with ``enable_blending``; about 2-5 s each on first use) is
+compiled, or loaded from numba's on-disk cache, instead. (Compiling for a GPU that is
+absent is what ``make gpu-check`` does to inspect machine code; its results are not
+written where the JIT looks, because Triton's cache keys include the live device's
+options and toolchain.)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
-import sys
 import threading
 import time
 
 import torch
 
-from kvtier.config import ConfigError, KVTierConfig, load_config
+from kvtier.config import KVTierConfig
 from kvtier.engine import CacheEngine
-from kvtier_kernels import PagedKV, registry
+from kvtier_kernels import registry
 from kvtier_kernels.precompile import (
-    NUMBA_OPS,
-    WARMABLE_OPS,
     WarmupReport,
     cache_dir,
     plan_warmup,
@@ -41,10 +37,9 @@ from kvtier_kernels.precompile import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "add_arguments",
+    "engine_ops",
     "nothing_to_compile",
     "numba_ops",
-    "run_precompile",
     "start_background",
 ]
 
@@ -150,122 +145,3 @@ def _summary(report: WarmupReport, backend: str) -> str:
     calls = ", ".join(f"{o.op} {o.calls} calls {o.seconds:.2f} s" for o in report.ops)
     variants = "" if report.variants is None else f"{report.variants} kernel variants, "
     return f"{variants}{calls}; {report.seconds:.2f} s in all ({backend}); cache {cache_dir()}"
-
-
-def add_shape_arguments(shape) -> None:
-    """The model-shape flags ``kvtier precompile`` and ``kvtier tune`` share (read by
-    ``shape_from_args``); ``--layout``, ``--rotary-dim`` and ``--chunk-size`` are each
-    command's own."""
-    shape.add_argument(
-        "--model-config", help="a HuggingFace-style config.json (or a directory holding one)"
-    )
-    shape.add_argument("--layers", type=int, help="attention layers (default 32)")
-    shape.add_argument("--kv-heads", type=int, help="KV heads per layer (default 8)")
-    shape.add_argument("--head-size", type=int, help="head size (default 128; MLA: latent dim)")
-    shape.add_argument("--block-size", type=int, help="engine block size (default 16)")
-    shape.add_argument("--dtype", help="KV cache dtype: bfloat16 (default), float16, float32, fp8")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``kvtier precompile``."""
-    shape = parser.add_argument_group("the engine's KV cache (flags override --model-config)")
-    add_shape_arguments(shape)
-    shape.add_argument(
-        "--layout", help="engine KV layout (default: the config's kv_layout, else vllm_nhd)"
-    )
-    shape.add_argument("--rotary-dim", type=int, help="rotary dims per head, for rope_rerotate")
-    parser.add_argument(
-        "--config", help="kvtier YAML config (chunk_size, use_layerwise, remote_serde, ...)"
-    )
-    parser.add_argument(
-        "--ops",
-        help=f"comma-separated, from {', '.join(WARMABLE_OPS)} (default: what the engine "
-        "uses: the paged copies, and cachegen when remote_serde is cachegen)",
-    )
-    parser.add_argument("--device", default="cuda", help="the GPU to compile for (default cuda)")
-
-
-def shape_from_args(args: argparse.Namespace, *, chunk_size: int, layout: str | None):
-    """The model shape of ``kvtier precompile`` / ``kvtier tune`` flags: ``--model-config``
-    with flag overrides, else the flags over a Llama-3-8B default."""
-    from kvtier_kernels.dtypes import parse_dtype
-    from kvtier_kernels.tuning.shapes import ModelShape, model_shape_from_config
-
-    overrides = {
-        "num_layers": args.layers,
-        "num_kv_heads": args.kv_heads,
-        "head_size": args.head_size,
-        "block_size": args.block_size,
-        "chunk_size": chunk_size,
-        "dtype": parse_dtype(args.dtype) if args.dtype else None,
-        "layout": layout,
-        "rotary_dim": args.rotary_dim,
-    }
-    if args.model_config:
-        return model_shape_from_config(args.model_config, **overrides)
-    defaults = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
-    return ModelShape(**{**defaults, **{k: v for k, v in overrides.items() if v is not None}})
-
-
-def run_precompile(args: argparse.Namespace) -> int:
-    """``kvtier precompile``: 0 when compiled or when there is nothing to compile, 2 on a
-    bad argument."""
-    try:
-        config = load_config(config_file=args.config)
-        shape = shape_from_args(
-            args, chunk_size=config.chunk_size, layout=args.layout or config.kv_layout
-        )
-        ops = tuple(o.strip() for o in args.ops.split(",") if o.strip()) if args.ops else None
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            device = torch.device("cpu")  # said below: nothing to compile
-    except (ConfigError, ValueError, RuntimeError) as error:
-        print(f"kvtier precompile: {error}", file=sys.stderr)
-        return 2
-    why = nothing_to_compile(config.kernel_backend, device)
-    if why is not None:
-        cpu_ops = [op for op in ops or numba_ops(config) if op in NUMBA_OPS]
-        began = time.perf_counter()
-        warmed = warm_numba(cpu_ops, shape.dtype) if device.type == "cpu" else []
-        if warmed:
-            print(
-                f"kvtier precompile: numba CPU kernels of {', '.join(warmed)} ready in "
-                f"{time.perf_counter() - began:.2f} s (compiled, or loaded from numba's cache)."
-            )
-        print(f"kvtier precompile: nothing to compile on this machine: {why}.")
-        print("Run it on the GPU machine, with the engine's Triton and TRITON_CACHE_DIR.")
-        return 0
-    paged = PagedKV.empty(
-        shape.layout,
-        num_layers=shape.num_layers,
-        num_blocks=16,  # the engine's strides divide by 16 when its block count does
-        block_size=shape.block_size,
-        num_heads=shape.num_kv_heads,
-        head_size=shape.head_size,
-        dtype=shape.dtype,
-        device=device,
-    )
-    try:
-        plan = plan_warmup(
-            paged,
-            shape.chunk_size,
-            backend=config.kernel_backend,
-            ops=ops or engine_ops(config),
-            layerwise=config.use_layerwise,
-            rotary_dim=shape.rope_dim,
-        )
-    except ValueError as error:
-        print(f"kvtier precompile: {error}", file=sys.stderr)
-        return 2
-    print(f"kvtier precompile on {device} (backend {plan.backend}): {shape.describe()}")
-    print(f"Triton cache: {cache_dir()} (TRITON_CACHE_DIR)")
-    report = plan.run(progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    again = plan.run()
-    for first, second in zip(report.ops, again.ops, strict=True):
-        print(
-            f"  {first.op:<14} {first.calls:>4} launches  first {first.seconds:7.2f} s  "
-            f"again {second.seconds:7.3f} s"
-        )
-    compiled = "nothing compiled (interpreter)" if plan.backend == "interpret" else "compiled"
-    print(f"{compiled}: {report.seconds:.2f} s the first time, {again.seconds:.3f} s again")
-    return 0

@@ -1,4 +1,5 @@
-"""The kvtier command line: `kvtier info` and `kvtier demo`."""
+"""The kvtier command line: `kvtier info`, `kvtier demo`, and what every command's help and
+flag errors say."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from support.redis_server import free_port
 
-from kvtier.cli import main
+from kvtier.cli import COMMANDS, main
 
 
 def test_info_json_reports_versions_backends_and_config(capsys, tmp_path, monkeypatch):
@@ -150,3 +152,56 @@ def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
             assert auto["backend"] == "torch", op
         assert auto["why"]
     assert info["tuning_search_path"][-1]["kind"] == "packaged defaults"
+
+
+def _help(capsys, *argv: str) -> str:
+    """``kvtier ARGV --help``, its whitespace folded so that wrapped lines read as one."""
+    assert main([*argv, "--help"]) == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_every_command_is_described_and_the_top_level_says_what_kvtier_is(capsys):
+    top = _help(capsys)
+    assert "a KV-cache tier for vLLM" in top and "``" not in top
+    assert [name for name, command in COMMANDS.items() if not command.DESCRIPTION] == []
+    assert "time to first token cold" in _help(capsys, "demo")
+    assert "every config key in effect" in _help(capsys, "info")
+
+
+def test_help_shows_the_defaults_and_what_the_admin_api_serves(capsys):
+    serve = _help(capsys, "serve")
+    assert "--port PORT default 65432; 0: any free port" in serve
+    assert (
+        "--max-local-cpu-size MAX_LOCAL_CPU_SIZE memory tier in GB (default: "
+        "max_local_cpu_size from --config or KVTIER_MAX_LOCAL_CPU_SIZE, else 5)" in serve
+    )
+    assert "POST /clear, /lookup" in serve
+    assert "--timeout TIMEOUT seconds to wait (default 5)" in _help(capsys, "status")
+
+
+def test_proxy_needs_decode_and_refuses_a_url_that_is_not_one(capsys):
+    usage = _help(capsys, "proxy").split(" options: ")[0]
+    assert " --decode URL " in usage and "[--decode URL]" not in usage
+    assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2
+    assert "the following arguments are required: --decode" in capsys.readouterr().err
+    for url in ("notaurl:::", "http://:8000", "http://host:99999"):
+        assert main(["proxy", "--decode", url]) == 2
+        assert f"kvtier proxy: --decode {url!r}: instance URL" in capsys.readouterr().err
+    assert main(["proxy", "--decode", "http://127.0.0.1:1", "--prefill", "x:y"]) == 2
+    assert "--prefill 'x:y': " in capsys.readouterr().err
+
+
+def test_serve_flag_errors_name_the_flag(capsys):
+    argv = ["serve", "--port", "0", "--max-local-cpu-size", "-1", "--remote-url", "bogus://x"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "max_local_cpu_size: -1.0 from --max-local-cpu-size is not allowed" in err
+    assert "remote_url: 'bogus://x' from --remote-url is not allowed" in err
+    assert "override" not in err
+
+
+def test_status_on_a_refused_connection_says_what_to_check(capsys):
+    assert main(["status", "--server", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ConnectionRefusedError" in err
+    assert "is `kvtier serve` running" in err and "not its --admin-port" in err

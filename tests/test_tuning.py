@@ -568,10 +568,10 @@ def test_kvtier_tune_pipeline_on_the_interpreter(
 ) -> None:
     """The command end to end, with its GPU target swapped for the interpreter (a test
     seam, not a flag): shape from a model config with overrides, files written."""
-    import kvtier.cli
+    import kvtier.commands.tune
 
     monkeypatch.setattr(
-        kvtier.cli, "_tuning_target", lambda requested: (CPU, "interpret", fake_timer({}))
+        kvtier.commands.tune, "_tuning_target", lambda requested: (CPU, "interpret", fake_timer({}))
     )
     config = tuning_dir.parent / "config.json"
     config.write_text(

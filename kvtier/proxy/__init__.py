@@ -3,10 +3,11 @@
 Each completion request is prefilled on a prefill instance (``max_tokens=1``; its KV goes
 to the kvtier tier those engines share), then sent as it came to a decode instance, which
 loads that KV instead of computing it; the decode instance's answer is passed back.
+The ``kvtier proxy`` command (:mod:`kvtier.commands.proxy`) imports aiohttp only when it
+runs.
 
     instances  the engine instances, their up/down state, round_robin / least_loaded
     metrics    the proxy's Prometheus series
     messages   the prefill leg's body, headers passed on, OpenAI-style errors
     app        the aiohttp server and the two legs of a request
-    command    the ``kvtier proxy`` command (aiohttp is imported only when it runs)
 """

@@ -67,7 +67,7 @@ MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 M
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
-    """What ``kvtier proxy`` is given (see ``command.py`` for the flags)."""
+    """What ``kvtier proxy`` is given (see :mod:`kvtier.commands.proxy` for the flags)."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]

@@ -18,6 +18,7 @@ state are tested without a network.
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -155,7 +156,8 @@ def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` → ``http://host:port``.
 
     Raises:
-        ValueError: an empty URL or a scheme other than http/https.
+        ValueError: an empty URL, a scheme other than http/https, no host, or a port that
+            is not a number.
     """
     url = url.strip().rstrip("/")
     if not url:
@@ -165,4 +167,11 @@ def normalize_url(url: str) -> str:
     scheme = url.split("://", 1)[0]
     if scheme not in ("http", "https"):
         raise ValueError(f"instance URL {url!r}: the scheme must be http or https")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError:
+        raise ValueError(f"instance URL {url!r}: the port must be a number 0..65535") from None
+    if not parts.hostname:
+        raise ValueError(f"instance URL {url!r}: no host")
     return url

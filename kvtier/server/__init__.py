@@ -10,5 +10,5 @@ with their checksums) by name and never decodes KV.
     cache     memory → disk → write-through remote, per client namespace
     server    the asyncio TCP server (one coroutine per connection)
     admin     /health, /stats, /metrics, /clear over HTTP
-    serve     the ``kvtier serve`` command
+    serve     the server assembled (cache, TCP server, admin API), run until a signal
 """

@@ -1,4 +1,4 @@
-"""``kvtier proxy``: the command-line entry of the prefill/decode proxy.
+"""``kvtier proxy``: run the prefill/decode proxy of :mod:`kvtier.proxy`.
 
     kvtier proxy --prefill http://10.0.0.1:8100 --prefill http://10.0.0.2:8100 \\
                  --decode http://10.0.0.3:8200 --policy least_loaded --port 8000
@@ -18,7 +18,16 @@ import importlib.util
 import logging
 import sys
 
-from kvtier.proxy.instances import POLICIES
+from kvtier.proxy.instances import POLICIES, normalize_url
+
+HELP = "an OpenAI-compatible prefill/decode router in front of vLLM instances"
+DESCRIPTION = (
+    "Serve /v1/completions and /v1/chat/completions: each request runs "
+    "on a prefill instance with max_tokens=1 (its KV goes to the kvtier tier the "
+    "engines share), then goes unchanged to a decode instance, whose answer "
+    "(streamed or not) is passed back. Also /v1/models, /health and /metrics. "
+    "Needs aiohttp: pip install 'kvtier[proxy]'. See docs/proxy.md."
+)
 
 DEFAULT_PORT = 8000  # vLLM's: clients point at the proxy as they would at one engine
 MISSING_AIOHTTP = (
@@ -39,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode",
         action="append",
         default=[],
+        required=True,
         metavar="URL",
         help="a decode instance (http://host:port); repeat for several (at least one)",
     )
@@ -93,9 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_proxy(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the proxy until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting or a
     missing aiohttp."""
+    try:
+        check_arguments(args)
+    except ValueError as exc:
+        print(f"kvtier proxy: {exc}", file=sys.stderr)
+        return 2
     if importlib.util.find_spec("aiohttp") is None:
         print(MISSING_AIOHTTP, file=sys.stderr)
         return 2
@@ -106,7 +121,6 @@ def run_proxy(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        check_arguments(args)
         settings = ProxySettings(
             prefill=tuple(args.prefill),
             decode=tuple(args.decode),
@@ -126,8 +140,12 @@ def run_proxy(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raises ValueError naming the flag that is wrong."""
-    if not args.decode:
-        raise ValueError("give at least one --decode URL")
+    for role in ("prefill", "decode"):
+        for url in getattr(args, role):
+            try:
+                normalize_url(url)
+            except ValueError as exc:
+                raise ValueError(f"--{role} {url!r}: {exc}") from None
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     for flag in ("retry_after_s", "shutdown_grace_s"):

@@ -18,9 +18,16 @@ import json
 import sys
 from typing import Any
 
+from kvtier.commands.serve import DEFAULT_PORT
 from kvtier.config import ConfigError, load_config
 from kvtier.server.client import KVTierStore, parse_server_url
 from kvtier.storage.backend import StoreUnavailable
+
+HELP = "a running kvtier serve's health, tiers and counters"
+DESCRIPTION = (
+    "Read a kvtier server's counters over its cache port. Exit 0: ok, "
+    "1: degraded (its remote is down), 2: unreachable or refused."
+)
 
 STATUS_NAMESPACE = "kvtier-status"  # a namespace no engine uses; STATS reads no blobs
 
@@ -30,11 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--auth-token", help="the server's token (default: server_token / KVTIER_SERVER_TOKEN)"
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait (default %(default)g)"
+    )
     parser.add_argument("--json", action="store_true", help="print the raw counters as JSON")
 
 
-def run_status(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     address = args.server if "://" in args.server else f"kvtier://{args.server}"
     try:
         host, port = parse_server_url(address)
@@ -49,6 +58,7 @@ def run_status(args: argparse.Namespace) -> int:
         values = store.stats()
     except StoreUnavailable as exc:
         print(f"kvtier status: {exc}", file=sys.stderr)
+        print(f"  {_what_to_check(str(exc), f'{host}:{port}')}", file=sys.stderr)
         return 2
     finally:
         store.close()
@@ -58,6 +68,18 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         print(render(f"{host}:{port}", values))
     return 0 if healthy else 1
+
+
+def _what_to_check(error: str, address: str) -> str:
+    if "unauthenticated" in error:
+        return (
+            "the server wants a token: give --auth-token, or set server_token / "
+            "KVTIER_SERVER_TOKEN to the one kvtier serve was started with"
+        )
+    return (
+        f"is `kvtier serve` running and listening on {address}? --server takes its cache "
+        f"port (kvtier serve --port, default {DEFAULT_PORT}), not its --admin-port"
+    )
 
 
 def render(address: str, values: dict[str, Any]) -> str:

@@ -1,0 +1,169 @@
+"""``kvtier serve``: run the node-level cache server of :mod:`kvtier.server`.
+
+    kvtier serve --port 65432 --max-local-cpu-size 40 --local-disk /var/cache/kvtier \\
+                 --max-local-disk-size 500 --remote-url redis://cache:6379/0 --admin-port 8900
+
+The tier flags mirror config keys (``--max-local-cpu-size`` is ``max_local_cpu_size``,
+...), and ``--config FILE`` reads the same YAML an engine reads; a flag beats the file,
+and ``KVTIER_*`` variables apply as everywhere. The token is the ``server_token`` key
+(``--auth-token``, ``KVTIER_SERVER_TOKEN``).
+
+On SIGTERM or SIGINT the server stops accepting, finishes the requests it is executing,
+drops frames still arriving (nothing half-received is stored), finishes or drops queued
+remote writes, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import sys
+
+from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
+from kvtier.config.keys import coerce
+from kvtier.server.protocol import DEFAULT_MAX_FRAME_BYTES
+from kvtier.server.serve import serve
+
+HELP = "a node-level cache server shared by the engines (remote_url: kvtier://host:port)"
+DESCRIPTION = (
+    "Hold chunks for every engine of this node: a bounded memory tier, "
+    "optionally a disk tier and a remote written through. Engines use it with "
+    "remote_url: kvtier://HOST:PORT. See docs/server.md."
+)
+
+DEFAULT_PORT = 65432  # LMCache's server port: lm://host:65432 configs point here as they are
+
+# flag dest -> config key
+_CONFIG_FLAGS = {
+    "max_local_cpu_size": "max_local_cpu_size",
+    "local_disk": "local_disk",
+    "max_local_disk_size": "max_local_disk_size",
+    "remote_url": "remote_url",
+    "chunk_size": "chunk_size",
+    "auth_token": "server_token",
+}
+
+
+def _key_default(key: str) -> str:
+    """A config key's default as help shows it: a flag left out leaves the key to the
+    config file, then its ``KVTIER_*`` variable, then the key's default."""
+    spec = CONFIG_KEYS[key]
+    return f"default: {key} from --config or {spec.env_var}, else {spec.default:g}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (the keys an engine reads)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0: any free port"
+    )
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve the admin HTTP API here: GET /health, /stats, /metrics; POST /clear, "
+        "/lookup (0: any free port; default: no admin API)",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        help=f"the engines' chunk_size, for /lookup by tokens ({_key_default('chunk_size')})",
+    )
+    parser.add_argument(
+        "--max-local-cpu-size",
+        type=float,
+        help=f"memory tier in GB ({_key_default('max_local_cpu_size')})",
+    )
+    parser.add_argument("--local-disk", help="disk tier directory (kept across restarts)")
+    parser.add_argument(
+        "--max-local-disk-size",
+        type=float,
+        help=f"disk tier in GB ({_key_default('max_local_disk_size')})",
+    )
+    parser.add_argument("--remote-url", help="write-through remote (redis://, s3://, ...)")
+    parser.add_argument(
+        "--auth-token",
+        help="token clients must send (or KVTIER_SERVER_TOKEN); required off loopback",
+    )
+    parser.add_argument(
+        "--max-frame-mb",
+        type=float,
+        default=DEFAULT_MAX_FRAME_BYTES / 2**20,
+        help="largest payload of one frame in MiB (default %(default)g)",
+    )
+    parser.add_argument(
+        "--max-clients", type=int, default=256, help="connections held at once (default 256)"
+    )
+    parser.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="refuse clients' shared-memory segments: every client moves bytes over TCP",
+    )
+    parser.add_argument(
+        "--max-shm-mb",
+        type=float,
+        default=DEFAULT_MAX_FRAME_BYTES / 2**20,
+        help="largest shared-memory segment a same-host client may offer, in MiB "
+        "(default %(default)g)",
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_config(args: argparse.Namespace) -> KVTierConfig:
+    """The config of ``args``: flags over ``--config`` over ``KVTIER_*`` over defaults.
+
+    Raises:
+        ConfigError: a bad value (naming its flag), or a non-loopback address without a
+            token.
+    """
+    overrides, problems = {}, []
+    for dest, key in _CONFIG_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:  # checked here, so that a problem names the flag
+            flag = "--" + dest.replace("_", "-")
+            coerce(CONFIG_KEYS[key], value, origin=flag, problems=problems)
+            overrides[key] = value
+    if problems:
+        raise ConfigError(problems)
+    config = load_config(overrides=overrides, config_file=args.config)
+    if not is_loopback(args.host) and config.server_token is None:
+        raise ConfigError(
+            f"--host {args.host} is not a loopback address: give --auth-token (or "
+            "KVTIER_SERVER_TOKEN), the token every client must send"
+        )
+    if not 0 <= args.port <= 65535 or args.max_frame_mb <= 0 or args.max_clients < 1:
+        raise ConfigError("--port must be 0..65535, --max-frame-mb > 0, --max-clients >= 1")
+    if args.max_shm_mb <= 0:
+        raise ConfigError("--max-shm-mb must be > 0 (--no-shm turns shared memory off)")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = server_config(args)
+        asyncio.run(
+            serve(
+                config,
+                host=args.host,
+                port=args.port,
+                admin_port=args.admin_port,
+                max_frame_mb=args.max_frame_mb,
+                max_clients=args.max_clients,
+                max_shm_mb=None if args.no_shm else args.max_shm_mb,
+            )
+        )
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
