@@ -1,6 +1,8 @@
 """The package's shape, checked: imports point one way (no cycles, function-level imports
-included), no module imports another's private names, files stay a readable size, and
-``kvtier_kernels`` never imports ``kvtier``."""
+included; a declared layer order, modules named by string in registries included), no
+module imports another's private names, files stay a readable size (the packages, the tests
+and the benchmarks), ``kvtier_kernels`` never imports ``kvtier``, and docs/architecture.md's
+module map is the one the modules' docstrings give."""
 
 from __future__ import annotations
 
@@ -8,10 +10,51 @@ import ast
 from pathlib import Path
 
 import pytest
+from support import module_map
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvtier", "kvtier_kernels")
 MAX_LINES = 540  # about 500: "a few hundred lines", a file a reader can hold in their head
+MAX_TEST_LINES = 800  # tests and benchmarks: one area per file, its cases may run longer
+
+# Bottom up: a module imports (or names by string, as registries do) only modules of its
+# own layer or of the layers below. A module belongs to the longest entry that prefixes it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kernels", ("kvtier_kernels",)),
+    (
+        "foundation",
+        (
+            "kvtier.warn",
+            "kvtier.config",
+            "kvtier.hashing",
+            "kvtier.keys",
+            "kvtier.token_db",
+            "kvtier.metrics",
+            "kvtier.events",
+            "kvtier.prometheus",
+            "kvtier.machine",
+        ),
+    ),
+    ("memory", ("kvtier.memory",)),
+    ("storage", ("kvtier.storage",)),
+    ("engine", ("kvtier.gpu_connector", "kvtier.engine", "kvtier.precompile")),
+    ("node", ("kvtier.server", "kvtier.proxy")),
+    (
+        "integration",
+        (
+            "kvtier.integration",
+            "kvtier.integration.sglang",
+            "kvtier.integration.vllm.common",
+            "kvtier.integration.vllm.facts",
+            "kvtier.integration.vllm.rpc",
+            "kvtier.integration.vllm.events",
+            "kvtier.integration.vllm.kv_probe",
+        ),
+    ),
+    ("features", ("kvtier.blend",)),
+    ("connector", ("kvtier.integration.vllm",)),
+    ("commands", ("kvtier", "kvtier.commands", "kvtier.cli", "kvtier.demo", "kvtier.demo_vllm")),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -47,6 +90,29 @@ def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
             # ``from pkg import module`` imports the module too
             found += [(f"{base}.{n}", [], node.lineno) for n in names if f"{base}.{n}" in MODULES]
     return found
+
+
+def _named_modules(path: Path) -> list[tuple[str, int]]:
+    """Modules a file names by a string that is exactly a dotted module path (a registry's
+    ``"kvtier.storage.redis_store"``), with the line."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        (node.value, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and "." in node.value
+        and node.value in MODULES
+    ]
+
+
+def _layer_of(name: str) -> int:
+    best, layer = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, layer = len(prefix), index
+    return layer
 
 
 def _graph() -> dict[str, set[str]]:
@@ -97,6 +163,34 @@ def test_no_import_cycles():
     assert _cycles(_graph()) == []
 
 
+def test_every_module_has_a_layer():
+    assert [name for name in MODULES if _layer_of(name) < 0] == []
+
+
+def test_imports_follow_the_layer_order():
+    offenders = []
+    for name, path in MODULES.items():
+        layer = _layer_of(name)
+        # ``from package import module`` depends on the module (packages import lazily)
+        edges = [
+            (target, line, "imports")
+            for target, names, line in _imports(name, path)
+            if not names or not all(f"{target}.{n}" in MODULES for n in names)
+        ]
+        edges += [(target, line, "names") for target, line in _named_modules(path)]
+        for target, line, how in edges:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if not target or target == name or name.startswith(target + "."):
+                continue
+            if _layer_of(target) > layer:
+                offenders.append(
+                    f"{path.relative_to(ROOT)}:{line} ({LAYERS[layer][0]}) {how} {target} "
+                    f"({LAYERS[_layer_of(target)][0]})"
+                )
+    assert offenders == []
+
+
 def test_kernels_never_import_kvtier():
     offenders = [
         f"{name} imports {target}"
@@ -128,3 +222,25 @@ def test_no_module_imports_another_modules_private_names():
 def test_module_stays_readable(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)}: {lines} lines"
+
+
+def _test_files() -> list[Path]:
+    return sorted(p for folder in ("tests", "perf") for p in (ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _test_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_test_and_benchmark_files_stay_readable(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_TEST_LINES, f"{path.relative_to(ROOT)}: {lines} lines"
+
+
+def test_every_module_says_what_it_is():
+    missing = [name for name, path in MODULES.items() if module_map.summary(path) is None]
+    assert missing == []
+
+
+def test_the_module_map_in_the_docs_is_current():
+    doc = module_map.DOC.read_text()
+    assert module_map.regenerate(doc) == doc, (
+        "docs/architecture.md's module map is stale: run python tests/support/module_map.py"
+    )
