@@ -159,7 +159,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtier_kernels import registry, tuning_files, tuning_lookup
+    from kvtier_kernels import registry
+    from kvtier_kernels.tuning import files as tuning_files
+    from kvtier_kernels.tuning import lookup as tuning_lookup
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -235,7 +237,8 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
     """``(device, backend, timer)`` for ``kvtier tune``, or why there is none."""
     import torch
 
-    from kvtier_kernels import registry, tuning
+    from kvtier_kernels import registry
+    from kvtier_kernels.tuning import sweep as tuning
 
     if not torch.cuda.is_available():
         return _NO_GPU.format(why="torch sees none (torch.cuda.is_available() is False)")
@@ -250,7 +253,9 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from kvtier_kernels import tuning, tuning_files, tuning_lookup
+    from kvtier_kernels.tuning import files as tuning_files
+    from kvtier_kernels.tuning import lookup as tuning_lookup
+    from kvtier_kernels.tuning import sweep as tuning
 
     target = _tuning_target(args.device)
     if isinstance(target, str):
