@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 
 from kvtier_kernels import PagedKV, gather, scatter
-from kvtier_kernels.tuning_lookup import copy_engine_crossover, prepend_search_path
+from kvtier_kernels.tuning.lookup import copy_engine_crossover, prepend_search_path
 
 
 class _Streams:

@@ -82,7 +82,7 @@ def auto_backends(registry) -> dict[str, dict[str, str]]:
 
 
 def search_path_rows() -> list[dict[str, object]]:
-    from kvtier_kernels import tuning_lookup
+    from kvtier_kernels.tuning import lookup as tuning_lookup
 
     return [
         {"path": str(directory), "kind": origin, "exists": directory.is_dir()}
@@ -95,7 +95,8 @@ def tuning_in_effect() -> list[dict[str, str]]:
     every dtype with a file); empty when the built-in heuristics apply everywhere."""
     import torch
 
-    from kvtier_kernels import tuning_files, tuning_lookup
+    from kvtier_kernels.tuning import files as tuning_files
+    from kvtier_kernels.tuning import lookup as tuning_lookup
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -39,7 +39,7 @@ from kvtier_kernels import registry
 from kvtier_kernels._launch import compile_only as _compile_only
 from kvtier_kernels._launch import compiling_only
 from kvtier_kernels.layouts import PagedKV
-from kvtier_kernels.paged_rows import layer_table
+from kvtier_kernels.paged.rows import layer_table
 
 __all__ = [
     "NUMBA_OPS",
@@ -252,7 +252,7 @@ def _cachegen_calls(
 def _rope_calls(
     paged: PagedKV, counts: list[int], backend: str, rotary_dim: int | None, is_neox: bool
 ) -> list[tuple[str, Callable[[], object]]]:
-    from kvtier_kernels.rope import rerotate_triton, rope_inv_freq
+    from kvtier_kernels.rope.rerotation import rerotate_triton, rope_inv_freq
 
     if paged.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return []

@@ -39,7 +39,7 @@ import torch
 
 from kvtier_kernels import PagedKV, gather, registry, rerotate, scatter
 from kvtier_kernels.dtypes import bits
-from kvtier_kernels.paged_copy import launch_config
+from kvtier_kernels.paged.copy import launch_config
 
 # %% [markdown]
 # ## 1. Layouts: one logical cache, different bytes

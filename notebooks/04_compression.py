@@ -18,7 +18,7 @@
 #
 # A chunk of KV is big: K and V, every layer, every token, every channel, in bf16. When
 # it has to cross a network (a remote tier) or sit on a disk, fewer bytes can matter more
-# than a little precision. kvtier's `cachegen` codec (`kvtier_kernels/cachegen.py`, after
+# than a little precision. kvtier's `cachegen` codec (`kvtier_kernels/cachegen/codec.py`, after
 # CacheGen, SIGCOMM 2024) quantizes each token's row of each layer to `2n + 1` levels
 # (`n`, "levels_half", is chosen per layer) and entropy-codes the symbols with rANS.
 # Its error is bounded: every element is within `scale / (2n)` of the original, where

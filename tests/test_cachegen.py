@@ -19,10 +19,8 @@ from kvtier_kernels.cachegen import (
     params_checksum,
     quantize_counts,
 )
-from kvtier_kernels.cachegen_format import MODEL_FIELDS
-from kvtier_kernels.rans import PROB_SCALE
-from kvtier_kernels.rans_decode import rans_decode
-from kvtier_kernels.rans_encode import rans_encode
+from kvtier_kernels.cachegen.format import MODEL_FIELDS
+from kvtier_kernels.cachegen.rans import PROB_SCALE, rans_decode, rans_encode
 
 
 def roundtrip(chunk, out_dtype=torch.float32, **options):

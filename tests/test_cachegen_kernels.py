@@ -2,9 +2,10 @@
 
 On a machine without a GPU the kernels run in Triton's interpreter (backend
 ``"interpret"``, CPU tensors), so every shape here is tiny: a few lanes of a few symbols.
-Every comparison is against the numpy references :func:`kvtier_kernels.rans_encode.rans_encode`
-/ :func:`kvtier_kernels.rans_decode.rans_decode`; rejected streams must be rejected exactly
-where the reference rejects them. ``gpu`` tests run the compiled kernels.
+Every comparison is against the numpy references
+:func:`kvtier_kernels.cachegen.rans.encode.rans_encode` /
+:func:`kvtier_kernels.cachegen.rans.decode.rans_decode`; rejected streams must be rejected
+exactly where the reference rejects them. ``gpu`` tests run the compiled kernels.
 """
 
 from __future__ import annotations
@@ -31,23 +32,24 @@ from support.rans_cases import (
     outcome,
 )
 
-from kvtier_kernels import rans_decode as rans_decode_op
-from kvtier_kernels import rans_encode as rans_encode_op
 from kvtier_kernels import registry
-from kvtier_kernels.rans import PROB_SCALE, CodecError, LaunchConfig, launch_config
-from kvtier_kernels.rans_decode import (
+from kvtier_kernels.cachegen.rans import PROB_SCALE, CodecError
+from kvtier_kernels.cachegen.rans import decode as rans_decode_op
+from kvtier_kernels.cachegen.rans import encode as rans_encode_op
+from kvtier_kernels.cachegen.rans.common import LaunchConfig, launch_config
+from kvtier_kernels.cachegen.rans.decode import (
     rans_decode,
     rans_decode_lanes,
     rans_decode_reference,
     rans_decode_triton,
 )
-from kvtier_kernels.rans_encode import (
+from kvtier_kernels.cachegen.rans.encode import (
     rans_encode,
     rans_encode_lanes,
     rans_encode_reference,
     rans_encode_triton,
 )
-from kvtier_kernels.rans_encode import rans_encode_numba as numba_encode
+from kvtier_kernels.cachegen.rans.encode import rans_encode_numba as numba_encode
 
 has_triton = importlib.util.find_spec("triton") is not None
 has_gpu = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""CacheGen's statistics models (``kvtier_kernels/cachegen_tables.py``): the Gaussian
+"""CacheGen's statistics models (``kvtier_kernels/cachegen/tables.py``): the Gaussian
 model's integer tables, the encoder's choice between it and per-lane histograms, the
 same bytes from every backend in either model, and objects whose stored model disagrees
 with their symbols, rejected by every backend.
@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.samples import assert_within_bound, synthetic_kv
 
-from kvtier_kernels import cachegen_tables
 from kvtier_kernels.cachegen import MODELS, CodecError, decode_chunk, encode_chunk
-from kvtier_kernels.cachegen_format import length_dtype, make_params, padded, params_checksum
-from kvtier_kernels.cachegen_tables import (
+from kvtier_kernels.cachegen import tables as cachegen_tables
+from kvtier_kernels.cachegen.format import length_dtype, make_params, padded, params_checksum
+from kvtier_kernels.cachegen.rans import PROB_SCALE, rans_encode_lanes
+from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
     MAX_DISTANCE,
     SPREADS,
@@ -34,8 +35,6 @@ from kvtier_kernels.cachegen_tables import (
     spread_sigma,
     spread_thresholds,
 )
-from kvtier_kernels.rans import PROB_SCALE
-from kvtier_kernels.rans_encode import rans_encode_lanes
 
 has_numba = importlib.util.find_spec("numba") is not None
 has_triton = importlib.util.find_spec("triton") is not None

@@ -47,7 +47,8 @@ from support.gpu_compile import (
     spill_count,
 )
 
-from kvtier_kernels import paged_copy, rope
+from kvtier_kernels.paged import copy as paged_copy
+from kvtier_kernels.rope import rerotation
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 
@@ -119,7 +120,7 @@ def compile_rope(is_neox: bool, dtype: str, target: str, aligned: bool = True):
     """``rerotate_kernel`` as the launcher runs it on a 256-token chunk of 128-wide heads
     with full rotary, on the heuristic's launch config; ``k`` 16-byte aligned unless
     ``aligned`` is False. Any ``rotary_dim`` that is a multiple of 16 is marked the same."""
-    params = list(inspect.signature(rope.rerotate_kernel).parameters)
+    params = list(inspect.signature(rerotation.rerotate_kernel).parameters)
     pointers = {
         "k": f"*{dtype}",
         "old_positions": "*i64",
@@ -133,13 +134,13 @@ def compile_rope(is_neox: bool, dtype: str, target: str, aligned: bool = True):
         **dict.fromkeys(params[-3:], "constexpr"),
     }
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    config = rope.launch_config(64, 256, torch_dtype, torch.device("cuda"), tuned=False)
+    config = rerotation.launch_config(64, 256, torch_dtype, torch.device("cuda"), tuned=False)
     constants = {"s_dim": 1, "IS_NEOX": is_neox}
     constants |= {"BLOCK_T": config.block_tokens, "BLOCK_P": config.block_pairs}
     divisible = [*pointers, "s_layer", "s_token", "head_size", "rotary_dim"]
     if not aligned:
         divisible.remove("k")
-    kernel = rope.KERNEL.get(interpret=False)
+    kernel = rerotation.KERNEL.get(interpret=False)
     return compile_for(kernel, signature, constants, target, divisible, config.num_warps)
 
 

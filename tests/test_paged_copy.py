@@ -18,10 +18,10 @@ from support.kv import (
     make_slots,
 )
 
-from kvtier_kernels import paged_copy
 from kvtier_kernels.layouts import LAYOUTS, PagedKV
-from kvtier_kernels.paged_copy import gather, gather_reference, scatter, scatter_reference
-from kvtier_kernels.paged_rows import copy_head_rows, copy_whole_blocks
+from kvtier_kernels.paged import copy as paged_copy
+from kvtier_kernels.paged import gather, gather_reference, scatter, scatter_reference
+from kvtier_kernels.paged.rows import copy_head_rows, copy_whole_blocks
 
 NUM_LAYERS = 3
 NUM_TOKENS = 37  # a partial chunk: not a multiple of any block size used here

@@ -29,9 +29,11 @@ from support.kv import (
     make_slots,
 )
 
-from kvtier_kernels import paged_copy, paged_rows, registry
+from kvtier_kernels import registry
 from kvtier_kernels.layouts import LAYOUTS, PagedKV, get_layout
-from kvtier_kernels.paged_copy import (
+from kvtier_kernels.paged import copy as paged_copy
+from kvtier_kernels.paged import rows as paged_rows
+from kvtier_kernels.paged.copy import (
     LaunchConfig,
     gather,
     gather_reference,
@@ -398,7 +400,7 @@ def test_interpret_backend_works_with_triton_interpret_set_globally() -> None:
         """
         import torch
         from kvtier_kernels import PagedKV, gather
-        from kvtier_kernels.paged_copy import gather_reference
+        from kvtier_kernels.paged import gather_reference
         paged = PagedKV.empty("flash_hnd", num_layers=2, num_blocks=3, block_size=2,
                               num_heads=2, head_size=8, dtype=torch.bfloat16)
         for t in paged.tensors:

@@ -21,8 +21,9 @@ from kvtier.cli import main
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.precompile import engine_ops, nothing_to_compile, numba_ops, start_background
-from kvtier_kernels import PagedKV, gather, paged_copy
+from kvtier_kernels import PagedKV, gather
 from kvtier_kernels._launch import compile_only
+from kvtier_kernels.paged import copy as paged_copy
 from kvtier_kernels.precompile import WARMABLE_OPS, plan_warmup, token_counts, warm_numba
 
 pytest.importorskip("triton")
@@ -221,7 +222,7 @@ needs_cpu_numba = pytest.mark.skipif(
 @needs_numba
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_numba_kernels_are_warmed_for_every_argument_type(dtype) -> None:
-    from kvtier_kernels import rope_numba
+    from kvtier_kernels.rope import numba_kernels as rope_numba
 
     assert warm_numba(("cachegen", "rope_rerotate"), dtype) == ["cachegen", "rope_rerotate"]
     layouts = {sig[0].layout for sig in rope_numba.NUMBA_KERNEL.get().signatures}

@@ -38,9 +38,14 @@ from kvtier_kernels.cachegen import (
     params_checksum,
     quantize_counts,
 )
-from kvtier_kernels.rans import PROB_SCALE, CodecError
-from kvtier_kernels.rans_decode import rans_decode, rans_decode_lanes
-from kvtier_kernels.rans_encode import rans_encode, rans_encode_lanes
+from kvtier_kernels.cachegen.rans import (
+    PROB_SCALE,
+    CodecError,
+    rans_decode,
+    rans_decode_lanes,
+    rans_encode,
+    rans_encode_lanes,
+)
 
 has_numba = importlib.util.find_spec("numba") is not None
 needs_numba = pytest.mark.skipif(not has_numba, reason="needs numba (kvtier[cpu-codec])")
@@ -280,7 +285,7 @@ def test_importing_kvtier_imports_no_numba() -> None:
     """numba loads on the first codec call that picks it, never with the packages."""
     code = (
         "import sys, kvtier, kvtier_kernels, kvtier.storage.serde\n"
-        "from kvtier_kernels import cachegen, cachegen_numba, rans_decode, rans_encode\n"
+        "from kvtier_kernels.cachegen import codec, numba_kernels, rans\n"
         "from kvtier.storage.serde import make_serde\n"
         "make_serde('cachegen')\n"
         "assert 'numba' not in sys.modules, 'numba imported'\n"

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from kvtier_kernels import paged_copy, registry
+from kvtier_kernels import registry
+from kvtier_kernels.paged import copy as paged_copy
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _names = itertools.count()

@@ -12,9 +12,11 @@ import importlib.util
 import pytest
 import torch
 
-from kvtier_kernels import registry, rope, rope_numba
+from kvtier_kernels import registry
 from kvtier_kernels.dtypes import bits
-from kvtier_kernels.rope import (
+from kvtier_kernels.rope import numba_kernels as rope_numba
+from kvtier_kernels.rope import rerotation
+from kvtier_kernels.rope.rerotation import (
     LaunchConfig,
     rerotate,
     rerotate_reference,
@@ -318,7 +320,7 @@ def test_interpret_several_token_tiles_and_pair_blocks(
     """Small tiles: 3 token tiles x 10 (or 5) pair blocks over 2 layers and 2 heads; no pair
     may span two programs. With R = 36 the last pair block ends past R (pairs 16..19 of
     18), and the dims there must be left alone."""
-    monkeypatch.setattr(rope, "launch_config", lambda *a: LaunchConfig(2, 4, 1))
+    monkeypatch.setattr(rerotation, "launch_config", lambda *a: LaunchConfig(2, 4, 1))
     chunk, _ = make_k_plane(2, 5, 2 * 80, torch.float32, seed=12)
     old, new = make_positions(5, 1000, seed=13)
     check_interpret(
@@ -335,7 +337,7 @@ def test_interpret_writes_nothing_past_the_tokens_or_rotary_dims(
     """The masks hold at the token tail and at R inside a pair block: the tokens after the
     view and each head's dims past R hold inf, which any rotation there, even by a zero
     angle (inf * sin 0 = nan), would change."""
-    monkeypatch.setattr(rope, "launch_config", lambda *a: LaunchConfig(2, 4, 1))
+    monkeypatch.setattr(rerotation, "launch_config", lambda *a: LaunchConfig(2, 4, 1))
     head_size, rotary_dim, num_tokens = 80, 36, 5
     buffer = torch.randn(
         2, num_tokens + 3, 2 * head_size, generator=torch.Generator().manual_seed(22)
@@ -368,7 +370,7 @@ def test_interpret_gptj_pairs_get_the_neox_arithmetic_bit_for_bit(
     exactly the arithmetic of NeoX's: the same pairs in NeoX's places come out with the same
     bits (partial rotary, 7 tokens, 2 layers, 3 heads)."""
     if config is not None:
-        monkeypatch.setattr(rope, "launch_config", lambda *a: config)
+        monkeypatch.setattr(rerotation, "launch_config", lambda *a: config)
     head_size, rotary_dim = 80, 36
     _, gptj = make_k_plane(2, 7, 3 * head_size, dtype, seed=20)
     neox = gptj_to_neox(gptj, head_size, rotary_dim)
@@ -477,7 +479,7 @@ def test_registry_serves_triton_backends_lazily() -> None:
     impl = registry.get("rope_rerotate", "interpret", "cpu")
     assert impl.func is rerotate_triton and impl.keywords == {"interpret": True}
     on_cpu = registry.get("rope_rerotate", "auto", "cpu")
-    assert on_cpu is (rope_numba.rerotate_numba if has_numba else rope.rerotate_torch)
+    assert on_cpu is (rope_numba.rerotate_numba if has_numba else rerotation.rerotate_torch)
     with pytest.raises(ValueError, match="'triton' cannot run on device 'cpu'"):
         rerotate(_K, _POS, _POS, head_size=64, backend="triton")
 
@@ -492,10 +494,10 @@ def test_launcher_refuses_tensors_it_cannot_reach() -> None:
 
 @needs_triton
 def test_launch_config_hook_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rope, "launch_config", lambda *a: LaunchConfig(3, 16, 4))
+    monkeypatch.setattr(rerotation, "launch_config", lambda *a: LaunchConfig(3, 16, 4))
     with pytest.raises(ValueError, match="block_tokens must be a power of two; got 3"):
         rerotate(_K.clone(), _POS, _POS, head_size=64, backend="interpret")
-    monkeypatch.setattr(rope, "launch_config", lambda *a: LaunchConfig(1, 16, 32))
+    monkeypatch.setattr(rerotation, "launch_config", lambda *a: LaunchConfig(1, 16, 32))
     with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or 16; got 32"):
         rerotate(_K.clone(), _POS, _POS, head_size=64, backend="interpret")
 
@@ -504,7 +506,7 @@ def test_launch_config_hook_is_validated(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_launch_config_heuristic(device: str) -> None:
     for half_rotary in (1, 16, 20, 32, 40, 64, 288):
         for num_tokens in (1, 5, 256, 4096):
-            config = rope.launch_config(
+            config = rerotation.launch_config(
                 half_rotary, num_tokens, torch.bfloat16, torch.device(device)
             )
             for value in (config.block_tokens, config.block_pairs, config.num_warps):

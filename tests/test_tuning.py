@@ -23,15 +23,20 @@ import torch
 from support.kv import assert_chunk_equal, fill_random_
 
 from kvtier.cli import main
-from kvtier_kernels import paged_copy, registry, rope, tuning, tuning_files, tuning_lookup
+from kvtier_kernels import registry
 from kvtier_kernels.layouts import PagedKV
-from kvtier_kernels.paged_copy import LaunchConfig as CopyConfig
-from kvtier_kernels.rope import LaunchConfig as RopeConfig
+from kvtier_kernels.paged import copy as paged_copy
+from kvtier_kernels.paged.copy import LaunchConfig as CopyConfig
+from kvtier_kernels.rope import rerotation
+from kvtier_kernels.rope.rerotation import LaunchConfig as RopeConfig
+from kvtier_kernels.tuning import files as tuning_files
+from kvtier_kernels.tuning import lookup as tuning_lookup
+from kvtier_kernels.tuning import sweep
 from kvtier_kernels.tuning.copy_engine import find_crossover, measure_copy_engine
-from kvtier_kernels.tuning.paged_copy import PagedCopyProblem, paged_copy_candidates
+from kvtier_kernels.tuning.files import TuningEntry, TuningFile
+from kvtier_kernels.tuning.paged import PagedCopyProblem, paged_copy_candidates
 from kvtier_kernels.tuning.rope import RopeProblem, rope_candidates
 from kvtier_kernels.tuning.shapes import ModelShape, model_shape_from_config
-from kvtier_kernels.tuning_files import TuningEntry, TuningFile
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)"
@@ -113,7 +118,7 @@ def test_a_candidate_with_wrong_results_is_rejected_and_never_timed(
     # The broken and the invalid candidates would be the fastest if they were timed.
     timer = fake_timer({bad: 1e-6, fast_invalid: 1e-6, good: 2e-6, problem.heuristic: 3e-6})
     lines: list[str] = []
-    results, files = tuning.run_problems(
+    results, files = sweep.run_problems(
         [problem], device=CPU, backend="interpret", timer=timer, progress=lines.append
     )
 
@@ -136,7 +141,7 @@ def test_a_candidate_with_wrong_results_is_rejected_and_never_timed(
 
 def test_tune_writes_one_file_per_op_that_round_trips_and_is_used(tuning_dir: Path) -> None:
     shape = dataclasses.replace(TINY, chunk_size=8)
-    report = tuning.tune(
+    report = sweep.tune(
         shape,
         device=CPU,
         backend="interpret",
@@ -194,7 +199,7 @@ def test_every_generated_candidate_is_valid() -> None:
         configs = rope_candidates(half, tokens)
         assert configs
         for c in configs:
-            rope.check_launch_config(c, ("block_tokens", "block_pairs"))
+            rerotation.check_launch_config(c, ("block_tokens", "block_pairs"))
             assert c.block_pairs <= 2 * half and c.block_tokens <= 2 * tokens, c
     for op in ("paged_gather", "paged_scatter"):
         problem = PagedCopyProblem(op, TINY, CPU, "interpret")
@@ -207,16 +212,16 @@ def test_every_generated_candidate_is_valid() -> None:
 
 def test_build_problems_skips_rope_where_it_does_not_apply() -> None:
     mla = ModelShape(num_layers=2, num_kv_heads=1, head_size=576, layout="mla", rotary_dim=0)
-    problems, notes = tuning.build_problems(mla, device=CPU, backend="interpret")
+    problems, notes = sweep.build_problems(mla, device=CPU, backend="interpret")
     assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
     assert notes == ["rope_rerotate skipped: the model has no rotary dims to re-rotate"]
     fp8 = dataclasses.replace(TINY, dtype=torch.float8_e4m3fn)
-    problems, notes = tuning.build_problems(fp8, device=CPU, backend="interpret")
+    problems, notes = sweep.build_problems(fp8, device=CPU, backend="interpret")
     assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
     assert problems[0].dtype == torch.int64  # 8 fp8 values per row: one int64 word
     assert "float8_e4m3fn" in notes[0]
     with pytest.raises(ValueError, match="not tunable"):
-        tuning.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
+        sweep.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,15 +299,15 @@ def test_rope_uses_the_entry_for_the_closest_token_count(tuning_dir: Path) -> No
         ),
     ]
     write_file(tuning_dir, "rope_rerotate", "bfloat16", entries)
-    launch_config = functools.partial(rope.launch_config, dtype=torch.bfloat16, device=CPU)
+    launch_config = functools.partial(rerotation.launch_config, dtype=torch.bfloat16, device=CPU)
     assert launch_config(32, 256) == RopeConfig(64, 16, 8)
     assert launch_config(32, 512) == RopeConfig(64, 16, 8)
     assert launch_config(32, 100) == RopeConfig(64, 16, 8)  # log2: 100 is closer to 256
     assert launch_config(32, 40) == RopeConfig(16, 32, 2)
     assert launch_config(32, 5) == RopeConfig(8, 32, 2)  # BLOCK_T capped at the tokens
-    heuristic = rope.launch_config(64, 256, torch.bfloat16, CPU)
+    heuristic = rerotation.launch_config(64, 256, torch.bfloat16, CPU)
     assert heuristic.block_pairs == 64  # half_rotary 64: no entry
-    assert rope.launch_config(32, 256, torch.float16, CPU) != RopeConfig(64, 16, 8)
+    assert rerotation.launch_config(32, 256, torch.float16, CPU) != RopeConfig(64, 16, 8)
 
 
 def _valid_document() -> dict:
@@ -629,7 +634,7 @@ def test_the_extreme_candidates_compile_for_gpu_targets(op: str, target: tuple) 
         candidates = paged_copy_candidates(256, 8, 256)  # Llama-3-8B, bf16
         tile = {"BLOCK_T": "block_tokens", "BLOCK_R": "block_row"}
     else:
-        kernel, fn = rope.KERNEL.get(interpret=False), rope.rerotate_kernel
+        kernel, fn = rerotation.KERNEL.get(interpret=False), rerotation.rerotate_kernel
         pointers = {"k": "*bf16", "old_positions": "*i64", "new_positions": "*i64"}
         pointers["inv_freq"] = "*fp32"
         candidates = rope_candidates(64, 256)
@@ -657,11 +662,11 @@ def test_the_extreme_candidates_compile_for_gpu_targets(op: str, target: tuple) 
 
 
 def test_each_tunable_op_declares_itself_and_has_a_sweep_entry() -> None:
-    for name in tuning.__all__:
-        assert hasattr(tuning, name), name
+    for name in sweep.__all__:
+        assert hasattr(sweep, name), name
     # the op files declare their tunables at import; the sweep has one entry for each
     assert sorted(tuning_files.TUNABLES) == ["paged_gather", "paged_scatter", "rope_rerotate"]
-    assert set(tuning.SWEEPS) == set(tuning_files.TUNABLES)
+    assert set(sweep.SWEEPS) == set(tuning_files.TUNABLES)
 
 
 def test_prepend_search_path(tuning_dir: Path, tmp_path: Path) -> None:
@@ -679,10 +684,12 @@ def test_prepend_search_path(tuning_dir: Path, tmp_path: Path) -> None:
 
 def test_importing_the_tuning_code_stays_light() -> None:
     code = (
-        "import sys, torch, kvtier.cli, kvtier_kernels.tuning\n"
-        "from kvtier_kernels import paged_copy, rope, tuning_lookup\n"
+        "import sys, torch, kvtier.cli, kvtier_kernels.tuning.sweep\n"
+        "from kvtier_kernels.paged import copy as paged_copy\n"
+        "from kvtier_kernels.rope import rerotation\n"
+        "from kvtier_kernels.tuning import lookup as tuning_lookup\n"
         "paged_copy.launch_config('paged_gather', 256, torch.int64, torch.device('cuda'))\n"
-        "rope.launch_config(64, 256, torch.bfloat16, torch.device('cpu'))\n"
+        "rerotation.launch_config(64, 256, torch.bfloat16, torch.device('cpu'))\n"
         "tuning_lookup.search_path()\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'vllm'))\n"
         "assert not bad, bad\n"
@@ -695,7 +702,7 @@ def test_tuning_files_are_keyed_by_the_amd_architecture(monkeypatch):
     """On ROCm the key is the architecture, not a marketing name that varies by driver."""
     from types import SimpleNamespace
 
-    from kvtier_kernels import tuning_files
+    from kvtier_kernels.tuning import files as tuning_files
 
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
     props = SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-")

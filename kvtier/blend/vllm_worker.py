@@ -39,7 +39,7 @@ from kvtier.keys import CacheKey
 from kvtier.metrics import Stats
 from kvtier.storage.manager import StorageManager
 from kvtier_kernels import LayoutError, PagedKV
-from kvtier_kernels.paged_copy import gather, scatter
+from kvtier_kernels.paged import gather, scatter
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
     """Always 0."""
     import torch
 
-    from kvtier_kernels import registry, tuning_files, tuning_lookup
+    from kvtier_kernels import registry
+    from kvtier_kernels.tuning import files as tuning_files
+    from kvtier_kernels.tuning import lookup as tuning_lookup
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

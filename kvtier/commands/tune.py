@@ -66,7 +66,8 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
     """``(device, backend, timer)`` for ``kvtier tune``, or why there is none."""
     import torch
 
-    from kvtier_kernels import registry, tuning
+    from kvtier_kernels import registry
+    from kvtier_kernels.tuning import sweep as tuning
 
     if not torch.cuda.is_available():
         return _NO_GPU.format(why="torch sees none (torch.cuda.is_available() is False)")
@@ -83,7 +84,9 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
 def run(args: argparse.Namespace) -> int:
     """0 when every op was tuned, 1 when one had no candidate left, 2 without a GPU or on a
     bad argument."""
-    from kvtier_kernels import tuning, tuning_files, tuning_lookup
+    from kvtier_kernels.tuning import files as tuning_files
+    from kvtier_kernels.tuning import lookup as tuning_lookup
+    from kvtier_kernels.tuning import sweep as tuning
 
     target = _tuning_target(args.device)
     if isinstance(target, str):

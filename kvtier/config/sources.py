@@ -34,7 +34,7 @@ CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
 LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
 # KVTIER_* variables that are not config keys; load_config accepts them without a value check.
 # Not config keys. KVTIER_TUNING_DIR is the kernels' own variable, read by
-# ``kvtier_kernels.tuning_lookup`` alone; the ``tuning_dir`` key (extra config or YAML)
+# ``kvtier_kernels.tuning.lookup`` alone; the ``tuning_dir`` key (extra config or YAML)
 # goes before it on the search path.
 RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, "KVTIER_LOG_LEVEL", "KVTIER_TUNING_DIR"})
 

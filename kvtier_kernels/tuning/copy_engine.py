@@ -1,7 +1,7 @@
 """Where a copy-engine transfer beats the paged-copy kernel: :func:`measure_copy_engine`
 times both on contiguous runs of pages, :func:`find_crossover` reads the run size from
 which ``copy_(non_blocking=True)`` wins (written into the paged copies' tuning files and
-read back by :func:`kvtier_kernels.tuning_lookup.copy_engine_crossover`)."""
+read back by :func:`kvtier_kernels.tuning.lookup.copy_engine_crossover`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from kvtier_kernels import registry
 from kvtier_kernels.dtypes import dtype_name, fill_random_bits_
 from kvtier_kernels.layouts import PagedKV, get_layout
+from kvtier_kernels.tuning.files import CopyEngineFigures
+from kvtier_kernels.tuning.lookup import format_bytes
 from kvtier_kernels.tuning.problem import Progress, Timer, sync
 from kvtier_kernels.tuning.shapes import ModelShape
-from kvtier_kernels.tuning_files import CopyEngineFigures
-from kvtier_kernels.tuning_lookup import format_bytes
 
 __all__ = ["find_crossover", "measure_copy_engine"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvtier_kernels.dtypes import bits
-from kvtier_kernels.tuning_files import NUM_WARPS
+from kvtier_kernels.tuning.files import NUM_WARPS
 
 __all__ = [
     "Progress",

@@ -8,10 +8,15 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import registry, rope
+from kvtier_kernels import registry
 from kvtier_kernels._launch import next_power_of_2
 from kvtier_kernels.dtypes import dtype_name
-from kvtier_kernels.rope import LaunchConfig, rerotate_reference
+from kvtier_kernels.rope.rerotation import (
+    SUPPORTED_DTYPES,
+    LaunchConfig,
+    launch_config,
+    rerotate_reference,
+)
 from kvtier_kernels.tuning.problem import (
     TuningProblem,
     first_difference,
@@ -72,7 +77,7 @@ class RopeProblem(TuningProblem):
         seed: int = 0,
         impl: Callable[..., Any] | None = None,
     ) -> None:
-        if shape.dtype not in rope.SUPPORTED_DTYPES:
+        if shape.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"rope_rerotate does not support {shape.dtype}")
         if shape.rope_dim == 0:
             raise ValueError("the model has no rotary dims to re-rotate")
@@ -86,7 +91,7 @@ class RopeProblem(TuningProblem):
         self.dtype, self._impl = shape.dtype, impl
         half = shape.rope_dim // 2
         self.key = {"half_rotary": half, "num_tokens": shape.chunk_size}
-        self.heuristic = rope.launch_config(
+        self.heuristic = launch_config(
             half, shape.chunk_size, shape.dtype, self.device, tuned=False
         )
         self.candidates = with_heuristic(
@@ -185,6 +190,6 @@ def sweep(
     del op, chunk_memory
     if shape.rope_dim == 0:
         return "rope_rerotate skipped: the model has no rotary dims to re-rotate"
-    if shape.dtype not in rope.SUPPORTED_DTYPES:
+    if shape.dtype not in SUPPORTED_DTYPES:
         return f"rope_rerotate skipped: it does not support {dtype_name(shape.dtype)} keys"
     return RopeProblem(shape, device, backend, quick=quick)

@@ -1,9 +1,9 @@
 """CacheGen codec benchmarks: compression ratio vs error, and encode / decode GB/s.
 
-The codec is ``kvtier_kernels/cachegen.py`` at its default per-layer level schedule
+The codec is ``kvtier_kernels/cachegen/codec.py`` at its default per-layer level schedule
 (``default_levels``) on the CPU, with each of its CPU coders: ``numba`` (what ``auto``
-runs where numba is installed: the numba kernels of ``kvtier_kernels/cachegen_numba.py``,
-``rans_encode.py`` and ``rans_decode.py``, on numba's threads) and the reference (backend
+runs where numba is installed: the numba kernels of ``kvtier_kernels/cachegen/numba_kernels.py``
+and ``kvtier_kernels/cachegen/rans/``, on numba's threads) and the reference (backend
 ``torch``: torch quantization, the numpy rANS coder). Both write the same bytes. Three
 chunks in ``KV_2LTD`` (``[2, num_layers, num_tokens, hidden]``, bf16), from
 ``tests/support/samples.py``:
@@ -74,7 +74,7 @@ OTHER_ROUNDS = 20
 CODERS = {"numba": "CPU numba", "torch": "CPU reference"}  # backend -> row label
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gb/s
 BF16_ROUNDING = 2.0**-8  # relative rounding of x_hat to bf16, the chunk's dtype
-FP32_SLACK = 2.0**-20  # the codec's own arithmetic (see cachegen.py's error bound)
+FP32_SLACK = 2.0**-20  # the codec's own arithmetic (see cachegen/codec.py's error bound)
 ERROR_METRIC = "max |x - x̂| ÷ token absmax"
 
 

@@ -17,7 +17,7 @@ ceiling measured in the same run:
 An op and its ceiling (and, for Triton, the torch backend) are timed in alternation, one
 call of each per round, median of ``REPEATS`` rounds after a warm-up, so that a change in
 the machine's load weighs on all of them alike. On a GPU each call is timed with CUDA
-events, the L2 cache flushed before it (``kvtier_kernels.tuning.event_timer``, what
+events, the L2 cache flushed before it (``kvtier_kernels.tuning.sweep.event_timer``, what
 ``kvtier tune`` times with); the backends are ``triton`` and ``torch`` (the reference
 path a connector falls back to). The Triton rows carry the design targets
 (``target_ratio``: 0.9 of the ceiling for gather/scatter, 0.7 for RoPE; ``meets_target``)
@@ -46,10 +46,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvtier_kernels import PagedKV, gather, rerotate, scatter, tuning
+from kvtier_kernels import PagedKV, gather, rerotate, scatter
 from kvtier_kernels.dtypes import bits, fill_random_bits_
-from kvtier_kernels.paged_copy import gather_reference, scatter_reference
+from kvtier_kernels.paged import gather_reference, scatter_reference
 from kvtier_kernels.rope import rerotate_reference
+from kvtier_kernels.tuning import sweep
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 DTYPE = torch.bfloat16
@@ -89,7 +90,7 @@ def _skip_untimeable(backend: str, placement: str = "device") -> None:
 
 
 def _wall_timer(fn: Callable[[], object], warmup: int, repeats: int) -> list[float]:
-    """A ``tuning.Timer`` on the wall clock (on the CPU every op returns when it is done)."""
+    """A ``sweep.Timer`` on the wall clock (on the CPU every op returns when it is done)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -106,7 +107,7 @@ def medians() -> Callable[..., list[float]]:
     alternation (one call of each per round, ``REPEATS`` rounds after ``WARMUP`` calls of
     each). On a GPU: CUDA events with an L2 flush before every call; on the CPU: the wall
     clock."""
-    timer = tuning.event_timer(DEVICE) if HAS_GPU else _wall_timer
+    timer = sweep.event_timer(DEVICE) if HAS_GPU else _wall_timer
 
     def _medians(*fns: Callable[[], object]) -> list[float]:
         for fn in fns:

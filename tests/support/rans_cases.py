@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier_kernels.cachegen import quantize_counts
-from kvtier_kernels.rans import PROB_SCALE, CodecError
+from kvtier_kernels.cachegen.rans import PROB_SCALE, CodecError
 
 DISTRIBUTIONS = ["uniform", "skewed", "dense"]
 

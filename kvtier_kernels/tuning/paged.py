@@ -9,11 +9,17 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import paged_copy, paged_rows, registry
+from kvtier_kernels import registry
 from kvtier_kernels._launch import next_power_of_2
 from kvtier_kernels.dtypes import dtype_name, fill_random_bits_
 from kvtier_kernels.layouts import PagedKV, get_layout
-from kvtier_kernels.paged_copy import LaunchConfig, gather_reference, scatter_reference
+from kvtier_kernels.paged.copy import (
+    LaunchConfig,
+    gather_reference,
+    launch_config,
+    scatter_reference,
+)
+from kvtier_kernels.paged.rows import launch_words
 from kvtier_kernels.tuning.problem import (
     TuningProblem,
     alloc_chunk,
@@ -86,13 +92,11 @@ class PagedCopyProblem(TuningProblem):
         # with the same layout, geometry and strides (checked again on the real tensors).
         replica = self._cache("cpu", num_layers=min(2, shape.num_layers))
         chunk = torch.empty(replica.chunk_shape(1, replica.num_layers), dtype=shape.dtype)
-        word_dtype, self.row_words = paged_rows.launch_words(replica, chunk)
+        word_dtype, self.row_words = launch_words(replica, chunk)
         self.word_bytes = word_dtype.itemsize
         self.dtype = word_dtype
         self.key = {"row_words": self.row_words}
-        heuristic = paged_copy.launch_config(
-            op, self.row_words, word_dtype, self.device, tuned=False
-        )
+        heuristic = launch_config(op, self.row_words, word_dtype, self.device, tuned=False)
         # What the launcher really launches: it caps BLOCK_T at the tokens there are.
         token_cap = next_power_of_2(shape.chunk_size)
         self.heuristic = dataclasses.replace(
@@ -146,7 +150,7 @@ class PagedCopyProblem(TuningProblem):
         start = torch.empty(chunk_shape, dtype=s.dtype)
         fill_random_bits_(start, gen)
         chunk.copy_(start)
-        if paged_rows.launch_words(paged, chunk)[0].itemsize != self.word_bytes:
+        if launch_words(paged, chunk)[0].itemsize != self.word_bytes:
             raise RuntimeError(f"{self.describe()}: word size differs from the replica's")
         t = self._tensors = {
             "paged": paged,

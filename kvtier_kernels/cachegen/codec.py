@@ -19,27 +19,26 @@ roundings)::
 Statistics: each lane is one ``(kv, layer, channel)`` stream of ``num_tokens`` symbols,
 coded with a frequency table (summing to ``1 << PROB_BITS``) that encoder and decoder
 derive with integer arithmetic from what the payload stores, by one of two models
-(:mod:`kvtier_kernels.cachegen_tables`): ``histogram``, each lane's histogram, or
+(:mod:`kvtier_kernels.cachegen.tables`): ``histogram``, each lane's histogram, or
 ``gaussian``, each lane's centre and spread (two bytes) of a sampled Gaussian. The
 encoder estimates the chunk's size with each and writes the smaller; the lossless coding
 of the symbols is the same either way, so the error bound does not depend on it.
 
 Entropy coding: rANS, 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
 probabilities; at most one word is emitted per symbol. Lanes are independent: the coder is
-the kernel registry's ``rans_encode``/``rans_decode`` (op files
-:mod:`kvtier_kernels.rans_encode` / :mod:`kvtier_kernels.rans_decode`, the bitstream in
-:mod:`kvtier_kernels.rans`), whose ``torch`` backend is a numpy reference (vectorized across
-lanes, a loop over the symbols of a lane), and whose ``triton`` backend (one GPU thread per
-lane) and ``numba`` backend (compiled CPU loops, lanes across threads) produce the same
-bytes. A lane's stream is its final encoder state (low word, high word) followed by the
-renormalization words in the order the decoder reads them; a decoded lane must end in the
-initial state ``2**16`` having read exactly its words, which catches most damage.
+the kernel registry's ``rans_encode``/``rans_decode`` (:mod:`kvtier_kernels.cachegen.rans`),
+whose ``torch`` backend is a numpy reference (vectorized across lanes, a loop over the
+symbols of a lane), and whose ``triton`` backend (one GPU thread per lane) and ``numba``
+backend (compiled CPU loops, lanes across threads) produce the same bytes. A lane's stream
+is its final encoder state (low word, high word) followed by the renormalization words in
+the order the decoder reads them; a decoded lane must end in the initial state ``2**16``
+having read exactly its words, which catches most damage.
 
 Quantization, statistics and dequantization are torch code that runs on the chunk's
 device with integer or correctly rounded fp32 arithmetic, so a GPU encode gives the bytes
 a CPU encode gives. With the ``numba`` coder (``auto`` on a CPU where numba is installed)
-they run as numba kernels instead (:mod:`kvtier_kernels.cachegen_numba`), with the same
-arithmetic and results.
+they run as numba kernels instead (:mod:`kvtier_kernels.cachegen.numba_kernels`), with the
+same arithmetic and results.
 
 Payload, version 3 (little-endian; each section zero-padded to a multiple of 4 bytes;
 ``lanes = 2 * num_layers * hidden``, lane index ``(kv * num_layers + l) * hidden + d``).
@@ -73,7 +72,7 @@ int per layer), ``model`` (``histogram`` | ``gaussian``), ``scale_dtype`` (``bfl
 longest lane), ``sections`` (the padded byte lengths) and ``crc`` (CRC-32 of the params
 and the payload: defense in depth — the wire format checksums too). The decoder checks
 all of it and raises :class:`CodecError` (a ``ValueError``) on anything inconsistent,
-before it writes ``out``; the checks are in :mod:`kvtier_kernels.cachegen_format`.
+before it writes ``out``; the checks are in :mod:`kvtier_kernels.cachegen.format`.
 
 Version 2 (still read): no ``model``, ``scale_dtype`` or ``length_bytes``; the histogram
 model, float32 scales, lengths uint16 if ``T + 2 < 65536`` else uint32. Version 1 (every
@@ -92,21 +91,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier_kernels import cachegen_numba, registry
-from kvtier_kernels.cachegen_format import (
+from kvtier_kernels import registry
+from kvtier_kernels.cachegen import numba_kernels
+from kvtier_kernels.cachegen.format import (
     MODELS,
-    VERSION,
     check_levels,
     count_dtype,
     length_dtype,
     make_params,
     padded,
-    params_checksum,
     read_container,
 )
-from kvtier_kernels.cachegen_tables import (
+from kvtier_kernels.cachegen.rans import CodecError, rans_decode_lanes, rans_encode_lanes
+from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
-    MAX_LEVELS,
     choose_gaussian,
     coding_cost,
     entropy_cost,
@@ -115,24 +113,10 @@ from kvtier_kernels.cachegen_tables import (
     gaussian_models,
     quantize_counts,
 )
-from kvtier_kernels.rans import CodecError
-from kvtier_kernels.rans_decode import rans_decode_lanes
-from kvtier_kernels.rans_encode import rans_encode_lanes
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = [
-    "MAX_LEVELS",
-    "MODELS",
-    "VERSION",
-    "CodecError",
-    "Statistics",
-    "decode_chunk",
-    "default_levels",
-    "encode_chunk",
-    "params_checksum",
-    "quantize_counts",
-]
+__all__ = ["FLOAT_DTYPES", "Statistics", "decode_chunk", "default_levels", "encode_chunk"]
 
 # ---------------------------------------------------------------------------------------
 # schedule
@@ -199,8 +183,8 @@ def _encode_statistics(
     model: str | None,
 ) -> Statistics:
     """Quantization and tables in torch on ``chunk``'s device, as
-    :func:`kvtier_kernels.cachegen_numba.encode_statistics` computes them; ``model`` is
-    the statistics model to use, None for the smaller.
+    :func:`~kvtier_kernels.cachegen.numba_kernels.encode_statistics` computes them; ``model``
+    is the statistics model to use, None for the smaller.
 
     Raises:
         ValueError: non-finite values.
@@ -279,7 +263,7 @@ def encode_chunk(
     The rANS coder is the kernel registry's ``rans_encode`` for ``backend`` (``torch`` is
     the numpy reference; ``auto`` picks Triton for a GPU chunk, else numba where it is
     installed). Quantization and statistics run in torch on ``chunk``'s device, or, when
-    the coder is numba, as numba kernels (:mod:`kvtier_kernels.cachegen_numba`).
+    the coder is numba, as numba kernels (:mod:`kvtier_kernels.cachegen.numba_kernels`).
 
     Returns ``(payload, params)``, see the module docstring.
 
@@ -313,7 +297,7 @@ def encode_chunk(
 
     alphabet = 2 * max(k_levels + v_levels) + 1
     on_cpu = registry.pick("rans_encode", backend, chunk.device) == "numba"
-    statistics = cachegen_numba.encode_statistics if on_cpu else _encode_statistics
+    statistics = numba_kernels.encode_statistics if on_cpu else _encode_statistics
     scale, symbols, freq, model, tables = statistics(
         chunk, k_levels, v_levels, alphabet, count_dtype(num_tokens), model
     )
@@ -357,7 +341,7 @@ def decode_chunk(
     written only once everything checked. The rANS decoder is the registry's
     ``rans_decode`` for ``backend``; it and the dequantization run on ``device`` (default
     ``out``'s), or, when the decoder is numba, on the CPU as numba kernels
-    (:mod:`kvtier_kernels.cachegen_numba`).
+    (:mod:`kvtier_kernels.cachegen.numba_kernels`).
 
     Raises:
         CodecError: the params, the payload or ``out`` disagree with each other or with the
@@ -377,7 +361,7 @@ def decode_chunk(
     if container.model == "histogram":
         bounds, stored = container.histogram_tables()
         if on_cpu:
-            expected, freq = cachegen_numba.histogram_tables(bounds, stored, num_tokens, alphabet)
+            expected, freq = numba_kernels.histogram_tables(bounds, stored, num_tokens, alphabet)
         else:
             lo, hi = (bounds[:, i].astype(np.int64) for i in (0, 1))
             expected = _stored_histograms(lo, hi, stored, num_tokens, alphabet).to(dev)
@@ -401,9 +385,7 @@ def decode_chunk(
         backend=backend,
     )
     if on_cpu:
-        cachegen_numba.dequantize(
-            symbols, container.model, expected, scale, k_levels, v_levels, out
-        )
+        numba_kernels.dequantize(symbols, container.model, expected, scale, k_levels, v_levels, out)
         return
     decoded = _histogram(symbols, alphabet)
     if container.model == "gaussian":
@@ -422,7 +404,7 @@ def _stored_histograms(
     lo: np.ndarray, hi: np.ndarray, stored: np.ndarray, num_tokens: int, alphabet: int
 ) -> torch.Tensor:
     """Each lane's histogram int64 ``[lanes, alphabet]`` (CPU) from its bounds and the
-    stored counts, as :func:`kvtier_kernels.cachegen_numba.histogram_tables` builds it.
+    stored counts, as :func:`kvtier_kernels.cachegen.numba_kernels.histogram_tables` builds it.
 
     Raises:
         CodecError: a lane's histogram does not sum to ``num_tokens`` or is not tight.

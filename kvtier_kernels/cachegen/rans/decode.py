@@ -1,9 +1,10 @@
 """rANS decode of CacheGen symbols, lane-parallel: the ``rans_decode`` op.
 
-The inverse of :mod:`kvtier_kernels.rans_encode`: ``n`` symbols per lane are decoded from
-``(words, lengths)`` with the lane's row of ``freq``, and a lane that reads past its words,
-leaves words unread or does not end in ``RANS_LOW`` is rejected with
-:class:`~kvtier_kernels.rans.CodecError` (the bitstream is in :mod:`kvtier_kernels.rans`).
+The inverse of :mod:`~kvtier_kernels.cachegen.rans.encode`: ``n`` symbols per lane are
+decoded from ``(words, lengths)`` with the lane's row of ``freq``, and a lane that reads past
+its words, leaves words unread or does not end in ``RANS_LOW`` is rejected with
+:class:`~kvtier_kernels.cachegen.rans.common.CodecError` (the bitstream is in
+:mod:`~kvtier_kernels.cachegen.rans.common`).
 
 Bytes moved: the decoder reads each word once, ``log2(A)`` cumulative-table probes plus one
 frequency per symbol, and writes ``lanes * n`` symbol bytes.
@@ -26,7 +27,7 @@ import torch
 
 from kvtier_kernels import registry
 from kvtier_kernels._launch import LazyKernel, NumbaKernel, numba_loader, triton_loader
-from kvtier_kernels.rans import (
+from kvtier_kernels.cachegen.rans.common import (
     PROB_BITS,
     PROB_SCALE,
     RANS_LOW,

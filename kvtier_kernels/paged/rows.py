@@ -1,4 +1,4 @@
-"""Rows of a paged KV cache: how the paged copies (:mod:`kvtier_kernels.paged_copy`) find
+"""Rows of a paged KV cache: how the paged copies (:mod:`kvtier_kernels.paged.copy`) find
 them and move them as integer words.
 
 Moving integers is bit-exact for every dtype (fp8 included, NaN payloads kept), and a wider

@@ -1,12 +1,12 @@
 """Where tuning files are searched for and written, and the lookup every Triton launcher
-calls (:func:`tuned_config`). The file format is :mod:`kvtier_kernels.tuning_files`.
+calls (:func:`tuned_config`). The file format is :mod:`~kvtier_kernels.tuning.files`.
 
 Search path, first match wins (a later file for the same name is shadowed):
 
 1. the directories in ``KVTIER_TUNING_DIR`` (``os.pathsep``-separated), else
    ``$XDG_CACHE_HOME/kvtier/tuning`` (``~/.cache/kvtier/tuning``): what ``kvtier tune``
    writes;
-2. ``kvtier_kernels/tuned/``: defaults shipped with the package, when present.
+2. ``kvtier_kernels/tuning/tuned/``: defaults shipped with the package, when present.
 
 :func:`set_search_path` replaces both; :func:`prepend_search_path` puts directories in
 front of them (kvtier's ``tuning_dir`` config key does this). A file that cannot be read,
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvtier_kernels.dtypes import dtype_name
-from kvtier_kernels.tuning_files import (
+from kvtier_kernels.tuning.files import (
     TuningFile,
     TuningFileError,
     device_name,

@@ -1,12 +1,12 @@
 """The rANS bitstream that CacheGen's entropy coder writes, and what its two ops share.
 
-Ops (one file each): ``rans_encode`` (:mod:`kvtier_kernels.rans_encode`) and
-``rans_decode`` (:mod:`kvtier_kernels.rans_decode`). Each lane is an independent rANS
-stream: 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit probabilities
-(``PROB_BITS = 16``), at most one word emitted per symbol. A lane's stream is its final
-encoder state (low word, high word) followed by the renormalization words in the order the
-decoder reads them; a decoded lane must end in the initial state ``RANS_LOW`` having read
-exactly its words, which catches most damage::
+Ops (one file each): ``rans_encode`` (:mod:`~kvtier_kernels.cachegen.rans.encode`) and
+``rans_decode`` (:mod:`~kvtier_kernels.cachegen.rans.decode`). Each lane is an independent
+rANS stream: 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
+probabilities (``PROB_BITS = 16``), at most one word emitted per symbol. A lane's stream
+is its final encoder state (low word, high word) followed by the renormalization words in
+the order the decoder reads them; a decoded lane must end in the initial state
+``RANS_LOW`` having read exactly its words, which catches most damage::
 
     symbols   [lanes, n]      uint8; lane l coded with freq[l]
     freq      [lanes, A]      int32/int64, rows sum to PROB_SCALE, A <= 255

@@ -1,12 +1,12 @@
 """CacheGen's quantization, statistics and dequantization as numba CPU kernels.
 
-:mod:`kvtier_kernels.cachegen` runs these steps as torch code on the chunk's device; when
+:mod:`kvtier_kernels.cachegen.codec` runs these steps as torch code on the chunk's device; when
 its rANS coder is the ``numba`` backend (``auto`` on a CPU with numba installed), it runs
 them here instead, with the same results bit for bit (the tests compare both):
 
 - :func:`encode_statistics`: chunk ``[2, L, T, D]`` -> per-token scales, the symbols of
   each lane ``[lanes, T]``, each lane's frequency table under the model the encoder
-  picks (:mod:`kvtier_kernels.cachegen_tables`: both models' sizes estimated, the
+  picks (:mod:`kvtier_kernels.cachegen.tables`: both models' sizes estimated, the
   Gaussian fitted) and that model's payload sections: one pass over the chunk, one or two
   over the counts;
 - :func:`histogram_tables`: the stored histograms -> each lane's frequency table, once
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from kvtier_kernels._launch import NumbaKernel
-from kvtier_kernels.cachegen_tables import (
+from kvtier_kernels.cachegen.rans.common import PROB_SCALE, CodecError
+from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
     SPREADS,
     VARIANCE_BITS,
@@ -43,7 +44,6 @@ from kvtier_kernels.cachegen_tables import (
     gaussian_codebook,
     spread_thresholds,
 )
-from kvtier_kernels.rans import PROB_SCALE, CodecError
 
 __all__ = [
     "KERNELS",
@@ -63,7 +63,7 @@ _TILE = 16  # tokens quantized together, then transposed to lanes
 
 def _frequencies(counts, freq):
     """``freq = quantize_counts(counts)`` for one lane's row (see
-    :mod:`kvtier_kernels.cachegen_tables`): proportional, floored, every used symbol at
+    :mod:`kvtier_kernels.cachegen.tables`): proportional, floored, every used symbol at
     least 1, the remainder to the first most frequent symbol. The row's total must be
     positive; ``freq`` may be ``counts`` itself."""
     alphabet = counts.shape[0]
@@ -346,7 +346,7 @@ def encode_statistics(
     for ``model`` (None: the model estimated smaller).
 
     Returns ``(scale, symbols, freq, model, tables)`` as
-    :data:`kvtier_kernels.cachegen.Statistics` describes them (the tensors on the CPU).
+    :data:`kvtier_kernels.cachegen.codec.Statistics` describes them (the tensors on the CPU).
 
     Raises:
         ValueError: the chunk holds a non-finite value.

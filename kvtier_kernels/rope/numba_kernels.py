@@ -1,6 +1,6 @@
 """RoPE re-rotation as a numba CPU kernel: the ``numba`` backend of ``rope_rerotate``.
 
-Computes what :func:`kvtier_kernels.rope.rerotate_reference` computes, bit for bit (the
+Computes what :func:`kvtier_kernels.rope.rerotation.rerotate_reference` computes, bit for bit (the
 tests compare them): each rotary pair ``(x1, x2)`` of each head becomes
 ``(x1 cos - x2 sin, x2 cos + x1 sin)`` in float32, every product and sum rounded to
 float32 on its own (no fused multiply-add), then rounded once to the keys' dtype (round
@@ -22,7 +22,7 @@ import torch
 
 from kvtier_kernels import registry
 from kvtier_kernels._launch import NumbaKernel, numba_loader
-from kvtier_kernels.rope import rerotate_torch, rotation_cos_sin
+from kvtier_kernels.rope.rerotation import rerotate_torch, rotation_cos_sin
 
 __all__ = ["NUMBA_KERNEL", "rerotate_numba"]
 
@@ -86,7 +86,7 @@ def rerotate_numba(
     inv_freq: torch.Tensor | None = None,
     is_neox_style: bool = True,
 ) -> torch.Tensor:
-    """The numba backend (arguments as :func:`kvtier_kernels.rope.rerotate`, validated
+    """The numba backend (arguments as :func:`kvtier_kernels.rope.rerotation.rerotate`, validated
     there); fp16 keys, which numba has no arithmetic for, go to the torch backend."""
     rotary_dim = head_size if rotary_dim is None else rotary_dim
     if k.dtype not in _BITS:

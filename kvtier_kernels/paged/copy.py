@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import registry, tuning_lookup
+from kvtier_kernels import registry
 from kvtier_kernels._launch import (
     LazyKernel,
     check_launch_config,
@@ -47,7 +47,7 @@ from kvtier_kernels._launch import (
 )
 from kvtier_kernels.dtypes import INT_OF_SIZE
 from kvtier_kernels.layouts import PagedKV
-from kvtier_kernels.paged_rows import (
+from kvtier_kernels.paged.rows import (
     as_words,
     layer_table,
     read_rows,
@@ -55,7 +55,8 @@ from kvtier_kernels.paged_rows import (
     valid_slots,
     word_view,
 )
-from kvtier_kernels.tuning_files import Tunable, register_tunable
+from kvtier_kernels.tuning.files import Tunable, register_tunable
+from kvtier_kernels.tuning.lookup import tuned_config
 
 __all__ = [
     "KERNEL",
@@ -368,14 +369,15 @@ def launch_config(
     ``device`` is the cache's device (CPU means the interpreter).
 
     A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
-    row length (:func:`kvtier_kernels.tuning_lookup.tuned_config`: files named by op,
-    backend, device and word type). Otherwise (and always with ``tuned=False``, what the tuner compares against) the
-    built-in heuristic gives each program one tile of about 8 KiB (a whole row when it
-    fits, several tokens when rows are short), with one warp per KiB; under the
-    interpreter, where each program costs about a millisecond, tiles of up to 64 KiB.
+    row length (:func:`kvtier_kernels.tuning.lookup.tuned_config`: files named by op,
+    backend, device and word type). Otherwise (and always with ``tuned=False``, what the
+    tuner compares against) the built-in heuristic gives each program one tile of about
+    8 KiB (a whole row when it fits, several tokens when rows are short), with one warp per
+    KiB; under the interpreter, where each program costs about a millisecond, tiles of up
+    to 64 KiB.
     """
     key = {"row_words": row_elems}
-    found = tuning_lookup.tuned_config(op, device, dtype, key) if tuned else None
+    found = tuned_config(op, device, dtype, key) if tuned else None
     if found is not None:
         return LaunchConfig(**found)
     itemsize = dtype.itemsize

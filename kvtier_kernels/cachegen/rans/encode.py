@@ -1,8 +1,8 @@
 """rANS encode of CacheGen symbols, lane-parallel: the ``rans_encode`` op.
 
 Each row (lane) of ``symbols`` ``[lanes, n]`` is coded with its row of ``freq``
-``[lanes, A]`` into one stream of the bitstream :mod:`kvtier_kernels.rans` describes; the
-lanes' streams are concatenated into ``words`` with one length per lane.
+``[lanes, A]`` into one stream of the bitstream :mod:`~kvtier_kernels.cachegen.rans.common`
+describes; the lanes' streams are concatenated into ``words`` with one length per lane.
 
 Bytes moved: the encoder reads the symbols once (``lanes * n``), one frequency and one
 cumulative frequency per symbol (cache-resident tables), writes at most ``n + 2`` int32
@@ -27,7 +27,7 @@ import torch
 
 from kvtier_kernels import registry
 from kvtier_kernels._launch import LazyKernel, NumbaKernel, numba_loader, triton_loader
-from kvtier_kernels.rans import (
+from kvtier_kernels.cachegen.rans.common import (
     MAX_ALPHABET,
     PROB_BITS,
     RANS_LOW,

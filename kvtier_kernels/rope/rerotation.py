@@ -23,8 +23,7 @@ Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the reference belo
 ``triton`` runs ``rerotate_kernel`` compiled, on CUDA/ROCm tensors; ``interpret`` runs the
 same kernel under Triton's interpreter on CPU tensors, one launch for every layer and head.
 
-Sections: torch reference (the definition of correct) -> Triton kernel -> launchers
-(public, then Triton) -> registration.
+Sections: torch reference (the definition of correct) -> Triton kernel -> launchers -> registration.
 """
 
 from __future__ import annotations
@@ -36,9 +35,10 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels import registry, tuning_lookup
+from kvtier_kernels import registry
 from kvtier_kernels._launch import LazyKernel, check_launch_config, next_power_of_2, triton_loader
-from kvtier_kernels.tuning_files import Tunable, register_tunable
+from kvtier_kernels.tuning.files import Tunable, register_tunable
+from kvtier_kernels.tuning.lookup import tuned_config
 
 __all__ = [
     "KERNEL",
@@ -408,7 +408,7 @@ def launch_config(
     """Launch parameters for rotating ``half_rotary`` pairs per head of ``num_tokens`` tokens.
 
     A per-device tuning file written by ``kvtier tune`` wins when it has an entry for this
-    ``half_rotary`` (:func:`kvtier_kernels.tuning_lookup.tuned_config`: files named by op,
+    ``half_rotary`` (:func:`kvtier_kernels.tuning.lookup.tuned_config`: files named by op,
     backend, device and ``dtype``; the entry for the closest token count, ``block_tokens``
     capped at the tokens there are). Otherwise, and always with ``tuned=False`` (the tuner's
     baseline), a whole head's pairs per program when they fit (up to 128), about 1024 pairs
@@ -416,7 +416,7 @@ def launch_config(
     per 512 pairs (16 bytes of a bf16 half-tile per lane on 64-lane wavefronts: 128 bits).
     """
     key = {"half_rotary": half_rotary, "num_tokens": num_tokens}
-    found = tuning_lookup.tuned_config("rope_rerotate", device, dtype, key) if tuned else None
+    found = tuned_config("rope_rerotate", device, dtype, key) if tuned else None
     if found is not None:
         config = LaunchConfig(**found)
         capped = min(config.block_tokens, next_power_of_2(max(1, num_tokens)))

@@ -31,7 +31,7 @@ variance arithmetic stays inside int64).
 Everything is integer arithmetic on tables built from integers (the Gaussian decays are
 constants below), so every device, backend and machine derives the same tables and makes
 the same choice. The torch functions here run on the tensors' device; the numba kernels of
-:mod:`kvtier_kernels.cachegen_numba` compute the same from the same numpy constants.
+:mod:`kvtier_kernels.cachegen.numba_kernels` compute the same from the same numpy constants.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier_kernels.rans import PROB_BITS, PROB_SCALE
+from kvtier_kernels.cachegen.rans.common import PROB_BITS, PROB_SCALE
 
 __all__ = [
     "COST_BITS",

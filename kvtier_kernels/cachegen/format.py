@@ -1,11 +1,11 @@
 """The CacheGen bitstream's container: the params and the payload's sections, checked.
 
 The format itself (both versions, field by field) is documented in
-:mod:`kvtier_kernels.cachegen` and docs/compression.md. This module builds the params of a
+:mod:`kvtier_kernels.cachegen.codec` and docs/compression.md. This module builds the params of a
 version-3 object (:func:`make_params`) and, for the decoder, turns params + payload into a
 :class:`Container` whose readers return each section as numpy arrays once its size, range
 and consistency are checked (:func:`read_container`). Anything wrong raises
-:class:`~kvtier_kernels.rans.CodecError` before the decoder writes any output.
+:class:`~kvtier_kernels.cachegen.rans.CodecError` before the decoder writes any output.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier_kernels.cachegen_tables import GAUSSIAN_MAX_TOKENS, MAX_LEVELS, SPREADS
-from kvtier_kernels.rans import PROB_BITS, CodecError
+from kvtier_kernels.cachegen.rans.common import PROB_BITS, CodecError
+from kvtier_kernels.cachegen.tables import GAUSSIAN_MAX_TOKENS, MAX_LEVELS, SPREADS
 
 __all__ = [
     "MODELS",

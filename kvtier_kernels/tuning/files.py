@@ -1,7 +1,7 @@
 """The per-device tuning files: which ops are tunable, how files are named, and how they
 are read and checked. The search path, the lookup the launchers call and the writing of
-files are in :mod:`kvtier_kernels.tuning_lookup`; the sweep that makes them is
-:mod:`kvtier_kernels.tuning` (used only by ``kvtier tune``).
+files are in :mod:`~kvtier_kernels.tuning.lookup`; the sweep that makes them is
+:mod:`~kvtier_kernels.tuning.sweep` (used only by ``kvtier tune``).
 
 Files: one per (op, backend, device, dtype), named::
 
