@@ -1,0 +1,1 @@
+"""kvtier: a portable KV-cache tier for LLM serving (docs/architecture.md)."""

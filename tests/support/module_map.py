@@ -1,5 +1,5 @@
 """The module map of docs/architecture.md, generated from each module's docstring (its
-first sentence), between ``<!-- module-map:begin -->`` and ``<!-- module-map:end -->``.
+first sentence; a long one up to its colon), between ``<!-- module-map:begin -->`` and ``<!-- module-map:end -->``.
 
     python tests/support/module_map.py        # rewrite docs/architecture.md's map
     python tests/support/module_map.py --check  # exit 1 when it is stale
@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvtier_kernels", "kvtier")
 DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- module-map:begin -->", "<!-- module-map:end -->"
+LONG = 140  # a first sentence longer than this is cut at its colon
 
 
 def summary(path: Path) -> str | None:
@@ -26,8 +27,11 @@ def summary(path: Path) -> str | None:
     if not docstring:
         return None
     paragraph = " ".join(docstring.strip().split("\n\n")[0].split())
-    match = re.match(r"(.+?[.:])(\s|$)", paragraph)
-    sentence = match.group(1) if match and match.group(1).endswith(".") else paragraph
+    match = re.match(r"(.+?\.)(\s|$)", paragraph)
+    sentence = match.group(1) if match else paragraph
+    head, colon, _ = sentence.partition(": ")
+    if len(sentence) > LONG and colon and len(head) >= 30:
+        sentence = head + "."  # what it is, without the list of what it holds
     return sentence.replace("|", "\\|")
 
 
@@ -40,7 +44,12 @@ def module_map() -> str:
             rows = []
             for path in sorted(folder.glob("*.py")):
                 rows.append(f"| `{path.name}` | {summary(path) or ''} |")
-            out += [f"**`{folder.relative_to(ROOT)}/`**", "", "| module | what it is |", "|---|---|"]
+            out += [
+                f"**`{folder.relative_to(ROOT)}/`**",
+                "",
+                "| module | what it is |",
+                "|---|---|",
+            ]
             out += [*rows, ""]
     return "\n".join(out).rstrip("\n")
 

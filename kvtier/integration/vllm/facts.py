@@ -1,9 +1,9 @@
-"""What kvtier reads off vLLM: its config (ranks, roles, KV events, layout), a request
-(what separates its cache besides its tokens) and the running engine (attention backend,
-the CPU backend's instruction set).
+"""What kvtier reads off vLLM's config, a request and the running engine.
 
-vLLM's objects are duck-typed; vLLM itself is imported only inside the functions that ask
-the running engine.
+From the config: ranks, roles, KV events, the layout; from a request: what separates its
+cache besides its tokens; from the engine: the attention backend, the CPU backend's
+instruction set, the KV tensors' layout. vLLM's objects are duck-typed; vLLM itself is
+imported only inside the functions that ask the running engine.
 """
 
 from __future__ import annotations
