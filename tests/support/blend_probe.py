@@ -17,9 +17,10 @@ from kvtier.integration.vllm.common import slot_mapping
 def _blend_worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group()._worker.blend
-    assert worker is not None, "kvtier's worker has no CacheBlend (enable_blending is off)"
-    return worker
+    side = get_kv_transfer_group()._worker
+    found = [e.worker for e in side.extensions if e.name == "blend"]
+    assert found and found[0] is not None, "kvtier's worker has no CacheBlend (enable_blending off)"
+    return found[0]
 
 
 def record_blends(_vllm_worker) -> None:
