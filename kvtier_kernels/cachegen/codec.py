@@ -1,87 +1,15 @@
 """CacheGen-style KV compression: the CPU reference codec that defines the bitstream.
 
-A chunk in the canonical layout ``KV_2LTD`` (``[2, num_layers, num_tokens, hidden]``,
-bf16/fp16/fp32) is quantized per token and entropy-coded with lane-parallel rANS::
+A ``KV_2LTD`` chunk is quantized per token (absmax scale, per-layer levels) and each
+``(kv, layer, channel)`` lane of symbols is entropy-coded with rANS
+(:mod:`kvtier_kernels.cachegen.rans`) under a per-lane frequency table
+(:mod:`kvtier_kernels.cachegen.tables`); the payload's sections are checked by
+:mod:`kvtier_kernels.cachegen.format`. The scheme, its error bound and the bitstream
+(versions 3 and 2) are specified in docs/compression.md, and only there.
 
-    scale[kv, l, t]   = max_d |x[kv, l, t, d]|                  (float32, absmax per token)
-    n                 = levels[kv][l]                            (1..127, "levels_half")
-    step              = scale / n                                (float32)
-    q[kv, l, t, d]    = clamp(round(x / step), -n, n)            symbol = q + n in [0, 2n]
-    x_hat             = (symbol - n) * step                      (float32, then out's dtype)
-
-Error bound (what :func:`decode_chunk` guarantees for an object :func:`encode_chunk` made
-from finite input; fp32 arithmetic, so a slack of ``2**-20 * scale`` covers its
-roundings)::
-
-    |x - x_hat| <= scale / (2 n) + 2**-20 * scale               (out is float32)
-    ... plus u * scale, u = 2**-8 (bf16) or 2**-11 (fp16)        (rounding to out's dtype)
-
-Statistics: each lane is one ``(kv, layer, channel)`` stream of ``num_tokens`` symbols,
-coded with a frequency table (summing to ``1 << PROB_BITS``) that encoder and decoder
-derive with integer arithmetic from what the payload stores, by one of two models
-(:mod:`kvtier_kernels.cachegen.tables`): ``histogram``, each lane's histogram, or
-``gaussian``, each lane's centre and spread (two bytes) of a sampled Gaussian. The
-encoder estimates the chunk's size with each and writes the smaller; the lossless coding
-of the symbols is the same either way, so the error bound does not depend on it.
-
-Entropy coding: rANS, 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
-probabilities; at most one word is emitted per symbol. Lanes are independent: the coder is
-the kernel registry's ``rans_encode``/``rans_decode`` (:mod:`kvtier_kernels.cachegen.rans`),
-whose ``torch`` backend is a numpy reference (vectorized across lanes, a loop over the
-symbols of a lane), and whose ``triton`` backend (one GPU thread per lane) and ``numba``
-backend (compiled CPU loops, lanes across threads) produce the same bytes. A lane's stream
-is its final encoder state (low word, high word) followed by the renormalization words in
-the order the decoder reads them; a decoded lane must end in the initial state ``2**16``
-having read exactly its words, which catches most damage.
-
-Quantization, statistics and dequantization are torch code that runs on the chunk's
-device with integer or correctly rounded fp32 arithmetic, so a GPU encode gives the bytes
-a CPU encode gives. With the ``numba`` coder (``auto`` on a CPU where numba is installed)
-they run as numba kernels instead (:mod:`kvtier_kernels.cachegen.numba_kernels`), with the
-same arithmetic and results.
-
-Payload, version 3 (little-endian; each section zero-padded to a multiple of 4 bytes;
-``lanes = 2 * num_layers * hidden``, lane index ``(kv * num_layers + l) * hidden + d``).
-The sections depend on ``model``::
-
-    model      sections
-    histogram  scales, bounds, counts, lengths, words
-    gaussian   scales, models, lengths, words
-
-    section   contents                                        dtype
-    scales    scale[kv, l, t]                                 scale_dtype [2, L, T]: the
-                                                              chunk's dtype, in which the
-                                                              absmax is exact (bfloat16:
-                                                              the float32's high half)
-    bounds    (lo, hi): the used symbol range of each lane   uint8   [lanes, 2]
-    counts    counts[lo..hi] of each lane with lo < hi,       uint8 if T <= 256, uint16 if
-              lanes in order (a lane with lo == hi stores     T <= 65536, else uint32
-              nothing: its one symbol occurs T times)
-    models    (centre, spread) of each lane                   uint8   [lanes, 2]
-    lengths   words in each lane's stream                     uint(8 * length_bytes) [lanes]
-    words     the lanes' streams concatenated                 uint16
-
-Size, for scale: at 256 tokens of 8-level codes a lane costs ~100 bytes of words, plus 2
-bytes of Gaussian model (or ~12-17 bytes of histogram) and one of length; the scales cost
-2 bytes (bf16) per token per layer per plane.
-
-Params (CBOR-encodable, small — the bulk lives in the payload because the wire header is
-capped at 1 MiB): ``version`` (3), ``shape``, ``prob_bits``, ``k_levels``/``v_levels`` (one
-int per layer), ``model`` (``histogram`` | ``gaussian``), ``scale_dtype`` (``bfloat16`` |
-``float16`` | ``float32``), ``length_bytes`` (1, 2 or 4: the narrowest that holds the
-longest lane), ``sections`` (the padded byte lengths) and ``crc`` (CRC-32 of the params
-and the payload: defense in depth — the wire format checksums too). The decoder checks
-all of it and raises :class:`CodecError` (a ``ValueError``) on anything inconsistent,
-before it writes ``out``; the checks are in :mod:`kvtier_kernels.cachegen.format`.
-
-Version 2 (still read): no ``model``, ``scale_dtype`` or ``length_bytes``; the histogram
-model, float32 scales, lengths uint16 if ``T + 2 < 65536`` else uint32. Version 1 (every
-lane's counts stored, uint8 only below 256 tokens) is not read: a stored object of it is
-a miss.
-
-Bytes moved: the chunk is read once to quantize, the symbols once per pass (histogram,
-encode); the output is the payload. Measured figures: ``perf/benchmarks/test_bench_compression.py``
-and docs/compression.md.
+Quantization, statistics and dequantization are torch code with integer or correctly
+rounded fp32 arithmetic, so a GPU encode gives the bytes a CPU encode gives; the numba
+kernels (:mod:`kvtier_kernels.cachegen.numba_kernels`) run the same arithmetic on a CPU.
 """
 
 from __future__ import annotations
