@@ -7,7 +7,7 @@ checked against an engine without kvtier (docs/reliability.md).
 
 1. A tiny random-weight float32 Llama is written locally; a no-connector engine computes
    the greedy reference output of every prompt of the workload, then exits.
-2. The kvtier engine (``tests/vllm_node_engine.py`` in its own process) serves rounds of
+2. The kvtier engine (``tests/support/vllm_node_engine.py`` in its own process) serves rounds of
    4-8 concurrent prompts drawn from shared-prefix, unrelated, short and long prompts;
    half the rounds start with vLLM's prefix cache reset, so kvtier serves the repeats.
    Its remote is redis-server, then (after each engine restart) ``kvtier serve``, then

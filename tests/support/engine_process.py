@@ -1,4 +1,4 @@
-"""A real vLLM engine (CPU build) in a process of its own (``tests/vllm_node_engine.py``),
+"""A real vLLM engine (CPU build) in a process of its own (``tests/support/vllm_node_engine.py``),
 driven over JSON lines: the engines of the node-server and disaggregated-prefill tests.
 
     engine = EngineProcess(model, "engine-a", {"remote_url": url}, log, kv_role="kv_both")
@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-ENGINE_SCRIPT = Path(__file__).resolve().parents[1] / "vllm_node_engine.py"
+ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_node_engine.py"
 STARTUP_S = 600  # two engines starting at once on a 2-core machine
 
 

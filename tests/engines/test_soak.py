@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING),
 ]
 
-SOAK = Path(__file__).resolve().parents[1] / "perf" / "soak" / "soak.py"
+SOAK = Path(__file__).resolve().parents[2] / "perf" / "soak" / "soak.py"
 ROOT = SOAK.parents[2]
 
 

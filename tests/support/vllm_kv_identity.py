@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``support``
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this process
 
@@ -22,9 +25,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this 
 def main() -> None:
     config = json.loads(sys.argv[1])
     out_path = sys.argv[2]
-    from support.engines import generate, make_llm, shutdown
-
     from kvtier.integration.vllm.kv_probe import KVProbe, first_mismatch
+    from support.engines import generate, make_llm, shutdown
 
     model, prompts = config["model"], config["prompts"]
     block, dtype = config["block_size"], config["dtype"]

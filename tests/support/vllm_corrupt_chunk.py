@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``support``
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this process
 
@@ -16,8 +19,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this 
 def main() -> None:
     model, prompt_json, chunk_index, out_path = sys.argv[1:5]
     prompt = json.loads(prompt_json)
-    from support.engines import generate, make_llm
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from support.engines import generate, make_llm
 
     llm = make_llm(model, block_size=32, kvtier={"chunk_size": 64})
     generate(llm, [prompt])

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: ``support``
 
 
 def _start_engine(model: Path, extra: dict) -> subprocess.CompletedProcess:

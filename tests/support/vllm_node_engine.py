@@ -1,7 +1,7 @@
 """A real vLLM engine (CPU build) in a process of its own, driven by JSON lines on stdin:
 the engines of ``test_vllm_node_server.py`` and ``test_vllm_pd.py`` (``support.engine_process``).
 
-    python tests/vllm_node_engine.py MODEL ENGINE_ID KVTIER_EXTRA_JSON [KV_ROLE]
+    python tests/support/vllm_node_engine.py MODEL ENGINE_ID KVTIER_EXTRA_JSON [KV_ROLE]
 
 It prints ``{"ready": true}`` once the engine is up, then answers one line per command:
 
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``support``
 
 from support.engines import generate, make_llm, shutdown, worker_stats
 

@@ -38,7 +38,7 @@ def kv_identity(tmp_path_factory):
         "dtype": "bfloat16",
     }
     out = tmp / "result.json"
-    script = Path(__file__).with_name("vllm_kv_identity.py")
+    script = Path(__file__).resolve().parents[1] / "support" / "vllm_kv_identity.py"
     proc = subprocess.run(
         [sys.executable, str(script), json.dumps(config), str(out)],
         capture_output=True,
