@@ -19,8 +19,8 @@ import sys
 from typing import Any
 
 from kvtier.config import ConfigError, load_config
-from kvtier.server.client import KVTierStore, parse_server_url
 from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.node_store import KVTierStore, parse_server_url
 
 STATUS_NAMESPACE = "kvtier-status"  # a namespace no engine uses; STATS reads no blobs
 
