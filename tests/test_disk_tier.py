@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
 
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
@@ -150,6 +151,22 @@ def test_capacity_evicts_in_lru_order(tmp_path, pool):
     assert counter(stats, TierCounter.EVICTIONS) == 1
     assert tier.used_bytes <= tier.capacity_bytes
     assert sum(p.stat().st_size for p in chunk_files(tmp_path)) == tier.used_bytes
+    tier.close()
+
+
+def test_a_chunk_written_again_is_indexed_at_its_new_size(tmp_path, pool):
+    """A file deleted behind the index's back and written again, now larger: the index
+    holds the new file's size (``SizedIndex`` replaces an entry), so ``used_bytes``
+    stays the bytes on disk."""
+    tier = make_tier(tmp_path, capacity_bytes=10 * CHUNK_FILE_BYTES)
+    small = pool.allocate((2, 3, 8, 64), torch.bfloat16)
+    small.tensor.zero_()
+    assert tier.submit_put(key(1), small) and tier.flush(30)
+    small.ref_down()
+    tier.path_of(tier.file_name(key(1))).unlink()
+    put_all(tier, pool, [1])  # a whole chunk under the same key
+    assert len(tier) == 1
+    assert tier.used_bytes == sum(p.stat().st_size for p in chunk_files(tmp_path))
     tier.close()
 
 

@@ -51,7 +51,7 @@ from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import files, wire
 from kvtier.storage.backend import Buffer
 from kvtier.storage.files import SUFFIX, TMP_SUFFIX, scan_tree, sharded_path
-from kvtier.storage.policy import make_policy
+from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import PendingWrite, WriteQueue
 from kvtier.storage.wire import Allocate, ChunkBuffers
@@ -121,9 +121,7 @@ class FileTier:
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._check_writable(config_key)
         self._lock = threading.Lock()
-        self._sizes: dict[str, int] = {}
-        self._policy = make_policy(policy)
-        self._used = 0
+        self._index = SizedIndex(capacity_bytes, policy)  # bounded tier only
         self.events = events
         self._announced: dict[str, bytes] = {}  # file name -> chunk hash (events only)
         if capacity_bytes is not None:
@@ -167,55 +165,25 @@ class FileTier:
         """Rebuild the index from the files present, oldest first (start-up)."""
         found = scan_tree(self.dir)
         for _, file_name, size in found:
-            self._index_add(file_name, size)
+            self._index.add(file_name, size)
         if found:
             logger.info(
                 "kvtier %s tier: %d chunk files (%.1f MiB) found in %s",
                 self.name,
                 len(found),
-                self._used / 2**20,
+                self._index.used / 2**20,
                 self.dir,
             )
         with self._lock:
-            self._evict_for(0)
+            self._evict(self._index.make_room(0) or [])
 
-    # -- index (capacity-bounded tier only; call under the lock or from __init__) ----
-
-    def _index_add(self, file_name: str, size: int) -> None:
-        if file_name in self._sizes:
-            self._policy.touch(file_name)
-            return
-        self._sizes[file_name] = size
-        self._policy.add(file_name)
-        self._used += size
-
-    def _index_drop(self, file_name: str) -> None:
-        size = self._sizes.pop(file_name, None)
-        if size is not None:
-            self._policy.remove(file_name)
-            self._used -= size
-
-    def _evict_for(self, size: int) -> bool:
-        """Delete files in policy order until ``size`` more bytes fit. False if they
-        cannot (larger than the whole capacity)."""
-        if self.capacity_bytes is None:
-            return True
-        if size > self.capacity_bytes:
-            return False
-        victims = []
-        free = self.capacity_bytes - self._used
-        for file_name in self._policy.candidates():
-            if free >= size:
-                break
-            victims.append(file_name)
-            free += self._sizes[file_name]
+    def _evict(self, victims: list) -> None:
+        """Under the lock: delete the files the index evicted."""
         for file_name in victims:
-            self._index_drop(file_name)
             self._record_removed(file_name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it
                 self.path_of(file_name).unlink()
             self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
-        return True
 
     # -- reads -----------------------------------------------------------------------
 
@@ -234,8 +202,7 @@ class FileTier:
             with self._lock:
                 unknown = []
                 for i, file_name in enumerate(names):
-                    if file_name in self._sizes:
-                        self._policy.touch(file_name)
+                    if self._index.touch(file_name):
                         present[i] = True
                     else:
                         unknown.append(i)
@@ -247,7 +214,7 @@ class FileTier:
             present[i] = True
             if self.capacity_bytes is not None:
                 with self._lock:
-                    self._index_add(names[i], size)  # written by another process
+                    self._index.add(names[i], size)  # written by another process
         self.stats.inc(tier_counter(self.name, TierCounter.LOOKUP_HITS), sum(present))
         return present
 
@@ -305,8 +272,7 @@ class FileTier:
             return read(path)
         except FileNotFoundError:  # deleted behind the index's back: forget it
             with self._lock:
-                if self.capacity_bytes is not None:
-                    self._index_drop(file_name)
+                self._index.drop(file_name)
                 self._record_removed(file_name)
         except CorruptObject as exc:
             self._reject(file_name, Path(path), exc)
@@ -322,8 +288,7 @@ class FileTier:
             return
         if self.capacity_bytes is not None:
             with self._lock:
-                if file_name in self._sizes:
-                    self._policy.touch(file_name)
+                self._index.touch(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
         self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), nbytes)
         elapsed = time.perf_counter() - started
@@ -337,8 +302,7 @@ class FileTier:
         with contextlib.suppress(OSError):
             path.unlink()
         with self._lock:
-            if self.capacity_bytes is not None:
-                self._index_drop(file_name)
+            self._index.drop(file_name)
             self._record_removed(file_name)
 
     def _record_removed(self, file_name: str) -> None:
@@ -389,10 +353,11 @@ class FileTier:
         size = sum(len(p) for p in parts)
         if self.capacity_bytes is not None:
             with self._lock:
-                if not self._evict_for(size):
+                victims = self._index.reserve(file_name, size)  # undone on failure
+                if victims is None:
                     self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                     return False
-                self._index_add(file_name, size)  # reserve; undone on failure
+                self._evict(victims)
         tmp = path.parent / f".{file_name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -400,9 +365,8 @@ class FileTier:
             os.replace(tmp, path)
         except OSError as exc:
             self._unlink_quietly(tmp)
-            if self.capacity_bytes is not None:
-                with self._lock:
-                    self._index_drop(file_name)
+            with self._lock:
+                self._index.drop(file_name)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                 warn_once(logger, f"kvtier {self.name} tier: {self.root} is full; stores skipped")
@@ -462,8 +426,7 @@ class FileTier:
     def remove(self, key: CacheKey) -> bool:
         file_name = self.file_name(key)
         with self._lock:
-            if self.capacity_bytes is not None:
-                self._index_drop(file_name)
+            self._index.drop(file_name)
             self._record_removed(file_name)
         try:
             self.path_of(file_name).unlink()
@@ -479,8 +442,7 @@ class FileTier:
                 if file.endswith(SUFFIX):
                     self._unlink_quietly(Path(dirpath) / file)
         with self._lock:
-            for file_name in list(self._sizes):
-                self._index_drop(file_name)
+            self._index.clear()
             self._announced.clear()
             if self.events is not None:
                 self.events.cleared(self.name)
@@ -497,11 +459,11 @@ class FileTier:
     def used_bytes(self) -> int:
         """Bytes of the chunk files this process knows (bounded tier only)."""
         with self._lock:
-            return self._used
+            return self._index.used
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._sizes)
+            return len(self._index)
 
     def close(self) -> None:
         self._writes.close()
