@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.storage.backend import Buffer
-from kvtier.storage.files import TMP_SUFFIX, scan_tree, sharded_path, write_all
+from kvtier.storage.files import probe_writable, scan_tree, sharded_path, write_whole
 from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import tensor_bytes
 
@@ -153,8 +153,8 @@ class DiskBlobs:
     xxh3-64 hex of the namespace and ``h`` the xxh3-128 hex of the name; a file holds the
     blob exactly (for kvtier clients, a wire-format object: the disk tier's file format).
 
-    NOTE: a file appears only complete: it is written as a temp file in the same
-    directory and renamed over its final name. The directory belongs to this server
+    NOTE: a file appears only complete: it is written as the disk tier writes its files
+    (``storage.files.write_whole``: a temp file renamed over its name). The directory belongs to this server
     alone, so the index (rebuilt from the files at start-up, oldest first) is the truth
     and lookups never touch the disk.
 
@@ -170,10 +170,7 @@ class DiskBlobs:
         self._index = SizedIndex(capacity_bytes, "LRU")  # "<ns>/<h>" -> bytes
         self.evictions = 0
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}{TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            probe_writable(self.dir)
         except OSError as exc:
             raise ValueError(
                 f"--local-disk: cannot use {str(self.root)!r}: {exc.strerror or exc}"
@@ -219,18 +216,9 @@ class DiskBlobs:
             if victims is None:
                 return False
             self._evict(victims)
-        tmp = path.parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_all(fd, [data])
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            write_whole(path, [data])
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             with self._lock:
                 self._index.drop(file_id)
             logger.warning("kvtier server: cannot write %s: %s", path, exc)

@@ -50,7 +50,7 @@ from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import files, wire
 from kvtier.storage.backend import Buffer
-from kvtier.storage.files import SUFFIX, TMP_SUFFIX, scan_tree, sharded_path
+from kvtier.storage.files import SUFFIX, scan_tree, sharded_path
 from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import PendingWrite, WriteQueue
@@ -151,10 +151,7 @@ class FileTier:
 
     def _check_writable(self, config_key: str) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            files.probe_writable(self.dir)
         except OSError as exc:
             raise ValueError(
                 f"{config_key}: cannot use {str(self.root)!r} as a kvtier {self.name} "
@@ -358,13 +355,11 @@ class FileTier:
                     self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                     return False
                 self._evict(victims)
-        tmp = path.parent / f".{file_name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_file(tmp, parts, size)
-            os.replace(tmp, path)
+            refused = files.write_whole(path, parts, o_direct=self.o_direct)
+            if refused is not None:
+                self._give_up_direct(refused)
         except OSError as exc:
-            self._unlink_quietly(tmp)
             with self._lock:
                 self._index.drop(file_name)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -386,27 +381,6 @@ class FileTier:
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_SECONDS), elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
         return True
-
-    def _write_file(self, tmp: Path, parts: list[Buffer], size: int) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        if self.o_direct:
-            try:
-                fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
-                try:
-                    files.write_direct(fd, parts, size)
-                finally:
-                    os.close(fd)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._give_up_direct(exc)
-                self._unlink_quietly(tmp)
-        fd = os.open(tmp, flags, 0o644)
-        try:
-            files.write_all(fd, parts)
-        finally:
-            os.close(fd)
 
     def _give_up_direct(self, exc: OSError) -> None:
         self.o_direct = False
