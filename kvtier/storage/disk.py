@@ -356,9 +356,7 @@ class FileTier:
                     return False
                 self._evict(victims)
         try:
-            refused = files.write_whole(path, parts, o_direct=self.o_direct)
-            if refused is not None:
-                self._give_up_direct(refused)
+            self._write_file(path, parts)
         except OSError as exc:
             with self._lock:
                 self._index.drop(file_name)
@@ -381,6 +379,16 @@ class FileTier:
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_SECONDS), elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
         return True
+
+    def _write_file(self, path: Path, parts: list[Buffer]) -> None:
+        """Write the file at ``path`` whole (``files.write_whole``).
+
+        Raises:
+            OSError: it cannot be written.
+        """
+        refused = files.write_whole(path, parts, o_direct=self.o_direct)
+        if refused is not None:
+            self._give_up_direct(refused)
 
     def _give_up_direct(self, exc: OSError) -> None:
         self.o_direct = False
