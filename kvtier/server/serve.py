@@ -19,7 +19,6 @@ from kvtier.server.admin import AdminHooks, AdminServer
 from kvtier.server.cache import BlobCache
 from kvtier.server.lookup import lookup
 from kvtier.server.server import KVTierServer
-from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
 from kvtier.storage.remote import space_of
 
 logger = logging.getLogger("kvtier.server")
