@@ -343,17 +343,16 @@ class Proxy:
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+            await response.write_eof()
         except ConnectionResetError:
-            # The client went away; leaving ``upstream`` unread closes its connection,
-            # which makes vLLM abort the generation.
-            logger.info("%s client disconnected mid-stream", request_id)
-            return response
+            # The client went away (perhaps right after the last event, before the
+            # stream's end); leaving ``upstream`` unread closes its connection, which
+            # makes vLLM abort the generation.
+            logger.info("%s client disconnected before the end of the stream", request_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._instance_failed(self.decode, instance, exc, request_id)
             if request.transport is not None:
                 request.transport.abort()
-            return response
-        await response.write_eof()
         return response
 
     # -- other endpoints -----------------------------------------------------------
