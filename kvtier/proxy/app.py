@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import signal
@@ -56,6 +55,7 @@ from kvtier.proxy.messages import (
     prefill_body,
 )
 from kvtier.proxy.metrics import CONTENT_TYPE, ProxyMetrics, SkipReason
+from kvtier.web import has_bearer_token, start_app
 
 logger = logging.getLogger("kvtier.proxy")
 
@@ -175,8 +175,7 @@ class Proxy:
         key = self.settings.api_key
         if key is None:
             return None
-        given = request.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if has_bearer_token(request, key):
             return None
         return error_response(401, "Unauthorized", "AuthenticationError", request_id)
 
@@ -442,15 +441,8 @@ async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> 
     Raises:
         OSError: the address cannot be bound.
     """
-    # access_log=None: the proxy logs one line per request itself, with its request id.
-    runner = web.AppRunner(proxy.build_app(), access_log=None, shutdown_timeout=shutdown_grace_s)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
+    # No access log: the proxy logs one line per request itself, with its request id.
+    runner = await start_app(proxy.build_app(), host, port, shutdown_timeout_s=shutdown_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
