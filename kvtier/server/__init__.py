@@ -9,6 +9,6 @@ name and never decodes KV.
     blobs     bounded in-memory LRU and disk directory of blobs
     cache     memory → disk → write-through remote, per client namespace
     server    the asyncio TCP server (one coroutine per connection)
-    admin     /health, /stats, /metrics, /clear over HTTP
+    admin     /health, /stats, /metrics, /clear, /lookup over HTTP (aiohttp)
     serve     the server assembled (cache, TCP server, admin API), run until a signal
 """
