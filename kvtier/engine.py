@@ -12,7 +12,6 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,15 +27,11 @@ from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats
 from kvtier.prometheus import export
+from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import checksum_holds, checksum_of
 from kvtier.token_db import Chunk, ChunkedTokenDatabase, RequestExtras
-from kvtier.warn import warn_once
 from kvtier_kernels import PagedKV
 from kvtier_kernels.dtypes import dtype_name
-
-logger = logging.getLogger(__name__)
 
 Mask = torch.Tensor | np.ndarray | Sequence[bool] | None
 
@@ -97,6 +92,7 @@ class CacheEngine:
             namespace=config.model_name or metadata.model_name,
             events=events,
         )
+        self.checked = CheckedChunks(self.storage, verify=config.verify_checksums)
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.connector: PagedKVConnector | None = None
         self.token_db: ChunkedTokenDatabase | None = None
@@ -324,11 +320,6 @@ class CacheEngine:
         self.storage.close()
 
 
-def _checksum(obj: MemoryObj) -> int:
-    """xxh3-64 of the chunk's bytes (about 35 GB/s on one CPU core), as in the wire format."""
-    return checksum_of(tensor_bytes(obj.tensor))
-
-
 def _layer_part(obj: MemoryObj, layer: int | None) -> tuple[torch.Tensor, range | None]:
     """The chunk buffer's view of ``layer`` and the engine layers it holds (None: all)."""
     if layer is None:
@@ -397,9 +388,7 @@ class StoreTransfer:
         try:
             self.connector.stores_done()  # the gathers have landed: read, publish, release
             for chunk, obj, _ in self._staged:
-                if engine.config.verify_checksums:
-                    obj.checksum = _checksum(obj)
-                if engine.storage.put(chunk.key, obj):
+                if engine.checked.put(chunk.key, obj):
                     result.stored_chunks += 1
                     result.stored_tokens += chunk.num_tokens
                     result.stored_bytes += obj.data_nbytes
@@ -436,7 +425,7 @@ class RetrieveTransfer:
 
     ``end`` is the token position the run reaches (``chunks[0].start`` for none). A chunk
     whose shape, dtype or checksum disagrees with what was asked ends the run: it is
-    counted, logged, dropped from the tiers and never written into the engine.
+    rejected (``CheckedChunks.accept``) and never written into the engine.
     """
 
     def __init__(
@@ -453,35 +442,22 @@ class RetrieveTransfer:
         self._held: list[tuple[Chunk, MemoryObj]] = []
         slots = CacheEngine._slots(slot_mapping, chunks[-1].end if chunks else 0)
         self._slots = slots
-        objs = engine.storage.get_many([chunk.key for chunk in chunks])
+        objs = engine.checked.get_many([chunk.key for chunk in chunks])
         usable = True
         for chunk, obj in zip(chunks, objs, strict=True):
             if obj is None:
                 usable = False
             elif not usable:
                 obj.ref_down()  # after a gap: not loadable, the engine needs a prefix
-            elif not self._valid(chunk, obj):
+            elif not engine.checked.accept(
+                chunk.key, obj, connector.chunk_shape(chunk.num_tokens), connector.dtype
+            ):
                 obj.ref_down()
-                engine.storage.remove(chunk.key)
                 usable = False
             else:
                 self._held.append((chunk, obj))
                 self.end = chunk.end
         self._busy = time.perf_counter() - started
-
-    def _valid(self, chunk: Chunk, obj: MemoryObj) -> bool:
-        expected = self.connector.chunk_shape(chunk.num_tokens)
-        if tuple(obj.shape) != expected or obj.dtype != self.connector.dtype:
-            problem = (
-                f"shape {tuple(obj.shape)} {obj.dtype}, expected {expected} {self.connector.dtype}"
-            )
-        elif self.engine.config.verify_checksums and not checksum_holds(obj):
-            problem = "a checksum mismatch (its bytes changed after it was stored)"
-        else:
-            return True
-        self.engine.stats.inc(Counter.CORRUPT_CHUNKS)
-        warn_once(logger, f"stored chunk {chunk.key} has {problem}: rejected, treated as a miss")
-        return False
 
     @property
     def num_chunks(self) -> int:

@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory", ("kvtier.memory",)),
     ("storage", ("kvtier.storage",)),
     ("engine", ("kvtier.gpu_connector", "kvtier.engine", "kvtier.precompile")),
-    ("node", ("kvtier.server", "kvtier.proxy")),
+    ("node", ("kvtier.web", "kvtier.server", "kvtier.proxy")),
     (
         "integration",
         (

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
 
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
-from kvtier.storage import wire
+from kvtier.storage import files, wire
 from kvtier.storage.disk import SUFFIX, FileTier
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.tier import WriteQueue
@@ -153,6 +154,22 @@ def test_capacity_evicts_in_lru_order(tmp_path, pool):
     tier.close()
 
 
+def test_a_chunk_written_again_is_indexed_at_its_new_size(tmp_path, pool):
+    """A file deleted behind the index's back and written again, now larger: the index
+    holds the new file's size (``SizedIndex`` replaces an entry), so ``used_bytes``
+    stays the bytes on disk."""
+    tier = make_tier(tmp_path, capacity_bytes=10 * CHUNK_FILE_BYTES)
+    small = pool.allocate((2, 3, 8, 64), torch.bfloat16)
+    small.tensor.zero_()
+    assert tier.submit_put(key(1), small) and tier.flush(30)
+    small.ref_down()
+    tier.path_of(tier.file_name(key(1))).unlink()
+    put_all(tier, pool, [1])  # a whole chunk under the same key
+    assert len(tier) == 1
+    assert tier.used_bytes == sum(p.stat().st_size for p in chunk_files(tmp_path))
+    tier.close()
+
+
 def test_restart_enforces_a_smaller_capacity(tmp_path, pool):
     first = make_tier(tmp_path)
     put_all(first, pool, range(4))
@@ -203,6 +220,23 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, capl
     assert tier.contains_many([key(1), key(2)]) == [False, True]
     assert any("corrupt" in r.message for r in caplog.records)
     tier.close()
+
+
+def test_a_writer_never_writes_into_a_temp_file_it_did_not_create(tmp_path):
+    """``write_whole``, how the disk tier and the node server write files, creates its
+    temp file exclusively: on a directory shared by several machines or containers, a
+    writer whose pid and thread id repeat another's fails its write rather than mixing
+    its bytes into the other's file."""
+    path = tmp_path / "ab" / "cd" / "abcd.kvt"
+    path.parent.mkdir(parents=True)
+    theirs = path.parent / f".abcd.{os.getpid()}.{threading.get_ident()}.tmp"
+    theirs.write_bytes(b"another writer's bytes")
+    with pytest.raises(FileExistsError):
+        files.write_whole(path, [b"mine"])
+    assert theirs.read_bytes() == b"another writer's bytes" and not path.exists()
+    theirs.unlink()
+    assert files.write_whole(path, [b"mi", b"ne"]) is None
+    assert path.read_bytes() == b"mine" and list(path.parent.iterdir()) == [path]
 
 
 def test_stale_temp_files_are_cleaned_at_start(tmp_path, pool):

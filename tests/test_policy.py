@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.storage.policy import POLICIES, make_policy
+from kvtier.storage.policy import POLICIES, SizedIndex, make_policy
 
 
 def order(policy):
@@ -60,3 +60,43 @@ def test_remove_and_len(name):
 def test_unknown_policy_names_choices():
     with pytest.raises(ValueError, match=r"cache_policy='ARC'.*LRU, LFU, FIFO, MRU"):
         make_policy("ARC")
+
+
+# -- the sized index every bounded byte store keeps -------------------------------------
+
+
+def test_a_sized_index_evicts_in_policy_order_until_a_size_fits():
+    index = SizedIndex(100, "LRU")
+    for name in "abc":
+        assert index.reserve(name, 30) == []
+    index.touch("a")
+    assert index.reserve("d", 40) == ["b"]  # 90 - 30 + 40 = 100
+    assert index.used == 100 and index.names() == ["a", "c", "d"]
+    assert index.first() == "c"
+    assert index.reserve("huge", 101) is None and index.used == 100  # never fits: unchanged
+
+
+def test_adding_an_indexed_name_replaces_its_entry():
+    """The one rule for a name written again (the disk tier and the node server's blob
+    stores share it): its new size counts, not its old one, and it is a new entry."""
+    index = SizedIndex(100, "LFU")
+    index.add("a", 10)
+    index.add("b", 10)
+    index.touch("a")
+    index.add("a", 25)
+    assert index.used == 35 and len(index) == 2
+    assert index.first() == "b"  # "a" starts over at frequency 1, newer than "b"
+    index.touch("b")
+    assert index.first() == "a"
+    assert index.reserve("a", 90) == []  # its own old entry counts as room: 10 + 90
+    assert index.reserve("a", 95) == ["b"]
+    assert index.used == 95 and index.names() == ["a"]
+
+
+def test_an_unbounded_index_never_evicts():
+    index = SizedIndex(None)
+    index.add("a", 1 << 40)
+    assert index.make_room(1 << 50) == [] and index.reserve("b", 1 << 50) == []
+    assert index.used == (1 << 40) + (1 << 50)
+    index.clear()
+    assert len(index) == 0 and index.used == 0 and index.first() is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -222,6 +223,27 @@ def test_client_leaving_mid_stream_abandons_the_decode_stream(engines, proxy):
     wait_until(lambda: server.proxy.decode.instances[0].in_flight == 0)
     assert server.proxy.decode.instances[0].failures == 0, "a client leaving is no failure"
     assert post(server.url, "/v1/completions", COMPLETION)[0] == 200
+
+
+def test_client_leaving_right_after_done_is_logged_as_one_request(engines, proxy, caplog):
+    # the fake waits chunk_delay_s after [DONE] before ending its answer: the client is
+    # gone by the time the proxy ends its own
+    decode = engines("decode", chunks=2, chunk_delay_s=0.3)
+    server = proxy([], [decode])
+    caplog.set_level(logging.INFO)
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    body = json.dumps({**COMPLETION, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"X-Request-Id": "done-1"})
+    response = conn.getresponse()
+    while response.readline() != b"data: [DONE]\n":
+        pass
+    conn.close()
+    wait_until(lambda: server.proxy.decode.instances[0].in_flight == 0)
+    wait_until(lambda: any(r.getMessage().startswith("done-1 ") for r in caplog.records))
+    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done-1 /v1")]
+    assert "decode=" in line and " 200 " in line
 
 
 # -- failures ------------------------------------------------------------------------

@@ -4,15 +4,20 @@ status --server``."""
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
 import subprocess
 import sys
+import threading
+import urllib.request
 
 import pytest
 from support.kvtier_server import KVTierServerProcess, free_port
 
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
+from kvtier.server.admin import MAX_BODY_BYTES, AdminHooks, AdminServer
 from kvtier.token_db import ChunkedTokenDatabase, RequestExtras
 
 MODEL = "org/Llama-3 8B"  # a name that needs percent-encoding
@@ -159,6 +164,66 @@ def test_with_a_token_the_post_endpoints_need_it():
         assert lookup(server, body, {"Authorization": "Bearer s3cret"})[0] == 200
         assert server.admin("/clear", "POST")[0] == 401
         assert server.admin("/health")[0] == 200  # GETs stay open
+
+
+def raw_admin(server, method, path, headers=None):
+    """``(status, headers, decoded JSON body)`` of a request sent as is (no body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.admin_port, timeout=10)
+    try:
+        conn.request(method, path, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.headers, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "method, path, allowed",
+    [("GET", "/clear", "POST"), ("GET", "/lookup", "POST"), ("POST", "/health", "GET")],
+)
+def test_a_method_an_endpoint_does_not_take_is_405_with_allow(server, method, path, allowed):
+    status, headers, reply = raw_admin(server, method, path)
+    assert status == 405 and allowed in headers["Allow"].split(","), headers
+    assert allowed in reply["error"] and path in reply["error"]
+    assert raw_admin(server, "GET", "/nope")[::2] == (404, {"error": "no such endpoint /nope"})
+
+
+def test_a_body_over_the_limit_is_refused_unread(server):
+    length = {"Content-Length": str(MAX_BODY_BYTES + 1)}  # announced, never sent
+    status, _, reply = raw_admin(server, "POST", "/lookup", length)
+    assert status == 400 and f"at most {MAX_BODY_BYTES} bytes" in reply["error"]
+    assert lookup(server, {"model": MODEL, "tokens": TOKENS})[0] == 200
+
+
+def test_the_hooks_run_off_the_event_loop():
+    """A clear or a lookup may wait on the disk or the remote: never on the loop that
+    also serves the cache port."""
+    ran_on = []
+
+    def lookup(body):
+        ran_on.append(threading.get_ident())
+        return {"cached_tokens": len(body["tokens"])}
+
+    hooks = AdminHooks(snapshot=dict, tiers=dict, clear=len, lookup=lookup, token=None)
+
+    def post_lookup(port):
+        data = json.dumps({"tokens": [1, 2]}).encode()
+        url = f"http://127.0.0.1:{port}/lookup"
+        with urllib.request.urlopen(urllib.request.Request(url, data), timeout=10) as reply:
+            return json.loads(reply.read())
+
+    async def serve_one_lookup():
+        admin = AdminServer(hooks)
+        await admin.start("127.0.0.1", 0)
+        try:
+            reply = await asyncio.to_thread(post_lookup, admin.port)
+        finally:
+            await admin.close()
+        return reply, threading.get_ident()
+
+    reply, loop_thread = asyncio.run(serve_one_lookup())
+    assert reply == {"cached_tokens": 2}
+    assert ran_on and loop_thread not in ran_on
 
 
 def kvtier_status(*args):

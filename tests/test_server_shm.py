@@ -19,11 +19,12 @@ from support.kvtier_server import KVTierServerProcess
 from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
 
 from kvtier.metrics import Stats, TierCounter, tier_counter
-from kvtier.server import protocol, shm
 from kvtier.server.blobs import MemoryBlobs
-from kvtier.server.client import KVTierStore, parse_server_address
-from kvtier.server.protocol import Op
+from kvtier.storage import node_protocol as protocol
+from kvtier.storage import node_shm as shm
 from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.node_protocol import Op
+from kvtier.storage.node_store import KVTierStore, parse_server_address
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="no writable /dev/shm")
 
@@ -304,7 +305,7 @@ def test_no_segment_outlives_its_connection(server):
 
 CLIENT_SCRIPT = """
 import sys, time
-from kvtier.server.client import KVTierStore
+from kvtier.storage.node_store import KVTierStore
 store = KVTierStore("127.0.0.1", int(sys.argv[1]), namespace="killed", timeout_s=5.0)
 store.put_many([("k", [b"v" * 100000])])
 assert store.shm_active

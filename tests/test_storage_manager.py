@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-from support.tiers import fill, key, make_pool, same_bytes
+from support.tiers import FlakyStore, fill, key, make_pool, same_bytes
 from test_engine import assert_kv_equal, kv_at, make_engine
 
 from kvtier.config import load_config
 from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
-from kvtier.storage.backend import StoreUnavailable, join_parts
+from kvtier.storage.backend import join_parts
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.remote import RemoteTier
 from kvtier.storage.serde import NaiveSerde
@@ -118,56 +118,6 @@ def test_clear_empties_every_tier(tmp_path):
 
 
 # -- the remote tier's fault handling, against a store that misbehaves on command ------
-
-
-class FlakyStore:
-    """An in-memory BlobStore that can be switched to refuse, hang or corrupt."""
-
-    name = "flaky"
-
-    def __init__(self):
-        self.blobs: dict[str, bytes] = {}
-        self.mode = "ok"  # ok | down | hang
-        self.delay = 0.0  # seconds every call takes
-        self.calls = 0
-        self.released = threading.Event()
-
-    def _enter(self):
-        self.calls += 1
-        time.sleep(self.delay)
-        if self.mode == "down":
-            raise StoreUnavailable("flaky: connection refused")
-        if self.mode == "hang":
-            self.released.wait(30)
-
-    def put_many(self, items):
-        self._enter()
-        for name, parts in items:
-            self.blobs[name] = bytes(join_parts(parts))
-
-    def get_many(self, names):
-        self._enter()
-        return [self.blobs.get(n) for n in names]
-
-    def exists_many(self, names):
-        self._enter()
-        return [n in self.blobs for n in names]
-
-    def delete_many(self, names):
-        self._enter()
-        return sum(self.blobs.pop(n, None) is not None for n in names)
-
-    def clear(self):
-        self._enter()
-        n = len(self.blobs)
-        self.blobs.clear()
-        return n
-
-    def ping(self):
-        self._enter()
-
-    def close(self):
-        self.released.set()
 
 
 @pytest.fixture

@@ -21,9 +21,8 @@ import torch
 
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
+from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import checksum_holds, checksum_of
 from kvtier.token_db import RequestExtras
 
 __all__ = ["Segment", "SegmentStore", "segment_hash", "split_segments"]
@@ -82,6 +81,7 @@ class SegmentStore:
 
     def __init__(self, storage: StorageManager, key_template: CacheKey):
         self.storage = storage
+        self.checked = CheckedChunks(storage, verify=True)
         self.template = key_template
 
     def _key(self, segment_hash: bytes, part: str) -> CacheKey:
@@ -99,30 +99,28 @@ class SegmentStore:
         memory ran out (nothing is stored then)."""
         objs = []
         for part, tensor in (("pos", positions.to(torch.int64)), ("kv", kv)):
-            obj = self.storage.allocate(tuple(tensor.shape), tensor.dtype)
+            obj = self.checked.allocate(tuple(tensor.shape), tensor.dtype)
             if obj is None:
-                for held in objs:
+                for _, held in objs:
                     held.ref_down()
                 return False
             obj.tensor.copy_(tensor)
-            obj.checksum = checksum_of(tensor_bytes(obj.tensor))
             objs.append((part, obj))
         for part, obj in objs:
-            self.storage.put(self._key(segment_hash, part), obj)
+            self.checked.put(self._key(segment_hash, part), obj)
             obj.ref_down()
         return True
 
     def get(self, segment_hash: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A copy of a segment's ``(kv, positions)``, or None when either is missing."""
-        found = self.storage.get_many(
+        found = self.checked.get_many(
             [self._key(segment_hash, "kv"), self._key(segment_hash, "pos")]
         )
         try:
             if any(obj is None for obj in found):
                 return None
-            for obj in found:
-                if obj.checksum is not None and not checksum_holds(obj):
-                    return None  # NOTE: changed after it was stored: never blended in
+            if not all(self.checked.intact(obj) for obj in found):
+                return None  # NOTE: changed after it was stored: never blended in
             kv, positions = (obj.tensor.clone() for obj in found)
             if kv.dim() != 4 or positions.shape != (kv.shape[2],):
                 return None

@@ -3,8 +3,9 @@
     kvtier proxy --prefill http://10.0.0.1:8100 --prefill http://10.0.0.2:8100 \\
                  --decode http://10.0.0.3:8200 --policy least_loaded --port 8000
 
-The proxy needs aiohttp (``pip install kvtier[proxy]``; vLLM brings it too). This module
-imports it only when the command runs, so ``kvtier --help`` works without it.
+The proxy runs on aiohttp, a dependency of kvtier (vLLM brings it too). This module
+imports it only when the command runs, so ``kvtier --help`` works without it, and an
+install that lacks it gets a message naming the fix.
 
 On SIGTERM or SIGINT the proxy stops accepting, lets the requests in flight finish (up
 to ``--shutdown-grace-s``) and exits 0.
@@ -26,7 +27,7 @@ DESCRIPTION = (
     "on a prefill instance with max_tokens=1 (its KV goes to the kvtier tier the "
     "engines share), then goes unchanged to a decode instance, whose answer "
     "(streamed or not) is passed back. Also /v1/models, /health and /metrics. "
-    "Needs aiohttp: pip install 'kvtier[proxy]'. See docs/proxy.md."
+    "See docs/proxy.md."
 )
 
 DEFAULT_PORT = 8000  # vLLM's: clients point at the proxy as they would at one engine

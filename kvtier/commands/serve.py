@@ -24,7 +24,6 @@ import sys
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
 from kvtier.config.keys import coerce
 from kvtier.server.protocol import DEFAULT_MAX_FRAME_BYTES
-from kvtier.server.serve import serve
 
 HELP = "a node-level cache server shared by the engines (remote_url: kvtier://host:port)"
 DESCRIPTION = (
@@ -149,6 +148,10 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting."""
+    # NOTE: imported here, not at the top: the admin API runs on aiohttp, which the other
+    # commands (and --help) neither need nor pay the import of.
+    from kvtier.server.serve import serve
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         config = server_config(args)

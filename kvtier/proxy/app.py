@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import signal
@@ -56,6 +55,7 @@ from kvtier.proxy.messages import (
     prefill_body,
 )
 from kvtier.proxy.metrics import CONTENT_TYPE, ProxyMetrics, SkipReason
+from kvtier.web import has_bearer_token, start_app
 
 logger = logging.getLogger("kvtier.proxy")
 
@@ -175,8 +175,7 @@ class Proxy:
         key = self.settings.api_key
         if key is None:
             return None
-        given = request.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if has_bearer_token(request, key):
             return None
         return error_response(401, "Unauthorized", "AuthenticationError", request_id)
 
@@ -343,17 +342,16 @@ class Proxy:
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+            await response.write_eof()
         except ConnectionResetError:
-            # The client went away; leaving ``upstream`` unread closes its connection,
-            # which makes vLLM abort the generation.
-            logger.info("%s client disconnected mid-stream", request_id)
-            return response
+            # The client went away (perhaps right after the last event, before the
+            # stream's end); leaving ``upstream`` unread closes its connection, which
+            # makes vLLM abort the generation.
+            logger.info("%s client disconnected before the end of the stream", request_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._instance_failed(self.decode, instance, exc, request_id)
             if request.transport is not None:
                 request.transport.abort()
-            return response
-        await response.write_eof()
         return response
 
     # -- other endpoints -----------------------------------------------------------
@@ -443,15 +441,8 @@ async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> 
     Raises:
         OSError: the address cannot be bound.
     """
-    # access_log=None: the proxy logs one line per request itself, with its request id.
-    runner = web.AppRunner(proxy.build_app(), access_log=None, shutdown_timeout=shutdown_grace_s)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
+    # No access log: the proxy logs one line per request itself, with its request id.
+    runner = await start_app(proxy.build_app(), host, port, shutdown_timeout_s=shutdown_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,5 +1,5 @@
-"""The admin and health HTTP API of ``kvtier serve`` (``--admin-port``), on the standard
-library's HTTP server in a thread of its own:
+"""The admin and health HTTP API of ``kvtier serve`` (``--admin-port``), on aiohttp, served
+from the server's own event loop:
 
     GET  /health    200 {"status": "ok" | "degraded", "tiers": {...}} ("degraded": the
                     remote behind the server is down; memory and disk still serve)
@@ -12,23 +12,33 @@ library's HTTP server in a thread of its own:
                     (body: {"model": ..., "tokens": [...]} or {"model": ..., "hashes":
                     [...]}; see ``lookup``); 400 naming the bad field
 
+Every answer is JSON but /metrics; an error is ``{"error": "<what is wrong>"}``: 404 for
+an unknown path, 405 (with ``Allow``) for a method the endpoint does not take, 400 for a
+body over ``MAX_BODY_BYTES``, not JSON, or not an object.
+
 NOTE: with a token set (``--auth-token``), the POST endpoints need ``Authorization: Bearer
 <token>``: /clear drops data, and /lookup tells whether a prompt was served (an oracle
 on other tenants' prompts). The GET endpoints only read counters and stay open, as
 health checks and Prometheus scrapers carry no secrets.
+
+NOTE: the hooks run on worker threads, never on the event loop: a clear or a lookup may
+wait on the disk or the remote, and the loop also serves the cache protocol.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from aiohttp import web
+
+from kvtier.web import has_bearer_token, start_app
+
 MAX_BODY_BYTES = 64 << 20  # a /lookup of a 1M-token prompt is about 7 MiB of JSON
+PROMETHEUS_TEXT = "text/plain; version=0.0.4"
 
 # Counters (monotonic) among the server's values; everything else is a gauge.
 _COUNTER_PREFIXES = (
@@ -68,98 +78,126 @@ def prometheus_text(values: Mapping[str, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _handler(hooks: AdminHooks) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "kvtier-server"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # scrapes every few seconds would flood the log
-
-        def _reply(self, status: int, body: str, content_type: str) -> None:
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _json(self, status: int, body: Any) -> None:
-            self._reply(status, json.dumps(body, indent=1) + "\n", "application/json")
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/health":
-                tiers = hooks.tiers()
-                healthy = all(t.get("up", True) for t in tiers.values())
-                status = {"status": "ok" if healthy else "degraded", "tiers": tiers}
-                self._json(200, status)
-            elif path == "/stats":
-                self._json(200, dict(hooks.snapshot()))
-            elif path == "/metrics":
-                self._reply(200, prometheus_text(hooks.snapshot()), "text/plain; version=0.0.4")
-            else:
-                self._json(404, {"error": f"no such endpoint {path}"})
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path not in ("/clear", "/lookup"):
-                self._json(404, {"error": f"no such endpoint {path}"})
-                return
-            if hooks.token is not None:
-                given = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {hooks.token}".encode()):
-                    self._json(401, {"error": f"POST {path} needs Authorization: Bearer <token>"})
-                    return
-            try:
-                body = self._body()
-                if path == "/clear":
-                    model = body.get("model")
-                    if model is not None and not (isinstance(model, str) and model):
-                        raise ValueError("'model' must be a non-empty string")
-                    self._json(200, {"deleted": hooks.clear(model)})
-                else:
-                    self._json(200, hooks.lookup(body))
-            except ValueError as exc:
-                self._json(400, {"error": str(exc)})
-
-        def _body(self) -> dict[str, Any]:
-            """The JSON object sent ({} when there is no body).
-
-            Raises:
-                ValueError: too long, not JSON, or not an object.
-            """
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                raise ValueError("Content-Length is not a number") from None
-            if not 0 <= length <= MAX_BODY_BYTES:
-                self.close_connection = True
-                raise ValueError(f"the body must be at most {MAX_BODY_BYTES} bytes")
-            if length == 0:
-                return {}
-            try:
-                body = json.loads(self.rfile.read(length))
-            except ValueError:
-                raise ValueError("the body is not JSON") from None
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-            return body
-
-    return Handler
+def admin_app(hooks: AdminHooks) -> web.Application:
+    """The admin API as an aiohttp application over ``hooks``."""
+    api = _AdminAPI(hooks)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/stats", api.stats)
+    app.router.add_get("/metrics", api.metrics)
+    app.router.add_post("/clear", api.clear)
+    app.router.add_post("/lookup", api.lookup)
+    return app
 
 
 class AdminServer:
-    """The admin API on ``host:port`` (port 0: any free port; see ``port``)."""
+    """The admin API on ``host:port`` (port 0: any free port; see ``port`` once started),
+    served from the running event loop."""
 
-    def __init__(self, host: str, port: int, hooks: AdminHooks):
-        self._http = ThreadingHTTPServer((host, port), _handler(hooks))
-        self._http.daemon_threads = True
-        self.port = self._http.server_address[1]
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, name="kvtier-server-admin", daemon=True
-        )
-        self._thread.start()
+    def __init__(self, hooks: AdminHooks):
+        self.app = admin_app(hooks)
+        self.port = 0
+        self._runner: web.AppRunner | None = None
 
-    def close(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
+    async def start(self, host: str, port: int) -> None:
+        """Raises OSError: the address cannot be bound."""
+        self._runner = await start_app(self.app, host, port, shutdown_timeout_s=2.0)
+        self.port = self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class _AdminAPI:
+    def __init__(self, hooks: AdminHooks):
+        self.hooks = hooks
+
+    async def health(self, request: web.Request) -> web.Response:
+        tiers = await asyncio.to_thread(self.hooks.tiers)
+        healthy = all(t.get("up", True) for t in tiers.values())
+        return _json(200, {"status": "ok" if healthy else "degraded", "tiers": tiers})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json(200, dict(await asyncio.to_thread(self.hooks.snapshot)))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = prometheus_text(await asyncio.to_thread(self.hooks.snapshot))
+        return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_TEXT})
+
+    async def clear(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._unauthorized(request)
+        try:
+            model = (await _body(request)).get("model")
+            if model is not None and not (isinstance(model, str) and model):
+                raise ValueError("'model' must be a non-empty string")
+            deleted = await asyncio.to_thread(self.hooks.clear, model)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return _json(200, {"deleted": deleted})
+
+    async def lookup(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._unauthorized(request)
+        try:
+            result = await asyncio.to_thread(self.hooks.lookup, await _body(request))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return _json(200, result)
+
+    def _authorized(self, request: web.Request) -> bool:
+        return self.hooks.token is None or has_bearer_token(request, self.hooks.token)
+
+    @staticmethod
+    def _unauthorized(request: web.Request) -> web.Response:
+        return _error(401, f"POST {request.path} needs Authorization: Bearer <token>")
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object sent ({} when there is no body).
+
+    Raises:
+        ValueError: too long, not JSON, or not an object.
+    """
+    too_long = f"the body must be at most {MAX_BODY_BYTES} bytes"
+    if (request.content_length or 0) > MAX_BODY_BYTES:
+        raise ValueError(too_long)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:  # a chunked body, past the limit
+        raise ValueError(too_long) from None
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ValueError("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 answers, in the API's JSON shape."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        message = f"{request.method} {request.path} is not allowed: it takes {allowed}"
+        return _error(405, message, headers={"Allow": exc.headers["Allow"]})
+    except web.HTTPNotFound:
+        return _error(404, f"no such endpoint {request.path}")
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> web.Response:
+    data = (json.dumps(body, indent=1) + "\n").encode()
+    return web.Response(
+        status=status, body=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(status, {"error": message}, headers)

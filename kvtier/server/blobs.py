@@ -9,7 +9,8 @@ client that reads them.
 
 Both stores are thread-safe (one lock each) and never hold more than their bound: a blob
 larger than the whole bound is refused, anything else evicts least recently used blobs
-until it fits.
+until it fits. Their index is the tiers' own (``kvtier.storage.policy.SizedIndex``): an
+overwritten blob is a new entry of its new size.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import os
 import shutil
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -29,8 +29,8 @@ import xxhash
 
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.storage.backend import Buffer
-from kvtier.storage.files import TMP_SUFFIX, scan_tree, sharded_path, write_all
-from kvtier.storage.policy import make_policy
+from kvtier.storage.files import probe_writable, scan_tree, sharded_path, write_whole
+from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,8 @@ class MemoryBlobs:
             if capacity_bytes > 0
             else None
         )
-        self._blobs: OrderedDict[BlobId, tuple[MemoryObj, int]] = OrderedDict()
-        self._used = 0
+        self._blobs: dict[BlobId, tuple[MemoryObj, int]] = {}
+        self._index = SizedIndex(capacity_bytes, "LRU")
         self._lock = threading.Lock()
         self.evictions = 0
 
@@ -75,16 +75,17 @@ class MemoryBlobs:
         with self._lock:
             self._drop(blob_id)
             while (obj := self._pool.allocate((max(size, 1),), torch.uint8)) is None:
-                if not self._blobs:
+                victim = self._index.first()
+                if victim is None:
                     return False
-                self._drop(next(iter(self._blobs)))
+                self._drop(victim)
                 self.evictions += 1
         if size:  # outside the lock: other clients' reads and puts go on meanwhile
             tensor_bytes(obj.tensor)[:size] = memoryview(data).cast("B")
         with self._lock:
             self._drop(blob_id)  # a concurrent put of the same name: the last one wins
             self._blobs[blob_id] = (obj, size)
-            self._used += size
+            self._index.add(blob_id, size)
         return True
 
     def _drop(self, blob_id: BlobId) -> bool:
@@ -92,9 +93,8 @@ class MemoryBlobs:
         entry = self._blobs.pop(blob_id, None)
         if entry is None:
             return False
-        obj, size = entry
-        self._used -= size
-        obj.ref_down()  # returned to the pool now, or when its last reader unpins it
+        self._index.drop(blob_id)
+        entry[0].ref_down()  # returned to the pool now, or when its last reader unpins it
         return True
 
     def read(self, blob_id: BlobId, consume: Callable[[memoryview], T]) -> T | None:
@@ -104,7 +104,7 @@ class MemoryBlobs:
             entry = self._blobs.get(blob_id)
             if entry is None:
                 return None
-            self._blobs.move_to_end(blob_id)
+            self._index.touch(blob_id)
             obj, size = entry
             obj.pin()
         try:
@@ -133,7 +133,7 @@ class MemoryBlobs:
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     def __len__(self) -> int:
         return len(self._blobs)
@@ -141,7 +141,7 @@ class MemoryBlobs:
     def close(self) -> None:
         with self._lock:
             self._blobs.clear()
-            self._used = 0
+            self._index.clear()
         if self._pool is not None:
             self._pool.close()
 
@@ -153,8 +153,8 @@ class DiskBlobs:
     xxh3-64 hex of the namespace and ``h`` the xxh3-128 hex of the name; a file holds the
     blob exactly (for kvtier clients, a wire-format object: the disk tier's file format).
 
-    NOTE: a file appears only complete: it is written as a temp file in the same
-    directory and renamed over its final name. The directory belongs to this server
+    NOTE: a file appears only complete: it is written as the disk tier writes its files
+    (``storage.files.write_whole``: a temp file renamed over its name). The directory belongs to this server
     alone, so the index (rebuilt from the files at start-up, oldest first) is the truth
     and lookups never touch the disk.
 
@@ -167,29 +167,24 @@ class DiskBlobs:
         self.dir = self.root / TREE
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        self._sizes: dict[str, int] = {}  # "<ns>/<h>" -> bytes
-        self._policy = make_policy("LRU")
-        self._used = 0
+        self._index = SizedIndex(capacity_bytes, "LRU")  # "<ns>/<h>" -> bytes
         self.evictions = 0
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}{TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            probe_writable(self.dir)
         except OSError as exc:
             raise ValueError(
                 f"--local-disk: cannot use {str(self.root)!r}: {exc.strerror or exc}"
             ) from None
         for ns_dir in sorted(p for p in self.dir.iterdir() if p.is_dir()):
             for _, file_name, size in scan_tree(ns_dir):
-                self._index_add(f"{ns_dir.name}/{file_name}", size)
+                self._index.add(f"{ns_dir.name}/{file_name}", size)
         with self._lock:
-            self._evict_for(0)
-        if self._sizes:
+            self._evict(self._index.make_room(0) or [])
+        if self._index:
             logger.info(
                 "kvtier server: %d blobs (%.1f MiB) found in %s",
-                len(self._sizes),
-                self._used / 2**20,
+                len(self._index),
+                self._index.used / 2**20,
                 self.dir,
             )
 
@@ -203,31 +198,9 @@ class DiskBlobs:
         ns, _, file_name = file_id.partition("/")
         return sharded_path(f"{self.dir}/{ns}", file_name)
 
-    def _index_add(self, file_id: str, size: int) -> None:
-        old = self._sizes.get(file_id)
-        if old is not None:
-            self._used -= old
-            self._policy.remove(file_id)
-        self._sizes[file_id] = size
-        self._policy.add(file_id)
-        self._used += size
-
-    def _index_drop(self, file_id: str) -> None:
-        size = self._sizes.pop(file_id, None)
-        if size is not None:
-            self._policy.remove(file_id)
-            self._used -= size
-
-    def _evict_for(self, size: int) -> None:
-        victims = []
-        free = self.capacity_bytes - self._used
-        for file_id in self._policy.candidates():
-            if free >= size:
-                break
-            victims.append(file_id)
-            free += self._sizes[file_id]
+    def _evict(self, victims: list) -> None:
+        """Under the lock: delete the files the index evicted."""
         for file_id in victims:
-            self._index_drop(file_id)
             with contextlib.suppress(OSError):
                 os.unlink(self._path(file_id))
             self.evictions += 1
@@ -236,27 +209,18 @@ class DiskBlobs:
         """Write ``data`` under ``blob_id``; False when it does not fit or cannot be written
         (a full disk, an I/O error: logged once per cause)."""
         size = len(data)
-        if size > self.capacity_bytes:
-            return False
         file_id = self.file_id(blob_id)
         path = Path(self._path(file_id))
         with self._lock:
-            self._evict_for(size)
-            self._index_add(file_id, size)  # reserve; undone on failure
-        tmp = path.parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+            victims = self._index.reserve(file_id, size)  # undone on failure
+            if victims is None:
+                return False
+            self._evict(victims)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_all(fd, [data])
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            write_whole(path, [data])
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             with self._lock:
-                self._index_drop(file_id)
+                self._index.drop(file_id)
             logger.warning("kvtier server: cannot write %s: %s", path, exc)
             return False
         return True
@@ -264,26 +228,24 @@ class DiskBlobs:
     def get(self, blob_id: BlobId) -> bytes | None:
         file_id = self.file_id(blob_id)
         with self._lock:
-            if file_id not in self._sizes:
+            if not self._index.touch(file_id):
                 return None
-            self._policy.touch(file_id)
         try:
             with open(self._path(file_id), "rb") as f:
                 return f.read()
         except OSError:
             with self._lock:
-                self._index_drop(file_id)
+                self._index.drop(file_id)
             return None
 
     def contains(self, blob_id: BlobId) -> bool:
         with self._lock:
-            return self.file_id(blob_id) in self._sizes
+            return self.file_id(blob_id) in self._index
 
     def delete(self, blob_id: BlobId) -> bool:
         file_id = self.file_id(blob_id)
         with self._lock:
-            present = file_id in self._sizes
-            self._index_drop(file_id)
+            present = self._index.drop(file_id)
         with contextlib.suppress(OSError):
             os.unlink(self._path(file_id))
         return present
@@ -292,9 +254,9 @@ class DiskBlobs:
         """Delete every blob (of ``namespace`` only, when given); returns how many."""
         prefix = None if namespace is None else self.file_id((namespace, ""))[:16] + "/"
         with self._lock:
-            doomed = [f for f in self._sizes if prefix is None or f.startswith(prefix)]
+            doomed = [f for f in self._index.names() if prefix is None or f.startswith(prefix)]
             for file_id in doomed:
-                self._index_drop(file_id)
+                self._index.drop(file_id)
             ns_dirs = {f.partition("/")[0] for f in doomed}
             if prefix is not None:
                 ns_dirs.add(prefix[:-1])
@@ -304,7 +266,7 @@ class DiskBlobs:
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._index)

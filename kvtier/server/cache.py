@@ -8,8 +8,9 @@ optional remote blob store behind it, all of opaque blobs by ``(namespace, name)
 
 The remote is written through from a bounded queue by one writer thread: a full queue or
 a remote that is down drops the write (counted), never blocks a client. A remote that
-fails or is slower than ``remote_timeout_ms`` is a miss and is skipped until a ping
-answers (checked at most every ``remote_reconnect_max_ms``).
+fails or is slower than ``remote_timeout_ms`` is down, as an engine's remote tier would
+be (``kvtier.storage.health``): every call a miss and every write dropped until a
+background ping answers (0.1 s doubling, up to ``remote_reconnect_max_ms``).
 
 The remote is any scheme whose module defines ``open_store`` (Redis/Valkey, S3): for each
 client namespace the server opens the store that an engine of that namespace would open
@@ -20,9 +21,7 @@ same objects.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,65 +32,95 @@ from kvtier.server.blobs import BlobId, DiskBlobs, MemoryBlobs
 from kvtier.server.lookup import KeyShapes
 from kvtier.storage import remotes
 from kvtier.storage.backend import BlobStore, Buffer
+from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.remotes import redact_url
 from kvtier.storage.serde import make_serde
+from kvtier.storage.tier import BatchQueue
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()
 T = TypeVar("T")
 
 
-class RemoteBlobs:
-    """The remote behind the server: one ``BlobStore`` per client namespace, with
-    timeouts, a down state and a write-through queue.
+PING_NAMESPACE = "kvtier-ping"  # a store opened only to ping the remote
 
-    Raises:
-        ValueError: the URL's scheme cannot sit behind a server (naming ``--remote-url``).
+
+class RemoteBlobs:
+    """The remote behind the server: one ``BlobStore`` per client namespace, each call
+    bounded by a timeout, with the tiers' health policy (``kvtier.storage.health``) and a
+    write-through queue (``kvtier.storage.tier.BatchQueue``, one writer).
+
+    Args:
+        open_store: the store of a namespace.
+        describe: how logs name the remote (a URL without credentials).
+        stats: the server's counters (``remote_errors``, ``remote_puts``,
+            ``remote_puts_dropped``).
+        timeout_s: the longest a client request waits on the remote.
+        reconnect_max_s: the longest pause between pings while the remote is down.
+        queue_capacity: most writes queued; more are dropped (counted).
     """
 
-    def __init__(self, config: KVTierConfig, stats: Stats):
-        url = config.remote_url
-        assert url is not None
-        module = remotes.load_module(url)
-        if not hasattr(module, "open_store"):
-            raise ValueError(
-                f"--remote-url {redact_url(url)!r}: this scheme is not a blob store a server "
-                "can write through (use redis://, valkey:// or s3://; for a directory use "
-                "--local-disk)"
-            )
-        self._open_store: Callable[[RemoteRequest], BlobStore] = module.open_store
-        self.describe = redact_url(url)
-        self._config = config
+    def __init__(
+        self,
+        open_store: Callable[[str], BlobStore],
+        *,
+        describe: str,
+        stats: Stats,
+        timeout_s: float,
+        reconnect_max_s: float,
+        queue_capacity: int,
+    ):
+        self._open_store = open_store
+        self.describe = describe
         self._stats = stats
-        self._serde = make_serde("naive")
+        self.timeout_s = timeout_s
         self._stores: dict[str, BlobStore] = {}
         self._lock = threading.Lock()
-        self.timeout_s = config.remote_timeout_ms / 1000
-        self._retry_s = config.remote_reconnect_max_ms / 1000
-        self._down_until = 0.0
+        self.health = Health(
+            "server-remote",
+            f"kvtier server: remote {describe}",
+            self._ping,
+            reconnect_max_s=reconnect_max_s,
+            logger=logger,
+        )
         self._calls = ThreadPoolExecutor(8, thread_name_prefix="kvtier-server-remote")
-        self._queue: queue.Queue[Any] = queue.Queue(config.store_queue_size)
-        self._writer = threading.Thread(target=self._drain, name="kvtier-server-writer")
-        self._writer.start()
+        self._writes: BatchQueue[tuple[str, str, bytes]] = BatchQueue(
+            "server-remote",
+            self._write,
+            stats,
+            workers=1,
+            capacity=queue_capacity,
+            dropped_counter="remote_puts_dropped",
+        )
 
     def _store(self, namespace: str) -> BlobStore:
         with self._lock:
             store = self._stores.get(namespace)
             if store is None:
-                request = RemoteRequest(
-                    self._config.remote_url or "", self._config, self._serde, self._stats, namespace
-                )
-                store = self._stores[namespace] = self._open_store(request)
+                store = self._stores[namespace] = self._open_store(namespace)
             return store
+
+    def _ping(self) -> None:
+        """Ping the remote through a store already open, else through a fresh one."""
+        with self._lock:
+            store = next(iter(self._stores.values()), None)
+        if store is not None:
+            store.ping()
+            return
+        store = self._open_store(PING_NAMESPACE)
+        try:
+            store.ping()
+        finally:
+            store.close()
 
     @property
     def is_up(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self.health.is_up
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` within the timeout; None when the remote is down or fails."""
+        """``fn(*args)`` within the timeout; None when the remote is down or fails (then
+        it is down until a ping answers)."""
         if not self.is_up:
             return None
         future = self._calls.submit(fn, *args)
@@ -100,15 +129,7 @@ class RemoteBlobs:
         except Exception as exc:
             future.cancel()
             self._stats.inc("remote_errors")
-            if self.is_up:
-                logger.warning(
-                    "kvtier server: remote %s failed (%s: %s); skipped for %.1f s",
-                    self.describe,
-                    what,
-                    type(exc).__name__ or "timeout",
-                    self._retry_s,
-                )
-            self._down_until = time.monotonic() + self._retry_s
+            self.health.mark_down(fault_reason(what, exc, self.timeout_s))
             return None
 
     def exists_many(self, namespace: str, names: Sequence[str]) -> list[bool]:
@@ -123,27 +144,21 @@ class RemoteBlobs:
         if not self.is_up:
             self._stats.inc("remote_puts_dropped")
             return
-        try:
-            self._queue.put_nowait((namespace, name, data))
-        except queue.Full:
-            self._stats.inc("remote_puts_dropped")
+        self._writes.offer((namespace, name, data))
 
-    def _drain(self) -> None:
-        while (item := self._queue.get()) is not _STOP:
-            namespace, name, data = item
+    def _write(self, batch: list[tuple[str, str, bytes]]) -> None:
+        for namespace, name, data in batch:
+            if not self.is_up:
+                self._stats.inc("remote_puts_dropped")
+                continue
             try:
-                if self.is_up:
-                    self._store(namespace).put_many([(name, [data])])
-                    self._stats.inc("remote_puts")
-                else:
-                    self._stats.inc("remote_puts_dropped")
+                self._store(namespace).put_many([(name, [data])])
             except Exception as exc:
                 self._stats.inc("remote_puts_dropped")
                 self._stats.inc("remote_errors")
-                self._down_until = time.monotonic() + self._retry_s
-                logger.warning("kvtier server: remote write failed: %s", exc)
-            finally:
-                self._queue.task_done()
+                self.health.mark_down(fault_reason("put", exc, self.timeout_s))
+                continue
+            self._stats.inc("remote_puts")
 
     def delete(self, namespace: str, names: Sequence[str]) -> None:
         self._call("delete", lambda: self._store(namespace).delete_many(names))
@@ -156,25 +171,43 @@ class RemoteBlobs:
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        return self._writes.pending
 
     def close(self, timeout: float) -> None:
         """Finish queued writes for at most ``timeout`` seconds, drop the rest, close."""
-        deadline = time.monotonic() + timeout
-        while self._queue.qsize() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        while True:  # drop what is left: whole writes, never a part of one
-            try:
-                self._queue.get_nowait()
-                self._queue.task_done()
-                self._stats.inc("remote_puts_dropped")
-            except queue.Empty:
-                break
-        self._queue.put(_STOP)
-        self._writer.join(timeout=max(deadline - time.monotonic(), 0) + self.timeout_s)
+        self._stats.inc("remote_puts_dropped", self._writes.close(timeout))
+        self.health.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         for store in self._stores.values():
             store.close()
+
+
+def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
+    """The remote of ``config.remote_url`` behind a server: for each client namespace, the
+    store an engine of that namespace would open itself.
+
+    Raises:
+        ValueError: the URL's scheme cannot sit behind a server (naming ``--remote-url``).
+    """
+    url = config.remote_url
+    assert url is not None
+    module = remotes.load_module(url)
+    if not hasattr(module, "open_store"):
+        raise ValueError(
+            f"--remote-url {redact_url(url)!r}: this scheme is not a blob store a server "
+            "can write through (use redis://, valkey:// or s3://; for a directory use "
+            "--local-disk)"
+        )
+    open_store: Callable[[RemoteRequest], BlobStore] = module.open_store
+    serde = make_serde("naive")
+    return RemoteBlobs(
+        lambda namespace: open_store(RemoteRequest(url, config, serde, stats, namespace)),
+        describe=redact_url(url),
+        stats=stats,
+        timeout_s=config.remote_timeout_ms / 1000,
+        reconnect_max_s=config.remote_reconnect_max_ms / 1000,
+        queue_capacity=config.store_queue_size,
+    )
 
 
 class BlobCache:
@@ -187,7 +220,7 @@ class BlobCache:
         self.disk = (
             DiskBlobs(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None
         )
-        self.remote = RemoteBlobs(config, stats) if config.remote_url else None
+        self.remote = open_remote_blobs(config, stats) if config.remote_url else None
         # what /lookup needs to name a chunk's blobs (kept with the disk's files)
         self.shapes = KeyShapes(self.disk.dir if self.disk is not None else None)
 

@@ -1,5 +1,5 @@
 """The node-level cache server, assembled: the blob cache, the TCP server and the admin
-API, run until SIGTERM or SIGINT (``kvtier serve``).
+API (both on one event loop), run until SIGTERM or SIGINT (``kvtier serve``).
 
 On the signal the server stops accepting, finishes the requests it is executing, drops
 frames still arriving (nothing half-received is stored), and finishes or drops queued
@@ -67,7 +67,13 @@ async def serve(
             lookup=functools.partial(_lookup, cache, config),
             token=config.server_token,
         )
-        admin = AdminServer(host, admin_port, hooks)
+        admin = AdminServer(hooks)
+        try:
+            await admin.start(host, admin_port)
+        except OSError:
+            await server.stop()
+            cache.close(0)
+            raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -84,7 +90,7 @@ async def serve(
     logger.info("kvtier server stopping")
     await server.stop()
     if admin is not None:
-        admin.close()
+        await admin.close()
     cache.close()
     logger.info("kvtier server stopped")
 

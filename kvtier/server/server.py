@@ -36,10 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.metrics import Stats
-from kvtier.server import protocol, shm
+from kvtier.server import shm
 from kvtier.server.cache import BlobCache
-from kvtier.server.protocol import Frame, Op, ProtocolError
-from kvtier.server.shm import Segment, ShmRefused
+from kvtier.server.shm import ShmRefused
+from kvtier.storage import node_protocol as protocol
+from kvtier.storage.node_protocol import Frame, Op, ProtocolError
+from kvtier.storage.node_shm import Segment
 
 logger = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import files, wire
 from kvtier.storage.backend import Buffer
-from kvtier.storage.files import SUFFIX, TMP_SUFFIX, scan_tree, sharded_path
-from kvtier.storage.policy import make_policy
+from kvtier.storage.files import SUFFIX, scan_tree, sharded_path
+from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import PendingWrite, WriteQueue
 from kvtier.storage.wire import Allocate, ChunkBuffers
@@ -121,9 +121,7 @@ class FileTier:
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._check_writable(config_key)
         self._lock = threading.Lock()
-        self._sizes: dict[str, int] = {}
-        self._policy = make_policy(policy)
-        self._used = 0
+        self._index = SizedIndex(capacity_bytes, policy)  # bounded tier only
         self.events = events
         self._announced: dict[str, bytes] = {}  # file name -> chunk hash (events only)
         if capacity_bytes is not None:
@@ -153,10 +151,7 @@ class FileTier:
 
     def _check_writable(self, config_key: str) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            files.probe_writable(self.dir)
         except OSError as exc:
             raise ValueError(
                 f"{config_key}: cannot use {str(self.root)!r} as a kvtier {self.name} "
@@ -167,55 +162,25 @@ class FileTier:
         """Rebuild the index from the files present, oldest first (start-up)."""
         found = scan_tree(self.dir)
         for _, file_name, size in found:
-            self._index_add(file_name, size)
+            self._index.add(file_name, size)
         if found:
             logger.info(
                 "kvtier %s tier: %d chunk files (%.1f MiB) found in %s",
                 self.name,
                 len(found),
-                self._used / 2**20,
+                self._index.used / 2**20,
                 self.dir,
             )
         with self._lock:
-            self._evict_for(0)
+            self._evict(self._index.make_room(0) or [])
 
-    # -- index (capacity-bounded tier only; call under the lock or from __init__) ----
-
-    def _index_add(self, file_name: str, size: int) -> None:
-        if file_name in self._sizes:
-            self._policy.touch(file_name)
-            return
-        self._sizes[file_name] = size
-        self._policy.add(file_name)
-        self._used += size
-
-    def _index_drop(self, file_name: str) -> None:
-        size = self._sizes.pop(file_name, None)
-        if size is not None:
-            self._policy.remove(file_name)
-            self._used -= size
-
-    def _evict_for(self, size: int) -> bool:
-        """Delete files in policy order until ``size`` more bytes fit. False if they
-        cannot (larger than the whole capacity)."""
-        if self.capacity_bytes is None:
-            return True
-        if size > self.capacity_bytes:
-            return False
-        victims = []
-        free = self.capacity_bytes - self._used
-        for file_name in self._policy.candidates():
-            if free >= size:
-                break
-            victims.append(file_name)
-            free += self._sizes[file_name]
+    def _evict(self, victims: list) -> None:
+        """Under the lock: delete the files the index evicted."""
         for file_name in victims:
-            self._index_drop(file_name)
             self._record_removed(file_name)
             with contextlib.suppress(FileNotFoundError):  # another process removed it
                 self.path_of(file_name).unlink()
             self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
-        return True
 
     # -- reads -----------------------------------------------------------------------
 
@@ -234,8 +199,7 @@ class FileTier:
             with self._lock:
                 unknown = []
                 for i, file_name in enumerate(names):
-                    if file_name in self._sizes:
-                        self._policy.touch(file_name)
+                    if self._index.touch(file_name):
                         present[i] = True
                     else:
                         unknown.append(i)
@@ -247,7 +211,7 @@ class FileTier:
             present[i] = True
             if self.capacity_bytes is not None:
                 with self._lock:
-                    self._index_add(names[i], size)  # written by another process
+                    self._index.add(names[i], size)  # written by another process
         self.stats.inc(tier_counter(self.name, TierCounter.LOOKUP_HITS), sum(present))
         return present
 
@@ -305,8 +269,7 @@ class FileTier:
             return read(path)
         except FileNotFoundError:  # deleted behind the index's back: forget it
             with self._lock:
-                if self.capacity_bytes is not None:
-                    self._index_drop(file_name)
+                self._index.drop(file_name)
                 self._record_removed(file_name)
         except CorruptObject as exc:
             self._reject(file_name, Path(path), exc)
@@ -322,8 +285,7 @@ class FileTier:
             return
         if self.capacity_bytes is not None:
             with self._lock:
-                if file_name in self._sizes:
-                    self._policy.touch(file_name)
+                self._index.touch(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
         self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), nbytes)
         elapsed = time.perf_counter() - started
@@ -337,8 +299,7 @@ class FileTier:
         with contextlib.suppress(OSError):
             path.unlink()
         with self._lock:
-            if self.capacity_bytes is not None:
-                self._index_drop(file_name)
+            self._index.drop(file_name)
             self._record_removed(file_name)
 
     def _record_removed(self, file_name: str) -> None:
@@ -389,20 +350,16 @@ class FileTier:
         size = sum(len(p) for p in parts)
         if self.capacity_bytes is not None:
             with self._lock:
-                if not self._evict_for(size):
+                victims = self._index.reserve(file_name, size)  # undone on failure
+                if victims is None:
                     self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                     return False
-                self._index_add(file_name, size)  # reserve; undone on failure
-        tmp = path.parent / f".{file_name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+                self._evict(victims)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_file(tmp, parts, size)
-            os.replace(tmp, path)
+            self._write_file(path, parts)
         except OSError as exc:
-            self._unlink_quietly(tmp)
-            if self.capacity_bytes is not None:
-                with self._lock:
-                    self._index_drop(file_name)
+            with self._lock:
+                self._index.drop(file_name)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                 warn_once(logger, f"kvtier {self.name} tier: {self.root} is full; stores skipped")
@@ -423,26 +380,15 @@ class FileTier:
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
         return True
 
-    def _write_file(self, tmp: Path, parts: list[Buffer], size: int) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        if self.o_direct:
-            try:
-                fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
-                try:
-                    files.write_direct(fd, parts, size)
-                finally:
-                    os.close(fd)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._give_up_direct(exc)
-                self._unlink_quietly(tmp)
-        fd = os.open(tmp, flags, 0o644)
-        try:
-            files.write_all(fd, parts)
-        finally:
-            os.close(fd)
+    def _write_file(self, path: Path, parts: list[Buffer]) -> None:
+        """Write the file at ``path`` whole (``files.write_whole``).
+
+        Raises:
+            OSError: it cannot be written.
+        """
+        refused = files.write_whole(path, parts, o_direct=self.o_direct)
+        if refused is not None:
+            self._give_up_direct(refused)
 
     def _give_up_direct(self, exc: OSError) -> None:
         self.o_direct = False
@@ -462,8 +408,7 @@ class FileTier:
     def remove(self, key: CacheKey) -> bool:
         file_name = self.file_name(key)
         with self._lock:
-            if self.capacity_bytes is not None:
-                self._index_drop(file_name)
+            self._index.drop(file_name)
             self._record_removed(file_name)
         try:
             self.path_of(file_name).unlink()
@@ -479,8 +424,7 @@ class FileTier:
                 if file.endswith(SUFFIX):
                     self._unlink_quietly(Path(dirpath) / file)
         with self._lock:
-            for file_name in list(self._sizes):
-                self._index_drop(file_name)
+            self._index.clear()
             self._announced.clear()
             if self.events is not None:
                 self.events.cleared(self.name)
@@ -497,11 +441,11 @@ class FileTier:
     def used_bytes(self) -> int:
         """Bytes of the chunk files this process knows (bounded tier only)."""
         with self._lock:
-            return self._used
+            return self._index.used
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._sizes)
+            return len(self._index)
 
     def close(self) -> None:
         self._writes.close()

@@ -7,15 +7,18 @@ caller's buffers (a wire header, then a payload that may be several runs of an e
 memory), so nothing is joined into one buffer on the way. With ``O_DIRECT`` a file goes
 through one aligned buffer instead (the kernel's rule for direct I/O).
 
-NOTE: writers make a file appear only complete: they write ``.<name>.<pid>.<thread>.tmp``
-in the same directory and rename it over the final name. ``scan_tree`` removes temp files
-that a crashed writer left behind, once they are old.
+NOTE: a file appears only complete: ``write_whole`` writes ``.<name>.<pid>.<thread>.tmp``
+in the same directory and renames it over the final name. ``scan_tree`` removes temp
+files that a crashed writer left behind, once they are old.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,6 +103,71 @@ def write_direct(fd: int, parts: Sequence[Buffer], size: int) -> None:
         os.ftruncate(fd, size)
     finally:
         buffer.close()
+
+
+def probe_writable(directory: Path) -> None:
+    """Create ``directory`` (with its parents) and check that a file can be made in it.
+
+    Raises:
+        OSError: it cannot.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
+def write_whole(path: Path, parts: Sequence[Buffer], *, o_direct: bool = False) -> OSError | None:
+    """Write ``parts`` as the file at ``path``, which appears only complete: they go to
+    ``.<name>.<pid>.<thread>.tmp`` beside it (created exclusively: a writer never shares
+    a temp file with another process on a shared directory), renamed over ``path``.
+
+    With ``o_direct`` the file is written with ``O_DIRECT``, or buffered where the
+    filesystem refuses it. Returns the error ``O_DIRECT`` was refused with, or None (the
+    caller may stop asking for it).
+
+    Raises:
+        FileExistsError: the temp file exists (another writer's; left as it is).
+        OSError: the file cannot be written (no temp file of this call is left behind).
+    """
+    tmp = path.parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    refused: OSError | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if o_direct:
+            try:
+                _write_new(tmp, flags | os.O_DIRECT, parts, direct=True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                refused = exc
+                _unlink_quietly(tmp)
+        if not o_direct or refused is not None:
+            _write_new(tmp, flags, parts, direct=False)
+        os.replace(tmp, path)
+    except FileExistsError:
+        raise  # the temp file is another writer's: never touched
+    except OSError:
+        _unlink_quietly(tmp)
+        raise
+    return refused
+
+
+def _write_new(path: Path, flags: int, parts: Sequence[Buffer], *, direct: bool) -> None:
+    fd = os.open(path, flags, 0o644)
+    try:
+        if direct:
+            write_direct(fd, parts, sum(len(p) for p in parts))
+        else:
+            write_all(fd, parts)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def read_object(

@@ -7,6 +7,10 @@ pinned or being read is skipped). All operations are O(1) except iteration.
 - ``MRU``: most recently used first (good for one-pass scans larger than the tier).
 - ``FIFO``: insertion order; accesses do not reorder.
 - ``LFU``: least frequently used first; ties broken by least recent use.
+
+``SizedIndex`` puts a policy under a byte bound: the index of every bounded byte store
+(the disk tier's files, the node server's memory and disk blobs) and the one place that
+decides what goes when something new must fit.
 """
 
 from __future__ import annotations
@@ -133,3 +137,94 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ValueError(
             f"cache_policy={name!r} is not supported; choose one of {', '.join(POLICIES)}"
         ) from None
+
+
+class SizedIndex:
+    """Names with their sizes in bytes, in one policy's eviction order, within a bound.
+    Not thread-safe: the store that owns it locks.
+
+    NOTE: adding a name that is indexed already replaces its entry: the new size counts,
+    the old one no longer does, and the entry starts over as a new one in policy order
+    (it names new bytes). ``used`` is then always the sum of what the entries name.
+
+    Args:
+        capacity_bytes: the bound (None: unbounded, nothing is ever evicted).
+        policy: the eviction order (LRU | LFU | FIFO | MRU).
+    """
+
+    def __init__(self, capacity_bytes: int | None, policy: str = "LRU"):
+        self.capacity_bytes = capacity_bytes
+        self.used = 0
+        self._sizes: dict[Hashable, int] = {}
+        self._policy = make_policy(policy)
+
+    def __contains__(self, name: Hashable) -> bool:
+        return name in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def names(self) -> list[Hashable]:
+        return list(self._sizes)
+
+    def add(self, name: Hashable, size: int) -> None:
+        """Index ``name`` of ``size`` bytes (replacing its entry, if any); no eviction."""
+        self.drop(name)
+        self._sizes[name] = size
+        self._policy.add(name)
+        self.used += size
+
+    def touch(self, name: Hashable) -> bool:
+        """A use of ``name`` (for the eviction order); whether it is indexed."""
+        if name not in self._sizes:
+            return False
+        self._policy.touch(name)
+        return True
+
+    def drop(self, name: Hashable) -> bool:
+        """Forget ``name``; whether it was indexed."""
+        size = self._sizes.pop(name, None)
+        if size is None:
+            return False
+        self._policy.remove(name)
+        self.used -= size
+        return True
+
+    def clear(self) -> None:
+        for name in self.names():
+            self.drop(name)
+
+    def first(self) -> Hashable | None:
+        """The entry the policy evicts next, or None when the index is empty."""
+        return next(iter(self._policy.candidates()), None)
+
+    def make_room(self, size: int) -> list[Hashable] | None:
+        """Drop entries in policy order until ``size`` more bytes fit within the bound;
+        the names dropped (the caller deletes what they name), or None when ``size`` is
+        larger than the whole bound (then nothing is dropped)."""
+        if self.capacity_bytes is None:
+            return []
+        if size > self.capacity_bytes:
+            return None
+        victims = []
+        free = self.capacity_bytes - self.used
+        for name in self._policy.candidates():
+            if free >= size:
+                break
+            victims.append(name)
+            free += self._sizes[name]
+        for name in victims:
+            self.drop(name)
+        return victims
+
+    def reserve(self, name: Hashable, size: int) -> list[Hashable] | None:
+        """Index ``name`` of ``size`` bytes, making room for it first (its own old entry
+        counts as room); the names evicted, or None when it can never fit (then the
+        index is unchanged)."""
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            return None
+        self.drop(name)
+        victims = self.make_room(size)
+        assert victims is not None
+        self.add(name, size)
+        return victims

@@ -1,7 +1,7 @@
 """The remote tier: a ``BlobStore`` (Redis/Valkey, S3) behind timeouts, health tracking
 and reconnects, holding chunks in the wire format.
 
-States::
+States (``kvtier.storage.health``)::
 
           call fails or times out                  ping answers
     UP ──────────────────────────────▶ DOWN ──────────────────────▶ UP
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +34,7 @@ from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.backend import BlobStore, Buffer, ReadingStore, StoreUnavailable
+from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remotes import redact_url
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import LowerTier, PendingWrite, WriteQueue
@@ -42,8 +42,6 @@ from kvtier.storage.wire import Allocate
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_FIRST_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +113,19 @@ class RemoteTier:
         self.serde = serde
         self.stats = stats
         self.timeout_s = timeout_s
-        self.reconnect_max_s = max(reconnect_max_s, RECONNECT_FIRST_S)
+        self.health = Health(
+            self.name,
+            f"kvtier {self.name} tier {describe}",
+            store.ping,
+            reconnect_max_s=reconnect_max_s,
+            logger=logger,
+            on_reconnect=lambda: self._count(TierCounter.RECONNECTS),
+        )
         self._concurrency = concurrency
         self._io = ThreadPoolExecutor(concurrency, thread_name_prefix=f"kvtier-{self.name}-io")
         # NOTE: lookups get their own threads: queued behind a long load (or prefetch) on
         # the I/O threads they would time out and mark a healthy remote down.
         self._meta = ThreadPoolExecutor(2, thread_name_prefix=f"kvtier-{self.name}-meta")
-        self._state = threading.Lock()
-        self._up = True
-        self._stop = threading.Event()
-        self._reconnector: threading.Thread | None = None
         self._writes = WriteQueue(
             self.name,
             self._write_batch,
@@ -141,27 +142,10 @@ class RemoteTier:
 
     @property
     def is_up(self) -> bool:
-        return self._up
+        return self.health.is_up
 
     def _count(self, what: str, amount: float = 1) -> None:
         self.stats.inc(tier_counter(self.name, what), amount)
-
-    def _mark_down(self, reason: str) -> None:
-        with self._state:
-            if not self._up or self._stop.is_set():
-                return
-            self._up = False
-            self._reconnector = threading.Thread(
-                target=self._reconnect, name=f"kvtier-{self.name}-reconnect", daemon=True
-            )
-            self._reconnector.start()
-        logger.warning(
-            "kvtier %s tier %s is unavailable (%s): lookups and loads are misses and "
-            "stores are dropped until it answers again",
-            self.name,
-            self.describe,
-            reason,
-        )
 
     def check_at_start(self) -> bool:
         """Ping the store once, waiting at most ``timeout_s``: one that does not answer is
@@ -179,33 +163,13 @@ class RemoteTier:
         logger.info("kvtier %s tier %s answers", self.name, self.describe)
         return True
 
-    def _reconnect(self) -> None:
-        down_since = time.monotonic()
-        pause = RECONNECT_FIRST_S
-        while not self._stop.wait(pause):
-            try:
-                self.store.ping()
-            except Exception:
-                pause = min(pause * 2, self.reconnect_max_s)
-                continue
-            with self._state:
-                self._up = True
-            self._count(TierCounter.RECONNECTS)
-            logger.warning(
-                "kvtier %s tier %s is available again after %.1f s",
-                self.name,
-                self.describe,
-                time.monotonic() - down_since,
-            )
-            return
-
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on a lookup thread, waiting at most ``timeout_s``.
 
         Raises:
             _Down: the tier is down, or the call failed or timed out (it is now down).
         """
-        if not self._up:
+        if not self.is_up:
             raise _Down
         return self._wait(self._meta.submit(fn, *args), self.timeout_s, what)
 
@@ -222,15 +186,9 @@ class RemoteTier:
 
     def _fault(self, what: str, exc: Exception) -> None:
         """Count a failed call (timeout or error) and mark the tier down."""
-        if isinstance(exc, FutureTimeout):
-            self._count(TierCounter.TIMEOUTS)
-            self._mark_down(f"{what} took longer than {self.timeout_s * 1000:.0f} ms")
-            return
-        self._count(TierCounter.ERRORS)
-        if isinstance(exc, StoreUnavailable):
-            self._mark_down(str(exc))
-        else:
-            self._mark_down(f"{what} failed: {type(exc).__name__}: {exc}")
+        timed_out = isinstance(exc, FutureTimeout)
+        self._count(TierCounter.TIMEOUTS if timed_out else TierCounter.ERRORS)
+        self.health.mark_down(fault_reason(what, exc, self.timeout_s))
 
     # -- reads -----------------------------------------------------------------------
 
@@ -247,7 +205,7 @@ class RemoteTier:
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
         """The chunks, fetched in parallel: one request per chunk, ``concurrency`` at a
         time, each wave of requests allowed ``timeout_s``."""
-        if not self._up:
+        if not self.is_up:
             self._count(TierCounter.GET_MISSES, len(keys))
             return [None] * len(keys)
         started = time.perf_counter()
@@ -308,13 +266,13 @@ class RemoteTier:
     # -- writes ----------------------------------------------------------------------
 
     def submit_put(self, key: CacheKey, obj: MemoryObj) -> bool:
-        if not self._up:
+        if not self.is_up:
             self._count(TierCounter.DROPPED_UNAVAILABLE)
             return False
         return self._writes.submit(key, obj)
 
     def _write_batch(self, batch: list[PendingWrite]) -> None:
-        if not self._up:
+        if not self.is_up:
             self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
             return
         started = time.perf_counter()
@@ -355,7 +313,7 @@ class RemoteTier:
     def clear(self) -> None:
         """Delete every object in this tier's namespace (queued writes finish first)."""
         self._writes.flush(30.0)
-        if not self._up:
+        if not self.is_up:
             return
         try:
             self.store.clear()
@@ -372,10 +330,7 @@ class RemoteTier:
 
     def close(self) -> None:
         self._writes.close(timeout=max(10 * self.timeout_s, 10.0))
-        with self._state:
-            self._stop.set()
-        if self._reconnector is not None:
-            self._reconnector.join(timeout=self.reconnect_max_s + 1)
+        self.health.close()
         self._io.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
         self.store.close()

@@ -68,7 +68,7 @@ register(
 )
 register("s3", "kvtier.storage.s3_store", extra="s3")
 register("fs", "kvtier.storage.shared_fs")
-register(("kvtier", "lm"), "kvtier.server.client")  # `kvtier serve`; lm:// is LMCache's spelling
+register(("kvtier", "lm"), "kvtier.storage.node_store")  # `kvtier serve`; lm:// as LMCache
 
 
 def remote_schemes() -> tuple[str, ...]:

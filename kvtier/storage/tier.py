@@ -4,9 +4,9 @@ The storage manager talks to the disk tier and the remote tier through ``LowerTi
 All calls are safe from any thread and never raise on a store fault: a tier that cannot
 answer says "absent" (a miss) and counts why.
 
-Writes are asynchronous: ``submit_put`` only queues the chunk (taking a reference on its
-buffer so it stays valid) and returns at once; worker threads write it. A full queue
-drops the write and counts it, so a slow tier never blocks the engine's step.
+Writes are asynchronous: ``submit_put`` only queues the chunk (``WriteQueue``, taking a
+reference on its buffer so it stays valid) and returns at once; worker threads write it.
+A full queue drops the write and counts it, so a slow tier never blocks the engine's step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
@@ -26,6 +26,7 @@ from kvtier.storage.wire import Allocate
 logger = logging.getLogger(__name__)
 
 PendingWrite = tuple[CacheKey, MemoryObj]
+T = TypeVar("T")
 
 
 class LowerTier(Protocol):
@@ -63,35 +64,41 @@ class LowerTier(Protocol):
         ...
 
 
-class WriteQueue:
-    """A bounded queue of pending writes drained by worker threads.
+class BatchQueue(Generic[T]):
+    """A bounded queue of pending writes drained in batches by worker threads: the write
+    path of every tier that writes behind its caller's back (the disk and remote tiers,
+    and the remote behind a ``kvtier serve``).
 
     Args:
-        name: the tier's name (thread names, counters).
-        handler: writes a batch of ``(key, obj)``; runs on a worker thread. It must not
-            release the objects (the queue does, after it returns or raises).
+        name: the tier's name (thread names, logs, the default drop counter).
+        handler: writes a batch of items; runs on a worker thread. It must not release
+            the items (the queue does, after it returns or raises).
         stats: where dropped writes are counted.
         workers: worker threads.
         capacity: most writes queued or in flight; more are dropped.
         max_batch: most writes handed to one ``handler`` call.
+        dropped_counter: the counter of writes dropped for a full queue (default: the
+            tier's ``dropped_queue_full``).
     """
 
     def __init__(
         self,
         name: str,
-        handler: Callable[[list[PendingWrite]], None],
+        handler: Callable[[list[T]], None],
         stats: Stats,
         *,
         workers: int,
         capacity: int,
         max_batch: int = 1,
+        dropped_counter: str | None = None,
     ):
         self.name = name
         self._handler = handler
         self._stats = stats
         self._capacity = capacity
         self._max_batch = max_batch
-        self._items: deque[PendingWrite] = deque()
+        self._dropped = dropped_counter or tier_counter(name, TierCounter.DROPPED_QUEUE_FULL)
+        self._items: deque[T] = deque()
         self._pending = 0  # queued + being written
         self._cond = threading.Condition()
         self._closed = False
@@ -102,13 +109,20 @@ class WriteQueue:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, key: CacheKey, obj: MemoryObj) -> bool:
+    def _hold(self, item: T) -> None:
+        """Keep what ``item`` needs alive while it waits (nothing, for plain data)."""
+
+    def _release(self, item: T) -> None:
+        """Undo ``_hold`` once ``item`` is written or dropped."""
+
+    def offer(self, item: T) -> bool:
+        """Queue ``item``; False when the queue is full or closed (counted)."""
         with self._cond:
             if self._closed or self._pending >= self._capacity:
-                self._stats.inc(tier_counter(self.name, TierCounter.DROPPED_QUEUE_FULL))
+                self._stats.inc(self._dropped)
                 return False
-            obj.ref_up()
-            self._items.append((key, obj))
+            self._hold(item)
+            self._items.append(item)
             self._pending += 1
             self._cond.notify()
             return True
@@ -133,8 +147,8 @@ class WriteQueue:
             except Exception:
                 logger.exception("kvtier %s tier: a write batch failed", self.name)
             finally:
-                for _, obj in batch:
-                    obj.ref_down()
+                for item in batch:
+                    self._release(item)
                 with self._cond:
                     self._pending -= len(batch)
                     self._cond.notify_all()
@@ -149,9 +163,9 @@ class WriteQueue:
                 self._cond.wait(left)
             return True
 
-    def close(self, timeout: float | None = 30.0) -> None:
+    def close(self, timeout: float | None = 30.0) -> int:
         """Let queued writes finish (up to ``timeout``), then stop the workers; writes
-        still queued after that are dropped."""
+        still queued after that are dropped. Returns how many were."""
         finished = self.flush(timeout)
         with self._cond:
             self._closed = True
@@ -159,11 +173,27 @@ class WriteQueue:
             self._items.clear()
             self._pending -= len(dropped)
             self._cond.notify_all()
-        for _, obj in dropped:
-            obj.ref_down()
+        for item in dropped:
+            self._release(item)
         if not finished:
             logger.warning(
                 "kvtier %s tier: %d queued writes dropped at shutdown", self.name, len(dropped)
             )
         for thread in self._threads:
             thread.join(timeout=5.0)
+        return len(dropped)
+
+
+class WriteQueue(BatchQueue[PendingWrite]):
+    """The chunk writes of a lower tier: a queued chunk holds a reference on its buffer,
+    so the buffer stays valid until it is written."""
+
+    def submit(self, key: CacheKey, obj: MemoryObj) -> bool:
+        """Queue a write of ``obj`` under ``key``; False when it was dropped (counted)."""
+        return self.offer((key, obj))
+
+    def _hold(self, item: PendingWrite) -> None:
+        item[1].ref_up()
+
+    def _release(self, item: PendingWrite) -> None:
+        item[1].ref_down()

@@ -36,9 +36,9 @@ from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool
 from kvtier.metrics import Stats
-from kvtier.server.client import KVTierStore
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.node_store import KVTierStore
 from kvtier.storage.remote import RemoteTier
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
 from kvtier.storage.wire import checksum_of

@@ -54,8 +54,8 @@ def model():
 @pytest.fixture(scope="module")
 def server_url():
     """A ``kvtier serve`` on a free loopback port, answering PING."""
-    from kvtier.server.client import KVTierStore
     from kvtier.storage.backend import StoreUnavailable
+    from kvtier.storage.node_store import KVTierStore
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -27,7 +27,7 @@ from support.engines import expected_loaded, prompts_of
 from support.kvtier_server import KVTierServerProcess
 from support.redis_server import RedisServer, redis_available
 
-from kvtier.server.client import KVTierStore
+from kvtier.storage.node_store import KVTierStore
 from kvtier.storage.redis_store import RedisStore
 from kvtier.storage.remote import space_of
 

@@ -24,8 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.server.client import KVTierStore
 from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.node_store import KVTierStore
 from support.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,9 +1,11 @@
 """Helpers shared by the tier tests: chunk keys, chunk buffers with known bytes, a
-check that a buffer holds exactly what was stored, a disk tier and its counters, and a
-storage manager on a remote configured as an operator would (``remote_manager``)."""
+check that a buffer holds exactly what was stored, a disk tier and its counters, a
+storage manager on a remote configured as an operator would (``remote_manager``), and
+an in-memory remote store that misbehaves on command (``FlakyStore``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -12,6 +14,7 @@ from kvtier.config import load_config
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.storage.backend import StoreUnavailable, join_parts
 from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
@@ -108,3 +111,53 @@ def check_remote_down(manager: StorageManager, pool: HostMemoryPool, tier: str, 
     assert manager.flush(10)
     assert manager.stats.get(tier_counter(tier, TierCounter.DROPPED_UNAVAILABLE)) >= 3
     assert manager.lookup_prefix([key(3)]) == 1  # from the CPU tier
+
+
+class FlakyStore:
+    """An in-memory BlobStore that can be switched to refuse, hang or corrupt."""
+
+    name = "flaky"
+
+    def __init__(self):
+        self.blobs: dict[str, bytes] = {}
+        self.mode = "ok"  # ok | down | hang
+        self.delay = 0.0  # seconds every call takes
+        self.calls = 0
+        self.released = threading.Event()
+
+    def _enter(self):
+        self.calls += 1
+        time.sleep(self.delay)
+        if self.mode == "down":
+            raise StoreUnavailable("flaky: connection refused")
+        if self.mode == "hang":
+            self.released.wait(30)
+
+    def put_many(self, items):
+        self._enter()
+        for name, parts in items:
+            self.blobs[name] = bytes(join_parts(parts))
+
+    def get_many(self, names):
+        self._enter()
+        return [self.blobs.get(n) for n in names]
+
+    def exists_many(self, names):
+        self._enter()
+        return [n in self.blobs for n in names]
+
+    def delete_many(self, names):
+        self._enter()
+        return sum(self.blobs.pop(n, None) is not None for n in names)
+
+    def clear(self):
+        self._enter()
+        n = len(self.blobs)
+        self.blobs.clear()
+        return n
+
+    def ping(self):
+        self._enter()
+
+    def close(self):
+        self.released.set()

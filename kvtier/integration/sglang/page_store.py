@@ -32,12 +32,11 @@ import torch
 
 from kvtier.integration.sglang.pages import PageFormat, PageKeys
 from kvtier.keys import CacheKey
-from kvtier.memory import MemoryObj
 from kvtier.metrics import Counter, Histogram, Stats
+from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.disk import DirectRead, FileTier
 from kvtier.storage.manager import StorageManager
-from kvtier.storage.serde import tensor_bytes
-from kvtier.storage.wire import ChunkBuffers, checksum_holds, checksum_of
+from kvtier.storage.wire import ChunkBuffers
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ class PageStore:
 
     Args:
         storage: the tiers.
-        stats: kvtier's counters (retrieve_*, store_*, corrupt_chunks).
+        stats: kvtier's counters (retrieve_*, store_*).
         keys: SGLang page keys to kvtier keys.
         verify_checksums: check a page's bytes against its checksum before it is loaded
             (the disk tier always verifies what it reads).
@@ -79,7 +78,7 @@ class PageStore:
         self.storage = storage
         self.stats = stats
         self.keys = keys
-        self.verify_checksums = verify_checksums
+        self.checked = CheckedChunks(storage, verify=verify_checksums, noun="page")
 
     def _direct(
         self, fmt: PageFormat, buffers: PageBuffers | None, todo: list[int]
@@ -114,12 +113,12 @@ class PageStore:
             loaded = [results.get(i) is DirectRead.LOADED for i in staged]
             other = DirectRead.OTHER_FORMAT  # and pages with no buffers: read staged
             staged = [i for i in staged if results.get(i, other) is other]
-        objs = self.storage.get_many([keys[i] for i in staged]) if staged else []
+        objs = self.checked.get_many([keys[i] for i in staged]) if staged else []
         for i, obj in zip(staged, objs, strict=True):
             if obj is None:
                 continue
             try:
-                if all(loaded[:i]) and self._valid(keys[i], obj, fmt):
+                if all(loaded[:i]) and self.checked.accept(keys[i], obj, fmt.shape, fmt.dtype):
                     write(i, obj.tensor)
                     loaded[i] = True
             finally:
@@ -134,18 +133,6 @@ class PageStore:
         s.inc(Counter.LOAD_SECONDS, seconds)
         s.observe(Histogram.LOAD, seconds)
         return Moved([i < hits for i in range(len(keys))], hits, seconds)
-
-    def _valid(self, key: CacheKey, obj: MemoryObj, fmt: PageFormat) -> bool:
-        if tuple(obj.shape) != fmt.shape or obj.dtype != fmt.dtype:
-            problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {fmt.shape} {fmt.dtype}"
-        elif self.verify_checksums and not checksum_holds(obj):
-            problem = "a checksum mismatch (its bytes changed after it was stored)"
-        else:
-            return True
-        self.stats.inc(Counter.CORRUPT_CHUNKS)
-        warn_once(logger, f"stored page {key} has {problem}: rejected, treated as a miss")
-        self.storage.remove(key)
-        return False
 
     # -- stores ----------------------------------------------------------------------
 
@@ -198,15 +185,13 @@ class PageStore:
         want of memory."""
         no_memory = 0
         for i in todo:
-            obj = self.storage.allocate(fmt.shape, fmt.dtype)
+            obj = self.checked.allocate(fmt.shape, fmt.dtype)
             if obj is None:
                 no_memory += 1
                 continue
             try:
                 obj.tensor.copy_(read(i))
-                if self.verify_checksums:
-                    obj.checksum = checksum_of(tensor_bytes(obj.tensor))
-                stored[i] = self.storage.put(keys[i], obj)
+                stored[i] = self.checked.put(keys[i], obj)
             finally:
                 obj.ref_down()
         if any(stored[i] for i in todo) and not self.storage.flush(FLUSH_TIMEOUT_S):

@@ -23,7 +23,7 @@ namespace, which the server prefixes to every name it stores):
     PUT     names, sizes; payload  → stored: int
             (or names, sizes, shm and no payload)
 
-``shm`` fields (the same-host path, ``kvtier.server.shm``): HELLO offers a segment
+``shm`` fields (the same-host path, ``kvtier.storage.node_shm``): HELLO offers a segment
 ``{name, size, nonce}`` and the reply says whether the server mapped it; a PUT gives one
 offset per blob into it instead of a payload; a GET gives ``[offset, capacity]``, the
 region the server may fill, and the reply one offset per blob (-1: absent, or in the
@@ -38,7 +38,7 @@ closes the connection, since the stream can no longer be trusted.
 
 NOTE: never pickle: headers are CBOR maps of strings, ints, bools and lists, and the
 decoder checks every field's type before anything uses it. This module imports nothing
-from kvtier: both the server and the client (``kvtier.server.client``) import it.
+from kvtier: both the server and the client (``kvtier.storage.node_store``) import it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The client of ``kvtier serve``: a ``BlobStore`` for ``remote_url: kvtier://host:port``
 (and LMCache's spelling ``lm://host:port``, read the same way).
 
-Each batched call is one request frame and one reply frame (``protocol``) on a pooled
+Each batched call is one request frame and one reply frame (``node_protocol``) on a pooled
 TCP connection. A connection starts with HELLO, which carries the token
 (``server_token``) and the namespace (the model), so the server keeps this client's
 blobs apart from every other model's. ``RemoteTier`` wraps the store with timeouts, the
@@ -10,7 +10,7 @@ failure into ``StoreUnavailable`` and drops its connections, so the next call (t
 tier's reconnect ping) dials afresh.
 
 Same host: each connection offers the server a shared-memory segment of its own in
-HELLO (``kvtier.server.shm``). When the server maps it, PUT and GET frames on that
+HELLO (``kvtier.storage.node_shm``). When the server maps it, PUT and GET frames on that
 connection carry ``(offset, size)`` references into the segment and the blobs never
 cross the socket; when it does not (another host, ``kvtier serve --no-shm``, no
 ``/dev/shm``), the connection carries them inline, as before. ``?shm=0`` in the URL turns
@@ -34,10 +34,11 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from kvtier.server import protocol, shm
-from kvtier.server.protocol import Op, ProtocolError
-from kvtier.server.shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
+from kvtier.storage import node_protocol as protocol
+from kvtier.storage import node_shm as shm
 from kvtier.storage.backend import Buffer, StoreUnavailable, batches
+from kvtier.storage.node_protocol import Op, ProtocolError
+from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.warn import warn_once
 

@@ -1,0 +1,89 @@
+"""Checked puts and gets of chunk objects over a ``StorageManager``: a chunk is sealed
+with its checksum when it is stored and checked against it before anyone uses it.
+
+::
+
+    put   allocate ─▶ fill ─▶ seal (checksum) ─▶ StorageManager.put ─▶ release
+    get   StorageManager.get_many ─▶ accept (shape, dtype, checksum) ─▶ use ─▶ release
+
+The engine's chunks, CacheBlend's segments and SGLang's pages all go through here, so
+where a checksum is computed (``seal``) and verified (``intact``) is decided in this
+module alone.
+
+NOTE: a chunk that fails ``accept`` is a miss: it is counted (``corrupt_chunks``),
+logged once, removed from every tier and never handed to the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.keys import CacheKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import Counter
+from kvtier.storage.manager import StorageManager
+from kvtier.storage.serde import tensor_bytes
+from kvtier.storage.wire import checksum_holds, checksum_of
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+
+class CheckedChunks:
+    """Chunk objects sealed on the way in and checked on the way out.
+
+    Args:
+        storage: the tiers (and the counters, ``storage.stats``).
+        verify: seal with a checksum and check it (``verify_checksums``); without it only
+            the shape and dtype are checked.
+        noun: what a chunk is called in the log (``chunk``, ``page``).
+    """
+
+    def __init__(self, storage: StorageManager, *, verify: bool, noun: str = "chunk"):
+        self.storage = storage
+        self.verify = verify
+        self.noun = noun
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A buffer for one chunk, or None when memory is exhausted."""
+        return self.storage.allocate(shape, dtype)
+
+    def seal(self, obj: MemoryObj) -> None:
+        """Record the checksum of ``obj``'s bytes (when verifying): its bytes are final."""
+        if self.verify:
+            obj.checksum = checksum_of(tensor_bytes(obj.tensor))
+
+    def put(self, key: CacheKey, obj: MemoryObj) -> bool:
+        """Seal ``obj`` and store it under ``key``; the caller keeps its reference.
+        Returns whether some tier took it."""
+        self.seal(obj)
+        return self.storage.put(key, obj)
+
+    def get_many(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """Each chunk with a reference for the caller, or None; not yet checked
+        (``accept`` or ``intact`` before use)."""
+        return self.storage.get_many(keys)
+
+    def intact(self, obj: MemoryObj) -> bool:
+        """Whether ``obj``'s bytes are as sealed (always, when not verifying)."""
+        return not self.verify or checksum_holds(obj)
+
+    def accept(
+        self, key: CacheKey, obj: MemoryObj, shape: Sequence[int], dtype: torch.dtype
+    ) -> bool:
+        """Whether ``obj``, read under ``key``, may be used as a chunk of ``shape`` and
+        ``dtype``. One that may not is counted, logged and removed from the tiers; the
+        caller still releases its reference."""
+        if tuple(obj.shape) != tuple(shape) or obj.dtype != dtype:
+            problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {tuple(shape)} {dtype}"
+        elif not self.intact(obj):
+            problem = "a checksum mismatch (its bytes changed after it was stored)"
+        else:
+            return True
+        self.storage.stats.inc(Counter.CORRUPT_CHUNKS)
+        warn_once(logger, f"stored {self.noun} {key} has {problem}: rejected, treated as a miss")
+        self.storage.remove(key)
+        return False

@@ -1,0 +1,65 @@
+"""The remote behind a ``kvtier serve`` (``RemoteBlobs``) keeps the engines' health
+policy (``kvtier.storage.health``): a fault makes it down (misses, dropped writes) until
+a background ping answers, never back on a timer while the remote still fails."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from support.tiers import FlakyStore, wait_until
+
+from kvtier.metrics import Stats
+from kvtier.server.cache import RemoteBlobs
+
+RECONNECT_MAX_S = 0.2
+
+
+def remote_blobs(store: FlakyStore, stats: Stats) -> RemoteBlobs:
+    return RemoteBlobs(
+        lambda namespace: store,
+        describe="flaky://test",
+        stats=stats,
+        timeout_s=0.3,
+        reconnect_max_s=RECONNECT_MAX_S,
+        queue_capacity=8,
+    )
+
+
+def test_a_failing_remote_is_down_until_a_ping_answers(caplog):
+    store, stats = FlakyStore(), Stats()
+    remote = remote_blobs(store, stats)
+    remote.submit_put("ns", "a", b"123")
+    wait_until(lambda: stats.get("remote_puts") == 1)
+    store.mode = "down"
+    with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
+        assert remote.get("ns", "a") is None
+        assert not remote.is_up and stats.get("remote_errors") == 1
+        time.sleep(5 * RECONNECT_MAX_S)  # its pings fail meanwhile
+        assert not remote.is_up, "still down: no timer brings a failing remote back"
+        assert remote.exists_many("ns", ["a"]) == [False]  # answered without the remote
+        remote.submit_put("ns", "b", b"4")
+        assert stats.get("remote_puts_dropped") == 1
+        assert stats.get("remote_errors") == 1, "one fault: calls stop while it is down"
+        store.mode = "ok"
+        wait_until(lambda: remote.is_up)  # the background ping, no request needed
+    assert remote.get("ns", "a") == b"123"
+    messages = [r.message for r in caplog.records]
+    assert sum("kvtier server: remote flaky://test is unavailable" in m for m in messages) == 1
+    assert any("available again" in m for m in messages)
+    remote.close(1.0)
+
+
+def test_a_failed_write_takes_the_remote_down_too():
+    store, stats = FlakyStore(), Stats()
+    remote = remote_blobs(store, stats)
+    store.mode = "down"
+    remote.submit_put("ns", "a", b"1")
+    wait_until(lambda: not remote.is_up)
+    assert stats.get("remote_puts_dropped") == 1 and stats.get("remote_errors") == 1
+    store.mode = "ok"
+    wait_until(lambda: remote.is_up)
+    remote.submit_put("ns", "a", b"2")
+    wait_until(lambda: stats.get("remote_puts") == 1)
+    assert store.blobs == {"a": b"2"}
+    remote.close(1.0)
