@@ -23,7 +23,7 @@ import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
 from kvtier.config.keys import coerce
-from kvtier.server.protocol import DEFAULT_MAX_FRAME_BYTES
+from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
 
 HELP = "a node-level cache server shared by the engines (remote_url: kvtier://host:port)"
 DESCRIPTION = (
