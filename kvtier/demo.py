@@ -23,7 +23,7 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.metrics import Counter
+from kvtier.observability.stats import Counter
 from kvtier_kernels import PagedKV, get_layout
 from kvtier_kernels.dtypes import bits
 

@@ -1,7 +1,7 @@
 """The cache engine: store, retrieve and look up a prompt's KV by chunks.
 
-``CacheEngine`` ties the token database (tokens → chunk keys), the storage manager
-(tiers) and the paged-KV connector (engine pages ↔ chunk buffers) together. It is
+``CacheEngine`` ties the chunker (tokens → chunk keys), the storage manager
+(tiers) and the paged I/O (engine pages ↔ chunk buffers) together. It is
 engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 
     tokens        |<-- chunk 0 -->|<-- chunk 1 -->|<-- chunk 2 -->|
@@ -19,17 +19,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.chunker import Chunk, Chunker, RequestExtras
 from kvtier.config import KVTierConfig
-from kvtier.events import TierEventLog
-from kvtier.gpu_connector import PagedKVConnector
 from kvtier.hashing import ChunkHasher, TokenIds
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Histogram, Stats
-from kvtier.prometheus import export
+from kvtier.observability.prometheus import export
+from kvtier.observability.stats import Counter, Histogram, Stats
+from kvtier.observability.tier_events import TierEventLog
+from kvtier.paged_io import PagedIO
 from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.manager import StorageManager
-from kvtier.token_db import Chunk, ChunkedTokenDatabase, RequestExtras
 from kvtier_kernels import PagedKV
 from kvtier_kernels.dtypes import dtype_name
 
@@ -68,7 +68,7 @@ class CacheEngine:
         paged: the engine's KV cache; may be bound later with ``bind``.
         stats: counters to update (a fresh ``Stats`` by default).
         pin_memory: pin the host pool (None: when a GPU is present).
-        events: where the tiers record what they hold, for KV events (``kvtier.events``;
+        events: where the tiers record what they hold, for KV events (``kvtier.observability.tier_events``;
             None: nothing is recorded).
     """
 
@@ -94,14 +94,14 @@ class CacheEngine:
         )
         self.checked = CheckedChunks(self.storage, verify=config.verify_checksums)
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
-        self.connector: PagedKVConnector | None = None
-        self.token_db: ChunkedTokenDatabase | None = None
+        self.paged_io: PagedIO | None = None
+        self.chunker: Chunker | None = None
         if metadata.kv_dtype is not None:
-            self._make_token_db(metadata.kv_dtype)
+            self._make_chunker(metadata.kv_dtype)
         if paged is not None:
             self.bind(paged)
 
-    def _make_token_db(self, kv_dtype: str) -> None:
+    def _make_chunker(self, kv_dtype: str) -> None:
         m = self.metadata
         template = CacheKey(
             self.config.model_name or m.model_name,
@@ -112,7 +112,7 @@ class CacheEngine:
             None,
             m.tags,
         )
-        self.token_db = ChunkedTokenDatabase(self.config.chunk_size, self.hasher, template)
+        self.chunker = Chunker(self.config.chunk_size, self.hasher, template)
 
     def bind(self, paged: PagedKV) -> None:
         """Attach the engine's KV cache.
@@ -125,21 +125,21 @@ class CacheEngine:
             raise ValueError(
                 f"KV cache dtype {kv_dtype} differs from metadata.kv_dtype={self.metadata.kv_dtype}"
             )
-        self.connector = PagedKVConnector(paged, self.config.kernel_backend)
-        if self.token_db is None:
-            self._make_token_db(kv_dtype)
+        self.paged_io = PagedIO(paged, self.config.kernel_backend)
+        if self.chunker is None:
+            self._make_chunker(kv_dtype)
 
-    def _require_token_db(self) -> ChunkedTokenDatabase:
-        if self.token_db is None:
+    def _require_chunker(self) -> Chunker:
+        if self.chunker is None:
             raise RuntimeError(
                 "CacheEngine does not know the KV dtype: give metadata.kv_dtype or bind(paged)"
             )
-        return self.token_db
+        return self.chunker
 
-    def _require_bound(self) -> tuple[PagedKVConnector, ChunkedTokenDatabase]:
-        if self.connector is None:
+    def _require_bound(self) -> tuple[PagedIO, Chunker]:
+        if self.paged_io is None:
             raise RuntimeError("CacheEngine has no KV cache bound: call bind(paged) first")
-        return self.connector, self._require_token_db()
+        return self.paged_io, self._require_chunker()
 
     @staticmethod
     def _slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -151,7 +151,7 @@ class CacheEngine:
         return slot_mapping.to(torch.int64)
 
     def _chunks(self, tokens: TokenIds, mask: Mask, extras: RequestExtras | None) -> list[Chunk]:
-        return self._require_token_db().chunks(
+        return self._require_chunker().chunks(
             tokens, mask, extras, include_partial=self.config.save_unfull_chunk
         )
 
@@ -182,7 +182,7 @@ class CacheEngine:
         return self.store_chunks(self._chunks(tokens, mask, extras), slot_mapping)
 
     def store_chunks(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> StoreResult:
-        """``store`` for chunks named elsewhere (``token_db.chunks_from_hashes``).
+        """``store`` for chunks named elsewhere (``chunker.chunks_from_hashes``).
 
         ``slot_mapping[t]`` is the engine slot of token ``t`` (absolute position).
         """
@@ -196,8 +196,8 @@ class CacheEngine:
         The buffers are filled by ``gather`` (all layers, or one layer at a time while the
         engine computes the next) and published by ``commit``; ``abort`` drops them.
         """
-        connector, _ = self._require_bound()
-        return StoreTransfer(self, connector, list(chunks), slot_mapping)
+        paged_io, _ = self._require_bound()
+        return StoreTransfer(self, paged_io, list(chunks), slot_mapping)
 
     # -- retrieve --------------------------------------------------------------------
 
@@ -222,8 +222,8 @@ class CacheEngine:
             ``n`` such that ``tokens[:n]`` are now in the engine's cache (the masked
             prefix counts as present); loading stops at the first chunk no tier has.
         """
-        token_db = self._require_token_db()
-        skipped = token_db.masked_prefix(mask, len(tokens))
+        chunker = self._require_chunker()
+        skipped = chunker.masked_prefix(mask, len(tokens))
         chunks = self._chunks(tokens, mask, extras)
         self.stats.inc(Counter.REQUESTED_TOKENS, len(tokens) - skipped)
         filled = self.retrieve_chunks(chunks, slot_mapping, count_requested=False)
@@ -248,8 +248,8 @@ class CacheEngine:
     ) -> RetrieveTransfer:
         """Phase one of a load: fetch and verify the longest run of ``chunks`` the tiers
         hold (held until ``close``); ``scatter`` then writes them into the engine."""
-        connector, _ = self._require_bound()
-        return RetrieveTransfer(self, connector, list(chunks), slot_mapping)
+        paged_io, _ = self._require_bound()
+        return RetrieveTransfer(self, paged_io, list(chunks), slot_mapping)
 
     # -- lookup ----------------------------------------------------------------------
 
@@ -272,8 +272,8 @@ class CacheEngine:
         the lookup socket) both end here. It counts nothing: ``lookup`` counts its own
         calls, and in vLLM the scheduler counts once for all ranks.
         """
-        token_db = self._require_token_db()
-        return self._held_prefix([token_db.key(h) for h in hashes])
+        chunker = self._require_chunker()
+        return self._held_prefix([chunker.key(h) for h in hashes])
 
     def _held_prefix(self, keys: list[CacheKey]) -> int:
         return self.storage.lookup_prefix(keys, prefetch=True)
@@ -284,7 +284,7 @@ class CacheEngine:
         """The chunks named by ``hashes`` (chunk ``first_chunk`` onwards), the last one ending
         at token ``end`` at most: what ``begin_store`` / ``begin_retrieve`` take when the
         tokens were hashed elsewhere (vLLM's scheduler)."""
-        return self._require_token_db().chunks_from_hashes(first_chunk, list(hashes), end)
+        return self._require_chunker().chunks_from_hashes(first_chunk, list(hashes), end)
 
     def chunk_keys(self, tokens: TokenIds, extras: RequestExtras | None = None) -> list[CacheKey]:
         """The storage key of each chunk of ``tokens`` (whole chunks, plus a partial last
@@ -338,12 +338,12 @@ class StoreTransfer:
     def __init__(
         self,
         engine: CacheEngine,
-        connector: PagedKVConnector,
+        paged_io: PagedIO,
         chunks: list[Chunk],
         slot_mapping: torch.Tensor,
     ):
         self.engine = engine
-        self.connector = connector
+        self.paged_io = paged_io
         self.result = StoreResult()
         self._busy = 0.0
         started = time.perf_counter()
@@ -359,7 +359,7 @@ class StoreTransfer:
             chunk_slots = slots[chunk.start : chunk.end]
             if bool((chunk_slots < 0).any()):
                 break
-            obj = storage.allocate(connector.chunk_shape(chunk.num_tokens), connector.dtype)
+            obj = storage.allocate(paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype)
             if obj is None:
                 self.result.skipped_no_memory = sum(
                     1 for c in chunks if c.index >= chunk.index and not storage.contains(c.key)
@@ -378,7 +378,7 @@ class StoreTransfer:
         started = time.perf_counter()
         for _, obj, chunk_slots in self._staged:
             part, layers = _layer_part(obj, layer)
-            self.connector.from_engine(part, chunk_slots, layers)
+            self.paged_io.from_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
     def commit(self) -> StoreResult:
@@ -386,7 +386,7 @@ class StoreTransfer:
         started = time.perf_counter()
         engine, result = self.engine, self.result
         try:
-            self.connector.stores_done()  # the gathers have landed: read, publish, release
+            self.paged_io.stores_done()  # the gathers have landed: read, publish, release
             for chunk, obj, _ in self._staged:
                 if engine.checked.put(chunk.key, obj):
                     result.stored_chunks += 1
@@ -408,7 +408,7 @@ class StoreTransfer:
 
     def abort(self) -> None:
         """Drop the staged buffers without storing anything."""
-        self.connector.stores_done()  # no gather may still write a released buffer
+        self.paged_io.stores_done()  # no gather may still write a released buffer
         self._release()
 
     def _release(self) -> None:
@@ -431,12 +431,12 @@ class RetrieveTransfer:
     def __init__(
         self,
         engine: CacheEngine,
-        connector: PagedKVConnector,
+        paged_io: PagedIO,
         chunks: list[Chunk],
         slot_mapping: torch.Tensor,
     ):
         self.engine = engine
-        self.connector = connector
+        self.paged_io = paged_io
         started = time.perf_counter()
         self.end = chunks[0].start if chunks else 0
         self._held: list[tuple[Chunk, MemoryObj]] = []
@@ -450,7 +450,7 @@ class RetrieveTransfer:
             elif not usable:
                 obj.ref_down()  # after a gap: not loadable, the engine needs a prefix
             elif not engine.checked.accept(
-                chunk.key, obj, connector.chunk_shape(chunk.num_tokens), connector.dtype
+                chunk.key, obj, paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype
             ):
                 obj.ref_down()
                 usable = False
@@ -469,7 +469,7 @@ class RetrieveTransfer:
         for chunk, obj in self._held:
             chunk_slots = self._slots[chunk.start : chunk.end]
             part, layers = _layer_part(obj, layer)
-            self.connector.to_engine(part, chunk_slots, layers)
+            self.paged_io.to_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
     def close(self) -> None:
@@ -478,7 +478,7 @@ class RetrieveTransfer:
             return
         loaded = sum(obj.data_nbytes for _, obj in self._held)
         hit_tokens = sum(chunk.num_tokens for chunk, _ in self._held)
-        self.connector.loads_done()  # no scatter may still read a released buffer
+        self.paged_io.loads_done()  # no scatter may still read a released buffer
         for _, obj in self._held:
             obj.ref_down()
         self._held = None

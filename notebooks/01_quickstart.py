@@ -38,8 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.metrics import Counter
-from kvtier.prometheus import serve_engine_metrics
+from kvtier.observability.prometheus import serve_engine_metrics
+from kvtier.observability.stats import Counter
 from kvtier_kernels import PagedKV
 
 # %% [markdown]

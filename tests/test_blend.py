@@ -19,12 +19,12 @@ from kvtier.blend import (
 )
 from kvtier.blend.hf import HFDecoder
 from kvtier.blend.segments import Segment, SegmentStore, segment_hash, split_segments
+from kvtier.chunker import RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.storage.manager import StorageManager
-from kvtier.token_db import RequestExtras
 
 pytest.importorskip("transformers")
 

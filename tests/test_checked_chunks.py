@@ -9,7 +9,7 @@ import torch
 from support.tiers import CHUNK_SHAPE, key
 
 from kvtier.config import load_config
-from kvtier.metrics import Counter, Stats
+from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes

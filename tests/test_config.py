@@ -358,7 +358,7 @@ def test_lookup_timeout_is_validated() -> None:
 
 def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path) -> None:
     from kvtier.engine import CacheEngine, EngineMetadata
-    from kvtier.gpu_connector import use_tuning_dir
+    from kvtier.paged_io import use_tuning_dir
     from kvtier_kernels.tuning import lookup as tuning_lookup
 
     env_dir, config_dir = tmp_path / "env", tmp_path / "config"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.keys import CacheKey
-from kvtier.metrics import Counter, Stats
+from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.cpu import LocalCPUTier
 
 SHAPE = (2, 2, 4, 32)  # 512 fp32 elements = 2 KiB per object

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.tiers import CHUNK_SHAPE, counter, fill, key, make_pool, make_tier
 
-from kvtier.metrics import Counter, Stats, TierCounter
+from kvtier.observability.stats import Counter, Stats, TierCounter
 from kvtier.storage import wire
 from kvtier.storage.disk import DirectRead
 from kvtier.storage.serde import tensor_bytes

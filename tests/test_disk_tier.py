@@ -17,7 +17,7 @@ import pytest
 import torch
 from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
 
-from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import files, wire
 from kvtier.storage.disk import SUFFIX, FileTier
 from kvtier.storage.serde import tensor_bytes
@@ -271,7 +271,7 @@ WRITER = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from support.tiers import fill, key, make_pool
-    from kvtier.metrics import Stats
+    from kvtier.observability.stats import Stats
     from kvtier.storage.disk import FileTier
     from kvtier.storage.serde import NaiveSerde
     tier = FileTier({root!r}, capacity_bytes=1 << 30, serde=NaiveSerde(), stats=Stats(),
@@ -314,7 +314,7 @@ ENDLESS_WRITER = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from support.tiers import fill, key, make_pool
-    from kvtier.metrics import Stats
+    from kvtier.observability.stats import Stats
     from kvtier.storage.disk import FileTier
     from kvtier.storage.serde import NaiveSerde
     tier = FileTier({root!r}, capacity_bytes=1 << 30, serde=NaiveSerde(), stats=Stats(),

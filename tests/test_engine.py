@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.chunker import RequestExtras
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.metrics import Counter
-from kvtier.token_db import RequestExtras
+from kvtier.observability.stats import Counter
 from kvtier_kernels import PagedKV
 
 
@@ -44,7 +44,7 @@ def make_engine(
 
 def kv_at(engine: CacheEngine, slots: torch.Tensor) -> torch.Tensor:
     """[layers, kv, tokens, heads, head_size] of the given slots, as raw bits."""
-    paged = engine.connector.paged
+    paged = engine.paged_io.paged
     blocks, offsets = slots // paged.block_size, slots % paged.block_size
     rows = torch.stack([paged.layer_view(i)[:, blocks, offsets] for i in range(paged.num_layers)])
     return (
@@ -73,16 +73,16 @@ def test_store_evict_retrieve_bit_exact(layout, num_tokens):
     mla = layout == "mla"
     engine = make_engine(layout, num_heads=1 if mla else 2, head_size=576 if mla else 8)
     tokens = torch.arange(100, 100 + num_tokens)
-    src = torch.randperm(engine.connector.paged.num_slots)[:num_tokens]
+    src = torch.randperm(engine.paged_io.paged.num_slots)[:num_tokens]
     reference = kv_at(engine, src)
     result = engine.store(tokens, slot_mapping=src)
     full = num_tokens // 8 * 8
     assert (result.stored_chunks, result.stored_tokens) == (num_tokens // 8, full)
     assert result.stored_bytes == reference[:, :, :full].numel() * 2  # bf16
     # the engine forgets: overwrite the source pages
-    for t in engine.connector.paged.tensors:
+    for t in engine.paged_io.paged.tensors:
         t.zero_()
-    dst = torch.randperm(engine.connector.paged.num_slots)[:num_tokens]
+    dst = torch.randperm(engine.paged_io.paged.num_slots)[:num_tokens]
     assert engine.lookup(tokens) == full
     assert engine.retrieve(tokens, slot_mapping=dst) == full
     assert_kv_equal(engine, dst[:full], reference[:, :, :full], "retrieved prefix")
@@ -96,7 +96,7 @@ def test_evicted_middle_chunk_stops_retrieval_there():
     src = torch.arange(40)
     reference = kv_at(engine, src)
     engine.store(tokens, slot_mapping=src)
-    chunks = engine.token_db.chunks(tokens)
+    chunks = engine.chunker.chunks(tokens)
     assert engine.storage.remove(chunks[2].key)
     dst = torch.arange(100, 140)
     before = kv_at(engine, dst)
@@ -211,7 +211,7 @@ def test_errors_name_the_problem():
         unbound.lookup(torch.arange(8))
     with pytest.raises(ValueError, match=r"differs from metadata\.kv_dtype"):
         CacheEngine(
-            load_config(env={}), EngineMetadata("m", kv_dtype="float16"), engine.connector.paged
+            load_config(env={}), EngineMetadata("m", kv_dtype="float16"), engine.paged_io.paged
         )
 
 
@@ -229,11 +229,11 @@ def test_property_retrieve_returns_longest_stored_prefix(
     engine = make_engine(chunk_size=chunk_size, save_unfull_chunk=partial, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 50, (num_tokens,), generator=gen)
-    num_slots = engine.connector.paged.num_slots
+    num_slots = engine.paged_io.paged.num_slots
     src = torch.randperm(num_slots, generator=gen)[:num_tokens]
     reference = kv_at(engine, src)
     engine.store(tokens, slot_mapping=src)
-    chunks = engine.token_db.chunks(tokens, include_partial=partial)
+    chunks = engine.chunker.chunks(tokens, include_partial=partial)
     expected = chunks[-1].end if chunks else 0
     if removed is not None and removed < len(chunks):
         engine.storage.remove(chunks[removed].key)
@@ -255,7 +255,7 @@ def test_engine_through_triton_interpreter_matches_torch(layout):
     dst = torch.arange(40, 56)
     for engine in (torch_engine, triton_engine):
         engine.store(tokens, slot_mapping=src)
-        for t in engine.connector.paged.tensors:
+        for t in engine.paged_io.paged.tensors:
             t.zero_()
         assert engine.retrieve(tokens, slot_mapping=dst) == 16
     assert torch.equal(kv_at(torch_engine, dst), kv_at(triton_engine, dst))

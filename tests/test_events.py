@@ -29,11 +29,11 @@ from test_vllm_worker_side import run_step
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.events import CLEARED, REMOVED, STORED, TierEvent, TierEventLog
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.integration.vllm.worker import WorkerSide
 from kvtier.keys import CacheKey
-from kvtier.metrics import Counter, Stats
+from kvtier.observability.stats import Counter, Stats
+from kvtier.observability.tier_events import CLEARED, REMOVED, STORED, TierEvent, TierEventLog
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier_kernels import PagedKV
 
@@ -126,7 +126,7 @@ class ReadableCheckingLog(TierEventLog):
 
     def stored(self, tier: str, chunk_hash: bytes) -> None:
         assert self.engine is not None
-        key = self.engine.token_db.key(chunk_hash)
+        key = self.engine.chunker.key(chunk_hash)
         obj = self.engine.storage.get(key)
         assert obj is not None, "stored was recorded before the chunk became readable"
         obj.ref_down()
@@ -139,9 +139,9 @@ def test_engine_records_each_new_chunk_once_its_store_committed():
     engine = CacheEngine(config, EngineMetadata("test-model"), make_paged(), events=log)
     log.engine = engine
     tokens = torch.tensor(tokens_of(40, seed=1))
-    hashes = engine.token_db.chunk_hashes(tokens)
+    hashes = engine.chunker.chunk_hashes(tokens)
 
-    transfer = engine.begin_store(engine.token_db.chunks(tokens), torch.arange(40))
+    transfer = engine.begin_store(engine.chunker.chunks(tokens), torch.arange(40))
     transfer.gather()
     assert log.drain() == []  # staged and copied, not yet readable: nothing to announce
     assert transfer.commit().stored_chunks == 5
@@ -149,7 +149,7 @@ def test_engine_records_each_new_chunk_once_its_store_committed():
 
     engine.store(tokens, slot_mapping=torch.arange(40))  # all held already
     other = torch.tensor(tokens_of(16, seed=2))
-    aborted = engine.begin_store(engine.token_db.chunks(other), torch.arange(16))
+    aborted = engine.begin_store(engine.chunker.chunks(other), torch.arange(16))
     aborted.gather()
     aborted.abort()
     assert log.drain() == []
@@ -183,7 +183,7 @@ def ev() -> SimpleNamespace:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvtier.integration.vllm import events
+    from kvtier.integration.vllm import kv_events as events
 
     init_none_hash(sha256)
 
@@ -400,9 +400,7 @@ def make_worker(rank: int = 0, world: int = 1, **overrides: Any) -> WorkerSide:
 def make_scheduler(ev, workers: list[WorkerSide]):
     def lookup(hashes: list[bytes]) -> int:
         return min(
-            w.engine.storage.lookup_prefix(
-                [w.engine.token_db.key(h) for h in hashes], prefetch=True
-            )
+            w.engine.storage.lookup_prefix([w.engine.chunker.key(h) for h in hashes], prefetch=True)
             for w in workers
         )
 
@@ -464,14 +462,14 @@ def test_one_rank_losing_a_chunk_withdraws_it(ev):
         a = ev.request("a", tokens_of(24, seed=9))
         serve(side, workers[:1], a, list(range(10, 16)))  # rank 1's pool took nothing
         assert ev.ship(tracker, workers) == []
-        hashes = workers[0].engine.token_db.chunk_hashes(list(a.all_token_ids))
+        hashes = workers[0].engine.chunker.chunk_hashes(list(a.all_token_ids))
         rank1 = workers[1].engine
-        rank1.store_chunks(rank1.token_db.chunks_from_hashes(0, hashes, 24), torch.arange(40, 64))
+        rank1.store_chunks(rank1.chunker.chunks_from_hashes(0, hashes, 24), torch.arange(40, 64))
         assert len(ev.ship(tracker, workers)) == 3  # now both hold all three
-        workers[1].engine.storage.remove(workers[1].engine.token_db.key(hashes[1]))
+        workers[1].engine.storage.remove(workers[1].engine.chunker.key(hashes[1]))
         (event,) = ev.ship(tracker, workers)
         assert_removed(ev, event, [(a, range(2, 4))])
-        assert workers[0].engine.storage.contains(workers[0].engine.token_db.key(hashes[1]))
+        assert workers[0].engine.storage.contains(workers[0].engine.chunker.key(hashes[1]))
     finally:
         for worker in workers:
             worker.shutdown()
@@ -489,9 +487,9 @@ def test_a_chunk_copied_up_from_disk_is_announced_from_the_lookup_hit(ev, tmp_pa
         stored = ev.ship(tracker, [worker])  # in memory, and on the local disk
         assert sorted(e.medium for e in stored) == ["CPU"] * 3 + ["STORAGE"] * 3
         assert {e.locality for e in stored} == {"LOCAL"}
-        hashes = worker.engine.token_db.chunk_hashes(list(a.all_token_ids))
+        hashes = worker.engine.chunker.chunk_hashes(list(a.all_token_ids))
         for h in hashes:
-            worker.engine.storage.cpu.remove(worker.engine.token_db.key(h))
+            worker.engine.storage.cpu.remove(worker.engine.chunker.key(h))
         withdrawn = ev.ship(tracker, [worker])  # from memory only: the disk keeps them
         assert [e.medium for e in withdrawn] == ["CPU"] * 3
 
@@ -500,9 +498,7 @@ def test_a_chunk_copied_up_from_disk_is_announced_from_the_lookup_hit(ev, tmp_pa
         matched, _ = side.get_num_new_matched_tokens(again, 0)
         assert matched == 23  # the hit, up to the last token
         deadline = time.monotonic() + 10
-        while not all(
-            worker.engine.storage.contains(worker.engine.token_db.key(h)) for h in hashes
-        ):
+        while not all(worker.engine.storage.contains(worker.engine.chunker.key(h)) for h in hashes):
             assert time.monotonic() < deadline, "prefetch into the CPU tier did not finish"
             time.sleep(0.01)
         events = ev.ship(tracker, [worker])

@@ -35,14 +35,14 @@ def test_sha256_cbor_chunk_hashes_equal_vllms_own_function_byte_for_byte():
     kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
     from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
 
+    from kvtier.chunker import Chunker
     from kvtier.keys import CacheKey
-    from kvtier.token_db import ChunkedTokenDatabase
 
     kv_cache_utils.init_none_hash(vllm_sha256_cbor)
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 200_000, 4096)
     tokens[:40] = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, *range(30)]
-    db = ChunkedTokenDatabase(256, ChunkHasher("sha256_cbor"), CacheKey("m", 1, 0, "bf16", b""))
+    db = Chunker(256, ChunkHasher("sha256_cbor"), CacheKey("m", 1, 0, "bf16", b""))
     ours = db.chunk_hashes(torch.from_numpy(tokens))
     parent, theirs = kv_cache_utils.NONE_HASH, []
     as_list = tokens.tolist()

@@ -104,7 +104,7 @@ def test_the_cache_engine_stores_and_loads_bit_exactly(venv_without_triton):
             t.view(torch.int16).random_(-(2**15), 2**15)
         config = load_config({"max_local_cpu_size": 0.05, "chunk_size": 64}, env={})
         engine = CacheEngine(config, EngineMetadata("m"), paged)
-        assert engine.connector.backend in ("auto", "torch")
+        assert engine.paged_io.backend in ("auto", "torch")
         tokens = torch.arange(256)
         engine.store(tokens, slot_mapping=torch.arange(256))
         loaded = engine.retrieve(tokens, slot_mapping=torch.arange(1024, 1280))

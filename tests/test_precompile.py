@@ -20,7 +20,7 @@ import torch
 from kvtier.cli import main
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.precompile import engine_ops, nothing_to_compile, numba_ops, start_background
+from kvtier.warmup import engine_ops, nothing_to_compile, numba_ops, start_background
 from kvtier_kernels import PagedKV, gather
 from kvtier_kernels._launch import compile_only
 from kvtier_kernels.paged import copy as paged_copy
@@ -178,7 +178,7 @@ def test_engine_ops_follow_the_config() -> None:
 
 
 def test_the_connector_key_compiles_in_a_background_thread(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="kvtier.precompile")
+    caplog.set_level(logging.INFO, logger="kvtier.warmup")
     paged = small_cache()
     before = bits(paged)
     off = load_config({"chunk_size": 4, "kernel_backend": "interpret"}, env={})
@@ -241,7 +241,7 @@ def test_the_command_warms_numba_kernels_on_a_cpu(capsys, monkeypatch) -> None:
 
 @needs_cpu_numba
 def test_the_connector_key_warms_numba_kernels_in_a_background_thread(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="kvtier.precompile")
+    caplog.set_level(logging.INFO, logger="kvtier.warmup")
     config = load_config({"precompile_kernels": True, "remote_serde": "cachegen"}, env={})
     assert numba_ops(config) == ("cachegen",)
     paged = small_cache()

@@ -11,8 +11,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from test_engine import make_engine
 
-from kvtier.metrics import Stats
-from kvtier.prometheus import MetricsServer, export, serve_engine_metrics
+from kvtier.observability.prometheus import MetricsServer, export, serve_engine_metrics
+from kvtier.observability.stats import Stats
 
 LAYERS, HEADS, HEAD, CHUNK = 3, 2, 8, 8  # test_engine.make_engine's defaults
 CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * HEAD * 2  # K and V planes, bf16

@@ -25,9 +25,9 @@ from support.tiers import (
 
 from kvtier.config import ConfigError, load_config
 from kvtier.config.remote import REMOTE_SCHEMES
-from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
-from kvtier.storage import remotes, wire
-from kvtier.storage.backend import join_parts
+from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage import schemes, wire
+from kvtier.storage.blob_store import join_parts
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde
 
@@ -309,10 +309,10 @@ def test_s3_killed_and_restarted_mid_run(s3, pool):
 # -- the registry of remote stores ---------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", remotes.remote_schemes())
+@pytest.mark.parametrize("scheme", schemes.remote_schemes())
 def test_every_registered_scheme_opens_through_its_module(scheme):
-    assert remotes.scheme_of(f"{scheme.upper()}://somewhere").name == scheme
-    assert callable(remotes.load_module(f"{scheme}://somewhere").open_remote)
+    assert schemes.scheme_of(f"{scheme.upper()}://somewhere").name == scheme
+    assert callable(schemes.load_module(f"{scheme}://somewhere").open_remote)
 
 
 def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
@@ -320,36 +320,36 @@ def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
 
     for scheme in ("redis", "rediss", "redis-cluster", "rediss-cluster", "valkeys-cluster"):
         url = f"{scheme}://h:6379"
-        assert remotes.scheme_of(url) is not None, scheme
+        assert schemes.scheme_of(url) is not None, scheme
         assert load_config({"remote_url": url}, env={}).remote_url == url
         parse_url(url)  # and the store's own parser takes it
 
 
 def test_the_config_takes_exactly_the_registered_schemes():
-    for scheme in remotes.remote_schemes():
+    for scheme in schemes.remote_schemes():
         assert load_config({"remote_url": f"{scheme}://h/x"}, env={}).remote_url
-    allowed = "expected a URL with scheme " + ", ".join(remotes.remote_schemes())
+    allowed = "expected a URL with scheme " + ", ".join(schemes.remote_schemes())
     for url in ("memcached://localhost:11211", "redis:/h", "localhost:6379"):
         with pytest.raises(ConfigError, match=allowed):
             load_config({"remote_url": url}, env={})
     with pytest.raises(ValueError, match=allowed):
-        remotes.load_module("memcached://localhost:11211")
+        schemes.load_module("memcached://localhost:11211")
 
 
 def test_the_registry_covers_exactly_the_declared_schemes():
-    assert remotes.remote_schemes() == REMOTE_SCHEMES
+    assert schemes.remote_schemes() == REMOTE_SCHEMES
 
 
 def test_a_missing_client_library_names_its_pip_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "kvtier.storage.s3_store")
     monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now fails
     with pytest.raises(ValueError, match=r"\(boto3\): pip install 'kvtier\[s3\]'"):
-        remotes.load_module("s3://bucket/prefix")
+        schemes.load_module("s3://bucket/prefix")
 
 
 def test_a_scheme_is_registered_once():
     with pytest.raises(ValueError, match="'redis' is registered already"):
-        remotes.register("Redis", "kvtier.storage.elsewhere")
+        schemes.register("Redis", "kvtier.storage.elsewhere")
 
 
 @pytest.mark.parametrize(
@@ -363,4 +363,4 @@ def test_a_scheme_is_registered_once():
     ],
 )
 def test_redact_url_hides_only_the_password(url, shown):
-    assert remotes.redact_url(url) == shown
+    assert schemes.redact_url(url) == shown

@@ -16,7 +16,7 @@ pytest.importorskip("moto")
 from support.s3_server import S3Server, free_port, isolate_aws_environment
 
 from kvtier.keys import CacheKey
-from kvtier.storage.backend import BlobStore, StoreUnavailable
+from kvtier.storage.blob_store import BlobStore, StoreUnavailable
 from kvtier.storage.s3_store import S3Store, _pieces, parse_s3_url
 
 pytestmark = pytest.mark.s3

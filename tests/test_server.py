@@ -25,10 +25,10 @@ from support.tiers import (
 )
 
 from kvtier.config import load_config
-from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.storage import node_protocol as protocol
-from kvtier.storage import remotes
-from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage import schemes
+from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.node_protocol import Op
 from kvtier.storage.node_store import KVTierStore, parse_server_url
 
@@ -83,7 +83,7 @@ def test_models_do_not_see_each_other(server, pool):
 def test_lm_and_kvtier_urls_are_accepted_and_parsed():
     for url in ("kvtier://127.0.0.1:65432", "lm://localhost:65432", "KVTIER://[::1]:7000"):
         assert load_config({"remote_url": url}, env={}).remote_url == url
-        assert remotes.load_module(url).__name__ == "kvtier.storage.node_store"
+        assert schemes.load_module(url).__name__ == "kvtier.storage.node_store"
     assert parse_server_url("lm://localhost:65432") == ("localhost", 65432)
     assert parse_server_url("kvtier://[::1]:7000/") == ("::1", 7000)
     for bad in ("kvtier://host", "kvtier://:80", "kvtier://h:1/path", "kvtier://h:99999"):

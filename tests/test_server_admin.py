@@ -15,10 +15,10 @@ import urllib.request
 import pytest
 from support.kvtier_server import KVTierServerProcess, free_port
 
+from kvtier.chunker import Chunker, RequestExtras
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.server.admin import MAX_BODY_BYTES, AdminHooks, AdminServer
-from kvtier.token_db import ChunkedTokenDatabase, RequestExtras
 
 MODEL = "org/Llama-3 8B"  # a name that needs percent-encoding
 CHUNK = 16
@@ -26,7 +26,7 @@ CHUNK = 16
 
 def chunk_hashes(tokens, *, chunk_size=CHUNK, algorithm="sha256_cbor", salt=None, seed=None):
     hasher = ChunkHasher(algorithm) if seed is None else ChunkHasher(algorithm, seed)
-    db = ChunkedTokenDatabase(chunk_size, hasher, CacheKey("x", 1, 0, "x", b""))
+    db = Chunker(chunk_size, hasher, CacheKey("x", 1, 0, "x", b""))
     return db.chunk_hashes(tokens, RequestExtras(cache_salt=salt), include_partial=True)
 
 

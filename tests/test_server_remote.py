@@ -9,7 +9,7 @@ import time
 
 from support.tiers import FlakyStore, wait_until
 
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.server.cache import RemoteBlobs
 
 RECONNECT_MAX_S = 0.2

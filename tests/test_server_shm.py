@@ -18,11 +18,11 @@ import pytest
 from support.kvtier_server import KVTierServerProcess
 from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
 
-from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.server.blobs import MemoryBlobs
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
-from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.node_protocol import Op
 from kvtier.storage.node_store import KVTierStore, parse_server_address
 

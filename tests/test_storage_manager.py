@@ -15,9 +15,9 @@ from support.tiers import FlakyStore, fill, key, make_pool, same_bytes
 from test_engine import assert_kv_equal, kv_at, make_engine
 
 from kvtier.config import load_config
-from kvtier.metrics import Counter, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
-from kvtier.storage.backend import join_parts
+from kvtier.storage.blob_store import join_parts
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.remote import RemoteTier
 from kvtier.storage.serde import NaiveSerde
@@ -66,7 +66,7 @@ def test_prefix_spans_tiers_and_lower_hits_are_written_back(tmp_path):
     reference = kv_at(engine, src)
     engine.store(tokens, slot_mapping=src)
     assert engine.storage.flush(30)
-    chunks = engine.token_db.chunks(tokens)
+    chunks = engine.chunker.chunks(tokens)
     for chunk in chunks[2:]:
         engine.storage.cpu.remove(chunk.key)  # CPU keeps chunks 0-1, the disk has all 5
     assert engine.storage.cpu.prefix_length([c.key for c in chunks]) == 2
@@ -85,7 +85,7 @@ def test_lookup_prefetches_lower_tier_chunks_into_memory(tmp_path):
     first.close()
     second = make_engine(local_disk=str(tmp_path))
     assert second.lookup(tokens) == 32
-    keys = [c.key for c in second.token_db.chunks(tokens)]
+    keys = [c.key for c in second.chunker.chunks(tokens)]
     deadline = time.monotonic() + 10
     while second.storage.cpu.prefix_length(keys) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -338,7 +338,7 @@ def test_shared_filesystem_url_needs_an_absolute_path(url):
 def test_cachegen_on_disk_loads_close_to_what_was_stored(tmp_path):
     first = make_engine(local_disk=str(tmp_path), remote_serde="cachegen", seed=0)
     tokens, src = torch.arange(40), torch.arange(40)
-    paged = first.connector.paged
+    paged = first.paged_io.paged
     reference = torch.stack([paged.layer_view(i)[:, src // 4, src % 4] for i in range(3)])
     first.store(tokens, slot_mapping=src)
     first.close()
@@ -353,7 +353,7 @@ def test_cachegen_on_disk_loads_close_to_what_was_stored(tmp_path):
     second = make_engine(local_disk=str(tmp_path), seed=1)  # reads whatever codec was used
     dst = torch.arange(100, 140)
     assert second.retrieve(tokens, slot_mapping=dst) == 40
-    paged = second.connector.paged
+    paged = second.paged_io.paged
     got = torch.stack([paged.layer_view(i)[:, dst // 4, dst % 4] for i in range(3)])
     # per token, the error is bounded by its absmax over the layer's K (or V) channels
     want = reference.float()

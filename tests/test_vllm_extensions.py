@@ -166,7 +166,7 @@ def test_worker_runs_extension_specs_around_the_forward_pass() -> None:
         )
         assert recorder.rank is not None and recorder.rank.engine is worker.engine
         assert recorder.rank.backend == "FLASH_ATTN"
-        hashes = worker.engine.token_db.chunk_hashes(torch.arange(16))
+        hashes = worker.engine.chunker.chunk_hashes(torch.arange(16))
         plan = StepPlan(
             saves=[SaveSpec("r", 0, hashes, 16, [0, 1, 2, 3])],
             extensions={"recorder": ["spec"], "other": ["not mine"]},

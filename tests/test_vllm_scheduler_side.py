@@ -3,7 +3,7 @@
 ``SchedulerSide`` duck-types vLLM's ``Request`` and ``SchedulerOutput``; the fakes below
 carry exactly the attributes it reads. The lookup is a real set of chunk hashes the test
 controls, and every hash the planner emits is cross-checked against an independent
-computation (``ChunkedTokenDatabase.chunk_hashes``).
+computation (``Chunker.chunk_hashes``).
 
     token  0     64    128   192  200         (chunk_size 64, a 200-token prompt)
            |  c0 |  c1 |  c2 | c3 |
@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.config import KVTierConfig, load_config
 from kvtier.hashing import ChunkHasher
 from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan
 from kvtier.integration.vllm.facts import request_extras
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.keys import CacheKey
-from kvtier.token_db import ChunkedTokenDatabase, MultiModalSpan, RequestExtras
 
 CHUNK = 64
 BLOCK = 16
@@ -175,7 +175,7 @@ def expected_hashes(
     partial: bool = False,
 ) -> list[bytes]:
     """Chunk hashes computed by the token database, independently of the scheduler."""
-    db = ChunkedTokenDatabase(
+    db = Chunker(
         config.chunk_size,
         ChunkHasher(config.hash_algorithm, config.hash_seed),
         CacheKey("test-model", 1, 0, "bfloat16", b""),

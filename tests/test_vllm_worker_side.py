@@ -28,7 +28,7 @@ from kvtier.integration.vllm.facts import detect_paged_kv
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.integration.vllm.worker import WorkerSide
-from kvtier.metrics import Counter
+from kvtier.observability.stats import Counter
 from kvtier_kernels import LayoutError, PagedKV
 
 NUM_LAYERS = 3
@@ -104,7 +104,7 @@ def make_worker() -> Iterator:
 
 def chunk_hashes(worker: WorkerSide, num_tokens: int = NUM_TOKENS, seed: int = 0) -> list[bytes]:
     tokens = torch.arange(seed * 1000, seed * 1000 + num_tokens)
-    return worker.engine.token_db.chunk_hashes(tokens)
+    return worker.engine.chunker.chunk_hashes(tokens)
 
 
 def blocks_kv(paged: PagedKV, blocks: list[int]) -> list[torch.Tensor]:
@@ -332,7 +332,7 @@ def test_missing_chunk_loads_the_prefix_and_reports_the_rest(
     hashes = chunk_hashes(worker)
     expected = blocks_kv(paged, SRC)
     save_prompt(worker, hashes)
-    assert worker.engine.storage.remove(worker.engine.token_db.key(hashes[1]))
+    assert worker.engine.storage.remove(worker.engine.chunker.key(hashes[1]))
     zero_cache(paged)
     load(worker, mode, hashes[:num_chunks], end=num_chunks * CHUNK)
     assert_blocks_hold(paged, DST[:2], [e[:, :2] for e in expected], "chunk 0")
@@ -384,7 +384,7 @@ def test_corrupt_chunk_is_rejected(make_worker, layout, backend, corrupt, mode):
     hashes = chunk_hashes(worker)
     expected = blocks_kv(paged, SRC)
     save_prompt(worker, hashes)
-    key = worker.engine.token_db.key(hashes[corrupt])
+    key = worker.engine.chunker.key(hashes[corrupt])
     obj = worker.engine.storage.cpu.get(key)
     assert obj is not None, f"chunk {corrupt} was not stored"
     try:
@@ -668,7 +668,7 @@ def test_forced_layout_overrides_detection(layout, backend, forced):
 
 def test_forced_layout_from_config(make_worker):
     worker, _ = make_worker("vllm_hnd", "MYSTERY_ATTN", kv_layout="vllm_hnd")
-    assert worker.engine.connector.paged.layout.name == "vllm_hnd"
+    assert worker.engine.paged_io.paged.layout.name == "vllm_hnd"
 
 
 @pytest.mark.parametrize(

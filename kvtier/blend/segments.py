@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.chunker import RequestExtras
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.manager import StorageManager
-from kvtier.token_db import RequestExtras
 
 __all__ = ["Segment", "SegmentStore", "segment_hash", "split_segments"]
 

@@ -76,8 +76,8 @@ class BlendWorking(WorkerExtension):
                 "enable_blending: kvtier could not reach the model from register_kv_caches "
                 "(no model runner with get_model() up the call stack)"
             )
-        assert engine.connector is not None
-        paged = engine.connector.paged
+        assert engine.paged_io is not None
+        paged = engine.paged_io.paged
         world = facts.world_size(self.vllm_config)
         if world > 1 or paged.device.type != "cpu":
             # NOTE: the blend has run only in one CPU worker: refused elsewhere, never
@@ -94,7 +94,7 @@ class BlendWorking(WorkerExtension):
             model,
             PagedTokens(paged, isa),
             engine.storage,
-            engine.token_db.key_template,
+            engine.chunker.key_template,
             rank.stats,
         )
 

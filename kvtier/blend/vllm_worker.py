@@ -36,7 +36,7 @@ from kvtier.config import KVTierConfig
 from kvtier.config.blend import blend_schedule
 from kvtier.integration.vllm.common import slot_mapping
 from kvtier.keys import CacheKey
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.storage.manager import StorageManager
 from kvtier_kernels import LayoutError, PagedKV
 from kvtier_kernels.paged import gather, scatter

@@ -4,7 +4,7 @@ config will launch, into Triton's cache, so its first request does not wait for 
 Run it on the GPU machine, with the same Triton and the same ``TRITON_CACHE_DIR`` as the
 engine: the engine's process loads the kernels from there. Without a GPU there is no
 Triton kernel to compile: it says so and exits 0, after warming what numba compiles on a
-CPU (see :mod:`kvtier.precompile`).
+CPU (see :mod:`kvtier.warmup`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from kvtier.commands.model_shape import add_shape_arguments, shape_from_args
 from kvtier.config import ConfigError, load_config
-from kvtier.precompile import engine_ops, nothing_to_compile, numba_ops
+from kvtier.warmup import engine_ops, nothing_to_compile, numba_ops
 from kvtier_kernels import PagedKV
 from kvtier_kernels.precompile import NUMBA_OPS, WARMABLE_OPS, cache_dir, plan_warmup, warm_numba
 

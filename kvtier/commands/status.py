@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.commands.serve import DEFAULT_PORT
 from kvtier.config import ConfigError, load_config
-from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.node_store import KVTierStore, parse_server_url
 
 HELP = "a running kvtier serve's health, tiers and counters"

@@ -2,7 +2,7 @@
 is shown without its password, and the keys of how a remote is reached (timeouts,
 reconnects, credentials, TLS, the ``kvtier serve`` token, S3).
 
-``REMOTE_SCHEMES`` is the contract; ``kvtier.storage.remotes`` maps each scheme to the
+``REMOTE_SCHEMES`` is the contract; ``kvtier.storage.schemes`` maps each scheme to the
 module that opens it, and a test holds the two to the same schemes.
 """
 

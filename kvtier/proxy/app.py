@@ -4,7 +4,7 @@ instances, on aiohttp (server and one pooled, keep-alive client session).
     POST /v1/completions, /v1/chat/completions   prefill leg, then decode leg (below)
     GET  /v1/models                              forwarded to a decode instance
     GET  /health                                 the proxy's and every instance's state
-    GET  /metrics                                Prometheus text (``metrics.py``)
+    GET  /metrics                                Prometheus text (``counters.py``)
 
 A completion request, in order:
 
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from kvtier.proxy.counters import CONTENT_TYPE, ProxyMetrics, SkipReason
 from kvtier.proxy.instances import Instance, Pool
 from kvtier.proxy.messages import (
     EVENT_STREAM,
@@ -54,7 +55,6 @@ from kvtier.proxy.messages import (
     passed_headers,
     prefill_body,
 )
-from kvtier.proxy.metrics import CONTENT_TYPE, ProxyMetrics, SkipReason
 from kvtier.web import has_bearer_token, start_app
 
 logger = logging.getLogger("kvtier.proxy")

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from kvtier.memory import HostMemoryPool, MemoryObj
-from kvtier.storage.backend import Buffer
+from kvtier.storage.blob_store import Buffer
 from kvtier.storage.files import probe_writable, scan_tree, sharded_path, write_whole
 from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import tensor_bytes

@@ -27,14 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.config import KVTierConfig
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.server.blobs import BlobId, DiskBlobs, MemoryBlobs
 from kvtier.server.lookup import KeyShapes
-from kvtier.storage import remotes
-from kvtier.storage.backend import BlobStore, Buffer
+from kvtier.storage import schemes
+from kvtier.storage.blob_store import BlobStore, Buffer
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remote import RemoteRequest
-from kvtier.storage.remotes import redact_url
+from kvtier.storage.schemes import redact_url
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import BatchQueue
 
@@ -191,7 +191,7 @@ def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
     """
     url = config.remote_url
     assert url is not None
-    module = remotes.load_module(url)
+    module = schemes.load_module(url)
     if not hasattr(module, "open_store"):
         raise ValueError(
             f"--remote-url {redact_url(url)!r}: this scheme is not a blob store a server "

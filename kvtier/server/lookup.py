@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.chunker import Chunker, RequestExtras
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import KEY_FORMAT, CacheKey
 from kvtier.storage.remote import space_of
-from kvtier.token_db import ChunkedTokenDatabase, RequestExtras
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def _hashes_of(
         cache_salt=_field(request, "cache_salt", str, None),
     )
     template = CacheKey("lookup", 1, 0, "any", b"")
-    db = ChunkedTokenDatabase(chunk_size, hasher, template)
+    db = Chunker(chunk_size, hasher, template)
     return db.chunk_hashes(tokens, extras, include_partial=True)
 
 

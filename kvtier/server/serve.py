@@ -14,7 +14,7 @@ import logging
 import signal
 
 from kvtier.config import KVTierConfig
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.server.admin import AdminHooks, AdminServer
 from kvtier.server.cache import BlobCache
 from kvtier.server.lookup import lookup

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.server import shm
 from kvtier.server.cache import BlobCache
 from kvtier.server.shm import ShmRefused

@@ -23,7 +23,7 @@ import torch
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter
+from kvtier.observability.stats import Counter
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import checksum_holds, checksum_of

@@ -8,7 +8,7 @@ NOTE: an object is evictable only while the tier holds the sole reference and it
 pinned. A reader holds a reference (``get`` returns one) and a writer pins; neither can
 lose its object underneath it.
 
-With an event log (``kvtier.events``) the tier records each chunk it starts holding
+With an event log (``kvtier.observability.tier_events``) the tier records each chunk it starts holding
 (after the put, so it is readable), each chunk it stops holding (evicted or removed) and
 each clear, under the tier's lock, so the records follow the order of its contents.
 """
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
-from kvtier.metrics import Counter, Stats
+from kvtier.observability.stats import Counter, Stats
+from kvtier.observability.tier_events import TierEventLog
 from kvtier.storage.policy import make_policy
 
 logger = logging.getLogger(__name__)

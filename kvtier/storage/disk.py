@@ -44,12 +44,12 @@ from typing import TypeVar
 
 import xxhash
 
-from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
+from kvtier.observability.tier_events import TierEventLog
 from kvtier.storage import files, wire
-from kvtier.storage.backend import Buffer
+from kvtier.storage.blob_store import Buffer
 from kvtier.storage.files import SUFFIX, scan_tree, sharded_path
 from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import CorruptObject, Serde

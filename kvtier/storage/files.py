@@ -26,7 +26,7 @@ from typing import BinaryIO, TypeVar
 
 from kvtier.memory import MemoryObj
 from kvtier.storage import wire
-from kvtier.storage.backend import Buffer
+from kvtier.storage.blob_store import Buffer
 from kvtier.storage.serde import CorruptObject, NaiveSerde, Serde, tensor_bytes
 from kvtier.storage.wire import Allocate, ChunkBuffers, Header
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.blob_store import StoreUnavailable
 
 RECONNECT_FIRST_S = 0.1
 

@@ -27,11 +27,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.events import TierEventLog
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Stats
-from kvtier.storage import remotes
+from kvtier.observability.stats import Counter, Stats
+from kvtier.observability.tier_events import TierEventLog
+from kvtier.storage import schemes
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.disk import FileTier
 from kvtier.storage.remote import RemoteOpener, RemoteRequest, space_of
@@ -54,7 +54,7 @@ class StorageManager:
         namespace: separates this model's objects in shared stores (the model name).
         lower_tiers: the tiers below the CPU (None: opened from ``config``).
         events: where the CPU and local disk tiers record what they hold
-            (``kvtier.events``; None: no records).
+            (``kvtier.observability.tier_events``; None: no records).
     """
 
     def __init__(
@@ -336,9 +336,9 @@ def open_lower_tiers(
 
 
 def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTier:
-    """The tier of ``config.remote_url``, opened by its scheme's module (``remotes``)."""
+    """The tier of ``config.remote_url``, opened by its scheme's module (``schemes``)."""
     url = config.remote_url
     assert url is not None
-    open_remote: RemoteOpener = remotes.load_module(url).open_remote
+    open_remote: RemoteOpener = schemes.load_module(url).open_remote
     serde = make_serde(config.remote_serde, config)
     return open_remote(RemoteRequest(url, config, serde, stats, space_of(namespace)))

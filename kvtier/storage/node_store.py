@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
-from kvtier.storage.backend import Buffer, StoreUnavailable, batches
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
 from kvtier.storage.node_protocol import Op, ProtocolError
 from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
@@ -406,5 +406,5 @@ def open_store(request: RemoteRequest) -> KVTierStore:
 
 
 def open_remote(request: RemoteRequest) -> RemoteTier:
-    """A ``kvtier://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    """A ``kvtier://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``schemes``)."""
     return open_blob_tier(open_store(request), request)

@@ -47,7 +47,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvtier.storage.backend import Buffer, StoreUnavailable, batches
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
 from kvtier.storage.redis_url import parse_url
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
@@ -493,5 +493,5 @@ def open_store(request: RemoteRequest) -> RedisStore:
 
 
 def open_remote(request: RemoteRequest) -> RemoteTier:
-    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
+    """A Redis/Valkey ``remote_url`` as a tier (its ``RemoteOpener``, see ``schemes``)."""
     return open_blob_tier(open_store(request), request)

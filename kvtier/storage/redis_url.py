@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvtier.storage.remotes import redact_url
+from kvtier.storage.schemes import redact_url
 
 ACCEPTED_URL_FORMS = (
     "redis://[user:password@]host[:port][/db], rediss://... (TLS), "

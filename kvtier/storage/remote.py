@@ -31,11 +31,11 @@ from urllib.parse import quote
 from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Counter, Histogram, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
-from kvtier.storage.backend import BlobStore, Buffer, ReadingStore, StoreUnavailable
+from kvtier.storage.blob_store import BlobStore, Buffer, ReadingStore, StoreUnavailable
 from kvtier.storage.health import Health, fault_reason
-from kvtier.storage.remotes import redact_url
+from kvtier.storage.schemes import redact_url
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import LowerTier, PendingWrite, WriteQueue
 from kvtier.storage.wire import Allocate
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RemoteRequest:
-    """What a remote scheme's ``open_remote`` is given (the schemes: ``storage.remotes``).
+    """What a remote scheme's ``open_remote`` is given (the schemes: ``storage.schemes``).
 
     Attributes:
         url: the ``remote_url``.

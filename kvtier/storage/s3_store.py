@@ -1,6 +1,6 @@
 """The S3-compatible object-store remote: one object per blob, under ``[prefix/]namespace``.
 
-``S3Store`` is a thin ``BlobStore`` (see ``backend``) over boto3's low-level client. The
+``S3Store`` is a thin ``BlobStore`` (see ``blob_store``) over boto3's low-level client. The
 object key of a name is ``<prefix from the URL>/`` + ``namespace`` + ``name``, so several
 models and deployments share one bucket. Batched calls fan out, one request per name, on a
 bounded thread pool the store owns (S3 has no multi-get), and the pool's size is also the
@@ -30,7 +30,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
-from kvtier.storage.backend import Buffer, StoreUnavailable
+from kvtier.storage.blob_store import Buffer, StoreUnavailable
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class S3Store:
             boto3's default credential chain, when used, may ask an instance metadata
             service for a role's credentials.
 
-    Every call raises ``StoreUnavailable`` when the store fails (see ``backend``),
+    Every call raises ``StoreUnavailable`` when the store fails (see ``blob_store``),
     including after ``close``.
     """
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvtier.storage.backend import Buffer
+from kvtier.storage.blob_store import Buffer
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig

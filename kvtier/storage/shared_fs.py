@@ -27,7 +27,7 @@ def parse_fs_url(url: str) -> str:
 
 def open_remote(request: RemoteRequest) -> FileTier:
     """The shared directory of ``request.url`` as a tier (its ``RemoteOpener``, see
-    ``remotes``); ``request.space`` is unused, as every key names its model."""
+    ``schemes``); ``request.space`` is unused, as every key names its model."""
     return FileTier(
         parse_fs_url(request.url),
         name="fs",

@@ -20,7 +20,7 @@ from typing import Generic, Protocol, TypeVar
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.metrics import Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.storage.wire import Allocate
 
 logger = logging.getLogger(__name__)

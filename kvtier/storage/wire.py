@@ -49,7 +49,7 @@ import torch
 import xxhash
 
 from kvtier.memory import MemoryObj
-from kvtier.storage.backend import Buffer
+from kvtier.storage.blob_store import Buffer
 from kvtier.storage.serde import CorruptObject, NaiveSerde, Serde, make_serde, tensor_bytes
 from kvtier.warn import warn_once
 

@@ -6,18 +6,16 @@ import pytest
 import torch
 from conftest import interleaved_medians
 
+from kvtier.chunker import Chunker
 from kvtier.hashing import HASH_ALGORITHMS, ChunkHasher
 from kvtier.keys import CacheKey
-from kvtier.token_db import ChunkedTokenDatabase
 
 NUM_TOKENS = 64 * 1024
 CHUNK_SIZE = 256
 
 
-def _db(algorithm: str) -> ChunkedTokenDatabase:
-    return ChunkedTokenDatabase(
-        CHUNK_SIZE, ChunkHasher(algorithm), CacheKey("bench", 1, 0, "bfloat16", b"")
-    )
+def _db(algorithm: str) -> Chunker:
+    return Chunker(CHUNK_SIZE, ChunkHasher(algorithm), CacheKey("bench", 1, 0, "bfloat16", b""))
 
 
 @pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)

@@ -31,18 +31,18 @@ import pytest
 import torch
 from conftest import median_seconds
 
+from kvtier.chunker import Chunker
 from kvtier.config import load_config
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.node_store import KVTierStore
 from kvtier.storage.remote import RemoteTier
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
 from kvtier.storage.wire import checksum_of
-from kvtier.token_db import ChunkedTokenDatabase
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 DTYPE = torch.bfloat16
@@ -248,9 +248,7 @@ def test_server_lookup_32k_prompt(benchmark, record, server, redis_url):
 
     tokens = torch.randint(0, 128_000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
     template = CacheKey("bench-lookup", 1, 0, "bfloat16", b"")
-    keys = [
-        c.key for c in ChunkedTokenDatabase(CHUNK, ChunkHasher(), template).chunks(tokens.tolist())
-    ]
+    keys = [c.key for c in Chunker(CHUNK, ChunkHasher(), template).chunks(tokens.tolist())]
     config = load_config(
         {"max_local_cpu_size": 0.0625, "remote_url": server.url, "remote_timeout_ms": 30_000},
         env={},

@@ -54,7 +54,7 @@ def model():
 @pytest.fixture(scope="module")
 def server_url():
     """A ``kvtier serve`` on a free loopback port, answering PING."""
-    from kvtier.storage.backend import StoreUnavailable
+    from kvtier.storage.blob_store import StoreUnavailable
     from kvtier.storage.node_store import KVTierStore
 
     with socket.socket() as s:

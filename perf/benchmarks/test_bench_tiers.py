@@ -51,17 +51,17 @@ import pytest
 import torch
 from conftest import median_seconds
 
+from kvtier.chunker import Chunker
 from kvtier.config import load_config
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool
-from kvtier.metrics import Stats
+from kvtier.observability.stats import Stats
 from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.remote import RemoteTier
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
 from kvtier.storage.wire import checksum_of
-from kvtier.token_db import ChunkedTokenDatabase
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 DTYPE = torch.bfloat16
@@ -394,7 +394,7 @@ def _prompt_keys() -> list[CacheKey]:
     """The 128 chunk keys of a random 32768-token prompt, chained as the engine makes them."""
     tokens = torch.randint(0, 128_000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
     template = CacheKey("bench-lookup", 1, 0, "bfloat16", b"")
-    chunks = ChunkedTokenDatabase(CHUNK, ChunkHasher(), template).chunks(tokens.tolist())
+    chunks = Chunker(CHUNK, ChunkHasher(), template).chunks(tokens.tolist())
     assert len(chunks) == PROMPT_CHUNKS
     return [chunk.key for chunk in chunks]
 

@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.storage.backend import StoreUnavailable
+from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.node_store import KVTierStore
 from support.redis_server import free_port
 

@@ -13,8 +13,8 @@ import torch
 from kvtier.config import load_config
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
-from kvtier.metrics import Stats, TierCounter, tier_counter
-from kvtier.storage.backend import StoreUnavailable, join_parts
+from kvtier.observability.stats import Stats, TierCounter, tier_counter
+from kvtier.storage.blob_store import StoreUnavailable, join_parts
 from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde, tensor_bytes

@@ -32,7 +32,7 @@ import torch
 
 from kvtier.integration.sglang.pages import PageFormat, PageKeys
 from kvtier.keys import CacheKey
-from kvtier.metrics import Counter, Histogram, Stats
+from kvtier.observability.stats import Counter, Histogram, Stats
 from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.disk import DirectRead, FileTier
 from kvtier.storage.manager import StorageManager

@@ -46,8 +46,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.sglang.page_store import Moved, PageBuffers, PageStore
 from kvtier.integration.sglang.pages import HostPool, PageFormat, PageKeys, split_extra_config
-from kvtier.metrics import Counter, Stats
-from kvtier.prometheus import MetricsServer, export
+from kvtier.observability.prometheus import MetricsServer, export
+from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.manager import StorageManager
 from kvtier.warn import warn_once
 

@@ -16,8 +16,8 @@ import torch
 
 if TYPE_CHECKING:
     from kvtier.engine import CacheEngine
-    from kvtier.events import TierEvent
-    from kvtier.metrics import Stats
+    from kvtier.observability.stats import Stats
+    from kvtier.observability.tier_events import TierEvent
 
 
 @dataclass(slots=True)

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvtier.integration.vllm.events import KVTierKVEvents
+    from kvtier.integration.vllm.kv_events import KVTierKVEvents
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 class KVTierConnectorStats(KVConnectorStats):
     """Counters for one reporting interval (deltas), summed across workers.
 
-    ``data`` maps counter names (``kvtier.metrics.Counter``) to amounts; ``reduce`` adds
+    ``data`` maps counter names (``kvtier.observability.stats.Counter``) to amounts; ``reduce`` adds
     the rates computed from measured time (``store_gbps``, ``load_gbps``).
     """
 

@@ -35,7 +35,7 @@ class Extension:
 
 
 EXTENSIONS = (
-    Extension("kv_events", "kvtier.integration.vllm.events", lambda c, v: kv_events_enabled(v)),
+    Extension("kv_events", "kvtier.integration.vllm.kv_events", lambda c, v: kv_events_enabled(v)),
     Extension("blend", "kvtier.blend.vllm_extension", lambda c, v: c.enable_blending),
 )
 

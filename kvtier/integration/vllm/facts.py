@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.chunker import MultiModalSpan, RequestExtras
 from kvtier.config import KVTierConfig
-from kvtier.token_db import MultiModalSpan, RequestExtras
 from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
 
 if TYPE_CHECKING:

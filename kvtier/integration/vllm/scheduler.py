@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.chunker import HashChain
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher
 from kvtier.integration.vllm import facts
@@ -55,8 +56,7 @@ from kvtier.integration.vllm.common import (
 from kvtier.integration.vllm.extensions import scheduler_extensions
 from kvtier.integration.vllm.facts import request_extras
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
-from kvtier.prometheus import MetricsServer
-from kvtier.token_db import HashChain
+from kvtier.observability.prometheus import MetricsServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

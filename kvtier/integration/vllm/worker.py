@@ -35,8 +35,6 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTransfer
-from kvtier.events import TierEvent, TierEventLog
-from kvtier.gpu_connector import use_tuning_dir
 from kvtier.integration.vllm import facts
 from kvtier.integration.vllm.common import (
     LoadSpec,
@@ -50,8 +48,10 @@ from kvtier.integration.vllm.common import (
 )
 from kvtier.integration.vllm.extensions import worker_extensions
 from kvtier.integration.vllm.rpc import RpcServer, endpoint_for
-from kvtier.metrics import Stats
-from kvtier.precompile import start_background
+from kvtier.observability.stats import Stats
+from kvtier.observability.tier_events import TierEvent, TierEventLog
+from kvtier.paged_io import use_tuning_dir
+from kvtier.warmup import start_background
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -109,7 +109,7 @@ def start_background(config: KVTierConfig, engine: CacheEngine) -> threading.Thr
     CUDA graphs meanwhile. The cachegen coder is left to ``kvtier precompile``: it reads
     results back to the host, which a capture forbids.
     """
-    paged = engine.connector.paged
+    paged = engine.paged_io.paged
     if not config.precompile_kernels:
         return None
     why = nothing_to_compile(config.kernel_backend, paged.device)

@@ -10,7 +10,7 @@ change::
 
 The vLLM integration ships each worker's records to the scheduler every engine step and
 turns them into vLLM's ``BlockStored`` / ``BlockRemoved`` events keyed by vLLM's block
-hashes (``integration/vllm/events.py``; fields in docs/observability.md#kv-events).
+hashes (``integration/vllm/kv_events.py``; fields in docs/observability.md#kv-events).
 
 NOTE: per (tier, chunk) the records of one process alternate stored, removed, stored, …
 A tier records ``stored`` only for a chunk it did not hold, and ``removed`` only for one it
@@ -31,7 +31,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from kvtier.metrics import Counter, Stats
+from kvtier.observability.stats import Counter, Stats
 
 STORED = "stored"
 REMOVED = "removed"

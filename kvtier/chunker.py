@@ -140,7 +140,7 @@ class HashChain:
         return hashes
 
 
-class ChunkedTokenDatabase:
+class Chunker:
     """Cuts token sequences into chunks and names each chunk with a storage key.
 
     Args:

@@ -1,4 +1,4 @@
-"""PagedKVConnector's streams: on a GPU, gathers and scatters run on side streams ordered
+"""PagedIO's streams: on a GPU, gathers and scatters run on side streams ordered
 against the engine's stream with events (a load is complete before the model's next work
 reads it; a buffer is only read or released after ``stores_done``/``loads_done``). Off the
 GPU the copies are synchronous and the waits return at once. The GPU tests are skipped
@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.kv import bits, fill_random_
 
-from kvtier.gpu_connector import PagedKVConnector
+from kvtier.paged_io import PagedIO
 from kvtier_kernels import PagedKV
 
 has_gpu = torch.cuda.is_available()
@@ -34,11 +34,11 @@ def random_cache(layout: str, device: str = "cpu", seed: int = 0) -> PagedKV:
     return paged
 
 
-def make_connector(device: str, backend: str) -> PagedKVConnector:
-    return PagedKVConnector(random_cache("vllm_nhd", device), backend)
+def make_connector(device: str, backend: str) -> PagedIO:
+    return PagedIO(random_cache("vllm_nhd", device), backend)
 
 
-def round_trip(connector: PagedKVConnector, pinned: bool) -> None:
+def round_trip(connector: PagedIO, pinned: bool) -> None:
     """Gather 48 slots into a chunk, scatter it to 48 other slots, and check both copies
     bit for bit against a direct read of the cache."""
     device = connector.paged.device
@@ -100,9 +100,9 @@ def test_gpu_gather_waits_for_the_engine_stream_and_the_engine_waits_for_a_load(
     assert float(seen) == 5.0 * view[:, 1].numel()
 
 
-def copy_engine_connector(layout: str, min_bytes: int) -> PagedKVConnector:
+def copy_engine_connector(layout: str, min_bytes: int) -> PagedIO:
     paged = random_cache(layout, seed=1)
-    return PagedKVConnector(paged, "torch", {"store": min_bytes, "load": min_bytes})
+    return PagedIO(paged, "torch", {"store": min_bytes, "load": min_bytes})
 
 
 def test_copy_engine_runs_move_the_same_bytes_as_the_kernel():
@@ -110,7 +110,7 @@ def test_copy_engine_runs_move_the_same_bytes_as_the_kernel():
     ``copy_``, the rest through the kernel; the result is the kernel's, bit for bit."""
     row_bytes = HEADS * HEAD_SIZE * 2
     copier = copy_engine_connector("flash_nhd", 20 * row_bytes)
-    kernel_only = PagedKVConnector(copier.paged, "torch", {})
+    kernel_only = PagedIO(copier.paged, "torch", {})
     # runs of 40 (copied), 12 (too short: kernel), 1, a padding slot, 30 (copied)
     slots = torch.cat(
         [
@@ -152,7 +152,7 @@ def test_layouts_without_token_rows_never_use_copy_engine(layout):
 
 def test_no_tuned_crossover_means_kernel_only():
     paged = copy_engine_connector("flash_nhd", 1).paged
-    assert PagedKVConnector(paged).copy_engine_min_bytes == {"store": None, "load": None}
+    assert PagedIO(paged).copy_engine_min_bytes == {"store": None, "load": None}
     too_far = torch.tensor([0, 1, 2, BLOCKS * BLOCK_SIZE])
     chunk = torch.empty(paged.chunk_shape(4), dtype=paged.dtype)
     with pytest.raises(ValueError, match="slot"):
@@ -164,8 +164,8 @@ def test_no_tuned_crossover_means_kernel_only():
 def test_gpu_copy_engine_runs_with_a_pinned_chunk():
     paged = copy_engine_connector("flash_nhd", 1).paged
     paged = PagedKV(paged.layout, [t.cuda() for t in paged.tensors])
-    copier = PagedKVConnector(paged, "triton", {"store": 1024, "load": 1024})
-    kernel_only = PagedKVConnector(paged, "triton", {})
+    copier = PagedIO(paged, "triton", {"store": 1024, "load": 1024})
+    kernel_only = PagedIO(paged, "triton", {})
     slots = torch.cat([torch.arange(64, 128), torch.tensor([3, -1, 9])])
     by_copy = torch.zeros(paged.chunk_shape(len(slots)), dtype=paged.dtype).pin_memory()
     by_kernel = torch.zeros_like(by_copy).pin_memory()

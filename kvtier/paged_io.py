@@ -11,11 +11,11 @@ ordered against the engine's stream with events:
 
 - a gather (store) first waits for the work already queued on the engine's stream (the
   KV it reads is computed there), then runs beside the model's next layers;
-  :meth:`PagedKVConnector.stores_done` blocks until every gather issued so far has landed
+  :meth:`PagedIO.stores_done` blocks until every gather issued so far has landed
   in its chunk buffer, and must be called before a buffer is read or published;
 - a scatter (load) waits for the engine's stream too, and the engine's stream then waits
   for the scatter: whatever the model runs next (the layer's attention) sees the loaded
-  KV, with no host sync. :meth:`PagedKVConnector.loads_done` blocks until every scatter
+  KV, with no host sync. :meth:`PagedIO.loads_done` blocks until every scatter
   has finished reading its chunk buffer, and must be called before a buffer is released
   (a pinned host buffer may otherwise be reused while the copy still reads it).
 
@@ -67,7 +67,7 @@ class _Streams:
             self.store_done = event
 
 
-class PagedKVConnector:
+class PagedIO:
     """Copies token ranges of a paged KV cache into and out of chunk buffers.
 
     Args:

@@ -4,7 +4,7 @@ With vLLM's ``kv_events_config`` enabled, a KV-aware router learns from one even
 what vLLM's prefix cache holds (``medium="GPU"``) and, through these, what kvtier holds.
 The path of one event::
 
-    worker rank r   CPU / disk tier put/evict/clear ─▶ TierEventLog (kvtier.events)
+    worker rank r   CPU / disk tier put/evict/clear ─▶ TierEventLog (kvtier.observability.tier_events)
                     get_kv_connector_kv_cache_events: the step's records as RankTierEvents
     vLLM            KVOutputAggregator concatenates every rank's records into one
                     KVTierKVEvents (KVConnectorOutput.kv_cache_events)
@@ -53,10 +53,17 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvtier.config import KVTierConfig
-from kvtier.events import CLEARED, OWNERSHIP, PLACEMENTS, REMOVED, STORED, TierEvent
 from kvtier.integration.vllm import facts
 from kvtier.integration.vllm.common import RankContext, SchedulerExtension, WorkerExtension
-from kvtier.metrics import Counter
+from kvtier.observability.stats import Counter
+from kvtier.observability.tier_events import (
+    CLEARED,
+    OWNERSHIP,
+    PLACEMENTS,
+    REMOVED,
+    STORED,
+    TierEvent,
+)
 from kvtier.warn import warn_once
 
 if TYPE_CHECKING:

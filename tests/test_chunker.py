@@ -8,15 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
-from kvtier.token_db import ChunkedTokenDatabase, MultiModalSpan, RequestExtras
 
 TEMPLATE = CacheKey("test-model", 1, 0, "bfloat16", b"")
 
 
-def make_db(chunk_size=4, algorithm="sha256_cbor") -> ChunkedTokenDatabase:
-    return ChunkedTokenDatabase(chunk_size, ChunkHasher(algorithm), TEMPLATE)
+def make_db(chunk_size=4, algorithm="sha256_cbor") -> Chunker:
+    return Chunker(chunk_size, ChunkHasher(algorithm), TEMPLATE)
 
 
 def test_chunk_bounds_full_and_partial():

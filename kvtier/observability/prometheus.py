@@ -1,0 +1,223 @@
+"""Prometheus metrics: kvtier's counters, gauges and latency histograms over HTTP.
+
+Every process that does kvtier work keeps a ``Stats`` (``stats.py``); ``export``
+turns one into plain data (counters, histograms, gauges of the tiers) that can cross a
+process boundary. ``KVTierCollector`` turns a list of such exports — one per worker rank,
+plus the scheduler's — into Prometheus metric families at scrape time, so the numbers are
+always the live ones and no shared files or multiprocess directories are needed. Inside
+vLLM the scheduler process serves the endpoint and asks each worker rank for its export
+over the connector's lookup socket (``integration/vllm/scheduler.py``).
+
+Names: engine counters are ``kvtier_<counter>_total`` (e.g. ``kvtier_stored_bytes_total``),
+counters of the tiers below the CPU are ``kvtier_tier_<what>_total{tier="disk"}``; every
+sample carries a ``rank`` label. See docs/observability.md for the full list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+from kvtier.observability.stats import LATENCY_BUCKETS, Counter, Histogram, Stats, TierCounter
+
+logger = logging.getLogger(__name__)
+
+TIER_NAMES = ("cpu", "disk", "fs", "redis", "s3", "kvtier")
+_ENGINE_COUNTERS = [v for k, v in vars(Counter).items() if not k.startswith("_")]
+_TIER_COUNTERS = [v for k, v in vars(TierCounter).items() if not k.startswith("_")]
+_TIER_WHATS = {*_TIER_COUNTERS, Histogram.TIER_GET, Histogram.TIER_PUT}
+_DERIVED = ("store_gbps", "load_gbps", "retrieve_hit_ratio")
+
+HELP = {
+    Counter.STORE_REQUESTS: "Store operations (one per request step that stored chunks).",
+    Counter.STORED_CHUNKS: "Chunks stored (new to the CPU tier or queued for a lower tier).",
+    Counter.STORED_TOKENS: "Tokens in the chunks stored.",
+    Counter.STORED_BYTES: "Bytes of KV stored.",
+    Counter.STORE_SECONDS: "Time spent storing (gather + commit), measured.",
+    Counter.STORE_SKIPPED_EXISTING: "Chunks not stored because they were already held.",
+    Counter.STORE_SKIPPED_NO_MEMORY: "Chunks not stored because the CPU pool was full.",
+    Counter.RETRIEVE_REQUESTS: "Load operations.",
+    Counter.REQUESTED_TOKENS: "Tokens asked for by loads.",
+    Counter.HIT_TOKENS: "Tokens loaded into the engine.",
+    Counter.LOADED_BYTES: "Bytes of KV loaded into the engine.",
+    Counter.LOAD_SECONDS: "Time spent loading (fetch + verify + scatter), measured.",
+    Counter.LOOKUP_REQUESTS: "Lookups answered by this process.",
+    Counter.LOOKUP_TOKENS: "Tokens looked up.",
+    Counter.LOOKUP_HIT_TOKENS: "Tokens found by lookups.",
+    Counter.CORRUPT_CHUNKS: "Stored chunks refused (checksum, header, shape): misses.",
+    Counter.EVICTIONS: "Chunks evicted from the CPU tier.",
+    Counter.ALLOC_FAILURES: "CPU pool allocations that failed after evicting.",
+    Counter.PREFETCHED_CHUNKS: "Chunks fetched from a lower tier into memory at lookup time.",
+    Counter.WRITEBACK_CHUNKS: "Lower-tier hits copied into the CPU tier.",
+    TierCounter.PUT_CHUNKS: "Objects written to the tier.",
+    TierCounter.PUT_BYTES: "Bytes written to the tier (headers included).",
+    TierCounter.PUT_RAW_BYTES: "KV bytes of the objects written, before the codec "
+    "(put_raw_bytes / put_bytes: the compression ratio).",
+    TierCounter.PUT_SECONDS: "Time spent writing to the tier, measured.",
+    TierCounter.GET_HITS: "Chunk reads the tier served.",
+    TierCounter.GET_MISSES: "Chunk reads the tier could not serve.",
+    TierCounter.GET_BYTES: "Bytes of KV read from the tier (after decoding).",
+    TierCounter.GET_SECONDS: "Time spent reading from the tier, measured.",
+    TierCounter.LOOKUP_HITS: "Chunks lookups found in the tier.",
+    TierCounter.DROPPED_QUEUE_FULL: "Stores dropped because the tier's write queue was full.",
+    TierCounter.DROPPED_UNAVAILABLE: "Stores dropped because the tier was down.",
+    TierCounter.DROPPED_NO_SPACE: "Stores dropped because the disk was full.",
+    TierCounter.DROPPED_ERROR: "Stores dropped on another write error.",
+    TierCounter.ERRORS: "Failed calls to the tier.",
+    TierCounter.TIMEOUTS: "Calls to the tier abandoned after remote_timeout_ms.",
+    TierCounter.RECONNECTS: "Times the tier came back after being down.",
+    TierCounter.EVICTIONS: "Objects evicted from the tier to stay under its size.",
+    TierCounter.CORRUPT: "Objects refused by the wire-format checks.",
+    Histogram.STORE: "Seconds per store operation.",
+    Histogram.LOAD: "Seconds per load operation.",
+    Histogram.TIER_GET: "Seconds per batched get from the tier.",
+    Histogram.TIER_PUT: "Seconds per batch of writes to the tier.",
+}
+
+
+def export(
+    stats: Stats,
+    *,
+    gauges: Mapping[str, float] | None = None,
+    tiers: Sequence[str] = (),
+    **labels: str,
+) -> dict:
+    """One process's metrics as plain data: ``{"labels", "counters", "histograms",
+    "gauges"}``. ``tiers`` (the lower tiers' names) get every tier counter, at 0 until
+    something happens; ``gauges`` come from ``StorageManager.gauges``."""
+    # Every counter is exported from the start, at 0 until something happens.
+    counters: dict[str, float] = dict.fromkeys(_ENGINE_COUNTERS, 0)
+    for tier in tiers:
+        counters.update(dict.fromkeys((f"{tier}_{what}" for what in _TIER_COUNTERS), 0))
+    counters.update({k: v for k, v in stats.snapshot().items() if k not in _DERIVED})
+    return {
+        "labels": dict(labels),
+        "counters": counters,
+        "histograms": stats.histograms(),
+        "gauges": dict(gauges or {}),
+    }
+
+
+def _split_tier(name: str) -> tuple[str | None, str]:
+    """``disk_get_hits`` → ("disk", "get_hits"); an engine counter → (None, name)."""
+    for tier in TIER_NAMES:
+        if name.startswith(tier + "_") and name[len(tier) + 1 :] in _TIER_WHATS:
+            return tier, name[len(tier) + 1 :]
+    return None, name
+
+
+class KVTierCollector:
+    """A prometheus_client collector over ``sources()``: a list of ``export`` results,
+    read at every scrape."""
+
+    def __init__(self, sources: Callable[[], Sequence[dict]]):
+        self._sources = sources
+
+    def describe(self) -> list:
+        return []  # unchecked collector: families are known only at scrape time
+
+    def collect(self) -> Iterable:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        counters: dict[str, CounterMetricFamily] = {}
+        gauges: dict[str, GaugeMetricFamily] = {}
+        histograms: dict[str, HistogramMetricFamily] = {}
+
+        def family(table, cls, name, help_key, tier):
+            labels = ["rank", "tier"] if tier else ["rank"]
+            full = f"kvtier_tier_{name}" if tier else f"kvtier_{name}"
+            if full not in table:
+                table[full] = cls(full, HELP.get(help_key, full.replace("_", " ")), labels=labels)
+            return table[full]
+
+        for source in self._sources():
+            rank = str(source.get("labels", {}).get("rank", "0"))
+            hits_misses: dict[str, list[float]] = {}
+            for name, value in sorted(source.get("counters", {}).items()):
+                tier, what = _split_tier(name)
+                labels = [rank, tier] if tier else [rank]
+                family(counters, CounterMetricFamily, what, what, tier).add_metric(labels, value)
+                if tier and what in (TierCounter.GET_HITS, TierCounter.GET_MISSES):
+                    pair = hits_misses.setdefault(tier, [0.0, 0.0])
+                    pair[what == TierCounter.GET_MISSES] += value
+            for tier, (hits, misses) in hits_misses.items():
+                if hits + misses:
+                    family(gauges, GaugeMetricFamily, "hit_ratio", "", tier).add_metric(
+                        [rank, tier], hits / (hits + misses)
+                    )
+            for name, value in sorted(source.get("gauges", {}).items()):
+                tier, what = _gauge_tier(name)
+                labels = [rank, tier] if tier else [rank]
+                family(gauges, GaugeMetricFamily, what, what, tier).add_metric(labels, value)
+            for name, hist in sorted(source.get("histograms", {}).items()):
+                tier, what = _split_tier(name)
+                labels = [rank, tier] if tier else [rank]
+                cumulative, buckets = 0, []
+                for bound, count in zip(LATENCY_BUCKETS, hist["counts"], strict=False):
+                    cumulative += count
+                    buckets.append((str(bound), cumulative))
+                buckets.append(("+Inf", hist["count"]))
+                family(histograms, HistogramMetricFamily, what, what, tier).add_metric(
+                    labels, buckets, hist["sum"]
+                )
+        yield from counters.values()
+        yield from gauges.values()
+        yield from histograms.values()
+
+
+def _gauge_tier(name: str) -> tuple[str | None, str]:
+    for tier in TIER_NAMES:
+        if name.startswith(tier + "_"):
+            return tier, name[len(tier) + 1 :]
+    return None, name
+
+
+class MetricsServer:
+    """An HTTP endpoint (``/metrics``) serving ``KVTierCollector(sources)``.
+
+    Args:
+        host: address to bind (``metrics_host``; localhost by default).
+        port: port to bind (``metrics_port``); 0 picks a free one (see ``port``).
+        sources: the exports to serve, read at each scrape.
+
+    Raises:
+        OSError: the port cannot be bound (the message names ``metrics_port``).
+    """
+
+    def __init__(self, host: str, port: int, sources: Callable[[], Sequence[dict]]):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KVTierCollector(sources))
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"metrics_port {port} on {host} cannot be served: {exc.strerror}"
+            ) from None
+        self.host = host
+        self.port = self._server.server_port
+        logger.info("kvtier metrics at http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class MetricsSource(Protocol):
+    """What ``serve_engine_metrics`` reads: ``CacheEngine.metrics``."""
+
+    def metrics(self) -> dict: ...
+
+
+def serve_engine_metrics(
+    engine: MetricsSource, host: str = "127.0.0.1", port: int = 0
+) -> MetricsServer:
+    """Serve one in-process ``CacheEngine``'s metrics (kvtier without vLLM)."""
+    return MetricsServer(host, port, lambda: [engine.metrics()])
