@@ -13,7 +13,7 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -291,15 +291,19 @@ class CacheEngine:
         chunk when ``save_unfull_chunk``)."""
         return [chunk.key for chunk in self._chunks(tokens, None, extras)]
 
-    def metrics(self) -> dict:
+    def metrics(self, omit: Iterable[str] = ()) -> dict:
         """This engine's counters, histograms and tier gauges as plain data
-        (``prometheus.export``), labelled with its rank."""
-        return export(
+        (``prometheus.export``), labelled with its rank; ``omit``: counters another
+        process counts for it (a vLLM worker's lookups are counted by the scheduler)."""
+        exported = export(
             self.stats,
             gauges=self.storage.gauges(),
             tiers=self.storage.lower_tier_names,
             rank=str(self.metadata.rank),
         )
+        for name in omit:
+            exported["counters"].pop(name, None)
+        return exported
 
     @property
     def tier_names(self) -> list[str]:

@@ -596,6 +596,17 @@ def test_lookup_rpc_stats_clear_and_shutdown(served):
     worker.shutdown()  # idempotent
 
 
+def test_metrics_rpc_leaves_the_schedulers_lookup_counters_out(served):
+    """A rank's Prometheus export carries its own counters; lookups are counted once, by
+    the scheduler (``rank="scheduler"``), so no rank exports them stuck at 0."""
+    _, _, client, _ = served
+    (metrics,) = client.call_all("metrics")
+    assert metrics["labels"] == {"rank": "0"}
+    assert metrics["counters"][Counter.STORED_CHUNKS] == 3
+    lookups = {Counter.LOOKUP_TOKENS, Counter.LOOKUP_HIT_TOKENS} & set(metrics["counters"])
+    assert lookups == set(), f"a worker rank exported {sorted(lookups)}"
+
+
 def test_worker_without_endpoint_serves_nothing(make_worker):
     worker, _ = make_worker(endpoint=None)
     assert worker._server is None

@@ -48,7 +48,7 @@ from kvtier.integration.vllm.common import (
 )
 from kvtier.integration.vllm.extensions import worker_extensions
 from kvtier.integration.vllm.rpc import RpcServer, endpoint_for
-from kvtier.observability.stats import Stats
+from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEvent, TierEventLog
 from kvtier.paged_io import use_tuning_dir
 from kvtier.warmup import start_background
@@ -169,7 +169,10 @@ class WorkerSide:
                     "lookup": self._serve_lookup,
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
-                    "metrics": lambda args: self._require_engine().metrics(),
+                    # lookups are counted once for all ranks, by the scheduler
+                    "metrics": lambda args: self._require_engine().metrics(
+                        omit=(Counter.LOOKUP_TOKENS, Counter.LOOKUP_HIT_TOKENS)
+                    ),
                     **{
                         op: h
                         for extension in self.extensions
