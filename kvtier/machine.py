@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import warnings
 
 __all__ = [
     "auto_backends",
@@ -108,3 +109,56 @@ def tuning_in_effect() -> list[dict[str, str]]:
         for f in tuning_lookup.files_in_effect(op, backend, name)
         if f.status == "in effect"
     ]
+
+
+class PoolTooLarge(ValueError):
+    """A pool larger than this machine's memory can hold (the message says both sizes)."""
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def host_memory() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of this machine's memory (Linux ``MemAvailable`` and
+    ``MemTotal``), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo if ":" in line)
+        return (
+            int(fields["MemAvailable"].split()[0]) * 1024,
+            int(fields["MemTotal"].split()[0]) * 1024,
+        )
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+LOW_MEMORY_FRACTION = 0.05  # warn when a pool leaves less of the machine's memory available
+
+
+def check_host_memory(nbytes: int) -> None:
+    """Refuse a host buffer of ``nbytes`` that this machine's available memory cannot
+    hold, before the allocator does with a raw error; warn when it would leave less than
+    5% of the memory available (whatever else is resident, e.g. an engine's KV cache on
+    the CPU, is already counted as used).
+
+    Raises:
+        PoolTooLarge: ``nbytes`` is more than the memory available.
+    """
+    memory = host_memory()
+    if memory is None:
+        return
+    available, total = memory
+    if nbytes > available:
+        raise PoolTooLarge(
+            f"cannot allocate {_gib(nbytes)}: this machine has {_gib(available)} of memory "
+            f"available (of {_gib(total)})"
+        )
+    if available - nbytes < LOW_MEMORY_FRACTION * total:
+        warnings.warn(
+            f"a {_gib(nbytes)} kvtier pool leaves {_gib(available - nbytes)} of this "
+            f"machine's {_gib(total)} available; the engine, its KV cache and kvtier "
+            "together are close to exhausting it",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.machine import PoolTooLarge, check_host_memory
+
 __all__ = ["HostMemoryPool", "MemoryObj", "PoolStats"]
 
 
@@ -300,6 +302,8 @@ class HostMemoryPool:
         # Over-allocate so the base address itself is aligned: torch's CPU allocator only
         # guarantees 64 bytes, and alignment is a promise about addresses, not offsets.
         raw_nbytes = self.capacity + self.alignment - 1
+        if self.device.type == "cpu":
+            check_host_memory(raw_nbytes)
         raw: torch.Tensor | None = None
         if pin_memory:
             try:
@@ -313,7 +317,10 @@ class HostMemoryPool:
                     stacklevel=3,
                 )
         if raw is None:
-            raw = torch.empty(raw_nbytes, dtype=torch.uint8, device=self.device)
+            try:
+                raw = torch.empty(raw_nbytes, dtype=torch.uint8, device=self.device)
+            except RuntimeError as exc:  # the allocator's refusal, with a raw traceback
+                raise PoolTooLarge(f"cannot allocate {raw_nbytes / 2**30:.1f} GiB: {exc}") from None
         shift = -raw.data_ptr() % self.alignment
         return raw[shift : shift + self.capacity]
 

@@ -132,6 +132,21 @@ def test_info_checks_a_kv_transfer_config_before_an_engine_starts(capsys):
     assert "is not JSON" in capsys.readouterr().err
 
 
+def test_info_refuses_what_the_engine_would_refuse(capsys, tmp_path):
+    assert main(["info", "--kv-transfer-config", _transfer({}, kv_role="kv_bothh")]) == 2
+    assert "kv_role is 'kv_bothh'; vLLM takes 'kv_producer', 'kv_consumer', 'kv_both'" in (
+        capsys.readouterr().err
+    )
+    regular_file = tmp_path / "a-file"
+    regular_file.write_text("")
+    under_a_file = _transfer({"local_disk": str(regular_file / "cache")})
+    assert main(["info", "--kv-transfer-config", under_a_file]) == 2
+    assert f"{regular_file} is not a directory" in capsys.readouterr().err
+    fine = _transfer({"local_disk": str(tmp_path / "new" / "cache")})
+    assert main(["info", "--json", "--kv-transfer-config", fine]) == 0
+    assert not (tmp_path / "new").exists()  # checked, not created
+
+
 def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
     import torch
 
@@ -198,6 +213,14 @@ def test_serve_flag_errors_name_the_flag(capsys):
     assert "max_local_cpu_size: -1.0 from --max-local-cpu-size is not allowed" in err
     assert "remote_url: 'bogus://x' from --remote-url is not allowed" in err
     assert "override" not in err
+
+
+def test_serve_with_a_memory_tier_larger_than_the_machine_names_the_flag(capsys):
+    assert main(["serve", "--port", "0", "--max-local-cpu-size", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("kvtier serve: --max-local-cpu-size 100000 (GiB")
+    assert "of memory available" in err[0] and err[0].endswith("lower it")
 
 
 def test_status_on_a_refused_connection_says_what_to_check(capsys):

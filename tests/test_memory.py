@@ -20,6 +20,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+import kvtier.machine
+from kvtier.machine import PoolTooLarge
 from kvtier.memory import HostMemoryPool, MemoryObj, PoolStats
 
 KiB = 1024
@@ -83,6 +85,35 @@ def test_pin_failure_falls_back_to_pageable_with_one_warning() -> None:
     assert not pool.pinned
     obj = pool.allocate([16], torch.float32)
     assert obj is not None and obj.tensor.numel() == 16
+
+
+def test_a_pool_larger_than_the_available_memory_is_refused_naming_both(monkeypatch) -> None:
+    monkeypatch.setattr(kvtier.machine, "host_memory", lambda: (1 << 30, 2 << 30))
+    with pytest.raises(
+        PoolTooLarge,
+        match=r"cannot allocate 3\.0 GiB: .* 1\.0 GiB of memory available \(of 2\.0 GiB\)",
+    ):
+        HostMemoryPool(3 << 30, pin_memory=False)
+
+
+def test_a_pool_that_leaves_little_memory_warns_once(monkeypatch) -> None:
+    monkeypatch.setattr(kvtier.machine, "host_memory", lambda: (4096 + 300, 1 << 20))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        HostMemoryPool(4096, pin_memory=False)
+    assert [w.category for w in caught] == [RuntimeWarning]
+    assert "close to exhausting it" in str(caught[0].message)
+
+
+def test_the_allocators_refusal_becomes_pool_too_large(monkeypatch) -> None:
+    monkeypatch.setattr(kvtier.machine, "host_memory", lambda: None)  # unknown: no check
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(PoolTooLarge, match=r"cannot allocate .* DefaultCPUAllocator"):
+        HostMemoryPool(4096, pin_memory=False)
 
 
 # -- allocate / free ---------------------------------------------------------------------

@@ -25,6 +25,19 @@ from kvtier.storage.serde import NaiveSerde
 # -- CPU + disk, through the engine -----------------------------------------------------
 
 
+def test_a_cpu_tier_larger_than_the_machine_names_max_local_cpu_size(monkeypatch):
+    import kvtier.machine
+    from kvtier.machine import PoolTooLarge
+    from kvtier.storage.manager import StorageManager
+
+    monkeypatch.setattr(kvtier.machine, "host_memory", lambda: (1 << 30, 2 << 30))
+    config = load_config({"max_local_cpu_size": 4}, env={})
+    with pytest.raises(
+        PoolTooLarge, match=r"^max_local_cpu_size=4 \(GiB, .*\): cannot .*lower it$"
+    ):
+        StorageManager(config)
+
+
 def test_a_new_engine_loads_what_a_previous_one_stored_on_disk(tmp_path):
     first = make_engine(local_disk=str(tmp_path), seed=0)
     tokens, src = torch.arange(40), torch.arange(40)

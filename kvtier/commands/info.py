@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
+from pathlib import Path
 
 from kvtier.config import ConfigError, load_config
 from kvtier.machine import (
@@ -32,6 +34,7 @@ DESCRIPTION = (
 )
 
 KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # what vLLM's KVTransferConfig takes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,12 +73,31 @@ def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
             f"kv_connector_module_path is {transfer.get('kv_connector_module_path')!r}; "
             f"kvtier's is {KVTIER_MODULE!r}"
         )
+    role = transfer.get("kv_role")
+    if role not in KV_ROLES:
+        problems.append(f"kv_role is {role!r}; vLLM takes {', '.join(map(repr, KV_ROLES))}")
     extra = transfer.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         problems.append("kv_connector_extra_config must be a JSON object")
     if problems:
         raise ConfigError(problems)
     return extra
+
+
+def _disk_problem(local_disk: str | None) -> str | None:
+    """Why the engine could not use ``local_disk`` (it creates the directory when it
+    starts: the nearest existing ancestor must be a writable directory), or None."""
+    if local_disk is None:
+        return None
+    path = Path(local_disk)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"local_disk {local_disk!r}: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"local_disk {local_disk!r}: {existing} is not writable by this user"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         extra = _extra_config(args.kv_transfer_config)
         config = load_config(overrides=extra, config_file=args.config)
+        problem = _disk_problem(config.local_disk)
+        if problem is not None:
+            raise ConfigError([problem])
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
 from kvtier.config.keys import coerce
+from kvtier.machine import PoolTooLarge
 from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
 
 HELP = "a node-level cache server shared by the engines (remote_url: kvtier://host:port)"
@@ -166,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
                 max_shm_mb=None if args.no_shm else args.max_shm_mb,
             )
         )
+    except PoolTooLarge as exc:
+        given = args.max_local_cpu_size is not None
+        print(
+            f"kvtier serve: {'--max-local-cpu-size' if given else 'max_local_cpu_size'} "
+            f"{config.max_local_cpu_size:g} (GiB, the server's memory tier): {exc}; lower it",
+            file=sys.stderr,
+        )
+        return 2
     except (ConfigError, ValueError, OSError) as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2

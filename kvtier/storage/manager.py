@@ -28,6 +28,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
+from kvtier.machine import PoolTooLarge
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEventLog
@@ -69,14 +70,20 @@ class StorageManager:
     ):
         self.config = config
         self.stats = stats or Stats()
-        self.cpu = LocalCPUTier(
-            config.max_local_cpu_bytes,
-            config.cache_policy,
-            alignment=config.pool_alignment,
-            pin_memory=pin_memory,
-            stats=self.stats,
-            events=events,
-        )
+        try:
+            self.cpu = LocalCPUTier(
+                config.max_local_cpu_bytes,
+                config.cache_policy,
+                alignment=config.pool_alignment,
+                pin_memory=pin_memory,
+                stats=self.stats,
+                events=events,
+            )
+        except PoolTooLarge as exc:
+            raise PoolTooLarge(
+                f"max_local_cpu_size={config.max_local_cpu_size:g} (GiB, kvtier's CPU pool): "
+                f"{exc}; lower it"
+            ) from None
         self.retain_in_cpu = config.local_cpu
         if lower_tiers is None:
             try:
