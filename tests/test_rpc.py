@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.integration.vllm.rpc import RpcClient, RpcServer, endpoint_for
+from kvtier.integration.vllm.rpc import RpcClient, RpcServer, endpoint_for, runtime_dir
 
 TIMEOUT = 2.0  # generous where the call is expected to succeed
 SHORT = 0.3  # where the call is expected to time out
@@ -160,6 +162,47 @@ def test_stale_socket_file_does_not_block_bind(tmp_path: Path, servers):
     _serve(servers, endpoint)
     with RpcClient([endpoint], TIMEOUT) as client:
         assert client.call_all("echo", value=4)[0]["value"] == 4
+
+
+def test_starting_a_server_removes_other_dead_servers_sockets(tmp_path: Path, servers):
+    """A killed engine leaves its socket file behind; the next server started in the
+    directory removes every such file that nothing listens on, and only those."""
+    dead = [_ipc_path(endpoint_for(f"killed-{i}", 0, str(tmp_path))) for i in range(3)]
+    for path in dead:
+        leftover = socket.socket(socket.AF_UNIX)
+        leftover.bind(path)
+        leftover.close()
+    live = endpoint_for("alive", 0, str(tmp_path))
+    _serve(servers, live)
+    other_file = tmp_path / "kvtier-notes.txt"
+    other_file.write_text("not a socket")
+    _serve(servers, endpoint_for("new", 0, str(tmp_path)))
+    assert [os.path.exists(path) for path in dead] == [False, False, False]
+    assert os.path.exists(_ipc_path(live)) and other_file.exists()
+    with RpcClient([live], TIMEOUT) as client:
+        assert client.call_all("echo", value=5)[0]["value"] == 5
+
+
+def test_a_process_that_exits_without_closing_leaves_no_socket(tmp_path: Path):
+    endpoint = endpoint_for("exits", 0, str(tmp_path))
+    program = (
+        "from kvtier.integration.vllm.rpc import RpcServer\n"
+        f"RpcServer({endpoint!r}, {{}}).start()\n"
+        "import sys; sys.exit(0)  # no close(): as an engine stopped by a signal\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=60)
+    assert not os.path.exists(_ipc_path(endpoint))
+
+
+def test_the_default_socket_directory_is_private_to_the_user(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    directory = runtime_dir()
+    assert directory == str(tmp_path / "kvtier")
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert endpoint_for("e", 0).startswith(f"ipc://{directory}/kvtier-e-rank0")
+    os.chmod(directory, 0o777)
+    with pytest.raises(PermissionError, match="not private to this user"):
+        runtime_dir()
 
 
 def test_close_is_idempotent_and_removes_ipc_file(tmp_path: Path):

@@ -22,10 +22,14 @@ JSON does not.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import hashlib
 import logging
 import os
 import re
+import socket
 import tempfile
 import threading
 import time
@@ -46,8 +50,56 @@ _WARN_EVERY_S = 60.0
 _SEND_HWM = 16  # requests queued to an absent or stuck rank before sends fail fast
 
 
+def runtime_dir() -> str:
+    """This user's directory for kvtier's sockets: ``$XDG_RUNTIME_DIR/kvtier``, else
+    ``<tmp>/kvtier-<uid>``, created private (0700).
+
+    Raises:
+        PermissionError: the directory exists but another user owns it, or others may
+            write to it (a socket there could be swapped by them).
+    """
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    path = (
+        os.path.join(xdg, "kvtier")
+        if xdg
+        else os.path.join(tempfile.gettempdir(), f"kvtier-{os.getuid()}")
+    )
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(
+            f"kvtier's socket directory {path} is not private to this user (owner uid "
+            f"{info.st_uid}, mode {oct(info.st_mode & 0o777)}): remove it, or set "
+            "XDG_RUNTIME_DIR"
+        )
+    return path
+
+
+def remove_stale_sockets(directory: str) -> int:
+    """Remove ``kvtier-*.sock`` files in ``directory`` that no process listens on (left by
+    engines that were killed); returns how many."""
+    removed = 0
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not (name.startswith("kvtier-") and name.endswith(".sock")):
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # a file, no listener: its process is gone
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass  # not ours to judge (not a socket, no permission): left alone
+        finally:
+            probe.close()
+    return removed
+
+
 def endpoint_for(engine_id: str, rank: int, base_dir: str | None = None) -> str:
-    """The ``ipc://`` endpoint of ``rank``'s server for the engine ``engine_id``.
+    """The ``ipc://`` endpoint of ``rank``'s server for the engine ``engine_id``, in
+    ``base_dir`` (default: this user's ``runtime_dir``).
 
     The id is reduced to ``[A-Za-z0-9_.-]``; when that changed it or the path would reach
     100 bytes, a hash of the full id is appended (and the readable part shortened), so
@@ -56,7 +108,7 @@ def endpoint_for(engine_id: str, rank: int, base_dir: str | None = None) -> str:
     """
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
-    base = base_dir if base_dir is not None else tempfile.gettempdir()
+    base = base_dir if base_dir is not None else runtime_dir()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
     path = os.path.join(base, f"kvtier-{safe}-rank{rank}.sock")
     if safe != engine_id or len(path.encode()) >= _MAX_SOCKET_PATH:
@@ -67,6 +119,11 @@ def endpoint_for(engine_id: str, rank: int, base_dir: str | None = None) -> str:
         if len(path.encode()) >= _MAX_SOCKET_PATH:
             raise ValueError(f"base_dir {base!r} is too long for a unix socket path")
     return f"ipc://{path}"
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -103,14 +160,17 @@ class RpcServer:
         self._stop = threading.Event()
         self._logged_ops: set[str] = set()
         self._closed = False
+        self._cleanup: Callable[[], None] | None = None  # removes the ipc file at exit
 
     def start(self) -> None:
         """Bind and start serving. Raises zmq.ZMQError when binding fails."""
         if self._thread is not None or self._closed:
             raise RuntimeError("RpcServer.start() may be called once, before close()")
         path = _ipc_path(self.endpoint)
-        if path is not None and os.path.exists(path):
-            os.unlink(path)  # left by a process that died without closing
+        if path is not None:
+            if os.path.exists(path):
+                os.unlink(path)  # left by a process that died without closing
+            remove_stale_sockets(os.path.dirname(path))
         self._context = zmq.Context()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -126,6 +186,10 @@ class RpcServer:
             target=self._serve, args=(sock,), name=f"kvtier-rpc {self.endpoint}", daemon=True
         )
         self._thread.start()
+        if path is not None:
+            # An engine stopped by a signal exits without shutting its connector down.
+            self._cleanup = functools.partial(_unlink_quietly, path)
+            atexit.register(self._cleanup)
 
     def _serve(self, sock: zmq.Socket) -> None:
         try:
@@ -181,8 +245,10 @@ class RpcServer:
         if self._context is not None:
             self._context.term()
             path = _ipc_path(self.endpoint)
-            if path is not None and os.path.exists(path):
-                os.unlink(path)
+            if path is not None:
+                if self._cleanup is not None:
+                    atexit.unregister(self._cleanup)
+                _unlink_quietly(path)
 
     def __enter__(self) -> RpcServer:
         return self
