@@ -74,8 +74,13 @@ def run(args: argparse.Namespace) -> int:
                 f"kvtier precompile: numba CPU kernels of {', '.join(warmed)} ready in "
                 f"{time.perf_counter() - began:.2f} s (compiled, or loaded from numba's cache)."
             )
-        print(f"kvtier precompile: nothing to compile on this machine: {why}.")
-        print("Run it on the GPU machine, with the engine's Triton and TRITON_CACHE_DIR.")
+            print(f"kvtier precompile: no Triton kernel to compile on this machine: {why}.")
+        else:
+            print(f"kvtier precompile: nothing to compile on this machine: {why}.")
+        print(
+            "For the GPU kernels, run it on the GPU machine, with the engine's Triton and "
+            "TRITON_CACHE_DIR."
+        )
         return 0
     paged = PagedKV.empty(
         shape.layout,
