@@ -132,6 +132,22 @@ def test_info_checks_a_kv_transfer_config_before_an_engine_starts(capsys):
     assert "is not JSON" in capsys.readouterr().err
 
 
+def test_info_aligns_every_config_row(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    rows = out.split("config in effect:\n", 1)[1].splitlines()
+    rows = [r for r in rows if r.startswith("  ") and r.rstrip().endswith(")")]
+    assert any(r.split()[0] == "producer_store_timeout_ms" for r in rows)
+    # values start in one column, and sources in another, however long the key
+    keys = [r[2:].split(" ", 1)[0] for r in rows]
+    width = max(map(len, keys))
+    assert all(
+        r[2 + len(k) : 4 + width] == " " * (2 + width - len(k))
+        for r, k in zip(rows, keys, strict=True)
+    )
+    assert len({r.rindex("(") for r in rows}) == 1, rows
+
+
 def test_info_refuses_what_the_engine_would_refuse(capsys, tmp_path):
     assert main(["info", "--kv-transfer-config", _transfer({}, kv_role="kv_bothh")]) == 2
     assert "kv_role is 'kv_bothh'; vLLM takes 'kv_producer', 'kv_consumer', 'kv_both'" in (

@@ -164,8 +164,11 @@ def run(args: argparse.Namespace) -> int:
     triton_cache = info["triton_cache"] or "none (triton not installed)"
     print(f"Triton kernel cache (TRITON_CACHE_DIR; kvtier precompile fills it): {triton_cache}")
     print("\nconfig in effect:")
+    key_width = max((len(row["key"]) for row in info["config"]), default=0)
+    value_width = min(max((len(str(row["value"])) for row in info["config"]), default=0), 40)
     for row in info["config"]:
-        print(f"  {row['key']:<20} {row['value']!s:<16} ({row['source']})")
+        value = str(row["value"])
+        print(f"  {row['key']:<{key_width}}  {value:<{value_width}}  ({row['source']})")
     if info["ignored_lmcache_keys"]:
         print("  ignored LMCache keys:", ", ".join(info["ignored_lmcache_keys"]))
     return 0
