@@ -1,5 +1,6 @@
-"""The server's own stores of opaque blobs: a bounded in-memory LRU and a bounded
-directory of files.
+"""The server's blobs in the tiers' stores: in memory, a byte object of the CPU tier
+(``kvtier.storage.cpu.LocalCPUTier``, the class an engine keeps its chunks in); on disk,
+a bounded directory of files.
 
 A blob is addressed by ``(namespace, name)``: the namespace is the one a client declared
 when it connected (its model, percent-encoded), the name is the client's (a kvtier key
@@ -7,10 +8,11 @@ string). Neither store looks inside a blob; kvtier clients send wire-format obje
 (``kvtier.storage.wire``), which carry their own checksums and are verified by the
 client that reads them.
 
-Both stores are thread-safe (one lock each) and never hold more than their bound: a blob
-larger than the whole bound is refused, anything else evicts least recently used blobs
-until it fits. Their index is the tiers' own (``kvtier.storage.policy.SizedIndex``): an
-overwritten blob is a new entry of its new size.
+Both stores are thread-safe and never hold more than their bound: a blob larger than
+the whole bound is refused, anything else evicts least recently used blobs until it
+fits (never one being read, in memory: ``kvtier.storage.cpu``). The disk's index is the
+tiers' own (``kvtier.storage.policy.SizedIndex``): an overwritten blob is a new entry of
+its new size.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from typing import TypeVar
 import torch
 import xxhash
 
-from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.storage.blob_store import Buffer
+from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.files import probe_writable, scan_tree, sharded_path, write_whole
 from kvtier.storage.policy import SizedIndex
 from kvtier.storage.serde import tensor_bytes
@@ -40,110 +42,52 @@ TREE = "kvtier-server-v1"
 T = TypeVar("T")
 
 
-class MemoryBlobs:
-    """Blobs in memory, at most ``capacity_bytes`` of them, least recently used evicted
-    first.
+def put_in_memory(tier: LocalCPUTier, blob_id: BlobId, data: Buffer) -> bool:
+    """Keep a copy of ``data`` in ``tier`` under ``blob_id``, in place of what was there;
+    False when the tier has no room for it (larger than the tier, or what would have to
+    go is being read).
 
-    The bytes live in one ``HostMemoryPool`` reserved at start (its pages are touched
-    only as blobs fill them), not in a Python object per blob: a 32 MiB ``bytes`` would be
-    fresh pages from the kernel on every put, which costs more than the copy itself. A
-    blob is copied in by ``put`` and out by ``get`` / ``read``.
-
-    NOTE: a blob being read is pinned: evicting, overwriting or deleting it meanwhile
-    takes it out of the index at once and returns its memory to the pool only when the
-    read ends, so a reader never sees another blob's bytes.
+    A blob of n bytes is a uint8 object of n + 1 bytes (the pool has no empty buffers),
+    its first n; the copy in is made outside the tier's lock, so other clients' reads and
+    puts go on meanwhile.
     """
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
-        self._pool = (
-            HostMemoryPool(capacity_bytes, alignment=64, pin_memory=False)
-            if capacity_bytes > 0
-            else None
-        )
-        self._blobs: dict[BlobId, tuple[MemoryObj, int]] = {}
-        self._index = SizedIndex(capacity_bytes, "LRU")
-        self._lock = threading.Lock()
-        self.evictions = 0
-
-    def put(self, blob_id: BlobId, data: Buffer) -> bool:
-        """Keep a copy of ``data`` under ``blob_id``; False when it is larger than the bound
-        (or the pool has no room: every blob left is being read)."""
-        size = len(data)
-        if size > self.capacity_bytes or self._pool is None:
-            return False
-        with self._lock:
-            self._drop(blob_id)
-            while (obj := self._pool.allocate((max(size, 1),), torch.uint8)) is None:
-                victim = self._index.first()
-                if victim is None:
-                    return False
-                self._drop(victim)
-                self.evictions += 1
-        if size:  # outside the lock: other clients' reads and puts go on meanwhile
+    size = len(data)
+    obj = tier.allocate((size + 1,), torch.uint8)
+    if obj is None:
+        return False
+    try:
+        if size:
             tensor_bytes(obj.tensor)[:size] = memoryview(data).cast("B")
-        with self._lock:
-            self._drop(blob_id)  # a concurrent put of the same name: the last one wins
-            self._blobs[blob_id] = (obj, size)
-            self._index.add(blob_id, size)
-        return True
+        tier.replace(blob_id, obj)  # a concurrent put of the same name: the last one wins
+    finally:
+        obj.ref_down()
+    return True
 
-    def _drop(self, blob_id: BlobId) -> bool:
-        """Take ``blob_id`` out of the index and release it (lock held)."""
-        entry = self._blobs.pop(blob_id, None)
-        if entry is None:
-            return False
-        self._index.drop(blob_id)
-        entry[0].ref_down()  # returned to the pool now, or when its last reader unpins it
-        return True
 
-    def read(self, blob_id: BlobId, consume: Callable[[memoryview], T]) -> T | None:
-        """``consume(view of the blob)`` while the blob is pinned; None when absent. The
-        view is valid only during the call."""
-        with self._lock:
-            entry = self._blobs.get(blob_id)
-            if entry is None:
-                return None
-            self._index.touch(blob_id)
-            obj, size = entry
-            obj.pin()
-        try:
-            return consume(tensor_bytes(obj.tensor)[:size])
-        finally:
-            obj.unpin()
+def read_in_memory(
+    tier: LocalCPUTier, blob_id: BlobId, consume: Callable[[memoryview], T]
+) -> T | None:
+    """``consume(view of the blob)`` while this read holds it (the tier evicts nothing
+    being read); None when absent. The view is valid only during the call."""
+    obj = tier.get(blob_id)
+    if obj is None:
+        return None
+    try:
+        return consume(tensor_bytes(obj.tensor)[:-1])
+    finally:
+        obj.ref_down()
 
-    def get(self, blob_id: BlobId) -> bytes | None:
-        return self.read(blob_id, bytes)
 
-    def contains(self, blob_id: BlobId) -> bool:
-        with self._lock:
-            return blob_id in self._blobs
+def clear_memory(tier: LocalCPUTier, namespace: str | None) -> int:
+    """Drop every blob (of ``namespace`` only, when given); returns how many."""
+    stored = tier.keys()  # a copy: removing as we go is safe
+    return sum(tier.remove(b) for b in stored if namespace is None or b[0] == namespace)
 
-    def delete(self, blob_id: BlobId) -> bool:
-        with self._lock:
-            return self._drop(blob_id)
 
-    def clear(self, namespace: str | None = None) -> int:
-        """Drop every blob (of ``namespace`` only, when given); returns how many."""
-        with self._lock:
-            doomed = [b for b in self._blobs if namespace is None or b[0] == namespace]
-            for blob_id in doomed:
-                self._drop(blob_id)
-            return len(doomed)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used
-
-    def __len__(self) -> int:
-        return len(self._blobs)
-
-    def close(self) -> None:
-        with self._lock:
-            self._blobs.clear()
-            self._index.clear()
-        if self._pool is not None:
-            self._pool.close()
+def open_memory(capacity_bytes: int) -> LocalCPUTier:
+    """The server's memory tier: an LRU ``LocalCPUTier`` of ``capacity_bytes`` in pageable
+    memory (no GPU copies from it), with counters of its own (``memory_evictions``)."""
+    return LocalCPUTier(capacity_bytes, "LRU", alignment=64, pin_memory=False)
 
 
 class DiskBlobs:

@@ -27,8 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.config import KVTierConfig
-from kvtier.observability.stats import Stats
-from kvtier.server.blobs import BlobId, DiskBlobs, MemoryBlobs
+from kvtier.observability.stats import Counter, Stats
+from kvtier.server.blobs import (
+    BlobId,
+    DiskBlobs,
+    clear_memory,
+    open_memory,
+    put_in_memory,
+    read_in_memory,
+)
 from kvtier.server.lookup import KeyShapes
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer
@@ -216,7 +223,7 @@ class BlobCache:
 
     def __init__(self, config: KVTierConfig, stats: Stats):
         self.stats = stats
-        self.memory = MemoryBlobs(config.max_local_cpu_bytes)
+        self.memory = open_memory(config.max_local_cpu_bytes)
         self.disk = (
             DiskBlobs(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None
         )
@@ -226,7 +233,7 @@ class BlobCache:
 
     def describe(self) -> list[str]:
         """One line per tier, for the start-up log and /health."""
-        lines = [f"memory {self.memory.capacity_bytes / 2**30:.2f} GiB"]
+        lines = [f"memory {self.memory.pool.capacity / 2**30:.2f} GiB"]
         if self.disk is not None:
             lines.append(f"disk {self.disk.root} {self.disk.capacity_bytes / 2**30:.2f} GiB")
         if self.remote is not None:
@@ -248,18 +255,18 @@ class BlobCache:
 
     def get(self, namespace: str, name: str) -> bytes | None:
         blob_id: BlobId = (namespace, name)
-        data = self.memory.get(blob_id)
+        data = read_in_memory(self.memory, blob_id, bytes)
         if data is not None:
             return data
         if self.disk is not None:
             data = self.disk.get(blob_id)
             if data is not None:
-                self.memory.put(blob_id, data)
+                put_in_memory(self.memory, blob_id, data)
                 return data
         if self.remote is not None:
             data = self.remote.get(namespace, name)
             if data is not None:
-                self.memory.put(blob_id, data)
+                put_in_memory(self.memory, blob_id, data)
                 if self.disk is not None:
                     self.disk.put(blob_id, data)
         return data
@@ -267,7 +274,7 @@ class BlobCache:
     def read(self, namespace: str, name: str, consume: Callable[[memoryview], T]) -> T | None:
         """``consume(view of the blob)``, None when no tier has it. From memory the view
         is of the tier's own buffer (no copy; valid only during the call)."""
-        found = self.memory.read((namespace, name), consume)
+        found = read_in_memory(self.memory, (namespace, name), consume)
         if found is not None:
             return found
         data = self.get(namespace, name)
@@ -277,7 +284,7 @@ class BlobCache:
         """Store ``data``; whether some tier kept it."""
         blob_id: BlobId = (namespace, name)
         self.shapes.learn(namespace, name)
-        kept = self.memory.put(blob_id, data)
+        kept = put_in_memory(self.memory, blob_id, data)
         if self.disk is not None:
             kept = self.disk.put(blob_id, data) or kept
         if self.remote is not None:
@@ -288,7 +295,7 @@ class BlobCache:
     def delete(self, namespace: str, names: Sequence[str]) -> int:
         deleted = 0
         for name in names:
-            found = self.memory.delete((namespace, name))
+            found = self.memory.remove((namespace, name))
             if self.disk is not None:
                 found = self.disk.delete((namespace, name)) or found
             deleted += found
@@ -298,7 +305,7 @@ class BlobCache:
 
     def clear(self, namespace: str | None = None) -> int:
         """Delete every blob (of ``namespace``, when given) from every tier."""
-        deleted = self.memory.clear(namespace)
+        deleted = clear_memory(self.memory, namespace)
         if self.disk is not None:
             deleted = max(deleted, self.disk.clear(namespace))
         if self.remote is not None:
@@ -309,8 +316,8 @@ class BlobCache:
         out = {
             "memory_blobs": len(self.memory),
             "memory_bytes_used": self.memory.used_bytes,
-            "memory_bytes_capacity": self.memory.capacity_bytes,
-            "memory_evictions": self.memory.evictions,
+            "memory_bytes_capacity": self.memory.pool.capacity,
+            "memory_evictions": self.memory.stats.get(Counter.EVICTIONS),
         }
         if self.disk is not None:
             out |= {
