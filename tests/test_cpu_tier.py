@@ -126,3 +126,31 @@ def test_clear_and_close_release_everything():
     tier.close()
     with pytest.raises(RuntimeError):
         tier.allocate(SHAPE, torch.float32)
+
+
+def test_an_object_larger_than_the_pool_is_refused_without_evicting():
+    stats = Stats()
+    tier = LocalCPUTier(4 * NBYTES, stats=stats)
+    for i in range(4):
+        put_new(tier, i)
+    assert tier.allocate((5 * NBYTES,), torch.uint8) is None
+    assert stats.get(Counter.ALLOC_FAILURES) == 1 and stats.get(Counter.EVICTIONS) == 0
+    assert len(tier) == 4
+    tier.close()
+
+
+def test_replace_keeps_the_new_object_and_frees_the_old_after_its_reader():
+    tier = LocalCPUTier(4 * NBYTES)
+    put_new(tier, 1)
+    reader = tier.get(key(1))
+    new = tier.allocate(SHAPE, torch.float32)
+    new.tensor.fill_(99)
+    tier.replace(key(1), new)
+    new.ref_down()
+    assert bool((reader.tensor == 1).all()) and tier.pool.num_allocated() == 2
+    reader.ref_down()
+    assert tier.pool.num_allocated() == 1
+    got = tier.get(key(1))
+    assert bool((got.tensor == 99).all()) and len(tier) == 1
+    got.ref_down()
+    tier.close()

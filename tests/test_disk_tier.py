@@ -18,8 +18,11 @@ import torch
 from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
 
 from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.server.blobs import disk_name, open_disk, read_from_disk, write_to_disk
 from kvtier.storage import files, wire
-from kvtier.storage.disk import SUFFIX, FileTier
+from kvtier.storage.disk import FileTier
+from kvtier.storage.file_store import FileStore
+from kvtier.storage.files import SUFFIX
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.tier import WriteQueue
 from kvtier.storage.wire import checksum_of
@@ -454,3 +457,34 @@ def test_shared_fs_tier_is_unbounded_and_sees_every_writer(tmp_path, pool):
     assert chunk_files(tmp_path) == []
     writer.close()
     reader.close()
+
+
+# -- the byte store under the disk tier and the server's disk ---------------------------
+
+
+def test_a_file_store_keeps_names_under_prefixes_across_a_restart(tmp_path):
+    """The server's disk names a blob ``<namespace hash>/<name hash>``: its file sits in
+    the sharded tree under the prefix, a restart indexes it under the same name, and a
+    clear of one prefix deletes that prefix's files only."""
+    a, b = "aa/" + "0123" * 8, "bb/" + "4567" * 8
+    first = FileStore(tmp_path, "t", capacity_bytes=10_000, describe="test")
+    assert first.write(a, [b"x" * 100]) and first.write(b, [b"y" * 200])
+    assert Path(first.path(a)) == tmp_path / "t" / "aa" / "01" / "23" / f"{'0123' * 8}.kvt"
+    second = FileStore(tmp_path, "t", capacity_bytes=10_000, describe="test")
+    assert len(second) == 2 and second.used_bytes == 300
+    assert second.clear("aa") == 1
+    assert second.contains_many([a, b]) == [False, True] and second.used_bytes == 200
+    assert not second.write("cc/" + "89ab" * 8, [bytes(10_001)])  # larger than the bound
+
+
+def test_the_server_disk_finds_a_blob_file_it_did_not_index(tmp_path):
+    """Settled once for every bounded file store: a name the index does not know is
+    asked of the filesystem and adopted (the engine's disk tier always did; the server's
+    disk answered from its index alone). One ``stat`` per such miss."""
+    server_disk = open_disk(str(tmp_path), 1 << 20)
+    other = open_disk(str(tmp_path), 1 << 20)  # another writer on the same directory
+    assert write_to_disk(other, ("ns", "k"), b"blob")
+    assert read_from_disk(server_disk, ("ns", "k")) == b"blob"
+    assert len(server_disk) == 1
+    assert server_disk.delete(disk_name(("ns", "k")))
+    assert read_from_disk(other, ("ns", "k")) is None and len(other) == 0

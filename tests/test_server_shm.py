@@ -18,8 +18,8 @@ import pytest
 from support.kvtier_server import KVTierServerProcess
 from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
 
-from kvtier.observability.stats import Stats, TierCounter, tier_counter
-from kvtier.server.blobs import MemoryBlobs
+from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.server.blobs import open_memory, put_in_memory, read_in_memory
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import StoreUnavailable
@@ -356,17 +356,25 @@ def test_a_killed_server_leaves_nothing_behind_and_clients_reconnect():
 # -- the memory tier under concurrent readers -------------------------------------------
 
 
-def test_a_blob_evicted_while_it_is_read_stays_intact_until_the_read_ends():
-    blobs_ = MemoryBlobs(3000)
-    assert blobs_.put(("ns", "a"), b"a" * 1000)
+def test_a_blob_being_read_is_never_evicted_and_never_overwritten_under_its_reader():
+    """The memory tier's rule (``kvtier.storage.cpu``): a put evicts idle blobs, never
+    one being read (that frees nothing until the read ends), and is refused at once when
+    what is idle is not enough; a blob overwritten while it is read keeps its bytes for
+    the reader and returns its memory when the read ends."""
+    memory = open_memory(3000)  # room for two 1000-byte blobs beside "a"
+    assert put_in_memory(memory, ("ns", "a"), b"a" * 1000)
 
-    def evict_meanwhile(view: memoryview) -> bytes:
-        for i in range(4):  # push "a" out and reuse its room
-            assert blobs_.put(("ns", f"b{i}"), bytes([i]) * 1000)
-        assert not blobs_.contains(("ns", "a"))
+    def write_meanwhile(view: memoryview) -> bytes:
+        for i in range(4):  # each put past the second evicts an idle blob, never "a"
+            assert put_in_memory(memory, ("ns", f"b{i}"), bytes([i]) * 1000)
+        assert memory.contains(("ns", "a"))
+        assert not put_in_memory(memory, ("ns", "big"), bytes(2000))  # a's room is in use
+        assert put_in_memory(memory, ("ns", "a"), b"z" * 1000)  # the last put wins
         return bytes(view)
 
-    assert blobs_.read(("ns", "a"), evict_meanwhile) == b"a" * 1000
-    assert blobs_.used_bytes <= 3000 and blobs_.evictions >= 2
-    assert blobs_.get(("ns", "b3")) == bytes([3]) * 1000
-    blobs_.close()
+    assert read_in_memory(memory, ("ns", "a"), write_meanwhile) == b"a" * 1000
+    assert read_in_memory(memory, ("ns", "a"), bytes) == b"z" * 1000
+    assert memory.used_bytes <= 3000 and memory.stats.get(Counter.EVICTIONS) >= 3
+    assert put_in_memory(memory, ("ns", "big"), bytes(2000))  # the read ended: room again
+    assert read_in_memory(memory, ("ns", "big"), bytes) == bytes(2000)
+    memory.close()

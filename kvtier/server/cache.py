@@ -6,6 +6,14 @@ optional remote blob store behind it, all of opaque blobs by ``(namespace, name)
     put  ──▶ memory (bounded LRU) ──▶ disk (bounded, synchronous) ──▶ remote (queued)
     get  ◀── memory ◀── disk (copied up to memory) ◀── remote (copied up to memory, disk)
 
+Memory and disk are the engine's tier classes (``kvtier.server.blobs``); the path through
+them is the server's own. NOTE: an engine's ``StorageManager`` reads through tiers that
+hand back decoded, verified chunks of a ``CacheKey``, writes to them from a queue and
+copies a hit back to memory only; the server holds blobs it never decodes under names it
+never parses, writes its disk within the request and copies a remote hit to memory and
+disk. One loop for both would need a blob flavour of each lower tier and a switch per
+difference.
+
 The remote is written through from a bounded queue by one writer thread: a full queue or
 a remote that is down drops the write (counted), never blocks a client. A remote that
 fails or is slower than ``remote_timeout_ms`` is down, as an engine's remote tier would
@@ -27,8 +35,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.config import KVTierConfig
-from kvtier.observability.stats import Stats
-from kvtier.server.blobs import BlobId, DiskBlobs, MemoryBlobs
+from kvtier.observability.stats import Counter, Stats
+from kvtier.server.blobs import (
+    BlobId,
+    clear_memory,
+    disk_name,
+    namespace_prefix,
+    open_disk,
+    open_memory,
+    put_in_memory,
+    read_from_disk,
+    read_in_memory,
+    write_to_disk,
+)
 from kvtier.server.lookup import KeyShapes
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer
@@ -216,9 +235,9 @@ class BlobCache:
 
     def __init__(self, config: KVTierConfig, stats: Stats):
         self.stats = stats
-        self.memory = MemoryBlobs(config.max_local_cpu_bytes)
+        self.memory = open_memory(config.max_local_cpu_bytes)
         self.disk = (
-            DiskBlobs(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None
+            open_disk(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None
         )
         self.remote = open_remote_blobs(config, stats) if config.remote_url else None
         # what /lookup needs to name a chunk's blobs (kept with the disk's files)
@@ -226,7 +245,7 @@ class BlobCache:
 
     def describe(self) -> list[str]:
         """One line per tier, for the start-up log and /health."""
-        lines = [f"memory {self.memory.capacity_bytes / 2**30:.2f} GiB"]
+        lines = [f"memory {self.memory.pool.capacity / 2**30:.2f} GiB"]
         if self.disk is not None:
             lines.append(f"disk {self.disk.root} {self.disk.capacity_bytes / 2**30:.2f} GiB")
         if self.remote is not None:
@@ -234,12 +253,13 @@ class BlobCache:
         return lines
 
     def exists_many(self, namespace: str, names: Sequence[str]) -> list[bool]:
-        present = [
-            self.memory.contains((namespace, n))
-            or (self.disk is not None and self.disk.contains((namespace, n)))
-            for n in names
-        ]
+        present = [self.memory.contains((namespace, n)) for n in names]
         missing = [i for i, there in enumerate(present) if not there]
+        if missing and self.disk is not None:
+            found = self.disk.contains_many([disk_name((namespace, names[i])) for i in missing])
+            for i, there in zip(missing, found, strict=True):
+                present[i] = there
+            missing = [i for i in missing if not present[i]]
         if missing and self.remote is not None:
             found = self.remote.exists_many(namespace, [names[i] for i in missing])
             for i, there in zip(missing, found, strict=True):
@@ -248,26 +268,26 @@ class BlobCache:
 
     def get(self, namespace: str, name: str) -> bytes | None:
         blob_id: BlobId = (namespace, name)
-        data = self.memory.get(blob_id)
+        data = read_in_memory(self.memory, blob_id, bytes)
         if data is not None:
             return data
         if self.disk is not None:
-            data = self.disk.get(blob_id)
+            data = read_from_disk(self.disk, blob_id)
             if data is not None:
-                self.memory.put(blob_id, data)
+                put_in_memory(self.memory, blob_id, data)
                 return data
         if self.remote is not None:
             data = self.remote.get(namespace, name)
             if data is not None:
-                self.memory.put(blob_id, data)
+                put_in_memory(self.memory, blob_id, data)
                 if self.disk is not None:
-                    self.disk.put(blob_id, data)
+                    write_to_disk(self.disk, blob_id, data)
         return data
 
     def read(self, namespace: str, name: str, consume: Callable[[memoryview], T]) -> T | None:
         """``consume(view of the blob)``, None when no tier has it. From memory the view
         is of the tier's own buffer (no copy; valid only during the call)."""
-        found = self.memory.read((namespace, name), consume)
+        found = read_in_memory(self.memory, (namespace, name), consume)
         if found is not None:
             return found
         data = self.get(namespace, name)
@@ -277,9 +297,9 @@ class BlobCache:
         """Store ``data``; whether some tier kept it."""
         blob_id: BlobId = (namespace, name)
         self.shapes.learn(namespace, name)
-        kept = self.memory.put(blob_id, data)
+        kept = put_in_memory(self.memory, blob_id, data)
         if self.disk is not None:
-            kept = self.disk.put(blob_id, data) or kept
+            kept = write_to_disk(self.disk, blob_id, data) or kept
         if self.remote is not None:
             self.remote.submit_put(namespace, name, bytes(data))
             kept = True
@@ -288,9 +308,9 @@ class BlobCache:
     def delete(self, namespace: str, names: Sequence[str]) -> int:
         deleted = 0
         for name in names:
-            found = self.memory.delete((namespace, name))
+            found = self.memory.remove((namespace, name))
             if self.disk is not None:
-                found = self.disk.delete((namespace, name)) or found
+                found = self.disk.delete(disk_name((namespace, name))) or found
             deleted += found
         if self.remote is not None:
             self.remote.delete(namespace, names)
@@ -298,9 +318,10 @@ class BlobCache:
 
     def clear(self, namespace: str | None = None) -> int:
         """Delete every blob (of ``namespace``, when given) from every tier."""
-        deleted = self.memory.clear(namespace)
+        deleted = clear_memory(self.memory, namespace)
         if self.disk is not None:
-            deleted = max(deleted, self.disk.clear(namespace))
+            prefix = None if namespace is None else namespace_prefix(namespace)
+            deleted = max(deleted, self.disk.clear(prefix))
         if self.remote is not None:
             self.remote.clear(namespace)
         return deleted
@@ -309,8 +330,8 @@ class BlobCache:
         out = {
             "memory_blobs": len(self.memory),
             "memory_bytes_used": self.memory.used_bytes,
-            "memory_bytes_capacity": self.memory.capacity_bytes,
-            "memory_evictions": self.memory.evictions,
+            "memory_bytes_capacity": self.memory.pool.capacity,
+            "memory_evictions": self.memory.stats.get(Counter.EVICTIONS),
         }
         if self.disk is not None:
             out |= {

@@ -1,23 +1,33 @@
-"""The local CPU tier: chunks kept in one host memory pool (pinned when a GPU is present).
+"""The local CPU tier: objects kept in one host memory pool (pinned when a GPU is present).
+The engine keeps its chunks here (by ``CacheKey``), and a ``kvtier serve`` its memory
+tier of blobs (by ``(namespace, name)``, ``kvtier.server.blobs``).
 
-The tier owns the pool it allocates chunk buffers from, so it can make room: when an
+The tier owns the pool it allocates buffers from, so it can make room: when an
 allocation fails it evicts, in policy order, stored objects that nobody is using, until
-the allocation fits or nothing more can go.
+the allocation fits or nothing more can go. A request larger than the whole pool is
+refused at once, evicting nothing.
 
 NOTE: an object is evictable only while the tier holds the sole reference and it is not
 pinned. A reader holds a reference (``get`` returns one) and a writer pins; neither can
-lose its object underneath it.
+lose its object underneath it, and an entry promised to a load (pinned after a lookup)
+is still there when the load comes. This is the rule for every user: evicting an object
+in use would free nothing until the use ends (the memory stays the user's), so it would
+only lose a hit and push out more objects for the same room. It never makes a writer
+wait either: ``allocate`` evicts what is idle and, when that is not enough, fails at
+once (counted); a server refuses that one put and goes on.
 
-With an event log (``kvtier.observability.tier_events``) the tier records each chunk it starts holding
-(after the put, so it is readable), each chunk it stops holding (evicted or removed) and
-each clear, under the tier's lock, so the records follow the order of its contents.
+With an event log (``kvtier.observability.tier_events``) the tier records each chunk it
+starts holding (after the put, so it is readable), each chunk it stops holding (evicted
+or removed) and each clear, under the tier's lock, so the records follow the order of
+its contents.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -31,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 class LocalCPUTier:
-    """Capacity-bounded chunk store in host memory.
+    """Capacity-bounded object store in host memory, by any hashable key (chunks are
+    recorded in ``events`` only under a ``CacheKey``).
 
     Args:
         capacity_bytes: size of the pool.
@@ -58,17 +69,21 @@ class LocalCPUTier:
         self.policy = make_policy(policy)
         self.stats = stats or Stats()
         self.events = events
-        self._objects: dict[CacheKey, MemoryObj] = {}
+        self._objects: dict[Hashable, MemoryObj] = {}
         self._lock = threading.RLock()
 
     # -- allocation ------------------------------------------------------------------
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
-        """A buffer for a new chunk, evicting idle objects if needed.
+        """A buffer for a new object, evicting idle objects if needed.
 
         Returns None (counted as an allocation failure) when even after evicting every
-        evictable object there is no room; the caller skips the store.
+        evictable object there is no room, or at once when the buffer would be larger
+        than the whole pool; the caller skips the store.
         """
+        if self._aligned(math.prod(shape) * dtype.itemsize) > self.pool.capacity:
+            self.stats.inc(Counter.ALLOC_FAILURES)
+            return None
         with self._lock:
             obj = self.pool.allocate(shape, dtype)
             while obj is None and self._evict_one():
@@ -76,6 +91,9 @@ class LocalCPUTier:
             if obj is None:
                 self.stats.inc(Counter.ALLOC_FAILURES)
             return obj
+
+    def _aligned(self, nbytes: int) -> int:
+        return -(-nbytes // self.pool.alignment) * self.pool.alignment
 
     def _evict_one(self) -> bool:
         for key in self.policy.candidates():
@@ -88,32 +106,46 @@ class LocalCPUTier:
         self.stats.inc(Counter.EVICTIONS)
         return True
 
-    def _drop(self, key: CacheKey, *, record: bool = True) -> None:
+    def _drop(self, key: Hashable, *, record: bool = True) -> None:
         obj = self._objects.pop(key)
         self.policy.remove(key)
-        obj.ref_down()
-        if record and self.events is not None and key.layer is None:
+        obj.ref_down()  # the memory returns now, or when its last user lets go
+        if record and self.events is not None and _whole_chunk(key):
             self.events.removed(self.name, key.chunk_hash)
 
     # -- contents --------------------------------------------------------------------
 
-    def put(self, key: CacheKey, obj: MemoryObj) -> bool:
+    def put(self, key: Hashable, obj: MemoryObj) -> bool:
         """Keep ``obj`` under ``key`` (the tier takes its own reference).
 
-        Returns False, keeping the existing object, when the key is already stored.
+        Returns False, keeping the existing object, when the key is already stored (a
+        chunk key names the same bytes whoever stores them: the one readers may hold
+        stays).
         """
         with self._lock:
             if key in self._objects:
                 self.policy.touch(key)
                 return False
-            obj.ref_up()
-            self._objects[key] = obj
-            self.policy.add(key)
-            if self.events is not None and key.layer is None:
-                self.events.stored(self.name, key.chunk_hash)
+            self._add(key, obj)
             return True
 
-    def get(self, key: CacheKey) -> MemoryObj | None:
+    def replace(self, key: Hashable, obj: MemoryObj) -> None:
+        """Keep ``obj`` under ``key``, in place of the object stored there if any (a blob
+        store's put: the last one wins). The old object's memory returns to the pool once
+        its readers let go; ``obj`` starts over in policy order."""
+        with self._lock:
+            if key in self._objects:
+                self._drop(key)
+            self._add(key, obj)
+
+    def _add(self, key: Hashable, obj: MemoryObj) -> None:
+        obj.ref_up()
+        self._objects[key] = obj
+        self.policy.add(key)
+        if self.events is not None and _whole_chunk(key):
+            self.events.stored(self.name, key.chunk_hash)
+
+    def get(self, key: Hashable) -> MemoryObj | None:
         """The object under ``key`` with a reference taken for the caller (who must
         ``ref_down`` it), or None."""
         with self._lock:
@@ -124,11 +156,11 @@ class LocalCPUTier:
             self.policy.touch(key)
             return obj
 
-    def contains(self, key: CacheKey) -> bool:
+    def contains(self, key: Hashable) -> bool:
         with self._lock:
             return key in self._objects
 
-    def prefix_length(self, keys: Sequence[CacheKey]) -> int:
+    def prefix_length(self, keys: Sequence[Hashable]) -> int:
         """How many of ``keys``, from the first, are stored."""
         with self._lock:
             for i, key in enumerate(keys):
@@ -136,7 +168,7 @@ class LocalCPUTier:
                     return i
             return len(keys)
 
-    def remove(self, key: CacheKey) -> bool:
+    def remove(self, key: Hashable) -> bool:
         """Forget ``key``; its memory returns to the pool once no reader holds it."""
         with self._lock:
             if key not in self._objects:
@@ -144,7 +176,7 @@ class LocalCPUTier:
             self._drop(key)
             return True
 
-    def pin(self, key: CacheKey) -> bool:
+    def pin(self, key: Hashable) -> bool:
         """Protect ``key`` from eviction until ``unpin``. False if not stored."""
         with self._lock:
             obj = self._objects.get(key)
@@ -153,13 +185,13 @@ class LocalCPUTier:
             obj.pin()
             return True
 
-    def unpin(self, key: CacheKey) -> None:
+    def unpin(self, key: Hashable) -> None:
         with self._lock:
             obj = self._objects.get(key)
             if obj is not None:
                 obj.unpin()
 
-    def keys(self) -> list[CacheKey]:
+    def keys(self) -> list[Hashable]:
         with self._lock:
             return list(self._objects)
 
@@ -185,3 +217,8 @@ class LocalCPUTier:
     def close(self) -> None:
         self.clear()
         self.pool.close()
+
+
+def _whole_chunk(key: Hashable) -> bool:
+    """Whether ``key`` names a whole chunk (what the event log records)."""
+    return isinstance(key, CacheKey) and key.layer is None

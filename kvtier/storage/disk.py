@@ -20,11 +20,12 @@ Chunks come in and go out as buffers of kvtier's pool (``submit_put``, queued, a
 ``get_many``), or straight from and into memory the caller owns (``put_buffers`` and
 ``get_into``, synchronous: an engine's host pool, with no staging copy in between).
 
-The local disk tier is capacity-bounded: its index (name → size, in eviction-policy
-order) is rebuilt at start-up from the files present, oldest first, and files written by
-another process are adopted when a lookup finds them. Each process enforces the bound on
-the files it knows. The shared-filesystem tier has no bound and no index (the directory
-is the index; many machines write to it).
+The files themselves are a ``file_store.FileStore`` (the byte store a ``kvtier serve``
+keeps its disk in too). The local disk tier is capacity-bounded: its index (name → size,
+in eviction-policy order) is rebuilt at start-up from the files present, oldest first,
+and files written by another process are adopted when a lookup finds them. Each process
+enforces the bound on the files it knows. The shared-filesystem tier has no bound and no
+index (the directory is the index; many machines write to it).
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, t
 from kvtier.observability.tier_events import TierEventLog
 from kvtier.storage import files, wire
 from kvtier.storage.blob_store import Buffer
-from kvtier.storage.files import SUFFIX, scan_tree, sharded_path
-from kvtier.storage.policy import SizedIndex
+from kvtier.storage.file_store import FileStore
 from kvtier.storage.serde import CorruptObject, Serde
 from kvtier.storage.tier import PendingWrite, WriteQueue
 from kvtier.storage.wire import Allocate, ChunkBuffers
@@ -113,19 +113,28 @@ class FileTier:
     ):
         self.name = name
         self.root = Path(root)
-        self.dir = self.root / TREE
-        self._dir_str = str(self.dir)
         self.capacity_bytes = capacity_bytes
         self.serde = serde
         self.stats = stats
-        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
-        self._check_writable(config_key)
-        self._lock = threading.Lock()
-        self._index = SizedIndex(capacity_bytes, policy)  # bounded tier only
         self.events = events
+        self._lock = threading.Lock()  # guards _announced
         self._announced: dict[str, bytes] = {}  # file name -> chunk hash (events only)
-        if capacity_bytes is not None:
-            self._scan()
+        try:
+            self.files = FileStore(
+                root,
+                TREE,
+                capacity_bytes=capacity_bytes,
+                policy=policy,
+                o_direct=o_direct,
+                describe=f"kvtier {name} tier",
+                on_evict=self._evicted,
+            )
+        except OSError as exc:
+            raise ValueError(
+                f"{config_key}: cannot use {str(self.root)!r} as a kvtier {name} "
+                f"directory: {exc.strerror or exc}"
+            ) from None
+        self.dir = self.files.dir
         self._readers = ThreadPoolExecutor(workers, thread_name_prefix=f"kvtier-{name}-reader")
         self._writes = WriteQueue(
             name, self._write_batch, stats, workers=workers, capacity=queue_capacity
@@ -143,44 +152,13 @@ class FileTier:
         return xxhash.xxh3_128_hexdigest(key.to_string().encode())
 
     def path_of(self, file_name: str) -> Path:
-        return Path(self._path_str(file_name))
+        return Path(self.files.path(file_name))
 
-    def _path_str(self, file_name: str) -> str:
-        # plain strings, not pathlib, on the lookup path: a 32k-token prompt is 128 stats
-        return sharded_path(self._dir_str, file_name)
-
-    def _check_writable(self, config_key: str) -> None:
-        try:
-            files.probe_writable(self.dir)
-        except OSError as exc:
-            raise ValueError(
-                f"{config_key}: cannot use {str(self.root)!r} as a kvtier {self.name} "
-                f"directory: {exc.strerror or exc}"
-            ) from None
-
-    def _scan(self) -> None:
-        """Rebuild the index from the files present, oldest first (start-up)."""
-        found = scan_tree(self.dir)
-        for _, file_name, size in found:
-            self._index.add(file_name, size)
-        if found:
-            logger.info(
-                "kvtier %s tier: %d chunk files (%.1f MiB) found in %s",
-                self.name,
-                len(found),
-                self._index.used / 2**20,
-                self.dir,
-            )
+    def _evicted(self, file_name: str) -> None:
+        """The store evicted ``file_name`` (under its lock)."""
         with self._lock:
-            self._evict(self._index.make_room(0) or [])
-
-    def _evict(self, victims: list) -> None:
-        """Under the lock: delete the files the index evicted."""
-        for file_name in victims:
             self._record_removed(file_name)
-            with contextlib.suppress(FileNotFoundError):  # another process removed it
-                self.path_of(file_name).unlink()
-            self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
+        self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
 
     # -- reads -----------------------------------------------------------------------
 
@@ -192,26 +170,7 @@ class FileTier:
         NOTE: a file deleted behind the index's back is a hit here and a miss at the read
         (the index forgets it then): the load fails and vLLM recomputes those blocks.
         """
-        names = [self.file_name(key) for key in keys]
-        present = [False] * len(names)
-        unknown = range(len(names))
-        if self.capacity_bytes is not None:
-            with self._lock:
-                unknown = []
-                for i, file_name in enumerate(names):
-                    if self._index.touch(file_name):
-                        present[i] = True
-                    else:
-                        unknown.append(i)
-        for i in unknown:
-            try:
-                size = os.stat(self._path_str(names[i])).st_size
-            except OSError:
-                continue
-            present[i] = True
-            if self.capacity_bytes is not None:
-                with self._lock:
-                    self._index.add(names[i], size)  # written by another process
+        present = self.files.contains_many([self.file_name(key) for key in keys])
         self.stats.inc(tier_counter(self.name, TierCounter.LOOKUP_HITS), sum(present))
         return present
 
@@ -224,7 +183,7 @@ class FileTier:
         obj = self._attempt(
             file_name,
             lambda path: files.read_object(
-                path, key.to_string(), allocate, self.serde, o_direct=self.o_direct
+                path, key.to_string(), allocate, self.serde, o_direct=self.files.o_direct
             ),
         )
         self._count_get(file_name, None if obj is None else obj.data_nbytes, started)
@@ -247,7 +206,7 @@ class FileTier:
         done = self._attempt(
             file_name,
             lambda path: files.read_object_into(
-                path, key.to_string(), chunk, o_direct=self.o_direct
+                path, key.to_string(), chunk, o_direct=self.files.o_direct
             ),
         )
         if done is False:
@@ -264,12 +223,12 @@ class FileTier:
     def _attempt(self, file_name: str, read: Callable[[str], T]) -> T | None:
         """``read(path)`` of a chunk file; None when it failed: the file is gone (then
         forgotten), corrupt (counted, deleted) or unreadable (counted)."""
-        path = self._path_str(file_name)
+        path = self.files.path(file_name)
         try:
             return read(path)
         except FileNotFoundError:  # deleted behind the index's back: forget it
+            self.files.forget(file_name)
             with self._lock:
-                self._index.drop(file_name)
                 self._record_removed(file_name)
         except CorruptObject as exc:
             self._reject(file_name, Path(path), exc)
@@ -283,9 +242,7 @@ class FileTier:
         if nbytes is None:
             self.stats.inc(tier_counter(self.name, TierCounter.GET_MISSES))
             return
-        if self.capacity_bytes is not None:
-            with self._lock:
-                self._index.touch(file_name)
+        self.files.touch(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
         self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), nbytes)
         elapsed = time.perf_counter() - started
@@ -297,9 +254,8 @@ class FileTier:
         self.stats.inc(Counter.CORRUPT_CHUNKS)
         warn_once(logger, f"kvtier {self.name} tier: {path} is corrupt ({exc}): deleted, a miss")
         with contextlib.suppress(OSError):
-            path.unlink()
+            self.files.delete(file_name)
         with self._lock:
-            self._index.drop(file_name)
             self._record_removed(file_name)
 
     def _record_removed(self, file_name: str) -> None:
@@ -343,29 +299,23 @@ class FileTier:
         there yet); True once the file is complete or was already there."""
         started = time.perf_counter()
         file_name = self.file_name(key)
-        path = self.path_of(file_name)
-        if path.exists():
+        if os.path.exists(self.files.path(file_name)):
             return True  # already stored (by us or by another process sharing the tree)
         parts = encode()
         size = sum(len(p) for p in parts)
-        if self.capacity_bytes is not None:
-            with self._lock:
-                victims = self._index.reserve(file_name, size)  # undone on failure
-                if victims is None:
-                    self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
-                    return False
-                self._evict(victims)
         try:
-            self._write_file(path, parts)
+            written = self._write_file(file_name, parts)
         except OSError as exc:
-            with self._lock:
-                self._index.drop(file_name)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                 warn_once(logger, f"kvtier {self.name} tier: {self.root} is full; stores skipped")
             else:
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_ERROR))
+                path = self.files.path(file_name)
                 warn_once(logger, f"kvtier {self.name} tier: cannot write {path}: {exc}")
+            return False
+        if not written:  # larger than the whole bound
+            self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
             return False
         if self.events is not None and key.layer is None:
             with self._lock:
@@ -380,51 +330,28 @@ class FileTier:
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
         return True
 
-    def _write_file(self, path: Path, parts: list[Buffer]) -> None:
-        """Write the file at ``path`` whole (``files.write_whole``).
+    def _write_file(self, file_name: str, parts: list[Buffer]) -> bool:
+        """Write the file of ``file_name`` whole (``FileStore.write``); False when it is
+        larger than the whole bound.
 
         Raises:
             OSError: it cannot be written.
         """
-        refused = files.write_whole(path, parts, o_direct=self.o_direct)
-        if refused is not None:
-            self._give_up_direct(refused)
-
-    def _give_up_direct(self, exc: OSError) -> None:
-        self.o_direct = False
-        warn_once(
-            logger,
-            f"kvtier {self.name} tier: {self.root} does not support O_DIRECT ({exc}); "
-            "using buffered I/O",
-        )
-
-    @staticmethod
-    def _unlink_quietly(path: Path) -> None:
-        with contextlib.suppress(OSError):
-            path.unlink()
+        return self.files.write(file_name, parts)
 
     # -- management ------------------------------------------------------------------
 
     def remove(self, key: CacheKey) -> bool:
         file_name = self.file_name(key)
         with self._lock:
-            self._index.drop(file_name)
             self._record_removed(file_name)
-        try:
-            self.path_of(file_name).unlink()
-            return True
-        except FileNotFoundError:
-            return False
+        return self.files.delete(file_name)
 
     def clear(self) -> None:
         """Delete every chunk file in the tree (queued writes finish first)."""
         self._writes.flush(30.0)
-        for dirpath, _, names in os.walk(self.dir):
-            for file in names:
-                if file.endswith(SUFFIX):
-                    self._unlink_quietly(Path(dirpath) / file)
+        self.files.clear()
         with self._lock:
-            self._index.clear()
             self._announced.clear()
             if self.events is not None:
                 self.events.cleared(self.name)
@@ -440,12 +367,10 @@ class FileTier:
     @property
     def used_bytes(self) -> int:
         """Bytes of the chunk files this process knows (bounded tier only)."""
-        with self._lock:
-            return self._index.used
+        return self.files.used_bytes
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
+        return len(self.files)
 
     def close(self) -> None:
         self._writes.close()

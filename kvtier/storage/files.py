@@ -1,6 +1,6 @@
-"""Files in a sharded tree, written and read whole through lists of buffers: what the file
-tiers (``disk``) and the node server's blob directory (``server/blobs``) share, and the
-reading of one wire-format chunk file (``read_object``, ``read_object_into``).
+"""Files in a sharded tree, written and read whole through lists of buffers: the layout
+and writes of ``file_store.FileStore`` (under the disk tier and the node server's disk),
+and the reading of one wire-format chunk file (``read_object``, ``read_object_into``).
 
 A file's bytes go out with ``writev`` and come back with ``preadv`` from and into the
 caller's buffers (a wire header, then a payload that may be several runs of an engine's
@@ -49,19 +49,26 @@ def sharded_path(directory: str, file_name: str) -> str:
 
 
 def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
-    """``(mtime, file name without suffix, size)`` of every file in a sharded tree,
-    oldest first; temp files older than ``STALE_TMP_SECONDS`` (left behind by a writer
-    that crashed) are removed."""
+    """``(mtime, name, size)`` of every file in a sharded tree, oldest first, where
+    ``name`` is the file's as ``sharded_path`` places it (``<prefix>/<h>`` for
+    ``<directory>/<prefix>/<h[0:2]>/<h[2:4]>/<h>.kvt``, ``<h>`` without a prefix); a file
+    elsewhere is not one of the tree's. Temp files older than ``STALE_TMP_SECONDS`` (left
+    behind by a writer that crashed) are removed."""
     found: list[tuple[float, str, int]] = []
     now = time.time()
     for dirpath, _, files in os.walk(directory):
+        parts = Path(dirpath).relative_to(directory).parts
+        prefix, shards = "/".join(parts[:-2]), parts[-2:]
         for file in files:
             path = os.path.join(dirpath, file)
             try:
-                st = os.stat(path)
                 if file.endswith(SUFFIX):
-                    found.append((st.st_mtime, file[: -len(SUFFIX)], st.st_size))
-                elif file.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
+                    hashed = file[: -len(SUFFIX)]
+                    if shards == (hashed[:2], hashed[2:4]):
+                        name = f"{prefix}/{hashed}" if prefix else hashed
+                        st = os.stat(path)
+                        found.append((st.st_mtime, name, st.st_size))
+                elif file.endswith(TMP_SUFFIX) and now - os.stat(path).st_mtime > STALE_TMP_SECONDS:
                     os.unlink(path)
             except OSError:
                 continue

@@ -8,9 +8,10 @@ pinned or being read is skipped). All operations are O(1) except iteration.
 - ``FIFO``: insertion order; accesses do not reorder.
 - ``LFU``: least frequently used first; ties broken by least recent use.
 
-``SizedIndex`` puts a policy under a byte bound: the index of every bounded byte store
-(the disk tier's files, the node server's memory and disk blobs) and the one place that
-decides what goes when something new must fit.
+``SizedIndex`` puts a policy under a byte bound: the index of a bounded ``FileStore``
+(the disk tier's files and the node server's disk) and the one place that decides which
+files go when a new one must fit. The CPU tier, bounded by its memory pool rather than a
+byte count, orders its objects with a policy directly.
 """
 
 from __future__ import annotations

@@ -1,0 +1,226 @@
+"""A directory of byte files by name, each written whole, optionally within a byte bound:
+the store under the disk tier (``storage.disk.FileTier``, one file per chunk) and under
+a ``kvtier serve``'s disk (one file per blob).
+
+A name is ``[<prefix>/]<h>`` (``h`` a hex hash); its file is, in a sharded tree so that no
+directory grows huge::
+
+    <root>/<tree>/[<prefix>/]<h[0:2]>/<h[2:4]>/<h>.kvt
+
+A bounded store keeps an index (``policy.SizedIndex``: name → size, in eviction-policy
+order), rebuilt at start-up from the files present, oldest first, and evicts in policy
+order to stay within the bound; a file larger than the whole bound is refused. The index
+answers for the names it knows without a filesystem call; a name it does not know is
+looked up on the filesystem and, when found (another process wrote it into the
+directory), adopted. An unbounded store has no index: the directory is the index.
+
+NOTE: a file appears only complete (``files.write_whole``: a temp file renamed over its
+name), so a reader sees a whole file or none; ``clear`` deletes only whole files and
+leaves other writers' temp files alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvtier.storage.blob_store import Buffer
+from kvtier.storage.files import SUFFIX, probe_writable, scan_tree, sharded_path, write_whole
+from kvtier.storage.policy import SizedIndex
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+
+class FileStore:
+    """Files by name under ``<root>/<tree>``. Thread-safe (one lock).
+
+    Args:
+        root: the directory (created if missing).
+        tree: the store's directory inside ``root`` (the format's version).
+        capacity_bytes: the bound on the bytes of files kept (None: unbounded, no index).
+        policy: the eviction order (LRU | LFU | FIFO | MRU).
+        o_direct: write (and let readers read) with O_DIRECT; given up, with one warning,
+            where the filesystem refuses it.
+        describe: how logs name the store (``kvtier disk tier``).
+        on_evict: called with each name the store evicts, as it does (under its lock).
+
+    Raises:
+        OSError: ``root`` cannot be created or written to.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        tree: str,
+        *,
+        capacity_bytes: int | None,
+        policy: str = "LRU",
+        o_direct: bool = False,
+        describe: str,
+        on_evict: Callable[[str], object] | None = None,
+    ):
+        self.root = Path(root)
+        self.dir = self.root / tree
+        self._dir_str = str(self.dir)
+        self.capacity_bytes = capacity_bytes
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.describe = describe
+        self.evictions = 0
+        self._on_evict = on_evict
+        self._index = SizedIndex(capacity_bytes, policy)  # bounded store only
+        self._lock = threading.Lock()
+        probe_writable(self.dir)
+        if self.bounded:
+            self._scan()
+
+    def __repr__(self) -> str:
+        return f"FileStore({str(self.dir)!r})"
+
+    @property
+    def bounded(self) -> bool:
+        return self.capacity_bytes is not None
+
+    def path(self, name: str) -> str:
+        """The file of ``name`` (plain strings, not pathlib: a lookup of a 32k-token
+        prompt is 128 of these)."""
+        prefix, _, hashed = name.rpartition("/")
+        return sharded_path(f"{self._dir_str}/{prefix}" if prefix else self._dir_str, hashed)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files present, oldest first (start-up)."""
+        found = scan_tree(self.dir)
+        for _, name, size in found:
+            self._index.add(name, size)
+        if found:
+            logger.info(
+                "%s: %d files (%.1f MiB) found in %s",
+                self.describe,
+                len(found),
+                self._index.used / 2**20,
+                self.dir,
+            )
+        with self._lock:
+            self._evict(self._index.make_room(0) or [])
+
+    def _evict(self, victims: list) -> None:
+        """Under the lock: delete the files the index evicted."""
+        for name in victims:
+            with contextlib.suppress(OSError):  # another process removed it
+                os.unlink(self.path(name))
+            self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(name)
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def contains_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name's file is there: from the index (a use, for eviction order)
+        for the names it knows, from the filesystem (one ``os.stat`` each, the file then
+        adopted) for the others.
+
+        NOTE: a file deleted behind the index's back is a hit here and a miss at the read
+        (``forget`` it then).
+        """
+        present = [False] * len(names)
+        unknown: Sequence[int] = range(len(names))
+        if self.bounded:
+            with self._lock:
+                unknown = []
+                for i, name in enumerate(names):
+                    if self._index.touch(name):
+                        present[i] = True
+                    else:
+                        unknown.append(i)
+        for i in unknown:
+            try:
+                size = os.stat(self.path(names[i])).st_size
+            except OSError:
+                continue
+            present[i] = True
+            if self.bounded:
+                with self._lock:
+                    self._index.add(names[i], size)
+        return present
+
+    def touch(self, name: str) -> None:
+        """A use of ``name`` (a read), for eviction order."""
+        if self.bounded:
+            with self._lock:
+                self._index.touch(name)
+
+    def forget(self, name: str) -> None:
+        """``name``'s file is gone (deleted behind the index's back)."""
+        with self._lock:
+            self._index.drop(name)
+
+    # -- changes ---------------------------------------------------------------------
+
+    def write(self, name: str, parts: Sequence[Buffer]) -> bool:
+        """Write ``parts`` as the file of ``name`` (in place of any file there), evicting
+        in policy order to stay within the bound. False (nothing written, nothing
+        evicted) when the file would be larger than the whole bound.
+
+        Raises:
+            OSError: it cannot be written (its room in the index is given back).
+        """
+        if self.bounded:
+            size = sum(len(p) for p in parts)
+            with self._lock:
+                victims = self._index.reserve(name, size)
+                if victims is None:
+                    return False
+                self._evict(victims)
+        try:
+            refused = write_whole(Path(self.path(name)), parts, o_direct=self.o_direct)
+        except OSError:
+            self.forget(name)
+            raise
+        if refused is not None:
+            self.o_direct = False
+            warn_once(
+                logger,
+                f"{self.describe}: {self.root} does not support O_DIRECT ({refused}); "
+                "using buffered I/O",
+            )
+        return True
+
+    def delete(self, name: str) -> bool:
+        """Delete ``name``'s file; whether there was one."""
+        self.forget(name)
+        try:
+            os.unlink(self.path(name))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def clear(self, prefix: str | None = None) -> int:
+        """Delete every file (of the names under ``prefix/`` only, when given); returns
+        how many."""
+        top = self.dir if prefix is None else self.dir / prefix
+        deleted = 0
+        for dirpath, _, files in os.walk(top):
+            for file in files:
+                if file.endswith(SUFFIX):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(dirpath, file))
+                        deleted += 1
+        with self._lock:
+            for name in self._index.names():
+                if prefix is None or name.startswith(f"{prefix}/"):
+                    self._index.drop(name)
+        return deleted
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the files this store knows (bounded store only)."""
+        with self._lock:
+            return self._index.used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
