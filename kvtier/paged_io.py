@@ -76,6 +76,36 @@ class _Streams:
             self.store_done = event
 
 
+class _Batch:
+    """An open batch of copies in one direction (see :meth:`PagedIO.storing`); a batch
+    entered while one of its direction is open is part of that one."""
+
+    __slots__ = ("direction", "io", "owner", "streams")
+
+    def __init__(self, io: PagedIO, direction: str) -> None:
+        self.io, self.direction, self.owner = io, direction, False
+        self.streams: contextlib.AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        io = self.io
+        if io._open is not None:
+            if io._open != self.direction:
+                raise RuntimeError(f"a {io._open} batch is open: no {self.direction} inside it")
+            return
+        if io._streams is not None:
+            self.streams = io._on(self.direction)
+            self.streams.__enter__()
+        io._open, self.owner = self.direction, True
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.owner:
+            return
+        self.io._open, self.owner = None, False
+        streams, self.streams = self.streams, None
+        if streams is not None:
+            streams.__exit__(*exc)
+
+
 class PagedIO:
     """Copies token ranges of a paged KV cache into and out of chunk buffers.
 
@@ -162,34 +192,17 @@ class PagedIO:
         with self.loading():
             self._scatter(chunk, slot_mapping, layers)
 
-    @contextlib.contextmanager
-    def storing(self) -> Iterator[None]:
+    def storing(self) -> contextlib.AbstractContextManager[None]:
         """A batch of :meth:`from_engine` calls: on a GPU the store stream waits for the
         engine's queued work once, at the start, and one event marks the end of all of
-        them (what :meth:`stores_done` waits for)."""
-        with self._batch("store"):
-            yield
+        them (what :meth:`stores_done` waits for). A batch inside a batch of the same
+        direction is part of it."""
+        return _Batch(self, "store")
 
-    @contextlib.contextmanager
-    def loading(self) -> Iterator[None]:
+    def loading(self) -> contextlib.AbstractContextManager[None]:
         """A batch of :meth:`to_engine` calls: one fence at the start, and the engine's
         stream waits once, at the end, for all of them."""
-        with self._batch("load"):
-            yield
-
-    @contextlib.contextmanager
-    def _batch(self, direction: str) -> Iterator[None]:
-        if self._open is not None:
-            if self._open != direction:
-                raise RuntimeError(f"a {self._open} batch is open: {direction} cannot nest in it")
-            yield
-            return
-        self._open = direction
-        try:
-            with self._on(direction):
-                yield
-        finally:
-            self._open = None
+        return _Batch(self, "load")
 
     def _gather(self, chunk: torch.Tensor, slots: torch.Tensor, layers: range | None) -> None:
         rest = self._copy_runs("store", chunk, slots, layers) if self._copy_engine else slots

@@ -28,6 +28,7 @@ __all__ = [
     "TorchRotation",
     "cached_plan",
     "check_placement",
+    "clear_plans",
     "plan_key",
     "rope_plan",
     "store_plan",
@@ -153,6 +154,11 @@ def plan_key(
 def cached_plan(key: tuple) -> Callable[..., torch.Tensor] | None:
     """The plan stored under ``key``, or None (raises TypeError for an unhashable key)."""
     return _plans.get(key)
+
+
+def clear_plans() -> None:
+    """Drop every cached plan (benchmarks time the path without them)."""
+    _plans.clear()
 
 
 def store_plan(key: tuple, plan: Callable[..., torch.Tensor]) -> None:
