@@ -352,7 +352,9 @@ class StoreTransfer:
         self._busy = 0.0
         started = time.perf_counter()
         storage = engine.storage
-        slots = CacheEngine._slots(slot_mapping, chunks[-1].end if chunks else 0)
+        end = chunks[-1].end if chunks else 0
+        slots = CacheEngine._slots(slot_mapping, end)
+        placed = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
         self._staged: list[tuple[Chunk, MemoryObj, torch.Tensor]] = []
         self._pinned_existing: list[CacheKey] = []
         for chunk in chunks:
@@ -360,9 +362,9 @@ class StoreTransfer:
                 self.result.skipped_existing += 1
                 self._pinned_existing += storage.pin([chunk.key])
                 continue
-            chunk_slots = slots[chunk.start : chunk.end]
-            if bool((chunk_slots < 0).any()):
+            if bool((slots[chunk.start : chunk.end] < 0).any()):
                 break
+            chunk_slots = placed[chunk.start : chunk.end]
             obj = storage.allocate(paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype)
             if obj is None:
                 self.result.skipped_no_memory = sum(
@@ -380,9 +382,10 @@ class StoreTransfer:
     def gather(self, layer: int | None = None) -> None:
         """Copy one layer (or every layer) of the staged chunks out of the engine."""
         started = time.perf_counter()
-        for _, obj, chunk_slots in self._staged:
-            part, layers = _layer_part(obj, layer)
-            self.paged_io.from_engine(part, chunk_slots, layers)
+        with self.paged_io.storing():
+            for _, obj, chunk_slots in self._staged:
+                part, layers = _layer_part(obj, layer)
+                self.paged_io.from_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
     def commit(self) -> StoreResult:
@@ -444,8 +447,9 @@ class RetrieveTransfer:
         started = time.perf_counter()
         self.end = chunks[0].start if chunks else 0
         self._held: list[tuple[Chunk, MemoryObj]] = []
-        slots = CacheEngine._slots(slot_mapping, chunks[-1].end if chunks else 0)
-        self._slots = slots
+        end = chunks[-1].end if chunks else 0
+        slots = CacheEngine._slots(slot_mapping, end)
+        self._slots = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
         objs = engine.checked.get_many([chunk.key for chunk in chunks])
         usable = True
         for chunk, obj in zip(chunks, objs, strict=True):
@@ -470,10 +474,11 @@ class RetrieveTransfer:
     def scatter(self, layer: int | None = None) -> None:
         """Write one layer (or every layer) of the held chunks into the engine."""
         started = time.perf_counter()
-        for chunk, obj in self._held:
-            chunk_slots = self._slots[chunk.start : chunk.end]
-            part, layers = _layer_part(obj, layer)
-            self.paged_io.to_engine(part, chunk_slots, layers)
+        with self.paged_io.loading():
+            for chunk, obj in self._held:
+                chunk_slots = self._slots[chunk.start : chunk.end]
+                part, layers = _layer_part(obj, layer)
+                self.paged_io.to_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
     def close(self) -> None:

@@ -21,6 +21,14 @@ ordered against the engine's stream with events:
 
 Off the GPU both calls return at once: the copies are synchronous there.
 
+Host cost: a copy is one kernel launch through the launch plan the kernels cache per cache
+and chunk geometry (:mod:`kvtier_kernels.paged.plans`), a few microseconds of Python. The
+stream fencing above costs about as much again, so a step that moves several chunks (or,
+layer by layer, one layer of each) opens one batch, :meth:`PagedIO.storing` /
+:meth:`PagedIO.loading`: one fence and one event for the whole batch. Slot mappings are
+checked and moved to the cache's device once per request (:meth:`PagedIO.device_slots`),
+never read back per copy.
+
 Copy engine: where ``kvtier tune`` found that one ``copy_(non_blocking=True)`` of
 contiguous pages beats the kernel from some run size on (its ``crossover_bytes``), runs of
 consecutive slots at least that large, between the cache and a pinned host chunk, are
@@ -38,6 +46,7 @@ from collections.abc import Iterator
 import torch
 
 from kvtier_kernels import PagedKV, gather, scatter
+from kvtier_kernels.paged.plans import check_slot_range
 from kvtier_kernels.tuning.lookup import copy_engine_crossover, prepend_search_path
 
 
@@ -65,6 +74,36 @@ class _Streams:
             self.load_done = event
         else:
             self.store_done = event
+
+
+class _Batch:
+    """An open batch of copies in one direction (see :meth:`PagedIO.storing`); a batch
+    entered while one of its direction is open is part of that one."""
+
+    __slots__ = ("direction", "io", "owner", "streams")
+
+    def __init__(self, io: PagedIO, direction: str) -> None:
+        self.io, self.direction, self.owner = io, direction, False
+        self.streams: contextlib.AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        io = self.io
+        if io._open is not None:
+            if io._open != self.direction:
+                raise RuntimeError(f"a {io._open} batch is open: no {self.direction} inside it")
+            return
+        if io._streams is not None:
+            self.streams = io._on(self.direction)
+            self.streams.__enter__()
+        io._open, self.owner = self.direction, True
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.owner:
+            return
+        self.io._open, self.owner = None, False
+        streams, self.streams = self.streams, None
+        if streams is not None:
+            streams.__exit__(*exc)
 
 
 class PagedIO:
@@ -97,6 +136,8 @@ class PagedIO:
         # every layer shares layer 0's shape and strides (PagedKV checks it)
         token_rows = _token_rows(paged.layer_view(0)) is not None
         self.copy_engine_min_bytes = copy_engine_min_bytes if token_rows else {}
+        self._copy_engine = any(v is not None for v in self.copy_engine_min_bytes.values())
+        self._open: str | None = None  # the direction of the batch open, if any
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,6 +147,21 @@ class PagedIO:
         """Shape of the chunk buffer that holds ``num_tokens`` tokens of every layer."""
         return self.paged.chunk_shape(num_tokens)
 
+    def device_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """``slot_mapping`` (a host tensor of int64 slots, negative = skip) checked once
+        and placed where the copies read it: on the cache's GPU (one host-to-device copy
+        per request, so no copy reads slots back), or left on the host where the copy
+        engine needs them (a tuned crossover) or the cache is there.
+
+        Raises:
+            ValueError: a slot ``>= num_slots`` (the message names it).
+        """
+        check_slot_range(self.paged, slot_mapping)
+        if self._streams is None or self._copy_engine:
+            return slot_mapping
+        # non_blocking: no wait for the engine's stream; the copies' streams wait for it
+        return slot_mapping.to(self.paged.device, non_blocking=True)
+
     def from_engine(
         self, chunk: torch.Tensor, slot_mapping: torch.Tensor, layers: range | None = None
     ) -> None:
@@ -114,13 +170,15 @@ class PagedIO:
 
         Args:
             chunk: ``[kv_planes, len(layers), T, hidden]`` buffer to fill.
-            slot_mapping: ``[T]`` engine slots, one per token, all >= 0.
+            slot_mapping: ``[T]`` engine slots, one per token, all >= 0 (on the host, or
+                as :meth:`device_slots` placed them).
             layers: the engine layers ``chunk``'s layer dim holds (default: all).
         """
-        with self._on("store"):
-            rest = self._copy_runs("store", chunk, slot_mapping, layers)
-            if rest is not None:
-                gather(self.paged, rest, chunk, layers, backend=self.backend)
+        if self._open == "store":
+            self._gather(chunk, slot_mapping, layers)
+            return
+        with self.storing():
+            self._gather(chunk, slot_mapping, layers)
 
     def to_engine(
         self, chunk: torch.Tensor, slot_mapping: torch.Tensor, layers: range | None = None
@@ -128,10 +186,33 @@ class PagedIO:
         """Scatter ``chunk`` (layers ``layers``, default all) into the engine's slots;
         negative slots are skipped (on a GPU: queued on the load stream, ahead of the
         engine's next work; call :meth:`loads_done` before releasing ``chunk``)."""
-        with self._on("load"):
-            rest = self._copy_runs("load", chunk, slot_mapping, layers)
-            if rest is not None:
-                scatter(self.paged, rest, chunk, layers, backend=self.backend)
+        if self._open == "load":
+            self._scatter(chunk, slot_mapping, layers)
+            return
+        with self.loading():
+            self._scatter(chunk, slot_mapping, layers)
+
+    def storing(self) -> contextlib.AbstractContextManager[None]:
+        """A batch of :meth:`from_engine` calls: on a GPU the store stream waits for the
+        engine's queued work once, at the start, and one event marks the end of all of
+        them (what :meth:`stores_done` waits for). A batch inside a batch of the same
+        direction is part of it."""
+        return _Batch(self, "store")
+
+    def loading(self) -> contextlib.AbstractContextManager[None]:
+        """A batch of :meth:`to_engine` calls: one fence at the start, and the engine's
+        stream waits once, at the end, for all of them."""
+        return _Batch(self, "load")
+
+    def _gather(self, chunk: torch.Tensor, slots: torch.Tensor, layers: range | None) -> None:
+        rest = self._copy_runs("store", chunk, slots, layers) if self._copy_engine else slots
+        if rest is not None:
+            gather(self.paged, rest, chunk, layers, backend=self.backend)
+
+    def _scatter(self, chunk: torch.Tensor, slots: torch.Tensor, layers: range | None) -> None:
+        rest = self._copy_runs("load", chunk, slots, layers) if self._copy_engine else slots
+        if rest is not None:
+            scatter(self.paged, rest, chunk, layers, backend=self.backend)
 
     def stores_done(self) -> None:
         """Block until every gather issued so far has written its chunk buffer."""

@@ -7,6 +7,10 @@
 - :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters;
 - :func:`compile_only`: within it, this thread's launches compile their kernel (Triton's
   ``warmup``) but run nothing (``kvtier precompile`` and the connector's start-up warm-up);
+- :class:`BoundLaunch` (made by :meth:`LazyKernel.bind`): one launch with everything but
+  the per-call tensors fixed (grid, constexprs, options, the compiled kernel), what the
+  ops' cached launch plans call on the hot path; :func:`record_launches` swaps the device
+  launch for a recorder (the host-cost benchmark, tests);
 - :class:`NumbaKernel` and :func:`numba_loader`: the same laziness for CPU kernels that
   numba compiles.
 """
@@ -15,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import torch
 
 
 def next_power_of_2(n: int) -> int:
@@ -66,6 +73,34 @@ def compiling_only() -> bool:
     return getattr(_mode, "requests", None) is not None
 
 
+class LaunchRecorder:
+    """What :func:`record_launches` keeps of the launches it stood in for: their count and
+    the last one (kernel name, grid, positional arguments), never a tensor list that grows."""
+
+    __slots__ = ("calls", "last")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.last: tuple[str, tuple[int, ...], tuple[Any, ...]] | None = None
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[LaunchRecorder]:
+    """Within this block, in this thread only, every :class:`BoundLaunch` records its call
+    (see :class:`LaunchRecorder`) and launches nothing: a launch path's host cost measured
+    without a device (``perf/benchmarks/test_bench_launch.py``), or what it would launch.
+
+    NOTE: a plan is built as usual meanwhile (interpreted kernels are decorated, compiled ones
+    compiled); only the launch is replaced, so a plan built here serves later calls as well.
+    """
+    outer = getattr(_mode, "recorder", None)
+    _mode.recorder = recorder = LaunchRecorder()
+    try:
+        yield recorder
+    finally:
+        _mode.recorder = outer
+
+
 class _CompileOnly:
     """``kernel[grid](*args, **meta)`` that compiles (or, interpreted, skips) the launch."""
 
@@ -97,6 +132,14 @@ class LazyKernel:
     def get(self, interpret: bool) -> Any:
         """The decorated kernel: interpreted when ``interpret``, else compiled (inside
         :func:`compile_only`, a stand-in that compiles instead of launching)."""
+        kernel = self.decorated(interpret)
+        requests = getattr(_mode, "requests", None)
+        if requests is not None:
+            return _CompileOnly(kernel, self.fn.__name__, requests)
+        return kernel
+
+    def decorated(self, interpret: bool) -> Any:
+        """The kernel decorated for ``interpret`` (once), whatever launch mode is on."""
         kernel = self._decorated.get(interpret)
         if kernel is None:
             with self._lock:
@@ -109,10 +152,104 @@ class LazyKernel:
                         _triton_compat.jit_interpreted if interpret else _triton_compat.jit_compiled
                     )
                     kernel = self._decorated[interpret] = decorate(self.fn)
+        return kernel
+
+
+def bind(
+    kernel: LazyKernel,
+    interpret: bool,
+    grid: tuple[int, ...],
+    args: Sequence[Any],
+    meta: dict[str, Any],
+    device_index: int | None = None,
+    per_call: int | None = None,
+) -> BoundLaunch:
+    """One launch of ``kernel`` over ``grid`` with the constexprs and options ``meta``
+    fixed, for calls whose positional arguments specialize as ``args`` do (same dtypes,
+    pointer alignment and integer values: the caller's cache key must say so). With
+    ``per_call`` set, only the first ``per_call`` arguments are passed per call; the rest
+    are fixed to those of ``args``.
+
+    Compiled (``interpret`` False), the kernel is compiled here for ``args`` (Triton's
+    ``warmup``; within :func:`compile_only` this is the compile request) for CUDA device
+    ``device_index``; interpreted, nothing happens until a call.
+    """
+    compiled = None
+    if not interpret:
+        compiled = kernel.decorated(False).warmup(*args, grid=grid, **meta)
+    fixed = () if per_call is None else tuple(args[per_call:])
+    return BoundLaunch(kernel, interpret, grid, meta, compiled, device_index, fixed)
+
+
+class BoundLaunch:
+    """A launch of one kernel with its grid, constexprs, options, trailing arguments
+    (``fixed``) and (compiled) its Triton ``CompiledKernel`` fixed: ``launch(*args,
+    stream=None)`` passes the leading positional arguments alone, on ``stream`` (a raw
+    CUDA/HIP stream handle; default: the current stream of the kernel's device).
+
+    Compiled, a call is Triton's own launcher and nothing else: no argument binding, no
+    specialization key, no cache lookup (what ``kernel[grid](...)`` pays on every call).
+    The caller guarantees that ``args`` specialize as those it was bound with. Within
+    :func:`record_launches` a call is recorded instead; within :func:`compile_only` it is
+    reported as a compile request and launches nothing. Interpreted, a call runs the kernel
+    under Triton's interpreter (CPU tensors).
+    """
+
+    __slots__ = ("compiled", "device_index", "fixed", "grid", "interpret", "kernel", "meta")
+    __slots__ += ("_runner", "_stream_of", "_trailing")
+
+    def __init__(
+        self,
+        kernel: LazyKernel,
+        interpret: bool,
+        grid: tuple[int, ...],
+        meta: dict[str, Any],
+        compiled: Any,
+        device_index: int | None,
+        fixed: tuple[Any, ...] = (),
+    ) -> None:
+        self.kernel, self.interpret, self.grid, self.meta = kernel, interpret, grid, meta
+        self.compiled, self.device_index, self.fixed = compiled, device_index, fixed
+        self._trailing = fixed
+        if not interpret:
+            # Triton's compiled launcher takes every parameter, the constexprs last; the
+            # launch options (num_warps, ...) are already in the compiled kernel.
+            names = inspect.signature(kernel.fn).parameters
+            self._trailing += tuple(meta[name] for name in names if name in meta)
+        self._runner: Callable[..., None] | None = None
+        self._stream_of: Callable[[int], int] | None = None
+
+    @property
+    def name(self) -> str:
+        return getattr(getattr(self.kernel, "fn", None), "__name__", type(self.kernel).__name__)
+
+    def __call__(self, *args: Any, stream: int | None = None) -> None:
+        recorder = getattr(_mode, "recorder", None)
+        if recorder is not None:
+            recorder.calls += 1
+            recorder.last = (self.name, self.grid, args + self.fixed)
+            return
         requests = getattr(_mode, "requests", None)
         if requests is not None:
-            return _CompileOnly(kernel, self.fn.__name__, requests)
-        return kernel
+            requests.append((self.name, self.compiled))
+            return
+        if self.interpret:
+            self.kernel.get(True)[self.grid](*args, *self.fixed, **self.meta)
+            return
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = self.compiled[self.grid]
+            from kvtier_kernels import _triton_compat
+
+            self._stream_of = _triton_compat.current_stream_getter()
+        index = self.device_index
+        if torch.cuda.current_device() != index:
+            with torch.cuda.device(index):
+                self(*args, stream=stream)
+            return
+        if stream is None:
+            stream = self._stream_of(index)
+        runner(*args, *self._trailing, stream=stream)
 
 
 def triton_loader(

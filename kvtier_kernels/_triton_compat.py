@@ -65,6 +65,7 @@ from triton.runtime.jit import JITFunction
 __all__ = [
     "InterpretedKernel",
     "cache_dir",
+    "current_stream_getter",
     "interpreter_scope",
     "jit_compiled",
     "jit_interpreted",
@@ -91,6 +92,12 @@ def cache_dir() -> str:
     from triton.runtime.cache import default_cache_dir  # pragma: no cover - triton < 3.4
 
     return str(default_cache_dir())  # pragma: no cover
+
+
+def current_stream_getter() -> Callable[[int], int]:
+    """``get(device_index)``: the raw handle of that device's current stream, as Triton's
+    own launches read it (torch's current stream, without building a ``Stream`` object)."""
+    return triton.runtime.driver.active.get_current_stream
 
 
 def language() -> Any:

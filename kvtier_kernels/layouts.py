@@ -331,7 +331,13 @@ class PagedKV:
 
     Derived (validated in ``__post_init__``): ``num_layers``, ``num_blocks``,
     ``block_size``, ``num_heads``, ``head_size``, ``kv_planes`` (2, or 1 for MLA),
-    ``dtype``, ``device``.
+    ``dtype``, ``device``. ``launch_cache`` holds what the kernels' launchers computed
+    once for this cache (layer-address tables, bound launches; see
+    :mod:`kvtier_kernels.paged.plans`).
+
+    NOTE: a cache's tensors are fixed once described: an engine that re-allocates its KV
+    cache (a reset, a re-registration) describes it again with a new ``PagedKV``, which
+    starts with an empty ``launch_cache``; nothing cached for one cache serves another.
 
     Raises:
         LayoutError: no tensors, a tensor does not fit the layout, or a layer differs from
@@ -348,6 +354,7 @@ class PagedKV:
     kv_planes: int = field(init=False)
     dtype: torch.dtype = field(init=False)
     device: torch.device = field(init=False)
+    launch_cache: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.layout, str):

@@ -24,6 +24,7 @@ from support.kv import assert_chunk_equal, fill_random_
 
 from kvtier.cli import main
 from kvtier_kernels import registry
+from kvtier_kernels._launch import check_launch_config
 from kvtier_kernels.layouts import PagedKV
 from kvtier_kernels.paged import copy as paged_copy
 from kvtier_kernels.paged.copy import LaunchConfig as CopyConfig
@@ -192,14 +193,14 @@ def test_every_generated_candidate_is_valid() -> None:
         quick = paged_copy_candidates(row_words, word_bytes, 256, quick=True)
         assert configs and set(quick) <= set(configs) and len(set(configs)) == len(configs)
         for c in configs:
-            paged_copy.check_launch_config(c, ("block_tokens", "block_row"))
+            check_launch_config(c, ("block_tokens", "block_row"))
             assert c.block_tokens * c.block_row * word_bytes <= 32768, c
             assert c.block_row <= 2 * row_words and c.block_tokens <= 64, c
     for half, tokens in ((4, 4), (32, 256), (40, 256), (64, 17)):
         configs = rope_candidates(half, tokens)
         assert configs
         for c in configs:
-            rerotation.check_launch_config(c, ("block_tokens", "block_pairs"))
+            check_launch_config(c, ("block_tokens", "block_pairs"))
             assert c.block_pairs <= 2 * half and c.block_tokens <= 2 * tokens, c
     for op in ("paged_gather", "paged_scatter"):
         problem = PagedCopyProblem(op, TINY, CPU, "interpret")

@@ -32,29 +32,25 @@ Sections: torch reference (the definition of correct) -> Triton kernel -> launch
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier_kernels import registry
-from kvtier_kernels._launch import (
-    LazyKernel,
-    check_launch_config,
-    next_power_of_2,
-    triton_loader,
-)
-from kvtier_kernels.dtypes import INT_OF_SIZE
+from kvtier_kernels._launch import LazyKernel, next_power_of_2, triton_loader
 from kvtier_kernels.layouts import PagedKV
-from kvtier_kernels.paged.rows import (
-    as_words,
-    layer_table,
-    read_rows,
-    torch_backend,
-    valid_slots,
-    word_view,
+from kvtier_kernels.paged.plans import (
+    TorchCopy,
+    cached_plan,
+    copy_plan,
+    plan_key,
+    store_plan,
+    validate,
 )
+from kvtier_kernels.paged.rows import as_words, read_rows, torch_backend, valid_slots
 from kvtier_kernels.tuning.files import Tunable, register_tunable
 from kvtier_kernels.tuning.lookup import tuned_config
 
@@ -176,6 +172,7 @@ def paged_copy_kernel(
     c_layer,
     c_token,
     num_tokens,
+    num_slots,  # slots >= num_slots are skipped, as negative ones
     block_size,
     head_words,
     row_words,
@@ -196,7 +193,7 @@ def paged_copy_kernel(
     cols = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
     # A per-token condition ANDed as a column, not folded into the bound: a bound taken
     # through tl.where loses its divisibility and with it every vector access.
-    mask = (cols[None, :] < row_words) & (slots >= 0)[:, None]
+    mask = (cols[None, :] < row_words) & ((slots >= 0) & (slots < num_slots))[:, None]
 
     slots = tl.maximum(slots, 0)
     blocks = slots // block_size
@@ -225,58 +222,6 @@ def paged_copy_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _validate(
-    paged: PagedKV,
-    slot_mapping: torch.Tensor,
-    chunk: torch.Tensor,
-    chunk_name: str,
-    layers: range | None,
-) -> range:
-    """Check the arguments of gather/scatter; return the layer range to use."""
-    if not isinstance(paged, PagedKV):
-        raise TypeError(f"paged must be a PagedKV, got {type(paged).__name__}")
-    if layers is None:
-        layers = range(paged.num_layers)
-    if not isinstance(layers, range):
-        raise TypeError(f"layers must be a range or None, got {type(layers).__name__}")
-    if len(layers) and not (min(layers) >= 0 and max(layers) < paged.num_layers):
-        raise ValueError(f"layers {layers} out of range: the cache has {paged.num_layers} layers")
-
-    if not isinstance(slot_mapping, torch.Tensor):
-        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"slot_mapping must be a 1-D int64 (or int32) tensor [num_tokens]; "
-            f"got shape {tuple(slot_mapping.shape)} dtype {slot_mapping.dtype}"
-        )
-
-    expected = paged.chunk_shape(slot_mapping.numel(), len(layers))
-    if not isinstance(chunk, torch.Tensor):
-        raise TypeError(f"{chunk_name} must be a torch.Tensor, got {type(chunk).__name__}")
-    if tuple(chunk.shape) != expected:
-        raise ValueError(
-            f"{chunk_name} must have shape {expected} [KV, len(layers), num_tokens, "
-            f"num_heads * head_size] (KV_2LTD); got {tuple(chunk.shape)}"
-        )
-    if chunk.dtype != paged.dtype:
-        raise ValueError(f"{chunk_name} must have the cache dtype {paged.dtype}; got {chunk.dtype}")
-    if chunk.shape[-1] > 1 and chunk.stride(-1) != 1:
-        raise ValueError(
-            f"{chunk_name} must be contiguous in its last dim (stride 1); got strides {chunk.stride()}"
-        )
-
-    if slot_mapping.numel():
-        largest = int(slot_mapping.max())
-        if largest >= paged.num_slots:
-            position = int(slot_mapping.argmax())
-            raise ValueError(
-                f"slot_mapping[{position}] = {largest} is out of range: the cache has "
-                f"{paged.num_slots} slots (num_blocks={paged.num_blocks} x "
-                f"block_size={paged.block_size})"
-            )
-    return layers
-
-
 def gather(
     paged: PagedKV,
     slot_mapping: torch.Tensor,  # [T] int64 (int32 accepted); negative = skip
@@ -303,12 +248,14 @@ def gather(
         TypeError / ValueError: a wrong argument type, shape, dtype or stride, a layer out
             of range, or a slot ``>= paged.num_slots`` (names the slot and the slot count).
 
-    NOTE: validating the slot range reads ``slot_mapping.max()``, a device sync when the
-    slots live on a GPU.
+    NOTE: everything that depends only on the cache, ``layers``, the backend and the
+    arguments' shapes, strides, dtypes, devices and alignment is computed once and cached
+    (:mod:`~kvtier_kernels.paged.plans`). A slot mapping in host memory is range-checked on
+    every call (and copied to the cache's device); one on the GPU is not read back (no
+    sync): the Triton kernel skips a slot ``>= paged.num_slots`` as it skips a negative one.
     """
-    layers = _validate(paged, slot_mapping, out, "out", layers)
-    impl = registry.get("paged_gather", backend, paged.device)
-    return impl(paged, slot_mapping, out, layers)
+    _bound("paged_gather", paged, slot_mapping, out, layers, backend)(slot_mapping, out)
+    return out
 
 
 def scatter(
@@ -324,9 +271,35 @@ def scatter(
     Same arguments and errors as :func:`gather`, with ``src`` in place of ``out``; negative
     slots write nothing and every slot not named is left unchanged.
     """
-    layers = _validate(paged, slot_mapping, src, "src", layers)
-    impl = registry.get("paged_scatter", backend, paged.device)
-    impl(paged, slot_mapping, src, layers)
+    _bound("paged_scatter", paged, slot_mapping, src, layers, backend)(slot_mapping, src)
+
+
+def _bound(
+    op: str,
+    paged: PagedKV,
+    slot_mapping: torch.Tensor,
+    chunk: torch.Tensor,
+    layers: range | None,
+    backend: str,
+) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """The cached plan of this call (validating the arguments and building it on a miss)."""
+    try:
+        key = plan_key(op, backend, layers, slot_mapping, chunk)
+        bound = cached_plan(paged, key)
+    except (AttributeError, TypeError):  # not tensors, or layers not a range: validate
+        key, bound = None, None
+    if bound is not None:
+        return bound
+    layers = validate(paged, slot_mapping, chunk, "out" if op == "paged_gather" else "src", layers)
+    impl = registry.get(op, backend, paged.device)
+    if isinstance(impl, functools.partial) and impl.func in (gather_triton, scatter_triton):
+        interpret = impl.keywords["interpret"]
+        bound = copy_plan(op, paged, slot_mapping, chunk, layers, interpret, KERNEL, launch_config)
+    else:
+        bound = TorchCopy(impl, paged, layers)
+    if key is not None:
+        store_plan(paged, key, bound)
+    return bound
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,34 +365,6 @@ KERNEL = LazyKernel(paged_copy_kernel)
 """The one kernel of both directions, decorated (compiled or interpreted) on first use."""
 
 
-def _check_placement(paged: PagedKV, chunk: torch.Tensor, chunk_name: str, interpret: bool) -> None:
-    """Raise ValueError when the kernel could not reach the cache or the chunk."""
-    if interpret:
-        for name, device in (("the cache", paged.device), (chunk_name, chunk.device)):
-            if device.type != "cpu":
-                raise ValueError(
-                    f"kernel backend 'interpret' runs on CPU tensors; {name} is on {device} "
-                    "(use 'triton' for GPU tensors)"
-                )
-        return
-    if paged.device.type != "cuda":
-        raise ValueError(
-            f"kernel backend 'triton' needs a CUDA/ROCm cache; the cache is on {paged.device} "
-            "(use 'interpret' or 'torch')"
-        )
-    if chunk.device.type == "cpu":
-        if not chunk.is_pinned():
-            raise ValueError(
-                f"{chunk_name} is in pageable CPU memory, which a GPU kernel cannot reach: "
-                "allocate it with pin_memory=True, or use backend 'torch'"
-            )
-    elif chunk.device != paged.device:
-        raise ValueError(
-            f"{chunk_name} is on {chunk.device} but the cache is on {paged.device}: the chunk "
-            "must be on the cache's GPU or in pinned CPU memory"
-        )
-
-
 def _launch_paged_copy(
     op: str,
     paged: PagedKV,
@@ -427,59 +372,19 @@ def _launch_paged_copy(
     chunk: torch.Tensor,  # [KV, len(layers), T, H * D]
     layers: range | None,
     interpret: bool | None,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig | None,
 ) -> None:
-    # validate: argument shapes, dtypes and slot range are checked by gather()/scatter();
-    # here only where the tensors live, which decides what the kernel can reach.
+    """Launch ``op`` through its cached plan (one per ``config``; see :func:`gather_triton`)."""
     layers = range(paged.num_layers) if layers is None else layers
     interpret = paged.device.type == "cpu" if interpret is None else interpret
-    chunk_name = "out" if op == "paged_gather" else "src"
-    _check_placement(paged, chunk, chunk_name, interpret)
-    if len(layers) > 65535:
-        raise ValueError(f"at most 65535 layers per launch (grid dim 1); got {len(layers)}")
-    num_tokens = slot_mapping.numel()
-    if num_tokens == 0 or len(layers) == 0:
-        return
-
-    # allocate: nothing big; the cached address table and, if needed, the slots on device.
-    table = layer_table(paged, layers)
-    words, cache_strides, word_bytes = word_view(paged, chunk, table.alignment)
-    slots = slot_mapping.to(paged.device, non_blocking=True)
-    head_words = paged.head_size * paged.dtype.itemsize // word_bytes
-    row_words = paged.num_heads * head_words
-    if config is None:
-        config = launch_config(op, row_words, INT_OF_SIZE[word_bytes], paged.device)
-    check_launch_config(config, ("block_tokens", "block_row"))
-    block_tokens = min(config.block_tokens, next_power_of_2(num_tokens))
-
-    # grid: (token tiles x row blocks, layers, kv planes); dims 1 and 2 are capped at 65535
-    row_blocks = -(-row_words // config.block_row)
-    token_tiles = -(-num_tokens // block_tokens)
-    grid = (token_tiles * row_blocks, len(layers), paged.kv_planes)
-
-    # launch
-    kernel = KERNEL.get(interpret)
-    device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(paged.device)
-    with device_guard:
-        if not interpret:
-            table.bases.record_stream(torch.cuda.current_stream(paged.device))
-        kernel[grid](
-            table.bases,  # [len(layers)] int64
-            slots,  # [T]
-            words,  # [KV, len(layers), T, row_words]
-            *cache_strides,
-            *words.stride()[:3],
-            num_tokens,
-            paged.block_size,
-            head_words,
-            row_words,
-            row_blocks,
-            TO_CHUNK=op == "paged_gather",
-            ALIGNED=table.alignment >= 16,
-            BLOCK_T=block_tokens,
-            BLOCK_R=config.block_row,
-            num_warps=config.num_warps,
+    key = plan_key(op, ("triton", interpret, config), layers, slot_mapping, chunk)
+    plan = cached_plan(paged, key)
+    if plan is None:
+        plan = copy_plan(
+            op, paged, slot_mapping, chunk, layers, interpret, KERNEL, launch_config, config, False
         )
+        store_plan(paged, key, plan)
+    plan(slot_mapping, chunk)
 
 
 def gather_triton(

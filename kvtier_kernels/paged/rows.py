@@ -12,9 +12,9 @@ word moves the same bytes in fewer elements: a bf16 row of 128 values is 32 int6
   one pass over the bytes;
 - :func:`copy_head_rows`: the torch backend's path otherwise, one ``index_select`` /
   ``index_copy_`` per KV plane and layer over the cache seen as rows of one head's values;
-- :func:`layer_table`, :func:`word_view`, :func:`launch_words`: the per-layer base-address
-  table the Triton kernel reads through (cached), and the word type and strides it moves
-  rows in.
+- :func:`launch_cache`, :func:`layer_table`, :func:`word_view`, :func:`launch_words`: what
+  the launchers keep per cache, the per-layer base-address table the Triton kernel reads
+  through (built once per cache), and the word type and strides it moves rows in.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "as_words",
     "copy_head_rows",
     "copy_whole_blocks",
+    "launch_cache",
     "launch_words",
     "layer_table",
     "read_rows",
@@ -298,38 +299,43 @@ class LayerTable:
     alignment: int  # largest of 16, 8, 4, 2, 1 that divides every address
 
 
-_tables: OrderedDict[tuple, LayerTable] = OrderedDict()
-_tables_lock = threading.Lock()
-_MAX_TABLES = 64
+_OWNER = "tensors"  # launch_cache entry: the tensors (and first address) it was built for
+
+
+def launch_cache(paged: PagedKV) -> dict:
+    """``paged.launch_cache``, emptied first if ``paged.tensors`` is no longer the list (or
+    its first tensor no longer at the address) that it was built for: what is cached there
+    is never used for other memory."""
+    cache = paged.launch_cache
+    tensors = paged.tensors
+    owner = cache.get(_OWNER)
+    if owner is None or owner[0] is not tensors or owner[1] != tensors[0].data_ptr():
+        cache.clear()
+        cache[_OWNER] = (tensors, tensors[0].data_ptr())
+    return cache
 
 
 def layer_table(paged: PagedKV, layers: range) -> LayerTable:
-    """The base-address table of ``layers``, cached per (addresses, strides, dtype, layers).
+    """The base-address table of ``layers``, built once per cache (in its
+    :func:`launch_cache`, for as long as the cache lives: a kernel in flight may read it).
 
-    The key holds every tensor's address, shape, strides and dtype (strides count
-    elements), so a cached table is right by construction; building one costs a canonical view per layer and a host-to-device
-    copy, which a serving engine should not pay per chunk.
+    Every layer's address is copied to the cache's device once; a run of consecutive
+    layers is a view of that table, any other selection a table of its own.
     """
-    key = (
-        paged.layout.name,
-        paged.dtype,
-        paged.device,
-        tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in paged.tensors),
-        (layers.start, layers.stop, layers.step),
-    )
-    with _tables_lock:
-        table = _tables.get(key)
-        if table is not None:
-            _tables.move_to_end(key)
-            return table
-    every_layer = paged.layer_base_pointers()
-    bases = every_layer[list(layers)]
-    alignment = next(w for w in (16, *_WORD_BYTES) if all(b % w == 0 for b in bases.tolist()))
-    table = LayerTable(bases.to(paged.device), alignment)
-    with _tables_lock:
-        _tables[key] = table
-        while len(_tables) > _MAX_TABLES:
-            _tables.popitem(last=False)
+    cache = launch_cache(paged)
+    key = ("layer_table", layers.start, layers.stop, layers.step)
+    table = cache.get(key)
+    if table is not None:
+        return table
+    every_layer = cache.get("layer_bases")
+    if every_layer is None:
+        host = paged.layer_base_pointers()
+        every_layer = cache["layer_bases"] = (host, host.to(paged.device))
+    host, device = every_layer
+    selected = host[list(layers)]
+    bases = device[layers.start : layers.stop] if layers.step == 1 else selected.to(paged.device)
+    alignment = next(w for w in (16, *_WORD_BYTES) if all(b % w == 0 for b in selected.tolist()))
+    table = cache[key] = LayerTable(bases, alignment)
     return table
 
 

@@ -28,7 +28,6 @@ Sections: torch reference (the definition of correct) -> Triton kernel -> launch
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,16 @@ from typing import Any
 import torch
 
 from kvtier_kernels import registry
-from kvtier_kernels._launch import LazyKernel, check_launch_config, next_power_of_2, triton_loader
+from kvtier_kernels._launch import LazyKernel, next_power_of_2, triton_loader
+from kvtier_kernels.rope.plans import (
+    SUPPORTED_DTYPES,
+    TorchRotation,
+    cached_plan,
+    plan_key,
+    rope_plan,
+    store_plan,
+    validate,
+)
 from kvtier_kernels.tuning.files import Tunable, register_tunable
 from kvtier_kernels.tuning.lookup import tuned_config
 
@@ -52,8 +60,6 @@ __all__ = [
     "rerotate_triton",
     "rope_inv_freq",
 ]
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def rope_inv_freq(
@@ -233,83 +239,6 @@ def rerotate_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _check_positions(name: str, positions: Any, num_tokens: int) -> None:
-    if not isinstance(positions, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(positions).__name__}")
-    if positions.dim() != 1 or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"{name} must be a 1-D int64 (or int32) tensor [num_tokens]; "
-            f"got shape {tuple(positions.shape)} dtype {positions.dtype}"
-        )
-    if positions.numel() != num_tokens:
-        raise ValueError(
-            f"{name} must have one position per token of k: shape ({num_tokens},); "
-            f"got {tuple(positions.shape)}"
-        )
-
-
-def _validate(
-    k: Any,
-    old_positions: Any,
-    new_positions: Any,
-    head_size: Any,
-    rotary_dim: Any,
-    base: Any,
-    inv_freq: Any,
-) -> int:
-    """Check the arguments of :func:`rerotate`; return the rotary dim to use."""
-    if not isinstance(k, torch.Tensor):
-        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
-    if k.dim() != 3:
-        raise ValueError(
-            "k must be 3-D [num_layers, num_tokens, num_heads * head_size] (the K plane "
-            f"chunk[0] of a KV_2LTD chunk); got shape {tuple(k.shape)}"
-        )
-    if k.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"k has dtype {k.dtype}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
-        )
-    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
-        raise ValueError(f"head_size must be a positive int; got {head_size!r}")
-    if k.shape[-1] % head_size:
-        raise ValueError(
-            f"k's last dim {k.shape[-1]} must be num_heads * head_size: it is not divisible "
-            f"by head_size={head_size} (k shape {tuple(k.shape)})"
-        )
-    if k.shape[-1] > 1 and k.stride(-1) != 1:
-        raise ValueError(
-            f"k must be contiguous in its last dim (stride 1); got strides {k.stride()}"
-        )
-
-    rotary_dim = head_size if rotary_dim is None else rotary_dim
-    if (
-        isinstance(rotary_dim, bool)
-        or not isinstance(rotary_dim, int)
-        or rotary_dim <= 0
-        or rotary_dim % 2
-        or rotary_dim > head_size
-    ):
-        raise ValueError(
-            f"rotary_dim must be a positive even int <= head_size={head_size}; got {rotary_dim!r}"
-        )
-
-    _check_positions("old_positions", old_positions, k.shape[1])
-    _check_positions("new_positions", new_positions, k.shape[1])
-
-    if inv_freq is None:
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 0:
-            raise ValueError(f"base must be a positive number; got {base!r}")
-    else:
-        if not isinstance(inv_freq, torch.Tensor):
-            raise TypeError(f"inv_freq must be a torch.Tensor, got {type(inv_freq).__name__}")
-        if inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
-            raise ValueError(
-                f"inv_freq must be a 1-D float tensor [rotary_dim // 2] = ({rotary_dim // 2},); "
-                f"got shape {tuple(inv_freq.shape)} dtype {inv_freq.dtype}"
-            )
-    return rotary_dim
-
-
 def rerotate(
     k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
     old_positions: torch.Tensor,  # [T] int64
@@ -347,19 +276,35 @@ def rerotate(
         TypeError / ValueError: a wrong argument type, shape, dtype or stride (the message
             names the argument and the expected shape), or a backend that cannot run on
             ``k``'s device.
+
+    NOTE: what depends only on the arguments' shapes, strides, dtypes, devices and
+    alignment, the rotary settings and the backend is computed once and cached
+    (:mod:`~kvtier_kernels.rope.plans`); int64 positions on ``k``'s device (and
+    ``inv_freq``, if given, fp32 there) are used as they are, without a copy.
     """
-    rotary_dim = _validate(k, old_positions, new_positions, head_size, rotary_dim, base, inv_freq)
-    impl = registry.get("rope_rerotate", backend, k.device)
-    return impl(
-        k,
-        old_positions,
-        new_positions,
-        head_size=head_size,
-        rotary_dim=rotary_dim,
-        base=base,
-        inv_freq=inv_freq,
-        is_neox_style=is_neox_style,
-    )
+    try:
+        key = plan_key(backend, k, old_positions, new_positions, inv_freq)
+        key += (head_size, rotary_dim, base, is_neox_style)
+        bound = cached_plan(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validate
+        key, bound = None, None
+    if bound is None:
+        rotary = validate(k, old_positions, new_positions, head_size, rotary_dim, base, inv_freq)
+        impl = registry.get("rope_rerotate", backend, k.device)
+        if isinstance(impl, functools.partial) and impl.func is rerotate_triton:
+            interpret = impl.keywords["interpret"]
+            freqs = (
+                None if inv_freq is not None else _cached_inv_freq(rotary, float(base), k.device)
+            )
+            bound = rope_plan(
+                k, old_positions, new_positions, inv_freq, freqs, head_size, rotary,
+                is_neox_style, interpret, KERNEL, launch_config,
+            )  # fmt: skip
+        else:
+            bound = TorchRotation(impl, head_size, rotary, base, is_neox_style)
+        if key is not None:
+            store_plan(key, bound)
+    return bound(k, old_positions, new_positions, inv_freq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -438,20 +383,6 @@ def _cached_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torc
     return rope_inv_freq(rotary_dim, base, device)
 
 
-def _check_placement(k: torch.Tensor, interpret: bool) -> None:
-    """Raise ValueError when the kernel could not reach ``k``."""
-    if interpret and k.device.type != "cpu":
-        raise ValueError(
-            f"kernel backend 'interpret' runs on CPU tensors; k is on {k.device} "
-            "(use 'triton' for GPU tensors)"
-        )
-    if not interpret and k.device.type != "cuda":
-        raise ValueError(
-            f"kernel backend 'triton' needs k on a CUDA/ROCm GPU; k is on {k.device} "
-            "(use 'interpret' or 'torch')"
-        )
-
-
 def rerotate_triton(
     k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
     old_positions: torch.Tensor,  # [T] int64
@@ -476,59 +407,21 @@ def rerotate_triton(
         ValueError: ``k`` is where this backend cannot reach it, or more than 65535 layers
             or heads (grid dims 1 and 2).
     """
-    # validate: shapes and dtypes are checked by rerotate(); here what the kernel can reach.
     interpret = k.device.type == "cpu" if interpret is None else interpret
-    _check_placement(k, interpret)
     rotary_dim = head_size if rotary_dim is None else rotary_dim
-    num_layers, num_tokens, width = k.shape
-    num_heads = width // head_size
-    for name, size in (("layers", num_layers), ("heads", num_heads)):
-        if size > 65535:
-            raise ValueError(f"at most 65535 {name} per launch (a grid dim); got {size}")
-    if k.numel() == 0:
-        return k
-
-    # allocate: nothing big; positions and frequencies on k's device, if not already there.
-    old = old_positions.to(k.device, torch.int64, non_blocking=True)
-    new = new_positions.to(k.device, torch.int64, non_blocking=True)
-    if inv_freq is None:
-        freqs = _cached_inv_freq(rotary_dim, float(base), k.device)
-    else:
-        freqs = inv_freq.to(k.device, torch.float32, non_blocking=True)
-    half_rotary = rotary_dim // 2
-    if config is None:
-        config = launch_config(half_rotary, num_tokens, k.dtype, k.device)
-    check_launch_config(config, ("block_tokens", "block_pairs"))
-
-    # grid: (token tiles x pair blocks, layers, heads)
-    pair_blocks = -(-half_rotary // config.block_pairs)
-    token_tiles = -(-num_tokens // config.block_tokens)
-    grid = (token_tiles * pair_blocks, num_layers, num_heads)
-
-    # launch
-    kernel = KERNEL.get(interpret)
-    device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(k.device)
-    with device_guard:
-        if not interpret:
-            freqs.record_stream(torch.cuda.current_stream(k.device))
-        kernel[grid](
-            k,  # [num_layers, T, H * D]
-            old,  # [T] int64
-            new,  # [T] int64
-            freqs,  # [R / 2] fp32
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            num_tokens,
-            head_size,
-            rotary_dim,
-            pair_blocks,
-            IS_NEOX=bool(is_neox_style),
-            BLOCK_T=config.block_tokens,
-            BLOCK_P=config.block_pairs,
-            num_warps=config.num_warps,
+    key = plan_key(("triton", interpret, config), k, old_positions, new_positions, inv_freq)
+    key += (head_size, rotary_dim, base, is_neox_style)
+    plan = cached_plan(key)
+    if plan is None:
+        freqs = (
+            None if inv_freq is not None else _cached_inv_freq(rotary_dim, float(base), k.device)
         )
-    return k
+        plan = rope_plan(
+            k, old_positions, new_positions, inv_freq, freqs, head_size, rotary_dim,
+            is_neox_style, interpret, KERNEL, launch_config, config,
+        )  # fmt: skip
+        store_plan(key, plan)
+    return plan(k, old_positions, new_positions, inv_freq)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""The cached launch state of the kernels (kvtier_kernels.paged.plans, kvtier_kernels.rope.plans,
+kvtier_kernels._launch.BoundLaunch): a plan serves only the cache and the geometry it was
+built for, a re-registered cache never sees stale addresses, results stay bit-exact
+against the torch reference under Triton's interpreter, and a cached call does no tensor
+work it need not (no read-back of slots, no allocation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.kv import fill_random_
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvtier.paged_io import PagedIO
+from kvtier_kernels import PagedKV, gather, rerotate, scatter
+from kvtier_kernels._launch import record_launches
+from kvtier_kernels.paged import copy as paged_copy
+from kvtier_kernels.paged import gather_reference, scatter_reference
+from kvtier_kernels.paged.rows import launch_cache
+from kvtier_kernels.rope import rerotate_reference
+
+pytest.importorskip("triton")
+
+BACKEND = "interpret"
+
+
+def make_cache(seed: int, num_blocks: int = 6, layout: str = "vllm_nhd") -> PagedKV:
+    paged = PagedKV.empty(
+        layout, num_layers=3, num_blocks=num_blocks, block_size=4, num_heads=2, head_size=8
+    )
+    for t in paged.tensors:
+        fill_random_(t, torch.Generator().manual_seed(seed))
+    return paged
+
+
+def gathered(paged: PagedKV, slots: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+    n = len(layers) if layers is not None else paged.num_layers
+    out = torch.zeros(paged.chunk_shape(len(slots), n), dtype=paged.dtype)
+    gather(paged, slots, out, layers, backend=BACKEND)
+    expected = gather_reference(paged, slots, torch.zeros_like(out), layers)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    return out
+
+
+def test_a_second_cache_gets_plans_of_its_own() -> None:
+    first, second = make_cache(1), make_cache(2)
+    slots = torch.tensor([5, -1, 0, 17])
+    a, b = gathered(first, slots), gathered(second, slots)
+    assert not torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert launch_cache(first) is not launch_cache(second)
+    again = gathered(first, slots)  # its own plan, cached: still its own bytes
+    assert torch.equal(again.view(torch.int16), a.view(torch.int16))
+
+
+def test_another_shape_gets_another_plan_on_the_same_cache() -> None:
+    paged = make_cache(3)
+    plans_before = len(launch_cache(paged))
+    gathered(paged, torch.tensor([1, 2, 3]))
+    gathered(paged, torch.tensor([9, -1, 4, 22, 8]))  # another token count
+    gathered(paged, torch.tensor([7, 6]), range(1, 2))  # one layer (layer-wise)
+    gathered(paged, torch.tensor([7, 6], dtype=torch.int32), range(0, 3, 2))  # int32, stride 2
+    assert len(launch_cache(paged)) >= plans_before + 4
+    src = torch.zeros(paged.chunk_shape(2, 1), dtype=paged.dtype)
+    fill_random_(src, torch.Generator().manual_seed(4))
+    expected = PagedKV(paged.layout, [t.clone() for t in paged.tensors])
+    scatter_reference(expected, torch.tensor([3, 11]), src, range(2, 3))
+    scatter(paged, torch.tensor([3, 11]), src, range(2, 3), backend=BACKEND)
+    for got, want in zip(paged.tensors, expected.tensors, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_cache_registered_again_never_uses_stale_addresses() -> None:
+    paged = make_cache(5)
+    slots = torch.tensor([0, 4, 8, 13])
+    before = gathered(paged, slots)
+    fresh = make_cache(6)
+    paged.tensors = fresh.tensors  # the engine re-allocated its cache (a reset)
+    after = gathered(paged, slots).view(torch.int16)
+    assert torch.equal(after, gathered(fresh, slots).view(torch.int16))
+    assert not torch.equal(after, before.view(torch.int16))
+    # the same list, its memory moved under it (set_ to a new storage)
+    moved = make_cache(7)
+    for t, new in zip(paged.tensors, moved.tensors, strict=True):
+        t.set_(new.clone())
+    got, want = gathered(paged, slots), gathered(moved, slots)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_an_engine_bound_again_after_a_reset_copies_from_the_new_cache() -> None:
+    old, new = make_cache(8), make_cache(9)
+    slots = torch.tensor([2, 3, 9, -1])
+    chunk = torch.zeros(old.chunk_shape(4), dtype=old.dtype)
+    PagedIO(old, BACKEND).from_engine(chunk, slots)
+    io = PagedIO(new, BACKEND)  # what CacheEngine.bind does with the new cache
+    got = torch.zeros_like(chunk)
+    io.from_engine(got, io.device_slots(slots))
+    expected = gather_reference(new, slots, torch.zeros_like(chunk))
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_a_plan_built_while_recording_launches_for_real_afterwards() -> None:
+    paged = make_cache(10)
+    slots = torch.tensor([1, 14, -1])
+    out = torch.zeros(paged.chunk_shape(3), dtype=paged.dtype)
+    with record_launches() as recorder:
+        gather(paged, slots, out, backend=BACKEND)
+    assert recorder.calls == 1 and not out.view(torch.int16).any()  # recorded, not run
+    name, grid, args = recorder.last
+    assert name == "paged_copy_kernel" and grid[1:] == (3, 2) and args[1] is slots
+    gathered(paged, slots)  # the same plan, launched
+
+
+class TensorOps(TorchDispatchMode):
+    """Every ATen op run inside it (allocations, copies, reductions, views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_cached_copy_reads_no_slots_back_and_allocates_nothing() -> None:
+    paged = make_cache(11)
+    slots = torch.tensor([3, 0, 20, -1])
+    chunk = torch.zeros(paged.chunk_shape(4), dtype=paged.dtype)
+    io = PagedIO(paged, BACKEND)
+    with record_launches():
+        io.from_engine(chunk, slots)  # builds the plans
+        paged_copy.gather_triton(paged, slots, chunk, interpret=True)
+        with TensorOps() as host_slots:
+            io.from_engine(chunk, slots)
+        with TensorOps() as trusted:  # the Triton backend's own entry: slots already checked
+            paged_copy.gather_triton(paged, slots, chunk, interpret=True)
+    # host slots are range-checked on the host copy (no device there to sync with)
+    assert set(host_slots.ops) <= {"max", "_local_scalar_dense", "view", "detach"}, host_slots.ops
+    # what a GPU caller's device slots take: nothing but the interpreter's word view
+    assert set(trusted.ops) <= {"view", "detach"}, trusted.ops
+    assert "empty" not in host_slots.ops and "_to_copy" not in host_slots.ops
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within bf16 rounding (the interpreter truncates fp32 -> bf16)."""
+    return torch.allclose(got.float(), want.float(), atol=2**-6, rtol=2**-6)
+
+
+def test_a_cached_rotation_allocates_nothing() -> None:
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16)
+    old = torch.arange(5) + 100
+    new = old - 30
+    first = rerotate(k.clone(), old, new, head_size=8, backend=BACKEND)  # builds the plan
+    cached = rerotate(k.clone(), old, new, head_size=8, backend=BACKEND)
+    assert torch.equal(first.view(torch.int16), cached.view(torch.int16))
+    assert close(cached, rerotate_reference(k.clone(), old, new, head_size=8))
+    with record_launches() as recorder, TensorOps() as seen:
+        rerotate(k, old, new, head_size=8, backend=BACKEND)
+    assert recorder.calls == 1 and seen.ops == [], seen.ops
+    # another shape and pairing: a plan of its own, still right
+    k2 = torch.randn(1, 3, 16, generator=gen).to(torch.bfloat16)
+    want = rerotate_reference(k2.clone(), old[:3], new[:3], head_size=8, is_neox_style=False)
+    got = rerotate(k2, old[:3], new[:3], head_size=8, is_neox_style=False, backend=BACKEND)
+    assert close(got, want)
