@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -238,10 +239,9 @@ class BoundLaunch:
             return
         runner = self._runner
         if runner is None:
-            runner = self._runner = self.compiled[self.grid]
-            from kvtier_kernels import _triton_compat
-
-            self._stream_of = _triton_compat.current_stream_getter()
+            runner = self._first_launch(args, stream)
+            if runner is None:
+                return
         index = self.device_index
         if torch.cuda.current_device() != index:
             with torch.cuda.device(index):
@@ -250,6 +250,56 @@ class BoundLaunch:
         if stream is None:
             stream = self._stream_of(index)
         runner(*args, *self._trailing, stream=stream)
+
+    def _first_launch(self, args: tuple, stream: int | None) -> Callable[..., None] | None:
+        """Launch once through Triton's compiled launcher and keep it as the runner; where
+        this Triton's launcher refuses the call (a signature kvtier was not checked with),
+        launch through ``kernel[grid]`` from now on instead (one warning), which every
+        Triton takes. None: this call is already launched that way."""
+        from kvtier_kernels import _triton_compat
+
+        self._stream_of = _triton_compat.current_stream_getter()
+        index = self.device_index
+        with torch.cuda.device(index) if index is not None else contextlib.nullcontext():
+            runner = self.compiled[self.grid]
+            try:
+                launch_stream = stream if stream is not None else self._stream_of(index)
+                runner(*args, *self._trailing, stream=launch_stream)
+            except (TypeError, ValueError, RuntimeError, SystemError) as exc:
+                warnings.warn(
+                    f"kvtier: Triton's compiled launcher refused {self.name} ({exc}); "
+                    "launching it through kernel[grid] (slower on the host)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                runner = functools.partial(
+                    _launch_through_jit,
+                    self.kernel.get(False)[self.grid],
+                    len(self._trailing),
+                    self.fixed,
+                    self.meta,
+                )
+                runner(*args, *self._trailing, stream=stream)
+        self._runner = runner
+        return None
+
+
+def _launch_through_jit(
+    launch: Callable[..., Any],
+    num_trailing: int,
+    fixed: tuple[Any, ...],
+    meta: dict[str, Any],
+    *args: Any,
+    stream: int | None = None,
+) -> None:
+    """``kernel[grid](*args, *fixed, **meta)`` on ``stream`` (a raw handle; None: the
+    current one): a bound launch's fallback, called as its compiled runner is."""
+    leading = args[: len(args) - num_trailing]
+    if stream is None:
+        launch(*leading, *fixed, **meta)
+        return
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        launch(*leading, *fixed, **meta)
 
 
 def triton_loader(

@@ -163,3 +163,38 @@ def test_a_cached_rotation_allocates_nothing() -> None:
     want = rerotate_reference(k2.clone(), old[:3], new[:3], head_size=8, is_neox_style=False)
     got = rerotate(k2, old[:3], new[:3], head_size=8, is_neox_style=False, backend=BACKEND)
     assert close(got, want)
+
+
+def test_a_compiled_launcher_that_refuses_the_call_falls_back_to_jit_once(monkeypatch) -> None:
+    """Where a Triton's compiled launcher takes arguments differently from the ones kvtier
+    was checked with, the bound launch warns once and launches through ``kernel[grid]``
+    from then on: never an exception to the engine, never a call lost."""
+    from kvtier_kernels import _launch, _triton_compat
+
+    launched: list[tuple] = []
+
+    class RefusingCompiled:
+        def __getitem__(self, grid):
+            def runner(*args, stream=None):
+                raise TypeError("function takes exactly 9 arguments (7 given)")
+
+            return runner
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append((grid, args, meta))
+
+    def kernel_fn(a, b, n, BLOCK):
+        pass
+
+    kernel = _launch.LazyKernel(kernel_fn)
+    monkeypatch.setattr(kernel, "get", lambda interpret: Jit())
+    monkeypatch.setattr(_triton_compat, "current_stream_getter", lambda: lambda index: None)
+    bound = _launch.BoundLaunch(
+        kernel, False, (4,), {"BLOCK": 8}, RefusingCompiled(), None, fixed=(16,)
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    with pytest.warns(RuntimeWarning, match="refused kernel_fn"):
+        bound("a", "b")
+    bound("c", "d")
+    assert launched == [((4,), ("a", "b", 16), {"BLOCK": 8}), ((4,), ("c", "d", 16), {"BLOCK": 8})]
