@@ -3,8 +3,9 @@
 Every benchmark reports its figure next to a baseline measured in the same run (raw copy,
 the other hash algorithm, …) and the ratio between them. ``record`` collects those rows;
 at the end of the session they are merged into ``perf/results/<device>.json`` together with
-the machine and library versions, so results are data that reports and plots read. A
-benchmark module that sets ``RESULTS_NAME = "x"`` writes to ``<device>-x.json`` instead.
+the machine (with a GPU: its driver and CUDA/ROCm) and library versions
+(``machine_info.py``), so results are data that reports and plots read. A benchmark module
+that sets ``RESULTS_NAME = "x"`` writes to ``<device>-x.json`` instead.
 
 Only a run asked to save (``--save-results``, which ``make bench`` passes) writes the
 committed files in ``perf/results/``. Any other run (one benchmark file, a ``-k``
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+from machine_info import describe_machine, device_slug
 
 PERF = Path(__file__).resolve().parents[1]
 RESULTS_DIR = PERF / "results"
@@ -112,27 +111,6 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _machine() -> dict:
-    info = {
-        "date": _now(),
-        "device": "cpu",
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def _row_key(row: dict) -> tuple[str, str]:
     return row.get("benchmark", ""), str(row.get("metric", ""))
 
@@ -159,7 +137,7 @@ def _read_rows(path: Path) -> list[dict] | None:
 def pytest_sessionfinish(session, exitstatus):
     if not _ROWS:
         return
-    machine = _machine()
+    machine = describe_machine(_now())
     save = session.config.getoption("--save-results")
     results_dir = RESULTS_DIR if save else SCRATCH_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +146,7 @@ def pytest_sessionfinish(session, exitstatus):
             f"\nkvtier: figures go to {results_dir}; the committed results are untouched "
             "(pass --save-results, as make bench does, to update them)"
         )
-    device = machine["device"].lower().replace(" ", "-")
+    device = device_slug(machine["device"])
     for suffix, rows in _ROWS.items():
         out = results_dir / f"{device}{suffix}.json"
         old = _read_rows(out)

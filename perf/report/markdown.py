@@ -37,7 +37,7 @@ def _machine_line(machine: dict) -> str:
     if machine.get("cpu"):
         cores = f", {machine['cpu_count']} cores" if machine.get("cpu_count") else ""
         parts.append(f"{machine['cpu']}{cores}")
-    for key in ("python", "torch", "triton"):
+    for key in ("python", "torch", "triton", "cuda", "rocm", "driver"):
         if machine.get(key):
             parts.append(f"{key} {machine[key]}")
     return ", ".join(parts) or "—"
