@@ -41,6 +41,17 @@ GB/s rows in its throughput section):
   = bytes / ratio / 1.25e9 + bytes / decode``; value = bytes ÷ time_compressed (GB/s of
   raw KV delivered), baseline = raw fetch (1.25 GB/s), so ratio > 1 means compressing
   wins. ``break_even_link_gbit_s`` is the link speed below which it wins.
+
+GPU rows (marked ``gpu``, skipped without one; ``make gpu-bench`` runs them): the Triton
+coder (``backend="triton"``) on ``synthetic_kv``, ``llama_kv`` and ``small_kv``, each first
+checked to write the CPU reference's bytes and decode to its round trip:
+
+- ``cachegen encode`` / ``decode (GPU triton, <data>)``: encode = a chunk on the GPU to
+  payload bytes on the host, decode = payload bytes into a chunk on the GPU; GB/s of raw
+  KV against the int8 quantize / dequantize of the same chunk in torch on the GPU, timed
+  in alternation (each call synchronized); ``raw_copy_gbps`` is a device copy of the chunk;
+- ``cachegen fetch + GPU triton decode at 10 Gb/s (derived, <data>)``: the derived verdict
+  above, with the GPU decode.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import median_seconds
+from conftest import interleaved_medians, median_seconds
 
 from kvtier_kernels import registry
 from kvtier_kernels.cachegen import decode_chunk, default_levels, encode_chunk
@@ -131,23 +142,32 @@ class Sample:
         return self.raw_bytes / self.compressed_bytes
 
 
+def _dataset(name: str) -> torch.Tensor:
+    """The chunk of dataset ``name`` (``[2, L, T, D]`` bf16, on the CPU)."""
+    kv_samples = _kv_samples()
+    if name == "llama_kv":
+        pytest.importorskip("transformers")
+        return kv_samples.llama_kv(**LLAMA_SHAPE, tokens=TOKENS)
+    if name in SMALL_LLAMA_TOKENS:
+        pytest.importorskip("transformers")
+        return kv_samples.llama_kv(**SMALL_LLAMA_SHAPE, tokens=SMALL_LLAMA_TOKENS[name])
+    if name == "synthetic_kv":
+        return kv_samples.synthetic_kv(**SYNTHETIC_SHAPE, tokens=TOKENS)
+    return kv_samples.synthetic_kv(**SMALL_SHAPE)
+
+
+def _coded(name: str, backend: str = "auto") -> Sample:
+    """Dataset ``name`` with its payload and round trip through ``backend``'s coder."""
+    kv = _dataset(name)
+    payload, params = encode_chunk(kv, backend=backend)
+    decoded = torch.empty_like(kv)
+    decode_chunk(payload, params, decoded, backend=backend)
+    return Sample(name, kv, payload, params, decoded)
+
+
 @pytest.fixture(scope="module", params=DATASETS)
 def sample(request) -> Sample:
-    kv_samples = _kv_samples()
-    if request.param == "llama_kv":
-        pytest.importorskip("transformers")
-        kv = kv_samples.llama_kv(**LLAMA_SHAPE, tokens=TOKENS)
-    elif request.param in SMALL_LLAMA_TOKENS:
-        pytest.importorskip("transformers")
-        kv = kv_samples.llama_kv(**SMALL_LLAMA_SHAPE, tokens=SMALL_LLAMA_TOKENS[request.param])
-    elif request.param == "synthetic_kv":
-        kv = kv_samples.synthetic_kv(**SYNTHETIC_SHAPE, tokens=TOKENS)
-    else:
-        kv = kv_samples.synthetic_kv(**SMALL_SHAPE)
-    payload, params = encode_chunk(kv)
-    decoded = torch.empty_like(kv)
-    decode_chunk(payload, params, decoded)
-    return Sample(request.param, kv, payload, params, decoded)
+    return _coded(request.param)
 
 
 def _raw_copy_gbps(sample: Sample) -> float:
@@ -271,14 +291,18 @@ def test_decode_throughput(benchmark, record, sample, coder):
     decode_seconds = _record_gbps(
         record, sample, "decode", coder, benchmark, "int8 dequantize", baseline_seconds
     )
-    decode_gbps = sample.raw_bytes / decode_seconds / 1e9
+    decoder = "CPU numba decode" if coder == "numba" else "CPU decode"
+    _record_fetch_verdict(record, sample, decode_seconds, decoder, coder)
 
-    # Derived, not measured on a network: fetch at 10 Gb/s, then decode on this CPU.
+
+def _record_fetch_verdict(record, sample: Sample, decode_seconds: float, decoder: str, coder):
+    """The derived row: fetching ``sample`` compressed at 10 Gb/s, then decoding it in
+    ``decode_seconds``, against fetching it raw. Not measured on a network."""
+    decode_gbps = sample.raw_bytes / decode_seconds / 1e9
     time_raw = sample.raw_bytes / LINK_BYTES_PER_S
     time_compressed = sample.raw_bytes / sample.ratio / LINK_BYTES_PER_S + decode_seconds
     # compressed wins iff bytes / link * (1 - 1 / ratio) > decode time
     break_even = decode_gbps * 1e9 * (1 - 1 / sample.ratio) * 8 / 1e9
-    decoder = "CPU numba decode" if coder == "numba" else "CPU decode"
     record(
         metric=f"cachegen fetch + {decoder} at 10 Gb/s (derived, {sample.name})",
         value=sample.raw_bytes / time_compressed / 1e9,
@@ -293,3 +317,74 @@ def test_decode_throughput(benchmark, record, sample, coder):
         dataset=sample.name,
         coder=coder,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the Triton coder (marked ``gpu``, skipped without one)
+# ---------------------------------------------------------------------------------------
+
+HAS_GPU = torch.cuda.is_available()
+GPU_DATASETS = ("synthetic_kv", "llama_kv", "small_kv")
+GPU_ROUNDS = {"small_kv": 50}
+GPU_OTHER_ROUNDS = 15
+
+
+@pytest.fixture(scope="module", params=GPU_DATASETS)
+def reference_sample(request) -> Sample:
+    """A dataset coded by the CPU reference (``torch``): the bytes and the round trip the
+    Triton coder must reproduce (numba, whichever version is installed, plays no part)."""
+    return _coded(request.param, backend="torch")
+
+
+def _synced(fn):
+    def run() -> object:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return run
+
+
+def _record_gpu_gbps(record, sample: Sample, op: str, seconds: float, baseline: str, baseline_s):
+    kv = sample.kv.cuda()
+    dst = torch.empty_like(kv)
+    copy_seconds = median_seconds(_synced(lambda: dst.copy_(kv)))
+    record(
+        metric=f"cachegen {op} (GPU triton, {sample.name})",
+        value=sample.raw_bytes / seconds / 1e9,
+        unit="GB/s",
+        baseline=f"{baseline} (torch on the GPU, same chunk)",
+        baseline_value=sample.raw_bytes / baseline_s / 1e9,
+        raw_copy_gbps=sample.raw_bytes / copy_seconds / 1e9,
+        dataset=sample.name,
+        coder="triton",
+        device=torch.cuda.get_device_name(0),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU (the Triton coder)")
+@pytest.mark.parametrize("op", ["encode", "decode"])
+def test_gpu_coder_throughput(record, reference_sample, op):
+    """Encode a chunk on the GPU to payload bytes on the host, or decode payload bytes
+    into a chunk on the GPU, with the Triton coder; checked against the reference's bytes
+    and round trip first, timed in alternation with the int8 quantize / dequantize."""
+    sample = reference_sample
+    kv = sample.kv.cuda()
+    rounds = GPU_ROUNDS.get(sample.name, GPU_OTHER_ROUNDS)
+    if op == "encode":
+        assert encode_chunk(kv, backend="triton") == (sample.payload, sample.params)
+        run = _synced(lambda: encode_chunk(kv, backend="triton"))
+        baseline, baseline_run = "int8 absmax quantize", _synced(lambda: int8_quantize(kv))
+    else:
+        out = torch.empty_like(kv)
+        decode_chunk(sample.payload, sample.params, out, backend="triton")
+        assert torch.equal(out.cpu(), sample.decoded), "the Triton decode is not the reference's"
+        codes, scales = int8_quantize(kv)
+        run = _synced(lambda: decode_chunk(sample.payload, sample.params, out, backend="triton"))
+        baseline = "int8 dequantize"
+        baseline_run = _synced(lambda: int8_dequantize(codes, scales, out))
+    seconds, baseline_seconds = interleaved_medians(run, baseline_run, repeat=rounds)
+    _record_gpu_gbps(record, sample, op, seconds, baseline, baseline_seconds)
+    if op == "decode":
+        _record_fetch_verdict(record, sample, seconds, "GPU triton decode", "triton")
