@@ -46,7 +46,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
 SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py tests/test_sglang_direct.py
 
-.PHONY: demo test test-sglang bench-sglang gpu-check test-oldest lint format bench soak install services clean
+.PHONY: demo test test-sglang bench-sglang gpu-check gpu-bench test-oldest lint format bench soak install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +100,18 @@ bench-sglang: $(SGLANG_STAMP)
 # machine code inspected (128-bit accesses, no spills, 64-bit offsets). Also part of `make test`.
 gpu-check: $(STAMP)
 	$(PY) -m pytest -q tests/test_gpu_compile.py tests/test_cachegen_kernels.py -k "compile or spill or width or 128"
+
+# On a machine with a CUDA/ROCm GPU, torch and Triton (vLLM not needed, nothing installed:
+# .venv's Python where there is one, else python3): the GPU-marked tests, the kernel,
+# engine (GPU pages <-> pinned CPU tier), host-cost and GPU CacheGen benchmarks, each step
+# bounded, 5 minutes in all; rows into perf/results/<device>*.json, a summary, log and
+# report into GPU_BENCH_OUT. Without a GPU it says so and fails at once. docs/performance.md
+# ("GPU: make gpu-bench") runs it on a lent GPU machine.
+GPU_BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_BENCH_OUT ?= perf/results/scratch/gpu-bench
+gpu-bench:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_BENCH_PY) -m perf.gpu_bench \
+		--out "$(GPU_BENCH_OUT)" $(GPU_BENCH_ARGS)
 
 # Installed once per change of pyproject.toml (the stamp), as .venv is.
 $(OLDEST_STAMP): pyproject.toml
