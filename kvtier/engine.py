@@ -431,8 +431,9 @@ class RetrieveTransfer:
     """A load in flight: the verified chunk objects of the longest available run.
 
     ``end`` is the token position the run reaches (``chunks[0].start`` for none). A chunk
-    whose shape, dtype or checksum disagrees with what was asked ends the run: it is
-    rejected (``CheckedChunks.accept``) and never written into the engine.
+    whose shape or dtype (or, with ``verify_checksums``, checksum) disagrees with what was
+    asked ends the run: it is rejected (``CheckedChunks.accept``) and never written into
+    the engine. A chunk a lower tier returned was verified by that tier as it was read.
     """
 
     def __init__(

@@ -94,9 +94,10 @@ class MemoryObj:
         shape: the tensor shape.
         dtype: the tensor dtype.
         checksum: xxh3-64 of the chunk's bytes as the engine gathered them (wire format's
-            checksum), set by whoever fills the buffer (a store, or a tier that decoded it);
-            a load verifies it before the engine sees the bytes. None: not known yet. The
-            pool never reads it.
+            checksum), when known: a tier that read and verified the chunk sets it, and a
+            store sets it only with ``verify_checksums`` (a load then verifies it before
+            the engine sees the bytes). None: not computed; a lower tier's writer computes
+            it when the chunk leaves the process. The pool never reads it.
         verified: the bytes were just checked against ``checksum`` by the tier that read
             them; the next load takes that (``take_verified``) instead of hashing again.
     """

@@ -41,7 +41,7 @@ def test_defaults() -> None:
         "model_name": None,
         "key_salt": None,
         "pool_alignment": 256,
-        "verify_checksums": True,
+        "verify_checksums": False,
         "kv_layout": None,
         "use_layerwise": False,
         "enable_blending": False,

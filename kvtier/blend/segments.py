@@ -74,14 +74,15 @@ class SegmentStore:
     """Segment KV in the tiers of one ``StorageManager``.
 
     Args:
-        storage: the tiers.
+        storage: the tiers; its config's ``verify_checksums`` also checksums segments
+            held in memory (those read from a lower tier are verified by it in any case).
         key_template: a chunk key of this engine (model, ranks, dtype, tags); segment keys
             take its fields with the segment hash and a ``blend`` tag.
     """
 
     def __init__(self, storage: StorageManager, key_template: CacheKey):
         self.storage = storage
-        self.checked = CheckedChunks(storage, verify=True)
+        self.checked = CheckedChunks(storage, verify=storage.config.verify_checksums)
         self.template = key_template
 
     def _key(self, segment_hash: bytes, part: str) -> CacheKey:
@@ -120,7 +121,7 @@ class SegmentStore:
             if any(obj is None for obj in found):
                 return None
             if not all(self.checked.intact(obj) for obj in found):
-                return None  # NOTE: changed after it was stored: never blended in
+                return None  # NOTE: changed in memory after it was stored (verify_checksums)
             kv, positions = (obj.tensor.clone() for obj in found)
             if kv.dim() != 4 or positions.shape != (kv.shape[2],):
                 return None

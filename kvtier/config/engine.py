@@ -123,7 +123,7 @@ NAMING: tuple[KeySpec, ...] = (
 )
 
 
-# The CPU buffers of chunks, and the checksum that guards what is loaded from them.
+# The CPU buffers of chunks, and whether their bytes are checksummed in memory too.
 BUFFERS: tuple[KeySpec, ...] = (
     KeySpec(
         "pool_alignment",
@@ -136,9 +136,12 @@ BUFFERS: tuple[KeySpec, ...] = (
     KeySpec(
         "verify_checksums",
         bool,
-        True,
-        "Checksum every stored chunk (xxh3-64) and verify it before the chunk is loaded "
-        "into the engine; a mismatch is a miss, never wrong KV.",
+        False,
+        "Also checksum chunks held in kvtier's own memory (xxh3-64 when stored, verified "
+        "before every load): a paranoid mode, one more pass over the bytes per store and "
+        "per load. Chunks read back from disk, a remote store, kvtier serve or shared "
+        "memory are verified against their stored checksum either way; a mismatch is a "
+        "miss, never wrong KV.",
     ),
 )
 

@@ -1,14 +1,19 @@
-"""Checked puts and gets of chunk objects over a ``StorageManager``: a chunk is sealed
-with its checksum when it is stored and checked against it before anyone uses it.
+"""Checked puts and gets of chunk objects over a ``StorageManager``: a chunk is checked
+(shape, dtype) before anyone uses it, and in paranoid mode (``verify_checksums``) it is
+sealed with its checksum when it is stored and verified against it too.
 
 ::
 
-    put   allocate ─▶ fill ─▶ seal (checksum) ─▶ StorageManager.put ─▶ release
-    get   StorageManager.get_many ─▶ accept (shape, dtype, checksum) ─▶ use ─▶ release
+    put   allocate ─▶ fill ─▶ seal (checksum, paranoid only) ─▶ StorageManager.put ─▶ release
+    get   StorageManager.get_many ─▶ accept (shape, dtype; checksum, paranoid only) ─▶ use
+          ─▶ release
 
 The engine's chunks, CacheBlend's segments and SGLang's pages all go through here, so
-where a checksum is computed (``seal``) and verified (``intact``) is decided in this
-module alone.
+whether a chunk in kvtier's own memory is checksummed (``seal``) and verified
+(``intact``) is decided in this module alone. Bytes that crossed a process boundary are
+checked elsewhere, always: a lower tier verifies what it reads against the checksum in
+the object's wire header before it returns a chunk (``wire``), and computes that
+checksum on its writer threads when the chunk was not sealed (docs/reliability.md).
 
 NOTE: a chunk that fails ``accept`` is a miss: it is counted (``corrupt_chunks``),
 logged once, removed from every tier and never handed to the engine.
@@ -33,12 +38,13 @@ logger = logging.getLogger(__name__)
 
 
 class CheckedChunks:
-    """Chunk objects sealed on the way in and checked on the way out.
+    """Chunk objects checked on the way out (and sealed on the way in, when verifying).
 
     Args:
         storage: the tiers (and the counters, ``storage.stats``).
-        verify: seal with a checksum and check it (``verify_checksums``); without it only
-            the shape and dtype are checked.
+        verify: seal with a checksum and check it (``verify_checksums``): kvtier's own
+            memory is then not trusted either. Without it only the shape and dtype are
+            checked here (the lower tiers verify what they read in any case).
         noun: what a chunk is called in the log (``chunk``, ``page``).
     """
 

@@ -291,22 +291,36 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
 def verify_payload(header: Header, *payload: Buffer) -> None:
     """Check ``payload`` (one buffer, or several concatenated) against the header's length
     and checksum."""
+    _check_length(header, *payload)
+    if checksum_of(*payload) != header.checksum:
+        raise CorruptObject("payload checksum mismatch")
+
+
+def _check_length(header: Header, *payload: Buffer) -> None:
     length = sum(len(p) for p in payload)
     if length != header.payload_len:
         raise CorruptObject(
             f"payload is {length} bytes, the header says {header.payload_len} (truncated?)"
         )
-    if checksum_of(*payload) != header.checksum:
-        raise CorruptObject("payload checksum mismatch")
 
 
 def decode_into(
     header: Header, payload: Buffer, out: MemoryObj, serde: Serde | None = None
 ) -> None:
-    """Verify ``payload`` and decode it into ``out`` (shaped by the header). Sets
+    """Decode ``payload`` into ``out`` (shaped by the header), verified. Sets
     ``out.checksum`` to the xxh3-64 of the decoded bytes, as a store would. ``serde``: the
     tier's configured serde, used when the header names its codec (any other codec is
-    decoded with that codec's defaults)."""
+    decoded with that codec's defaults).
+
+    A verbatim payload is copied first and verified in ``out``, where the engine will
+    read it: bytes another process may write (a shared-memory segment) cannot change
+    after the check. Any other payload is verified before it is decoded."""
+    if header.layout == CHUNK_LAYOUT and header.codec == NaiveSerde.name:
+        _check_length(header, payload)
+        NaiveSerde().decode(memoryview(payload), header.codec_params, out.tensor)
+        verify_payload(header, tensor_bytes(out.tensor))
+        out.checksum, out.verified = header.checksum, True
+        return
     verify_payload(header, payload)
     if header.layout == TOKEN_MAJOR_LAYOUT:
         _untranspose(header, payload, out)

@@ -66,8 +66,9 @@ def test_other_shapes_block_and_chunk_sizes(tmp_path_factory):
 
 
 def test_corrupt_chunk_is_refused_and_recomputed(model_a, prompts_a, reference_a, tmp_path):
-    """Bytes of a stored chunk change after it was stored: the checksum refuses it, the
-    blocks it should have filled are recomputed, the outputs stay exact."""
+    """Bytes of a stored chunk change in kvtier's memory after it was stored: with
+    ``verify_checksums`` the checksum refuses it, the blocks it should have filled are
+    recomputed, the outputs stay exact."""
     script = Path(__file__).resolve().parents[1] / "support" / "vllm_corrupt_chunk.py"
     out = tmp_path / "result.json"
     prompt = prompts_a[3]  # 300 tokens: chunks 0..3 stored, chunk 2 gets corrupted

@@ -42,8 +42,8 @@ def counter(stats: Stats, what: str, tier: str = "disk") -> float:
 
 
 def fill(pool: HostMemoryPool, seed: int, shape=CHUNK_SHAPE, dtype=torch.bfloat16) -> MemoryObj:
-    """A chunk buffer full of random bit patterns (NaNs included), checksummed as the
-    engine does at store time."""
+    """A chunk buffer full of random bit patterns (NaNs included), checksummed as a
+    store does with ``verify_checksums``."""
     obj = pool.allocate(shape, dtype)
     assert obj is not None, "test pool exhausted"
     gen = torch.Generator().manual_seed(seed)

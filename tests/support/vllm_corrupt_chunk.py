@@ -23,7 +23,8 @@ def main() -> None:
 
     from support.engines import generate, make_llm
 
-    llm = make_llm(model, block_size=32, kvtier={"chunk_size": 64})
+    # the fault is injected in kvtier's own memory: checked in paranoid mode only
+    llm = make_llm(model, block_size=32, kvtier={"chunk_size": 64, "verify_checksums": True})
     generate(llm, [prompt])
     worker = get_kv_transfer_group()._worker
     engine = worker.engine

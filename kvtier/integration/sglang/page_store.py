@@ -68,8 +68,9 @@ class PageStore:
         storage: the tiers.
         stats: kvtier's counters (retrieve_*, store_*).
         keys: SGLang page keys to kvtier keys.
-        verify_checksums: check a page's bytes against its checksum before it is loaded
-            (the disk tier always verifies what it reads).
+        verify_checksums: also checksum pages held in kvtier's own memory, and check
+            them before they are loaded (every lower tier verifies what it reads in any
+            case).
     """
 
     def __init__(
