@@ -63,7 +63,7 @@ def _versus_vllm(benchmark, record, vllm_block_size: int, tokens, input_name: st
             parent = kv_cache_utils.hash_block_tokens(vllm_sha256_cbor, parent, block, None)
 
     seconds, baseline_seconds = interleaved_medians(
-        lambda: db.chunk_hashes(tokens), vllm_hashes, repeat=9
+        lambda: db.chunk_hashes(tokens), vllm_hashes, repeat=25
     )
     record(
         metric="chunk hashing",
