@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.hashing import ChunkHasher, ExtraKeys, TokenIds
+from kvtier.hashing import ChunkHasher, ExtraKeys, TokenIds, token_array
 from kvtier.keys import CacheKey
 
 
@@ -85,20 +85,13 @@ class Chunk:
         return self.end - self.start
 
 
-def _as_int64_array(tokens: TokenIds) -> np.ndarray:
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().numpy()
-    array = np.asarray(tokens)
-    if array.ndim != 1:
-        raise ValueError(f"tokens must be one-dimensional, got shape {tuple(array.shape)}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
-    return array.astype(np.int64, copy=False)
-
-
 class HashChain:
     """The chained hashes of one token sequence's chunks, extended as its tokens become
     known: each chunk is hashed once however often the sequence is asked for.
+
+    The sequence only grows (vLLM's ``Request.all_token_ids``): a call converts and hashes
+    only the tokens of chunks it has not hashed yet, and a partial last chunk is hashed
+    again only when the sequence's length has changed.
 
     Args:
         hasher: the chained hash (algorithm + seed).
@@ -111,18 +104,18 @@ class HashChain:
         self.chunk_size = chunk_size
         self.extras = extras
         self.full: list[bytes] = []
+        self._partial: tuple[int, bytes] | None = None  # (num_tokens, its partial chunk's hash)
 
     def _chain(self, tokens: Sequence[int] | np.ndarray, bounds: list[tuple[int, int]], parent):
         """Hashes of the chunks ``bounds`` of ``tokens``, chained on ``parent``."""
         if not bounds:
             return []
         first, last = bounds[0][0], bounds[-1][1]
-        array = _as_int64_array(tokens[first:last])
         extras = None
         if self.extras is not None:
             extras = [self.extras.chunk_extra_keys(s, e) for s, e in bounds]
         local = [(s - first, e - first) for s, e in bounds]
-        return self.hasher.chain_array(array, local, extras, parent)
+        return self.hasher.chain_array(tokens[first:last], local, extras, parent)
 
     def upto(self, tokens: TokenIds, num_tokens: int, *, partial: bool) -> list[bytes]:
         """Hashes of the chunks of ``tokens[:num_tokens]``: every full chunk, plus the
@@ -134,9 +127,11 @@ class HashChain:
             self.full += self._chain(tokens, bounds, self.full[-1] if self.full else None)
         hashes = self.full[: num_tokens // cs]
         if partial and num_tokens % cs:
-            start = num_tokens // cs * cs
-            tail = self._chain(tokens, [(start, num_tokens)], hashes[-1] if hashes else None)
-            hashes = [*hashes, *tail]
+            if self._partial is None or self._partial[0] != num_tokens:
+                bounds = [(num_tokens // cs * cs, num_tokens)]
+                tail = self._chain(tokens, bounds, hashes[-1] if hashes else None)
+                self._partial = (num_tokens, tail[0])
+            hashes = [*hashes, self._partial[1]]
         return hashes
 
 
@@ -203,7 +198,7 @@ class Chunker:
         include_partial: bool = False,
     ) -> list[bytes]:
         """The chained hash of every (full, plus optionally the partial) chunk."""
-        array = _as_int64_array(tokens)
+        array = token_array(tokens)
         chain = HashChain(self.hasher, self.chunk_size, extras)
         return chain.upto(array, len(array), partial=include_partial)
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
+from kvtier.chunker import Chunker, HashChain, MultiModalSpan, RequestExtras
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 
@@ -138,3 +141,46 @@ def test_property_shared_keys_are_exactly_the_common_full_chunks(
     # every chunk covers exactly chunk_size tokens and they tile the prefix
     assert all(c.end - c.start == chunk_size for c in db.chunks(a))
     assert sum(c.num_tokens for c in db.chunks(a, include_partial=True)) == len(a)
+
+
+class ReadCounting(Sequence):
+    """A growing token list behind a read-only view, like vLLM's ``ConstantList`` over
+    ``Request._all_token_ids``; counts how often each token is read."""
+
+    def __init__(self, tokens: list[int]):
+        self._x = tokens
+        self.reads: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            self.reads.update(range(*item.indices(len(self._x))))
+        else:
+            self.reads[item] += 1
+        return self._x[item]
+
+
+def test_hash_chain_reads_each_token_once_as_the_sequence_grows():
+    """A sequence growing a few tokens a step, asked for its hashes (with the partial last
+    chunk) twice a step: full chunks are read once, a partial chunk once per length."""
+    rng = np.random.default_rng(4)
+    grown = rng.integers(0, 150_000, 1200).tolist()
+    tokens = ReadCounting(grown[:700])
+    db = make_db(256)
+    chain = HashChain(db.hasher, 256, RequestExtras(cache_salt="s"))
+    lengths = []
+    while len(tokens) < len(grown):
+        for _ in range(2):
+            hashes = chain.upto(tokens, len(tokens), partial=True)
+        expected = db.chunk_hashes(
+            grown[: len(tokens)], RequestExtras(cache_salt="s"), include_partial=True
+        )
+        assert hashes == expected, len(tokens)
+        lengths.append(len(tokens))
+        tokens._x.extend(grown[len(tokens) : len(tokens) + 3])  # the step's new tokens
+    full = len(grown) // 256 * 256
+    assert all(tokens.reads[i] == 1 for i in range(512)), "a full chunk was read again"
+    partial_reads = sum(n % 256 for n in lengths if n % 256)
+    assert sum(tokens.reads.values()) == full + partial_reads

@@ -169,3 +169,115 @@ def test_hashes_identical_across_processes_with_different_pythonhashseed():
     chunks = [tokens[i : i + 256] for i in range(0, 1024, 256)]
     here = ",".join(h.hex() for h in ChunkHasher("sha256_cbor", "seed-x").chain(chunks))
     assert lines[0].split()[1] == here
+
+
+def _vllm_block_hashes(tokens: list[int], bounds, extras=None) -> list[bytes]:
+    """vLLM's own ``hash_block_tokens`` over ``bounds`` of ``tokens`` (a ``list[int]``, as
+    its ``Request`` holds them)."""
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.utils.hashing import sha256_cbor as vllm_sha256_cbor
+
+    kv_cache_utils.init_none_hash(vllm_sha256_cbor)
+    parent, out = kv_cache_utils.NONE_HASH, []
+    for i, (start, end) in enumerate(bounds):
+        extra = None if extras is None else extras[i]
+        parent = kv_cache_utils.hash_block_tokens(
+            vllm_sha256_cbor, parent, tokens[start:end], extra
+        )
+        out.append(bytes(parent))
+    return out
+
+
+@pytest.mark.parametrize("block", [16, 256])
+@pytest.mark.parametrize("high", [24, 65_536, 200_000, 2**32])
+def test_list_input_hashes_equal_vllms_function(block, high):
+    """A ``list[int]`` (read through ``array.array``, not NumPy) gives vLLM's bytes, through
+    ``chain_array`` and the chunker, with ids at every CBOR width up to ``2**32 - 1``."""
+    from kvtier.chunker import Chunker
+    from kvtier.keys import CacheKey
+
+    rng = np.random.default_rng(high)
+    tokens = rng.integers(0, high, 3000).tolist()
+    tokens[:9] = [0, 23, 24, 255, 256, 65535, 65536, high - 1, high // 2]
+    bounds = [(s, min(s + block, len(tokens))) for s in range(0, len(tokens), block)]
+    theirs = _vllm_block_hashes(tokens, bounds)
+    assert ChunkHasher("sha256_cbor").chain_array(tokens, bounds) == theirs
+    db = Chunker(block, ChunkHasher("sha256_cbor"), CacheKey("m", 1, 0, "bf16", b""))
+    assert db.chunk_hashes(tokens, include_partial=True) == theirs
+    assert db.chunk_hashes(tuple(tokens), include_partial=True) == theirs
+
+
+@pytest.mark.parametrize("odd", [-1, -(2**40), 2**32, 2**62])
+def test_list_input_outside_uint32_takes_cbor2s_path(odd):
+    """Negative ids and ids of ``2**32`` and up leave the vectorised encoding for cbor2's
+    (the same bytes as vLLM's function, whose CBOR they are)."""
+    tokens = list(range(1000, 1600))
+    tokens[300] = odd
+    bounds = [(s, min(s + 256, 600)) for s in range(0, 600, 256)]
+    hasher = ChunkHasher("sha256_cbor")
+    ours = hasher.chain_array(tokens, bounds)
+    assert ours == hasher.chain([tokens[s:e] for s, e in bounds])
+    assert ours == _vllm_block_hashes(tokens, bounds)
+    assert ChunkHasher("xxh3_128").chain_array(tokens[:300], [(0, 300)]) == ChunkHasher(
+        "xxh3_128"
+    ).chain([tokens[:300]])
+
+
+def test_list_input_with_extra_keys_equals_vllms_function():
+    tokens = np.random.default_rng(5).integers(0, 150_000, 1000).tolist()
+    bounds = [(s, min(s + 128, 1000)) for s in range(0, 1000, 128)]
+    lora = ("lora", "my-lora", "/adapters/a")
+    extras = [
+        (lora, ("mm", "f" * 64, 3), ("cache_salt", "tenant-1")) if i == 0 else (lora,)
+        for i in range(len(bounds))
+    ]
+    extras[3] = None
+    ours = ChunkHasher("sha256_cbor").chain_array(tokens, bounds, extras)
+    assert ours == _vllm_block_hashes(tokens, bounds, extras)
+
+
+def test_chain_array_across_encoding_passes():
+    """Prompts longer than one encoding pass (and chunks longer than a pass) chain
+    through the passes with cbor2's bytes."""
+    tokens = np.random.default_rng(8).integers(0, 1 << 32, 70_000, dtype=np.uint64).tolist()
+    hasher = ChunkHasher("sha256_cbor")
+    for size in (256, 50_000):
+        bounds = [(s, min(s + size, len(tokens))) for s in range(0, len(tokens), size)]
+        expected = hasher.chain([tokens[s:e] for s, e in bounds])
+        assert hasher.chain_array(tokens, bounds) == expected, size
+
+
+def test_threads_hash_concurrently():
+    """Each thread encodes in its own work arrays."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hasher = ChunkHasher("sha256_cbor")
+    prompts = [
+        np.random.default_rng(seed).integers(0, 200_000, 5000 + 997 * seed).tolist()
+        for seed in range(8)
+    ]
+
+    def hashes(tokens):
+        return hasher.chain_array(
+            tokens, [(s, min(s + 64, len(tokens))) for s in range(0, len(tokens), 64)]
+        )
+
+    expected = [hashes(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(hashes, prompts)) == expected
+
+
+def test_token_array_reads_lists_and_rejects_what_is_not_token_ids():
+    from kvtier.hashing import token_array
+
+    assert token_array([3, 2**32 - 1]).dtype == np.uint32
+    assert token_array([-3, 7]).tolist() == [-3, 7]
+    assert token_array([2**32]).tolist() == [2**32]
+    assert token_array([]).size == 0
+    assert token_array([np.int64(5), np.int32(6)]).tolist() == [5, 6]
+    array = np.arange(5, dtype=np.int32)
+    assert token_array(array) is array
+    for bad, message in (([1.5, 2.0], "integers"), ([[1, 2]], "one-dimensional"), (b"ab", "one")):
+        with pytest.raises(ValueError, match=message):
+            token_array(bad)

@@ -12,6 +12,7 @@ computation (``Chunker.chunk_hashes``).
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -503,6 +504,31 @@ def test_decode_saves_only_with_save_decode_cache(save_decode_cache):
             block_ids=save.block_ids,
             where="chunk 4, filled by generated tokens",
         )
+
+
+class ReadCounting(list):
+    """``all_token_ids`` that counts how often each token is sliced out (for hashing)."""
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            self.reads.update(range(*item.indices(len(self))))
+        return super().__getitem__(item)
+
+
+def test_a_growing_request_has_each_token_hashed_once():
+    """Asked while it waits, prefilled, decoded a token a step with decode saves: each
+    token is read for hashing once, those of the partial chunk once more."""
+    side = make_side(HeldHashes(), save_unfull_chunk=True, save_decode_cache=True)
+    request = make_request("r", 300)
+    request.all_token_ids = tokens = ReadCounting(request.all_token_ids)
+    tokens.reads = collections.Counter()
+    for _ in range(5):  # waiting: vLLM asks again every step
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    _, prefill = hit_and_plan(side, request, 0, blocks_for(300))
+    plans = decode(side, request, 40)  # chunk 4 (256..320) is full at 320
+    assert saved_chunks([prefill, *plans]) == [[0, 1, 2, 3, 4]] + [[]] * 19 + [[4]] + [[]] * 20
+    assert plans[19].saves[0].hashes == expected_hashes(side.config, list(tokens)[:320])[4:5]
+    assert sum(tokens.reads.values()) == 320 + (300 - 256), tokens.reads
 
 
 @pytest.mark.parametrize(
