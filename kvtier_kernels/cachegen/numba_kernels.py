@@ -23,7 +23,9 @@ are cached, for the histograms; decode reads the symbols twice (histogram check,
 dequantization) and writes ``out`` once.
 
 Every kernel runs one plane or one lane per ``prange`` iteration (see
-:class:`~kvtier_kernels._launch.NumbaKernel`: compiled on first use, cached on disk).
+:class:`~kvtier_kernels._launch.NumbaKernel`: compiled on first use, cached on disk). The
+launchers raise :class:`~kvtier_kernels._launch.NumbaUnavailable` where numba fails to
+import or to compile; the codec catches it and runs its torch code.
 
 NOTE: no ``prange`` loop sums anything across its iterations: each iteration sets its own
 plane's or lane's flag in an array, and the launcher reads the array. numba's parfor pass
@@ -317,14 +319,16 @@ def dequantize_kernel(
 
 _HELPERS = [_frequencies, _gaussian_model, _cost, _lane_starts]
 KERNELS = {
-    "quantize": NumbaKernel(quantize_kernel),
-    "tables": NumbaKernel(tables_kernel, helpers=_HELPERS),
-    "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS),
-    "pack": NumbaKernel(pack_kernel, helpers=_HELPERS),
-    "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS),
-    "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS),
+    "quantize": NumbaKernel(quantize_kernel, op="rans_encode"),
+    "tables": NumbaKernel(tables_kernel, helpers=_HELPERS, op="rans_encode"),
+    "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS, op="rans_encode"),
+    "pack": NumbaKernel(pack_kernel, helpers=_HELPERS, op="rans_encode"),
+    "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS, op="rans_decode"),
+    "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS, op="rans_decode"),
 }
-"""The codec's numba kernels by step, compiled on first use."""
+"""The codec's numba kernels by step, compiled on first use. They run with the ``numba``
+coder, so they belong to its ops: where one of the encoder's steps fails to compile, the
+codec encodes with its torch code (``rans_encode``), and likewise for decoding."""
 
 
 # ---------------------------------------------------------------------------------------
