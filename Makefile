@@ -146,9 +146,10 @@ $(NEWEST_STAMP): pyproject.toml
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c "import sys, numpy, numba, torch; \
 		v = ('%d.%d' % sys.version_info[:2], numpy.__version__, numba.__version__, torch.__version__.split('+')[0]); \
-		print('newest verified: python %s, numpy %s, numba %s, torch %s' % v); \
-		sys.exit(v != ('$(NEWEST_PYTHON_VERSION)', '$(patsubst numpy==%,%,$(NEWEST_NUMPY))', \
-			'$(patsubst numba==%,%,$(NEWEST_NUMBA))', '$(patsubst torch==%,%,$(NEWEST_TORCH))'))"
+		pinned = ('$(NEWEST_PYTHON_VERSION)', '$(patsubst numpy==%,%,$(NEWEST_NUMPY))', \
+			'$(patsubst numba==%,%,$(NEWEST_NUMBA))', '$(patsubst torch==%,%,$(NEWEST_TORCH))'); \
+		print('test-newest on python %s, numpy %s, numba %s, torch %s' % v); \
+		sys.exit(v != pinned and 'not the pinned python %s, numpy %s, numba %s, torch %s' % pinned)"
 	$(NEWEST_PY) -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
 
 lint: $(STAMP)
