@@ -30,8 +30,8 @@ import or to compile; the codec catches it and runs its torch code.
 NOTE: no ``prange`` loop sums anything across its iterations: each iteration sets its own
 plane's or lane's flag in an array, and the launcher reads the array. numba's parfor pass
 finds a reduction's update by following the copies of its variable, and from Python 3.12
-on (any numba, 0.65 to 0.68 at least), a flag reassigned in an inner loop and summed
-across iterations orders those copies into a cycle it does not detect: compiling raised
+on (numba 0.65 to 0.68 at least), a flag reassigned in an inner loop and summed across
+iterations orders those copies into a cycle it does not detect: compiling raises
 ``RecursionError`` (or ``AssertionError: unexpected cycle in lookup()``).
 """
 
