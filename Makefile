@@ -32,6 +32,25 @@ OLDEST_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_ca
 	tests/test_disk_tier.py tests/test_wire.py tests/test_hashing.py tests/test_cachegen.py \
 	tests/test_blend.py
 
+# The newest Python, NumPy and numba verified (pyproject: numba>=0.59, numpy>=1.24): the
+# codecs' and kernels' tests in a third venv. NumPy 2.5 needs Python >= 3.12, and on 3.12
+# numba's parfor pass once failed to compile the CacheGen kernels (docs/portability.md).
+# The interpreter is pyenv's newest 3.12 where pyenv has one, else python3.12 on the PATH.
+# PyPI's x86_64 torch for 3.12 is a CUDA build (it runs here on the CPU): it goes in first,
+# pinned, then kvtier with the pinned NumPy and numba, so no resolver picks another torch,
+# and of the test extra only what these tests import (half the install time of all of it).
+NEWEST_PYTHON_VERSION ?= 3.12
+NEWEST_PYTHON ?= $(or $(shell ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(NEWEST_PYTHON_VERSION).*/bin/python$(NEWEST_PYTHON_VERSION) 2>/dev/null | sort -V | tail -n 1),python$(NEWEST_PYTHON_VERSION))
+NEWEST_TORCH ?= torch==2.14.1
+NEWEST_NUMPY ?= numpy==2.5.5
+NEWEST_NUMBA ?= numba==0.68.1
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.kvtier-installed
+NEWEST_TEST_DEPS := pytest hypothesis pytest-timeout
+NEWEST_TESTS := tests/test_cachegen.py tests/test_cachegen_versions.py tests/test_cachegen_models.py \
+	tests/test_cachegen_kernels.py tests/test_rans_numba.py tests/test_rope.py tests/test_architecture.py
+
 # SGLang's HiCache storage backend is tested against SGLang's own code in a venv of its own:
 # torch first (the CPU wheel), SGLang without its dependencies (they include CUDA kernels
 # and a CUDA torch), then only what the import chain of sglang.srt.mem_cache needs on a CPU,
@@ -46,7 +65,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
 SGLANG_TESTS := tests/test_sglang_pages.py tests/test_sglang_hicache.py tests/test_sglang_direct.py
 
-.PHONY: demo test test-sglang bench-sglang gpu-check gpu-bench test-oldest lint format bench soak install services clean
+.PHONY: demo test test-sglang bench-sglang gpu-check gpu-bench test-oldest test-newest lint format bench soak install services clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -129,6 +148,22 @@ test-oldest: $(OLDEST_STAMP)
 		sys.exit(v != ('$(patsubst torch==%,%,$(OLDEST_TORCH))', '$(patsubst triton==%,%,$(OLDEST_TRITON))'))"
 	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
 
+$(NEWEST_STAMP): pyproject.toml
+	test -x $(NEWEST_PY) || $(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q "$(NEWEST_TORCH)"
+	$(NEWEST_PY) -m pip install -q -e . $(NEWEST_TEST_DEPS) "$(NEWEST_TORCH)" "$(NEWEST_NUMPY)" \
+		"$(NEWEST_NUMBA)"
+	touch $@
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) -c "import sys, numpy, numba, torch; \
+		v = ('%d.%d' % sys.version_info[:2], numpy.__version__, numba.__version__, torch.__version__.split('+')[0]); \
+		pinned = ('$(NEWEST_PYTHON_VERSION)', '$(patsubst numpy==%,%,$(NEWEST_NUMPY))', \
+			'$(patsubst numba==%,%,$(NEWEST_NUMBA))', '$(patsubst torch==%,%,$(NEWEST_TORCH))'); \
+		print('test-newest on python %s, numpy %s, numba %s, torch %s' % v); \
+		sys.exit(v != pinned and 'not the pinned python %s, numpy %s, numba %s, torch %s' % pinned)"
+	$(NEWEST_PY) -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -152,4 +187,4 @@ soak: $(STAMP) services
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) perf/soak/soak.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .hypothesis .benchmarks

@@ -12,14 +12,18 @@
   ops' cached launch plans call on the hot path; :func:`record_launches` swaps the device
   launch for a recorder (the host-cost benchmark, tests);
 - :class:`NumbaKernel` and :func:`numba_loader`: the same laziness for CPU kernels that
-  numba compiles.
+  numba compiles; where numba fails to import or to compile a kernel, the kernel raises
+  :class:`NumbaUnavailable` (one warning per op, :func:`numba_failures` keeps why), and
+  its launcher (:meth:`NumbaKernel.falling_back_to`) runs the op's reference instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import inspect
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -315,6 +319,8 @@ def triton_loader(
     return load
 
 
+logger = logging.getLogger(__name__)
+
 _numba_lock = threading.Lock()
 # error_model="numpy": no ZeroDivisionError checks (the kernels never divide by zero), so
 # loops with a division vectorize; no fastmath: the kernels must round as the references.
@@ -322,6 +328,46 @@ _NUMBA_OPTIONS = {"nogil": True, "cache": True, "error_model": "numpy"}
 NUMBA_WORK_PER_THREAD = 1 << 20
 """Elements or symbols per thread of a numba kernel (a few milliseconds of work): a
 small chunk runs on one thread rather than pay for waking the others."""
+
+
+class NumbaUnavailable(RuntimeError):
+    """numba failed to import, or to compile one of an op's kernels, in this process. The
+    op's launcher catches it and runs its numpy/torch reference (the same bytes)."""
+
+
+_numba_failures: dict[str, str] = {}  # op -> why its numba kernels do not run here
+
+
+def numba_failures() -> dict[str, str]:
+    """Each op whose numba kernels failed to import or compile in this process, with why;
+    ``auto`` picks the op's torch backend from then on (:func:`kvtier_kernels.registry.pick`)."""
+    return dict(_numba_failures)
+
+
+def numba_version() -> str:
+    """The installed numba's version, from its metadata (no import)."""
+    try:
+        return importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _numba_failed(op: str, kernel: str, error: BaseException) -> NumbaUnavailable:
+    """Record that ``op``'s numba kernel ``kernel`` failed with ``error`` and return the
+    exception to raise. The first failure of an op logs its one warning."""
+    lines = str(error).strip().splitlines()  # numba's typing errors run to many lines
+    why = f"{type(error).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
+    entry = f"numba {numba_version()}, {kernel}: {why}"
+    if _numba_failures.setdefault(op, entry) is entry:  # the op's first failure
+        logger.warning(
+            "numba %s failed on %s (%s): %s runs its numpy/torch reference in this process "
+            "(the same bytes, slower)",
+            numba_version(),
+            kernel,
+            why,
+            op,
+        )
+    return NumbaUnavailable(_numba_failures[op])
 
 
 class NumbaKernel:
@@ -347,21 +393,35 @@ class NumbaKernel:
     for kernels a serving engine's own thread calls: numba's OpenMP layer leaves the
     launching thread's OpenMP thread count at its last launch's, and vLLM's CPU attention,
     which checks that count against its plan, aborted the engine.
+
+    NOTE: where numba fails to import, or to compile the kernel (numba's own errors, and
+    failures inside its passes such as a ``RecursionError``), the kernel raises
+    :class:`NumbaUnavailable`, once ``op`` has logged its one warning; every later call of
+    any kernel of ``op`` raises it at once, without trying again. ``op`` is the registry op
+    whose launcher runs the kernel; that launcher runs the op's reference instead
+    (:meth:`falling_back_to`), so no caller sees the failure.
     """
 
     def __init__(
-        self, fn: Callable, helpers: Sequence[Callable] = (), *, parallel: bool = True
+        self, fn: Callable, helpers: Sequence[Callable] = (), *, op: str, parallel: bool = True
     ) -> None:
-        self.fn, self.helpers, self.parallel = fn, tuple(helpers), parallel
+        self.fn, self.helpers, self.op, self.parallel = fn, tuple(helpers), op, parallel
         self._compiled: Any = None
         self._lock = threading.Lock()
 
     def get(self) -> Any:
-        """The numba dispatcher (imports numba; compiles nothing until it is called)."""
+        """The numba dispatcher (imports numba; compiles nothing until it is called).
+
+        Raises:
+            NumbaUnavailable: numba does not import.
+        """
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
-                    import numba
+                    try:
+                        import numba
+                    except Exception as error:  # an ImportError, or a numpy it refuses
+                        raise _numba_failed(self.op, "import numba", error) from error
 
                     module = self.fn.__globals__
                     module["prange"] = numba.prange
@@ -374,12 +434,42 @@ class NumbaKernel:
     def __call__(self, *args: Any, work: int) -> Any:
         """Run the kernel on ``args`` with one thread per ``NUMBA_WORK_PER_THREAD`` of
         ``work`` (elements or symbols): at least one, at most the calling thread's numba
-        thread count (``NUMBA_NUM_THREADS``, or what ``numba.set_num_threads`` set)."""
+        thread count (``NUMBA_NUM_THREADS``, or what ``numba.set_num_threads`` set).
+
+        Raises:
+            NumbaUnavailable: numba failed to import or to compile a kernel of ``op`` here.
+        """
+        if self.op in _numba_failures:
+            raise NumbaUnavailable(_numba_failures[self.op])
+        kernel = self.get()
+        try:
+            if not self.parallel:
+                return kernel(*args)  # no threading layer: the caller's thread alone
+            return self._run_parallel(kernel, args, work)
+        except Exception as error:  # the kernels raise nothing: this is numba's compiler
+            raise _numba_failed(self.op, self.fn.__name__, error) from error
+
+    def falling_back_to(self, reference: Callable) -> Callable[[Callable], Callable]:
+        """A decorator for the launcher of this kernel: where the kernel raises
+        :class:`NumbaUnavailable` (before it wrote anything), the call runs ``reference``,
+        the op's reference implementation, with the same arguments."""
+
+        def decorate(launcher: Callable) -> Callable:
+            @functools.wraps(launcher)
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return launcher(*args, **kwargs)
+                except NumbaUnavailable:  # logged once for the op
+                    return reference(*args, **kwargs)
+
+            return launch
+
+        return decorate
+
+    @staticmethod
+    def _run_parallel(kernel: Any, args: tuple, work: int) -> Any:
         import numba
 
-        kernel = self.get()
-        if not self.parallel:
-            return kernel(*args)  # no threading layer: the caller's thread alone
         with _numba_lock:
             default = numba.get_num_threads()
             numba.set_num_threads(min(default, max(1, work // NUMBA_WORK_PER_THREAD)))
@@ -390,12 +480,13 @@ class NumbaKernel:
 
 
 def numba_loader(kernels: Sequence[NumbaKernel], launcher: Callable) -> Callable[[], Callable]:
-    """A registry loader: imports numba (an ImportError here is numba missing or broken)
-    and wraps ``kernels``, then returns ``launcher``."""
+    """A registry loader: imports numba and wraps ``kernels``, then returns ``launcher``
+    (also where numba does not import: the launcher then runs its reference)."""
 
     def load() -> Callable:
         for kernel in kernels:
-            kernel.get()
+            with contextlib.suppress(NumbaUnavailable):  # logged; the launcher falls back
+                kernel.get()
         return launcher
 
     return load

@@ -286,6 +286,7 @@ def _rope_calls(
 
 NUMBA_OPS = ("cachegen", "rope_rerotate")
 """The warmable ops with numba CPU kernels (``auto``'s pick on a CPU where numba imports)."""
+_CACHEGEN_OPS = ("rans_encode", "rans_decode")  # the registry ops of the cachegen coder
 
 
 def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
@@ -293,7 +294,8 @@ def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
     or load them from numba's on-disk cache, by running each once on a tiny input with
     every argument type kvtier calls it with: contiguous and strided keys for RoPE, both
     statistics models of CacheGen. Returns the ops warmed: none where ``auto`` does not
-    pick numba on the CPU (numba not installed, or it fails to import).
+    pick numba on the CPU (numba not installed, or it fails to import), nor one whose
+    kernels failed to compile here (logged; the op runs its reference).
 
     numba compiles per argument type, not per shape, so this covers every model shape.
     """
@@ -308,7 +310,8 @@ def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
             for model in ("gaussian", "histogram"):
                 payload, params = encode_chunk(chunk, backend="numba", model=model)
                 decode_chunk(payload, params, torch.empty_like(chunk), backend="numba")
-            warmed.append("cachegen")
+            if all(registry.pick(op, "auto", cpu) == "numba" for op in _CACHEGEN_OPS):
+                warmed.append("cachegen")
     rope_on_numba = dtype in (torch.bfloat16, torch.float32)  # fp16 keys go to torch
     if (
         "rope_rerotate" in ops
@@ -324,5 +327,6 @@ def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
         for k in (chunk[0], chunk[0, :, 1:3]):
             n = k.shape[1]
             rerotate(k, positions[:n], positions[:n] + 1, head_size=64)
-        warmed.append("rope_rerotate")
+        if registry.pick("rope_rerotate", "auto", cpu) == "numba":
+            warmed.append("rope_rerotate")
     return warmed

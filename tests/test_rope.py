@@ -8,6 +8,7 @@ tiny: one or two layers and heads, a few tokens. ``gpu`` tests run the compiled 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -540,3 +541,23 @@ def test_gpu_realistic_shape(is_neox_style: bool, dtype: torch.dtype) -> None:
     else:  # both round to nearest; an FMA or a last-bit cos/sin may flip one rounding
         assert_rotated_close(chunk[0].cpu(), want.cpu(), head_size=head_size, ulps=1.0, atol=1e-6)
     assert_bits_equal(chunk[1], v_before, "the V plane")
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_kernel_that_fails_to_compile_rotates_as_torch_with_one_warning(
+    dtype, numba_compile_fails, caplog
+) -> None:
+    import numba
+
+    k = torch.randn(2, 5, 2 * 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    old, new = torch.arange(5), torch.arange(5) + 7
+    expected = rerotation.rerotate_torch(k.clone(), old, new, head_size=64)
+    numba_compile_fails(rope_numba.NUMBA_KERNEL)
+    caplog.set_level(logging.WARNING)
+    for backend in ("auto", "numba", "auto"):
+        assert torch.equal(rerotate(k.clone(), old, new, head_size=64, backend=backend), expected)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"numba {numba.__version__} failed on rerotate_kernel (RecursionError" in warning
+    assert "rope_rerotate runs its numpy/torch reference" in warning
+    assert registry.pick("rope_rerotate", "auto", "cpu") == "torch"

@@ -9,17 +9,21 @@ A ``KV_2LTD`` chunk is quantized per token (absmax scale, per-layer levels) and 
 
 Quantization, statistics and dequantization are torch code with integer or correctly
 rounded fp32 arithmetic, so a GPU encode gives the bytes a CPU encode gives; the numba
-kernels (:mod:`kvtier_kernels.cachegen.numba_kernels`) run the same arithmetic on a CPU.
+kernels (:mod:`kvtier_kernels.cachegen.numba_kernels`) run the same arithmetic on a CPU,
+and where numba fails to import or to compile them the torch code runs instead (one
+warning per direction, see :class:`~kvtier_kernels._launch.NumbaKernel`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtier_kernels import registry
+from kvtier_kernels._launch import NumbaUnavailable
 from kvtier_kernels.cachegen import numba_kernels
 from kvtier_kernels.cachegen.format import (
     MODELS,
@@ -224,11 +228,12 @@ def encode_chunk(
         )
 
     alphabet = 2 * max(k_levels + v_levels) + 1
-    on_cpu = registry.pick("rans_encode", backend, chunk.device) == "numba"
-    statistics = numba_kernels.encode_statistics if on_cpu else _encode_statistics
-    scale, symbols, freq, model, tables = statistics(
-        chunk, k_levels, v_levels, alphabet, count_dtype(num_tokens), model
-    )
+    args = (chunk, k_levels, v_levels, alphabet, count_dtype(num_tokens), model)
+    statistics = None
+    if registry.pick("rans_encode", backend, chunk.device) == "numba":
+        with contextlib.suppress(NumbaUnavailable):  # logged once; the torch code below
+            statistics = numba_kernels.encode_statistics(*args)
+    scale, symbols, freq, model, tables = statistics or _encode_statistics(*args)
     words, lengths = rans_encode_lanes(symbols, freq, backend=backend)
 
     lengths_np = lengths.cpu().numpy()
@@ -289,8 +294,13 @@ def decode_chunk(
     if container.model == "histogram":
         bounds, stored = container.histogram_tables()
         if on_cpu:
-            expected, freq = numba_kernels.histogram_tables(bounds, stored, num_tokens, alphabet)
-        else:
+            try:
+                expected, freq = numba_kernels.histogram_tables(
+                    bounds, stored, num_tokens, alphabet
+                )
+            except NumbaUnavailable:  # logged once; from here on the torch code
+                on_cpu = False
+        if not on_cpu:
             lo, hi = (bounds[:, i].astype(np.int64) for i in (0, 1))
             expected = _stored_histograms(lo, hi, stored, num_tokens, alphabet).to(dev)
             freq = quantize_counts(expected)
@@ -313,8 +323,13 @@ def decode_chunk(
         backend=backend,
     )
     if on_cpu:
-        numba_kernels.dequantize(symbols, container.model, expected, scale, k_levels, v_levels, out)
-        return
+        try:
+            numba_kernels.dequantize(
+                symbols, container.model, expected, scale, k_levels, v_levels, out
+            )
+            return
+        except NumbaUnavailable:  # logged once; out is untouched
+            expected = torch.from_numpy(expected).to(dev)
     decoded = _histogram(symbols, alphabet)
     if container.model == "gaussian":
         decoded = gaussian_models(decoded, num_tokens)

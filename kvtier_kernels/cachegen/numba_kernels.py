@@ -23,7 +23,16 @@ are cached, for the histograms; decode reads the symbols twice (histogram check,
 dequantization) and writes ``out`` once.
 
 Every kernel runs one plane or one lane per ``prange`` iteration (see
-:class:`~kvtier_kernels._launch.NumbaKernel`: compiled on first use, cached on disk).
+:class:`~kvtier_kernels._launch.NumbaKernel`: compiled on first use, cached on disk). The
+launchers raise :class:`~kvtier_kernels._launch.NumbaUnavailable` where numba fails to
+import or to compile; the codec catches it and runs its torch code.
+
+NOTE: no ``prange`` loop sums anything across its iterations: each iteration sets its own
+plane's or lane's flag in an array, and the launcher reads the array. numba's parfor pass
+finds a reduction's update by following the copies of its variable, and from Python 3.12
+on (numba 0.65 to 0.68 at least), a flag reassigned in an inner loop and summed across
+iterations orders those copies into a cycle it does not detect: compiling raises
+``RecursionError`` (or ``AssertionError: unexpected cycle in lookup()``).
 """
 
 from __future__ import annotations
@@ -116,16 +125,16 @@ def quantize_kernel(
     scale,  # [planes, T] float32 (out): absmax of each token's row
     symbols,  # [planes * D, T] uint8 (out): q + n
     counts,  # [planes * D, A] int64 (out): each lane's histogram
-):  # -> the number of planes holding a non-finite value (their symbols are then wrong)
+    nonfinite,  # [planes] uint8 (out): 1 where the plane holds inf or nan (its symbols wrong)
+):
     planes, tokens, hidden = x.shape
-    nonfinite = 0
     for p in prange(planes):
         n = levels[p]
         bits = np.empty(hidden, np.uint32)  # a token's row as float32 bits ...
         row = bits.view(np.float32)  # ... and values
         top = np.empty(1, np.uint32)  # the row's absmax as bits and value
         tile = np.empty((_TILE, hidden), np.uint8)  # symbols of _TILE tokens
-        plane_bad = 0
+        nonfinite[p] = 0
         for t0 in range(0, tokens, _TILE):
             width = min(_TILE, tokens - t0)
             for k in range(width):
@@ -134,7 +143,7 @@ def quantize_kernel(
                     bits[d] = np.uint32(x[p, t0 + k, d]) << shift
                     top_bits = max(top_bits, bits[d] & 0x7FFFFFFF)  # |x| orders as its bits
                 if top_bits >= 0x7F800000:  # inf or nan: the caller raises
-                    plane_bad, top_bits = 1, 0
+                    nonfinite[p], top_bits = 1, 0
                     bits[:] = 0
                 top[0] = top_bits
                 scale[p, t0 + k] = top.view(np.float32)[0]
@@ -152,8 +161,6 @@ def quantize_kernel(
                 seen[t & 3, symbols[lane, t]] += 1
             for a in range(counts.shape[1]):
                 counts[lane, a] = seen[0, a] + seen[1, a] + seen[2, a] + seen[3, a]
-        nonfinite += plane_bad
-    return nonfinite
 
 
 def tables_kernel(
@@ -233,11 +240,11 @@ def unpack_kernel(
     num_tokens,
     counts,  # [lanes, A] int64 (out, zeroed by the caller)
     freq,  # [lanes, A] int64 (out): frequency tables, where the histogram is good
-):  # -> the number of lanes whose histogram does not sum to num_tokens or is not tight
+    bad,  # [lanes] uint8 (out): 1 where the histogram does not sum to num_tokens or is not tight
+):
     lanes = bounds.shape[0]
     starts = np.empty(lanes, np.int64)
     _lane_starts(bounds, starts)
-    bad = 0
     for lane in prange(lanes):
         lo, hi = np.int64(bounds[lane, 0]), np.int64(bounds[lane, 1])
         if lo == hi:
@@ -248,11 +255,9 @@ def unpack_kernel(
         row_total = 0
         for k in range(hi - lo + 1):
             row_total += counts[lane, lo + k]
-        if row_total != num_tokens or counts[lane, lo] == 0 or counts[lane, hi] == 0:
-            bad += 1
-        else:
+        bad[lane] = row_total != num_tokens or counts[lane, lo] == 0 or counts[lane, hi] == 0
+        if not bad[lane]:
             _frequencies(counts[lane], freq[lane])
-    return bad
 
 
 def dequantize_kernel(
@@ -265,15 +270,15 @@ def dequantize_kernel(
     levels,  # [planes] float32: levels_half n of each plane
     out,  # [planes, T, D] float32, or uint16 for bf16 bits (out)
     bf16,  # whether out holds bf16 bits (rounded to nearest even from float32)
-):  # -> the number of planes where a lane's symbols disagree with its model (out untouched)
+    bad,  # [planes] uint8 (out): 1 where a lane's symbols disagree with its model
+):  # out is written only when no plane is bad
     lanes, tokens = symbols.shape
     planes, alphabet = scale.shape[0], counts.shape[1]
     hidden = lanes // planes
-    bad = 0
     for p in prange(planes):
         seen = np.empty((4, alphabet + 1), np.int64)  # 4 histograms, then a bin for >= A
         row = np.empty(alphabet, np.int64)
-        plane_bad = 0
+        bad[p] = 0
         for lane in range(p * hidden, (p + 1) * hidden):
             seen[:] = 0
             for t in range(tokens):
@@ -288,14 +293,14 @@ def dequantize_kernel(
                     or centre != models[lane, 0]
                     or spread != models[lane, 1]
                 ):
-                    plane_bad = 1
+                    bad[p] = 1
             else:
                 for a in range(alphabet):
                     if row[a] != counts[lane, a]:
-                        plane_bad = 1
-        bad += plane_bad
-    if bad:
-        return bad
+                        bad[p] = 1
+    for p in range(planes):  # serial: not a reduction (see the module's NOTE)
+        if bad[p]:
+            return
     for p in prange(planes):
         n = levels[p]
         bits = np.empty(hidden, np.uint32)  # a token's row as float32 bits ...
@@ -310,19 +315,20 @@ def dequantize_kernel(
             else:
                 for d in range(hidden):
                     out[p, t, d] = row[d]
-    return 0
 
 
 _HELPERS = [_frequencies, _gaussian_model, _cost, _lane_starts]
 KERNELS = {
-    "quantize": NumbaKernel(quantize_kernel),
-    "tables": NumbaKernel(tables_kernel, helpers=_HELPERS),
-    "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS),
-    "pack": NumbaKernel(pack_kernel, helpers=_HELPERS),
-    "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS),
-    "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS),
+    "quantize": NumbaKernel(quantize_kernel, op="rans_encode"),
+    "tables": NumbaKernel(tables_kernel, helpers=_HELPERS, op="rans_encode"),
+    "frequencies": NumbaKernel(frequencies_kernel, helpers=_HELPERS, op="rans_encode"),
+    "pack": NumbaKernel(pack_kernel, helpers=_HELPERS, op="rans_encode"),
+    "unpack": NumbaKernel(unpack_kernel, helpers=_HELPERS, op="rans_decode"),
+    "dequantize": NumbaKernel(dequantize_kernel, helpers=_HELPERS, op="rans_decode"),
 }
-"""The codec's numba kernels by step, compiled on first use."""
+"""The codec's numba kernels by step, compiled on first use. They run with the ``numba``
+coder, so they belong to its ops: where one of the encoder's steps fails to compile, the
+codec encodes with its torch code (``rans_encode``), and likewise for decoding."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,8 +368,10 @@ def encode_statistics(
     scale = np.empty((planes, num_tokens), dtype=np.float32)
     symbols = np.empty((lanes, num_tokens), dtype=np.uint8)
     counts = np.empty((lanes, alphabet), dtype=np.int64)
+    nonfinite = np.empty(planes, dtype=np.uint8)
     levels = _plane_levels(k_levels, v_levels)
-    if KERNELS["quantize"](bits, shift, levels, scale, symbols, counts, work=symbols.size):
+    KERNELS["quantize"](bits, shift, levels, scale, symbols, counts, nonfinite, work=symbols.size)
+    if nonfinite.any():
         raise ValueError("chunk holds non-finite values (inf/nan), which cannot be quantized")
     gaussian = model != "histogram" and num_tokens <= GAUSSIAN_MAX_TOKENS
     codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
@@ -416,7 +424,9 @@ def histogram_tables(
     lanes = bounds.shape[0]
     counts = np.zeros((lanes, alphabet), dtype=np.int64)
     freq = np.zeros((lanes, alphabet), dtype=np.int64)
-    if KERNELS["unpack"](bounds, stored, num_tokens, counts, freq, work=counts.size):
+    bad = np.empty(lanes, dtype=np.uint8)
+    KERNELS["unpack"](bounds, stored, num_tokens, counts, freq, bad, work=counts.size)
+    if bad.any():
         raise CodecError("a lane's histogram does not sum to num_tokens or is not tight")
     return counts, torch.from_numpy(freq)
 
@@ -446,7 +456,8 @@ def dequantize(
     direct = out.device.type == "cpu" and out.dtype in (torch.bfloat16, torch.float32)
     target = out if direct else torch.empty(out.shape, dtype=out.dtype if bf16 else torch.float32)
     values = target.view(torch.int16).numpy().view(np.uint16) if bf16 else target.numpy()
-    if KERNELS["dequantize"](
+    bad = np.empty(planes, dtype=np.uint8)
+    KERNELS["dequantize"](
         symbols.cpu().contiguous().numpy(),  # [lanes, T]
         gaussian,
         counts,  # [lanes, A]
@@ -456,8 +467,10 @@ def dequantize(
         _plane_levels(k_levels, v_levels),  # [planes]
         values.reshape(planes, num_tokens, hidden),  # [planes, T, D]
         bf16,
+        bad,  # [planes]
         work=symbols.numel(),
-    ):
+    )
+    if bad.any():
         raise CodecError(f"decoded symbols disagree with the stored {model} model")
     if not direct:
         out.copy_(target)

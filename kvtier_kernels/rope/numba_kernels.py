@@ -70,11 +70,14 @@ def _rotate_pairs(first, second, c, s, shift):
 
 
 # Serial (see NumbaKernel): CacheBlend calls it from the engine's own thread.
-NUMBA_KERNEL = NumbaKernel(rerotate_kernel, helpers=[_to_bf16, _rotate_pairs], parallel=False)
+NUMBA_KERNEL = NumbaKernel(
+    rerotate_kernel, helpers=[_to_bf16, _rotate_pairs], op="rope_rerotate", parallel=False
+)
 
 _BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float32: (torch.int32, np.uint32)}
 
 
+@NUMBA_KERNEL.falling_back_to(rerotate_torch)
 def rerotate_numba(
     k: torch.Tensor,  # [num_layers, T, H * D], rotated in place
     old_positions: torch.Tensor,  # [T] int64
@@ -87,7 +90,8 @@ def rerotate_numba(
     is_neox_style: bool = True,
 ) -> torch.Tensor:
     """The numba backend (arguments as :func:`kvtier_kernels.rope.rerotation.rerotate`, validated
-    there); fp16 keys, which numba has no arithmetic for, go to the torch backend."""
+    there); fp16 keys, which numba has no arithmetic for, go to the torch backend, and so
+    does every call where numba fails to import or to compile the kernel (logged once)."""
     rotary_dim = head_size if rotary_dim is None else rotary_dim
     if k.dtype not in _BITS:
         return rerotate_torch(

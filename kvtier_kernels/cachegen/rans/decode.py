@@ -339,7 +339,7 @@ def rans_decode_numba_kernel(
             bad[l1] = (at1 - starts[l1] != lengths[l1]) | (x1 != RANS_LOW)
 
 
-NUMBA_KERNEL = NumbaKernel(rans_decode_numba_kernel, helpers=[_lane_tables])
+NUMBA_KERNEL = NumbaKernel(rans_decode_numba_kernel, helpers=[_lane_tables], op="rans_decode")
 """The decode kernel, compiled by numba on first use."""
 
 
@@ -483,6 +483,7 @@ def rans_decode_triton(
 # ---------------------------------------------------------------------------------------
 
 
+@NUMBA_KERNEL.falling_back_to(rans_decode_reference)
 def rans_decode_numba(
     words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
     lengths: torch.Tensor,  # [lanes] int64/int32
@@ -490,7 +491,8 @@ def rans_decode_numba(
     n: int,
 ) -> torch.Tensor:
     """numba version of :func:`rans_decode_reference` on CPU copies: the same symbols and
-    errors, in the same order. Shapes are assumed valid (:func:`rans_decode_lanes`)."""
+    errors, in the same order. Shapes are assumed valid (:func:`rans_decode_lanes`). Where
+    numba fails to import or to compile the kernel, the reference runs (logged once)."""
     # validate: tables, then lengths, as the reference; the streams in the kernel
     table = checked_table(freq)
     lengths_np = lengths.cpu().numpy().astype(np.int64)

@@ -290,7 +290,7 @@ def rans_encode_numba_kernel(
     return words
 
 
-NUMBA_KERNEL = NumbaKernel(rans_encode_numba_kernel)
+NUMBA_KERNEL = NumbaKernel(rans_encode_numba_kernel, op="rans_encode")
 """The encode kernel, compiled by numba on first use."""
 
 
@@ -416,12 +416,14 @@ def rans_encode_triton(
 # ---------------------------------------------------------------------------------------
 
 
+@NUMBA_KERNEL.falling_back_to(rans_encode_reference)
 def rans_encode_numba(
     symbols: torch.Tensor,  # [lanes, n] uint8
     freq: torch.Tensor,  # [lanes, A] int32/int64
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """numba version of :func:`rans_encode_reference`, on CPU copies; the same words,
     lengths and errors. Shapes are assumed valid (:func:`rans_encode_lanes` checks them).
+    Where numba fails to import or to compile the kernel, the reference runs (logged once).
 
     Raises:
         ValueError: as :func:`rans_encode_reference`.
