@@ -39,7 +39,13 @@ from dataclasses import dataclass
 import cbor2
 import pytest
 from conftest import BLOCK, CHUNK
-from support.engines import expected_loaded, make_llm, prompts_of, shutdown, worker_stats
+from support.engines import (
+    expected_loaded,
+    make_llm,
+    prompts_of,
+    shutdown,
+    worker_stats_once_written,
+)
 
 from kvtier.storage import wire
 
@@ -110,12 +116,24 @@ def agreement(reference: list[Scored], results: list[Scored]) -> Agreement:
     )
 
 
-def run_engine(model, prompts, *, kvtier: dict | None = None, engine_id: str | None = None):
+def run_engine(
+    model,
+    prompts,
+    *,
+    kvtier: dict | None = None,
+    engine_id: str | None = None,
+    written: int = 0,
+):
     """Start an engine, generate, read kvtier's counters (if any), shut it down (which
-    flushes kvtier's queued writes)."""
+    flushes kvtier's queued writes). ``written``: chunks the disk tier's writer thread is
+    expected to have written; the counters are read once it has (it encodes and writes
+    off the request path, so a step can end before its chunks are on disk)."""
     llm = make_llm(model, block_size=BLOCK, kvtier=kvtier, engine_id=engine_id)
     try:
-        return generate_scored(llm, prompts), (worker_stats(engine_id) if kvtier else {})
+        outputs = generate_scored(llm, prompts)
+        if not kvtier:
+            return outputs, {}
+        return outputs, worker_stats_once_written(engine_id, "disk_put_chunks", written)
     finally:
         shutdown(llm)
 
@@ -152,10 +170,12 @@ def test_engine_decodes_cachegen_chunks_from_disk(model_a, prompts_and_reference
     prompts, reference = prompts_and_reference
     run_id = f"kvtier-test-cachegen-{uuid.uuid4().hex[:8]}"
     extra = cachegen_extra(tmp_path)
-    cold, cold_stats = run_engine(model_a, prompts, kvtier=extra, engine_id=f"{run_id}-1")
+    stored = sum(len(p) // CHUNK for p in prompts)
+    cold, cold_stats = run_engine(
+        model_a, prompts, kvtier=extra, engine_id=f"{run_id}-1", written=stored
+    )
     assert all(r.num_cached_tokens == 0 for r in cold)
     assert [r.token_ids for r in cold] == [r.token_ids for r in reference]
-    stored = sum(len(p) // CHUNK for p in prompts)
     assert cold_stats["disk_put_chunks"] == stored
     headers = stored_headers(tmp_path)
     assert len(headers) == stored

@@ -7,19 +7,26 @@ from __future__ import annotations
 
 import pytest
 from conftest import BLOCK, CHUNK
-from support.engines import expected_loaded, generate, make_llm, shutdown, worker_stats
+from support.engines import (
+    expected_loaded,
+    generate,
+    make_llm,
+    shutdown,
+    worker_stats_once_written,
+)
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def run_engine(model, extra: dict, prompts, engine_id: str):
-    """Start an engine with kvtier ``extra``, generate, read its counters, shut it down
+def run_engine(model, extra: dict, prompts, engine_id: str, written: tuple[str, int] = ("", 0)):
+    """Start an engine with kvtier ``extra``, generate, read its counters once ``written``
+    (a ``<tier>_put_chunks`` counter and its expected count) is reached, shut it down
     (which flushes kvtier's queued writes)."""
     llm = make_llm(model, block_size=BLOCK, engine_id=engine_id, kvtier=extra)
     try:
         results = generate(llm, prompts)
-        return results, worker_stats(engine_id)
+        return results, worker_stats_once_written(engine_id, *written)
     finally:
         shutdown(llm)
 
@@ -33,9 +40,11 @@ def assert_loaded_everything(results, prompts, reference):
 
 def test_restarted_engine_loads_from_local_disk(model_a, prompts_a, reference_a, tmp_path):
     extra = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "local_disk": str(tmp_path)}
-    cold, cold_stats = run_engine(model_a, extra, prompts_a, "kvtier-test-disk-1")
-    assert all(r.num_cached_tokens == 0 for r in cold)
     stored = sum(len(p) // CHUNK for p in prompts_a)
+    cold, cold_stats = run_engine(
+        model_a, extra, prompts_a, "kvtier-test-disk-1", ("disk_put_chunks", stored)
+    )
+    assert all(r.num_cached_tokens == 0 for r in cold)
     assert cold_stats["disk_put_chunks"] == stored
     assert len(list(tmp_path.rglob("*.kvt"))) == stored
 
@@ -52,9 +61,11 @@ def test_second_engine_loads_from_shared_redis(model_a, prompts_a, reference_a):
     with RedisServer() as redis:
         # The second engine starts with an empty CPU tier: what it loads comes from Redis.
         extra = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis.url}
-        cold, cold_stats = run_engine(model_a, extra, prompts_a, "kvtier-test-redis-1")
-        assert [r.token_ids for r in cold] == [r.token_ids for r in reference_a["single"]]
         stored = sum(len(p) // CHUNK for p in prompts_a)
+        cold, cold_stats = run_engine(
+            model_a, extra, prompts_a, "kvtier-test-redis-1", ("redis_put_chunks", stored)
+        )
+        assert [r.token_ids for r in cold] == [r.token_ids for r in reference_a["single"]]
         assert cold_stats["redis_put_chunks"] == stored
         assert len(redis.client().keys("kvtier:*")) == stored
 

@@ -9,6 +9,7 @@ KV a request attends to, not bf16 rounding differences between prefill batch sha
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,3 +103,18 @@ def worker_stats(engine_id: str, rank: int = 0) -> dict[str, float]:
         replies = client.call_all("stats")
     assert replies is not None, "the kvtier worker did not answer the stats request"
     return replies[0]
+
+
+def worker_stats_once_written(
+    engine_id: str, counter: str, expected: int, timeout: float = 120.0
+) -> dict[str, float]:
+    """``worker_stats`` once ``counter`` (a lower tier's ``<tier>_put_chunks``) reached
+    ``expected``, or after ``timeout`` seconds: the lower tiers' writer threads encode,
+    checksum and write off the request path, so a step can end before its chunks are
+    written."""
+    deadline = time.monotonic() + timeout
+    stats = worker_stats(engine_id)
+    while stats.get(counter, 0) < expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = worker_stats(engine_id)
+    return stats
