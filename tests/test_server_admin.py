@@ -246,6 +246,20 @@ def test_status_prints_the_servers_counters(server):
     assert values["puts"] == 6 and values["disk_blobs"] == 6
 
 
+def test_a_dead_remote_is_warned_at_start_and_health_and_status_agree():
+    """``--remote-url`` pointing at nothing: one start-up warning, ``/health`` degraded,
+    ``kvtier status`` degraded with exit 1, before any request touched the remote."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    with KVTierServerProcess("--remote-url", dead, admin=True) as server:
+        assert "remote redis://127.0.0.1" in server.log() and "is unavailable" in server.log()
+        code, health = server.admin("/health")
+        assert code == 200  # degraded still serves: memory and disk answer
+        assert health["status"] == "degraded" and health["tiers"]["remote"]["up"] is False
+        done = kvtier_status("--server", f"127.0.0.1:{server.port}")
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"kvtier server 127.0.0.1:{server.port}: degraded" in done.stdout
+
+
 def test_status_of_an_unreachable_or_refusing_server_exits_2():
     done = kvtier_status("--server", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert done.returncode == 2 and "kvtier server" in done.stderr

@@ -63,3 +63,36 @@ def test_a_failed_write_takes_the_remote_down_too():
     wait_until(lambda: stats.get("remote_puts") == 1)
     assert store.blobs == {"a": b"2"}
     remote.close(1.0)
+
+
+def test_a_remote_down_at_start_up_is_warned_about_before_any_request(caplog):
+    store, stats = FlakyStore(), Stats()
+    store.mode = "down"
+    remote = remote_blobs(store, stats)
+    with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
+        remote.watch(interval_s=60.0)
+        assert not remote.is_up  # at once: the first ping is part of watch()
+    assert [r.message for r in caplog.records if "is unavailable" in r.message]
+    store.mode = "ok"
+    wait_until(lambda: remote.is_up)
+    remote.close(1.0)
+
+
+def test_a_remote_that_goes_down_while_idle_is_seen_without_a_request():
+    """The periodic ping: ``/health`` and ``kvtier status`` (both read ``is_up``) follow
+    the remote, not the last request that happened to touch it."""
+    store, stats = FlakyStore(), Stats()
+    remote = remote_blobs(store, stats)
+    remote.submit_put("ns", "a", b"1")  # opens the namespace's store, which pings then use
+    wait_until(lambda: stats.get("remote_puts") == 1)
+    remote.watch(interval_s=0.05)
+    assert remote.is_up
+    store.mode = "down"
+    wait_until(lambda: not remote.is_up)
+    assert stats.get("remote_puts") == 1 and stats.get("remote_puts_dropped") == 0  # no request
+    store.mode = "ok"
+    wait_until(lambda: remote.is_up)
+    store.mode = "hang"  # a ping that never answers is bounded by the remote timeout
+    wait_until(lambda: not remote.is_up, timeout=5.0)
+    store.released.set()
+    remote.close(1.0)

@@ -63,6 +63,7 @@ T = TypeVar("T")
 
 
 PING_NAMESPACE = "kvtier-ping"  # a store opened only to ping the remote
+HEALTH_INTERVAL_S = 5.0  # how often a server pings a remote that is up
 
 
 class RemoteBlobs:
@@ -104,6 +105,8 @@ class RemoteBlobs:
             logger=logger,
         )
         self._calls = ThreadPoolExecutor(8, thread_name_prefix="kvtier-server-remote")
+        self._stopped = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._writes: BatchQueue[tuple[str, str, bytes]] = BatchQueue(
             "server-remote",
             self._write,
@@ -136,6 +139,27 @@ class RemoteBlobs:
     @property
     def is_up(self) -> bool:
         return self.health.is_up
+
+    def watch(self, interval_s: float = HEALTH_INTERVAL_S) -> None:
+        """Ping the remote now and then every ``interval_s`` while it is up, each ping
+        bounded by the remote timeout: a remote that is down at start-up is warned about
+        at once, and one that goes down later is seen without waiting for a failed call,
+        so ``/health`` and ``kvtier status`` say what the remote is doing now."""
+        self.check()
+        self._watcher = threading.Thread(
+            target=self._watch, args=(interval_s,), name="kvtier-server-remote-watch", daemon=True
+        )
+        self._watcher.start()
+
+    def check(self) -> bool:
+        """One bounded ping while up (down: the reconnect thread pings); whether it is up."""
+        if self.is_up:
+            self._call("ping", self._ping)
+        return self.is_up
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stopped.wait(interval_s):
+            self.check()
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` within the timeout; None when the remote is down or fails (then
@@ -194,6 +218,9 @@ class RemoteBlobs:
 
     def close(self, timeout: float) -> None:
         """Finish queued writes for at most ``timeout`` seconds, drop the rest, close."""
+        self._stopped.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.timeout_s + 1)
         self._stats.inc("remote_puts_dropped", self._writes.close(timeout))
         self.health.close()
         self._calls.shutdown(wait=False, cancel_futures=True)

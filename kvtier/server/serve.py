@@ -53,6 +53,10 @@ async def serve(
         max_clients=max_clients,
         max_shm_bytes=0 if max_shm_mb is None else int(max_shm_mb * 2**20),
     )
+    if cache.remote is not None:
+        # A remote that is down is warned about now, before the server answers anything:
+        # not at the first store, and never reported healthy meanwhile.
+        await asyncio.to_thread(cache.remote.watch)
     try:
         await server.start()
     except OSError:
