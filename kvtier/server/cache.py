@@ -96,6 +96,7 @@ class RemoteBlobs:
         self._stats = stats
         self.timeout_s = timeout_s
         self._stores: dict[str, BlobStore] = {}
+        self._ping_store: BlobStore | None = None  # while no client's namespace is open
         self._lock = threading.Lock()
         self.health = Health(
             "server-remote",
@@ -124,17 +125,21 @@ class RemoteBlobs:
             return store
 
     def _ping(self) -> None:
-        """Ping the remote through a store already open, else through a fresh one."""
+        """Ping the remote through a store already open, else through one kept for pings
+        (opened once: the server pings every few seconds, and opening a store costs a
+        client and its connections)."""
         with self._lock:
-            store = next(iter(self._stores.values()), None)
-        if store is not None:
-            store.ping()
-            return
-        store = self._open_store(PING_NAMESPACE)
-        try:
-            store.ping()
-        finally:
-            store.close()
+            store = next(iter(self._stores.values()), self._ping_store)
+        if store is None:
+            opened = self._open_store(PING_NAMESPACE)
+            with self._lock:
+                if self._ping_store is None:
+                    self._ping_store = opened
+                    opened = None
+                store = self._ping_store
+            if opened is not None:  # another thread kept its own first
+                opened.close()
+        store.ping()
 
     @property
     def is_up(self) -> bool:
@@ -224,8 +229,9 @@ class RemoteBlobs:
         self._stats.inc("remote_puts_dropped", self._writes.close(timeout))
         self.health.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
-        for store in self._stores.values():
-            store.close()
+        for store in [*self._stores.values(), self._ping_store]:
+            if store is not None:
+                store.close()
 
 
 def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
