@@ -12,6 +12,7 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -186,8 +187,10 @@ class CacheEngine:
 
         ``slot_mapping[t]`` is the engine slot of token ``t`` (absolute position).
         """
-        transfer = self.begin_store(chunks, slot_mapping)
-        transfer.gather()
+        paged_io, _ = self._require_bound()
+        # each chunk's gather is queued as soon as its buffer is staged: on a GPU the copy
+        # of the first chunk runs while the next ones are staged
+        transfer = StoreTransfer(self, paged_io, list(chunks), slot_mapping, gather_now=True)
         return transfer.commit()
 
     def begin_store(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> StoreTransfer:
@@ -234,11 +237,10 @@ class CacheEngine:
     ) -> int:
         """``retrieve`` for chunks named elsewhere; returns the end of the loaded run
         (``chunks[0].start`` when nothing was loaded)."""
-        transfer = self.begin_retrieve(chunks, slot_mapping)
-        try:
-            transfer.scatter()
-        finally:
-            transfer.close()
+        paged_io, _ = self._require_bound()
+        # each chunk's scatter is queued as soon as it is accepted (see store_chunks)
+        transfer = RetrieveTransfer(self, paged_io, list(chunks), slot_mapping, scatter_now=True)
+        transfer.close()
         if count_requested and chunks:
             self.stats.inc(Counter.REQUESTED_TOKENS, chunks[-1].end - chunks[0].start)
         return transfer.end
@@ -334,6 +336,8 @@ def _layer_part(obj: MemoryObj, layer: int | None) -> tuple[torch.Tensor, range 
 class StoreTransfer:
     """A store in flight: staged buffers for the chunks not yet stored.
 
+    ``gather_now``: gather each chunk as soon as it is staged (``gather`` is then a no-op).
+
     NOTE: every staged buffer and every already-stored chunk of the request stays pinned
     until ``commit``/``abort``, so a prompt larger than the tier cannot evict its own
     prefix while it is being stored.
@@ -345,18 +349,30 @@ class StoreTransfer:
         paged_io: PagedIO,
         chunks: list[Chunk],
         slot_mapping: torch.Tensor,
+        gather_now: bool = False,
     ):
         self.engine = engine
         self.paged_io = paged_io
         self.result = StoreResult()
         self._busy = 0.0
+        self._gathered = gather_now
+        self._staged: list[tuple[Chunk, MemoryObj, torch.Tensor]] = []
+        self._pinned_existing: list[CacheKey] = []
         started = time.perf_counter()
+        try:
+            with paged_io.storing() if gather_now else contextlib.nullcontext():
+                self._stage(chunks, slot_mapping)
+        except BaseException:
+            self.abort()  # nothing staged stays pinned
+            raise
+        self._busy += time.perf_counter() - started
+
+    def _stage(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> None:
+        engine, paged_io = self.engine, self.paged_io
         storage = engine.storage
         end = chunks[-1].end if chunks else 0
         slots = CacheEngine._slots(slot_mapping, end)
         placed = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
-        self._staged: list[tuple[Chunk, MemoryObj, torch.Tensor]] = []
-        self._pinned_existing: list[CacheKey] = []
         for chunk in chunks:
             if storage.contains(chunk.key):
                 self.result.skipped_existing += 1
@@ -373,7 +389,8 @@ class StoreTransfer:
                 break
             obj.pin()
             self._staged.append((chunk, obj, chunk_slots))
-        self._busy += time.perf_counter() - started
+            if self._gathered:
+                paged_io.from_engine(obj.tensor, chunk_slots)
 
     @property
     def num_staged(self) -> int:
@@ -381,6 +398,8 @@ class StoreTransfer:
 
     def gather(self, layer: int | None = None) -> None:
         """Copy one layer (or every layer) of the staged chunks out of the engine."""
+        if self._gathered:
+            return
         started = time.perf_counter()
         with self.paged_io.storing():
             for _, obj, chunk_slots in self._staged:
@@ -434,6 +453,8 @@ class RetrieveTransfer:
     whose shape or dtype (or, with ``verify_checksums``, checksum) disagrees with what was
     asked ends the run: it is rejected (``CheckedChunks.accept``) and never written into
     the engine. A chunk a lower tier returned was verified by that tier as it was read.
+
+    ``scatter_now``: scatter each chunk as soon as it is accepted (``scatter`` is a no-op).
     """
 
     def __init__(
@@ -442,12 +463,27 @@ class RetrieveTransfer:
         paged_io: PagedIO,
         chunks: list[Chunk],
         slot_mapping: torch.Tensor,
+        scatter_now: bool = False,
     ):
         self.engine = engine
         self.paged_io = paged_io
-        started = time.perf_counter()
-        self.end = chunks[0].start if chunks else 0
+        self._scattered = scatter_now
         self._held: list[tuple[Chunk, MemoryObj]] = []
+        started = time.perf_counter()
+        try:
+            with paged_io.loading() if scatter_now else contextlib.nullcontext():
+                self._accept(chunks, slot_mapping)
+        except BaseException:
+            paged_io.loads_done()  # no scatter may still read a released buffer
+            for _, obj in self._held:
+                obj.ref_down()
+            self._held = None
+            raise
+        self._busy = time.perf_counter() - started
+
+    def _accept(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> None:
+        engine, paged_io = self.engine, self.paged_io
+        self.end = chunks[0].start if chunks else 0
         end = chunks[-1].end if chunks else 0
         slots = CacheEngine._slots(slot_mapping, end)
         self._slots = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
@@ -466,7 +502,8 @@ class RetrieveTransfer:
             else:
                 self._held.append((chunk, obj))
                 self.end = chunk.end
-        self._busy = time.perf_counter() - started
+                if self._scattered:
+                    paged_io.to_engine(obj.tensor, self._slots[chunk.start : chunk.end])
 
     @property
     def num_chunks(self) -> int:
@@ -474,6 +511,8 @@ class RetrieveTransfer:
 
     def scatter(self, layer: int | None = None) -> None:
         """Write one layer (or every layer) of the held chunks into the engine."""
+        if self._scattered:
+            return
         started = time.perf_counter()
         with self.paged_io.loading():
             for chunk, obj in self._held:

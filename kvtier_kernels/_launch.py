@@ -201,7 +201,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("compiled", "device_index", "fixed", "grid", "interpret", "kernel", "meta")
-    __slots__ += ("_runner", "_stream_of", "_trailing")
+    __slots__ += ("_device_of", "_runner", "_stream_of", "_trailing")
 
     def __init__(
         self,
@@ -223,6 +223,7 @@ class BoundLaunch:
             self._trailing += tuple(meta[name] for name in names if name in meta)
         self._runner: Callable[..., None] | None = None
         self._stream_of: Callable[[int], int] | None = None
+        self._device_of: Callable[[], int] | None = None
 
     @property
     def name(self) -> str:
@@ -247,7 +248,7 @@ class BoundLaunch:
             if runner is None:
                 return
         index = self.device_index
-        if torch.cuda.current_device() != index:
+        if self._device_of() != index:
             with torch.cuda.device(index):
                 self(*args, stream=stream)
             return
@@ -256,17 +257,21 @@ class BoundLaunch:
         runner(*args, *self._trailing, stream=stream)
 
     def _first_launch(self, args: tuple, stream: int | None) -> Callable[..., None] | None:
-        """Launch once through Triton's compiled launcher and keep it as the runner; where
-        this Triton's launcher refuses the call (a signature kvtier was not checked with),
-        launch through ``kernel[grid]`` from now on instead (one warning), which every
-        Triton takes. None: this call is already launched that way."""
+        """Launch once through Triton's C launcher (:func:`_triton_compat.direct_launcher`,
+        else ``compiled[grid]``) and keep it as the runner; where this Triton's launcher
+        refuses the call (a signature kvtier was not checked with), launch through
+        ``kernel[grid]`` from now on instead (one warning), which every Triton takes.
+        None: this call is already launched that way."""
         from kvtier_kernels import _triton_compat
 
         self._stream_of = _triton_compat.current_stream_getter()
+        self._device_of = _triton_compat.current_device_getter()
         index = self.device_index
         with torch.cuda.device(index) if index is not None else contextlib.nullcontext():
-            runner = self.compiled[self.grid]
             try:
+                runner = _triton_compat.direct_launcher(self.compiled, self.grid)
+                if runner is None:
+                    runner = self.compiled[self.grid]
                 launch_stream = stream if stream is not None else self._stream_of(index)
                 runner(*args, *self._trailing, stream=launch_stream)
             except (TypeError, ValueError, RuntimeError, SystemError) as exc:

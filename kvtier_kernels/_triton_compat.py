@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 import triton
 import triton.language as tl
 from triton.runtime import interpreter as _interpreter
@@ -65,7 +66,9 @@ from triton.runtime.jit import JITFunction
 __all__ = [
     "InterpretedKernel",
     "cache_dir",
+    "current_device_getter",
     "current_stream_getter",
+    "direct_launcher",
     "interpreter_scope",
     "jit_compiled",
     "jit_interpreted",
@@ -98,6 +101,49 @@ def current_stream_getter() -> Callable[[int], int]:
     """``get(device_index)``: the raw handle of that device's current stream, as Triton's
     own launches read it (torch's current stream, without building a ``Stream`` object)."""
     return triton.runtime.driver.active.get_current_stream
+
+
+def current_device_getter() -> Callable[[], int]:
+    """``get()``: the index of the current CUDA/HIP device, without torch's lazy-init check
+    on every call (torch's own getter where its private one is missing)."""
+    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def direct_launcher(compiled: Any, grid: tuple[int, ...]) -> Callable[..., None] | None:
+    """``launch(*args, stream=handle)``: Triton's C launcher of ``compiled`` over ``grid``,
+    called without the per-call wrapper of ``compiled[grid]`` (which rereads the launch
+    hooks and builds launch metadata for them), or None where launch hooks are installed
+    (a profiler such as proton: ``compiled[grid]`` then calls them) or this Triton's
+    compiled kernel lacks what the call needs.
+
+    NOTE: the positional contract of ``CompiledKernel.run`` (grid, stream, function,
+    packed metadata, launch metadata, enter and exit hooks, then the kernel's arguments) is
+    that of Triton 3.2 to 3.9; a Triton that changes it raises on the first call, which
+    :class:`kvtier_kernels._launch.BoundLaunch` answers by falling back to ``kernel[grid]``.
+    """
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return None
+    if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+        return None
+    compiled[grid]  # loads the module and function handles (_init_handles)
+    run = getattr(compiled, "run", None)
+    function = getattr(compiled, "function", None)
+    packed = getattr(compiled, "packed_metadata", None)
+    if run is None or function is None or packed is None:
+        return None
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+
+    def launch(*args: Any, stream: int) -> None:
+        run(grid_x, grid_y, grid_z, stream, function, packed, None, None, None, *args)
+
+    return launch
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook knob holds a hook: a callable (Triton < 3.7), or a
+    ``HookChain`` with calls in it (later Tritons keep an empty chain when none is set)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def language() -> Any:

@@ -271,3 +271,38 @@ def test_store_does_not_evict_its_own_already_stored_prefix():
     result = engine.store(tokens, slot_mapping=torch.arange(48))
     assert (result.skipped_existing, result.stored_chunks, result.skipped_no_memory) == (1, 2, 3)
     assert engine.lookup(tokens) == 24
+
+
+@pytest.mark.parametrize("direction", ["store", "retrieve"])
+def test_a_copy_that_fails_mid_transfer_leaves_nothing_held(monkeypatch, direction):
+    """store/retrieve queue each chunk's copy as soon as the chunk is staged or accepted;
+    a copy that raises part-way releases every buffer and pin the transfer held."""
+    engine = make_engine()
+    tokens = torch.arange(32)  # 4 chunks
+    if direction == "retrieve":
+        engine.store(tokens, slot_mapping=torch.arange(32))
+    io = engine.paged_io
+    name = "from_engine" if direction == "store" else "to_engine"
+    real, calls = getattr(io, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("copy failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(io, name, failing)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        if direction == "store":
+            engine.store(tokens, slot_mapping=torch.arange(32))
+        else:
+            engine.retrieve(tokens, slot_mapping=torch.arange(100, 132))
+    gauges = engine.storage.gauges()
+    assert gauges["cpu_pinned_chunks"] == 0
+    held = 4 if direction == "retrieve" else 0  # the stored chunks stay stored
+    assert gauges["cpu_chunks"] == held
+    if direction == "store":  # no staged buffer is left allocated
+        assert gauges["cpu_pool_used_bytes"] == 0
+    monkeypatch.setattr(io, name, real)
+    engine.store(tokens, slot_mapping=torch.arange(32))
+    assert engine.retrieve(tokens, slot_mapping=torch.arange(100, 132)) == 32

@@ -193,8 +193,63 @@ def test_a_compiled_launcher_that_refuses_the_call_falls_back_to_jit_once(monkey
     bound = _launch.BoundLaunch(
         kernel, False, (4,), {"BLOCK": 8}, RefusingCompiled(), None, fixed=(16,)
     )
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(_triton_compat, "current_device_getter", lambda: lambda: None)
     with pytest.warns(RuntimeWarning, match="refused kernel_fn"):
         bound("a", "b")
     bound("c", "d")
     assert launched == [((4,), ("a", "b", 16), {"BLOCK": 8}), ((4,), ("c", "d", 16), {"BLOCK": 8})]
+
+
+class _Compiled:
+    """A compiled kernel as Triton 3.2 to 3.9 shape it: handles loaded by ``[grid]``, then
+    ``run`` with the grid, stream, function, metadata and hooks before the arguments."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+        self.function = None
+
+    def __getitem__(self, grid):
+        self.function, self.packed_metadata = "fn-handle", ("packed",)
+        return lambda *args, stream=None: self.runs.append(("runner", grid, args, stream))
+
+    def run(self, *args):
+        self.runs.append(("run", *args))
+
+
+def test_a_bound_launch_calls_tritons_c_launcher_directly() -> None:
+    """The direct launcher passes the grid, the stream, the function handle and the packed
+    metadata, no launch metadata and no hooks, then the kernel's arguments: what
+    ``compiled[grid]`` passes when no hook is installed, without its per-call wrapper."""
+    from kvtier_kernels import _triton_compat
+
+    compiled = _Compiled()
+    launch = _triton_compat.direct_launcher(compiled, (3, 2))
+    assert launch is not None
+    launch("a", 7, stream=42)
+    assert compiled.runs == [
+        ("run", 3, 2, 1, 42, "fn-handle", ("packed",), None, None, None, "a", 7)
+    ]
+
+
+def test_installed_launch_hooks_keep_tritons_own_runner(monkeypatch) -> None:
+    """With a launch hook installed (a profiler), the bound launch goes through
+    ``compiled[grid]``, which calls the hooks."""
+    import triton
+
+    from kvtier_kernels import _triton_compat
+
+    hook = triton.knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # a HookChain (Triton >= 3.7)
+        hook.add(_a_hook)
+        try:
+            assert _triton_compat.direct_launcher(_Compiled(), (1,)) is None
+        finally:
+            hook.remove(_a_hook)
+        assert _triton_compat.direct_launcher(_Compiled(), (1,)) is not None
+        return
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", _a_hook)
+    assert _triton_compat.direct_launcher(_Compiled(), (1,)) is None
+
+
+def _a_hook(metadata) -> None:
+    pass

@@ -149,6 +149,7 @@ def test_committed_report_links_valid_pngs(committed):
         "ttft-cpu.png",
         "miss-cpu.png",
         "throughput-cpu.png",
+        "throughput-nvidia-h100-80gb-hbm3.png",
         "lookups-cpu.png",
         "hashing-cpu.png",
         "compression-cpu.png",

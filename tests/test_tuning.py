@@ -718,23 +718,29 @@ def test_tuning_files_are_keyed_by_the_amd_architecture(monkeypatch):
     tuning_files.gpu_name.cache_clear()
 
 
-def test_the_packaged_h200_rope_tuning_is_shipped_valid_and_found(monkeypatch):
-    """The first H200 run's RoPE tuning (1.5x its heuristic) ships as a packaged default:
-    it loads and checks, and on an H200 ``kvtier info`` / ``kvtier kernels`` list it in
-    effect (gather/scatter tuned to their heuristic there, so none ships for them)."""
+@pytest.mark.parametrize("device", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_the_packaged_rope_tunings_are_shipped_valid_and_found(monkeypatch, device):
+    """The RoPE tunings of the H200 (1.5x its heuristic) and H100 (1.24x) runs ship as
+    packaged defaults: each loads and checks, and on its GPU ``kvtier info`` / ``kvtier
+    kernels`` list it in effect (gather/scatter tuned to their heuristic there, so none
+    ships for them)."""
     import kvtier.machine
     from kvtier_kernels.tuning import files as tuning_files
 
     shipped = sorted(p.name for p in tuning_lookup.PACKAGED_DIR.glob("*.json"))
-    assert shipped == ["op=rope_rerotate,backend=triton,device=NVIDIA_H200,dtype=bfloat16.json"]
-    loaded = tuning_files.load_tuning_file(tuning_lookup.PACKAGED_DIR / shipped[0])
-    assert loaded.op == "rope_rerotate" and loaded.entries
+    assert shipped == [
+        "op=rope_rerotate,backend=triton,device=NVIDIA_H100_80GB_HBM3,dtype=bfloat16.json",
+        "op=rope_rerotate,backend=triton,device=NVIDIA_H200,dtype=bfloat16.json",
+    ]
+    for name in shipped:
+        loaded = tuning_files.load_tuning_file(tuning_lookup.PACKAGED_DIR / name)
+        assert loaded.op == "rope_rerotate" and loaded.entries
     monkeypatch.delenv(tuning_lookup.TUNING_DIR_ENV, raising=False)
     monkeypatch.setenv("HOME", "/nonexistent-home")
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tuning_files, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(tuning_files, "device_name", lambda _: device)
     rows = kvtier.machine.tuning_in_effect()
     assert [(r["op"], r["backend"], r["dtype"]) for r in rows] == [
         ("rope_rerotate", "triton", "bfloat16")

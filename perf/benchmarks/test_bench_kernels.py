@@ -31,9 +31,11 @@ a millisecond per program instance, so its figures would say nothing about the k
 and a pinned host chunk is distinct from the cache's memory only on a GPU; those rows are
 skipped with the reason, pending a GPU run.
 
-NOTE: the slot mapping lives in (pinned) host memory. ``gather``/``scatter`` validate it
-with ``slot_mapping.max()``; with GPU slots that is a device sync inside every timed call,
-which would count the host's launch latency as GPU time.
+NOTE: on a GPU the slot mapping lives on the device, where a serving engine's transfer
+places it once per request (``PagedIO.device_slots``, range-checked there on its host
+copy): the Triton plans then launch without a sync or a copy. Slots in host memory cost a
+range check and a copy to the device per call (``test_bench_launch.py`` times both); the
+torch backend checks device slots with ``max()``, a sync per call, as its ops would fault.
 """
 
 from __future__ import annotations
@@ -177,11 +179,11 @@ def paged() -> PagedKV:
 @pytest.fixture(scope="module")
 def slots() -> torch.Tensor:
     """``[CHUNK]`` int64 slots of the chunk's tokens: a random block table, consecutive
-    offsets inside each block (pinned on a GPU machine, see the module's NOTE)."""
+    offsets inside each block (on the device on a GPU machine, see the module's NOTE)."""
     gen = torch.Generator().manual_seed(1)
     blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: CHUNK // BLOCK_SIZE]
     slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
-    return slots.pin_memory() if HAS_GPU else slots
+    return slots.to(DEVICE)
 
 
 def _chunk(paged: PagedKV, placement: str) -> torch.Tensor:
@@ -216,12 +218,13 @@ def _measure(
     run_torch: Callable[[], object], ceiling: tuple[str, Callable[[], object]], target: float,
     **fields,
 ) -> None:  # fmt: skip
-    """Time ``run`` in alternation with the ceiling's copy (and, for Triton, the torch
-    backend's ``run_torch``) and record one row: ``run``'s GB/s against the ceiling. Triton
-    rows also carry the target and the torch backend's figure."""
+    """Time ``run`` in alternation with the ceiling's copy and record one row: ``run``'s
+    GB/s against the ceiling. Triton rows also carry the target and the torch backend's
+    figure (``run_torch``, timed apart: alternated, its milliseconds of temporaries slowed
+    the next call of ``run`` twofold on an H100)."""
     ceiling_name, ceiling_copy = ceiling
-    fns = [run, ceiling_copy] + ([run_torch] if backend == "triton" else [])
-    gbps, ceiling_gbps, *torch_gbps = (_gbps(nbytes, s) for s in medians(*fns))
+    gbps, ceiling_gbps = (_gbps(nbytes, s) for s in medians(run, ceiling_copy))
+    torch_gbps = [_gbps(nbytes, medians(run_torch)[0])] if backend == "triton" else []
     row = dict(
         metric=metric, value=gbps, unit="GB/s", baseline=ceiling_name,
         baseline_value=ceiling_gbps, backend=backend, layers=LAYERS, kv_heads=HEADS,

@@ -93,6 +93,7 @@ class Report:
         self.shared_ttft()
         self.proxy()
         self.blend()
+        self.launch()
         self.other()
         self.plots.remove_stale()
         text = "\n".join(self.lines).rstrip("\n") + "\n"
@@ -489,6 +490,36 @@ class Report:
                     )
                 )  # fmt: skip
 
+    def launch(self) -> None:
+        sections = self.rows("launch")
+        if not sections:
+            return
+        self.add(
+            "",
+            "## Host cost per kernel call",
+            "",
+            "`perf/benchmarks/test_bench_launch.py` ([docs/performance.md]"
+            "(../docs/performance.md#host-cost-per-kernel-call-issue-30)): µs of host time per "
+            "call (budget 15 µs); on a GPU also the wall time per call back to back against the "
+            "GPU kernel time per call (`torch.profiler`), same run.",
+        )
+        for device, rows in sections:
+            self.add("", f"### {device}", "")
+            self.add(
+                *table(
+                    ["Call", "Chunk memory", "Host µs / call", "Wall µs / call",
+                     "Baseline (same run)", "Baseline µs", "Ratio"],
+                    (
+                        [_call_name(r), r.fields.get("chunk_memory", "—"),
+                         fmt(r.fields.get("host_us_per_call", r.value)),
+                         fmt(r.value) if r.metric.startswith("wall_") else "—",
+                         r.baseline, fmt(r.baseline_value), fmt_ratio(r.ratio)]
+                        for r in rows
+                    ),
+                    "llrrlrr",
+                )
+            )  # fmt: skip
+
     def other(self) -> None:
         self._table("other", "## Other results", "Rows that no section above takes, as recorded.")
 
@@ -510,6 +541,13 @@ class Report:
                     "lrllrr",
                 )
             )  # fmt: skip
+
+
+def _call_name(row: Row) -> str:
+    """The benchmark's parameters (``gather-device``), else its name."""
+    name = str(row.fields.get("benchmark", row.metric))
+    match = re.search(r"\[(.+)\]$", name)
+    return match.group(1) if match else name.removeprefix("test_")
 
 
 def _num_or_none(value: object) -> float | None:
