@@ -46,6 +46,7 @@ from collections.abc import Iterator
 import torch
 
 from kvtier_kernels import PagedKV, gather, scatter
+from kvtier_kernels._launch import upload
 from kvtier_kernels.paged.plans import check_slot_range
 from kvtier_kernels.tuning.lookup import copy_engine_crossover, prepend_search_path
 
@@ -159,8 +160,8 @@ class PagedIO:
         check_slot_range(self.paged, slot_mapping)
         if self._streams is None or self._copy_engine:
             return slot_mapping
-        # non_blocking: no wait for the engine's stream; the copies' streams wait for it
-        return slot_mapping.to(self.paged.device, non_blocking=True)
+        # through pinned memory: no wait for the engine's stream; the copies wait for it
+        return upload(slot_mapping, self.paged.device)
 
     def from_engine(
         self, chunk: torch.Tensor, slot_mapping: torch.Tensor, layers: range | None = None

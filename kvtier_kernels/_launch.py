@@ -4,7 +4,8 @@
   interpreted) on first use, so importing ``kvtier_kernels`` never imports triton;
 - :func:`triton_loader`: the registry loader that decorates the kernel and returns the
   launcher bound to one backend;
-- :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters;
+- :func:`check_launch_config` and :func:`next_power_of_2` for launch parameters, and
+  :func:`upload` for host tensors a launch reads on the device;
 - :func:`compile_only`: within it, this thread's launches compile their kernel (Triton's
   ``warmup``) but run nothing (``kvtier precompile`` and the connector's start-up warm-up);
 - :class:`BoundLaunch` (made by :meth:`LazyKernel.bind`): one launch with everything but
@@ -35,6 +36,22 @@ import torch
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def upload(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None):
+    """``tensor`` (as ``dtype``) on ``device``, queued without waiting for the stream.
+
+    A copy from pageable host memory to a GPU waits for the work already queued on the
+    stream (CUDA stages it through a bounce buffer), which would stall the host behind an
+    engine's forward pass; a host tensor is therefore first copied into pinned memory
+    (torch's caching host allocator, which keeps the block until the copy has run).
+    """
+    if tensor.device.type == "cpu" and torch.device(device).type != "cpu":
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+    return tensor.to(device, dtype, non_blocking=True)
 
 
 def check_launch_config(config: Any, block_fields: Sequence[str]) -> None:

@@ -31,6 +31,7 @@ from kvtier_kernels._launch import (
     bind,
     check_launch_config,
     next_power_of_2,
+    upload,
 )
 from kvtier_kernels.dtypes import INT_OF_SIZE
 from kvtier_kernels.layouts import PagedKV
@@ -228,7 +229,7 @@ class CopyPlan:
         if self.check_slots:
             check_slot_range(self.paged, slot_mapping)
         if self.move_slots:
-            slot_mapping = slot_mapping.to(self.device, non_blocking=True)
+            slot_mapping = upload(slot_mapping, self.device)
         if self.pinned_chunk and not chunk.is_pinned():
             raise _pageable(self.chunk_name)
         if self.word_dtype is not None:  # the interpreter reads through the tensor's dtype

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels._launch import BoundLaunch, LazyKernel, bind, check_launch_config
+from kvtier_kernels._launch import BoundLaunch, LazyKernel, bind, check_launch_config, upload
 
 __all__ = [
     "MAX_PLANS",
@@ -217,10 +217,10 @@ class RotationPlan:
         freqs = self.freqs
         if self.convert:  # positions or frequencies not yet int64 / fp32 on k's device
             device = k.device
-            old_positions = old_positions.to(device, torch.int64, non_blocking=True)
-            new_positions = new_positions.to(device, torch.int64, non_blocking=True)
+            old_positions = upload(old_positions, device, torch.int64)
+            new_positions = upload(new_positions, device, torch.int64)
             if inv_freq is not None:
-                freqs = inv_freq.to(device, torch.float32, non_blocking=True)
+                freqs = upload(inv_freq, device, torch.float32)
         elif freqs is None:
             freqs = inv_freq
         self.launch(k, old_positions, new_positions, freqs)
