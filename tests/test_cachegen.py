@@ -19,7 +19,7 @@ from kvtier_kernels.cachegen import (
     params_checksum,
     quantize_counts,
 )
-from kvtier_kernels.cachegen.format import MODEL_FIELDS
+from kvtier_kernels.cachegen.format import MODEL_FIELDS, pack, read_container
 from kvtier_kernels.cachegen.rans import PROB_SCALE, rans_decode, rans_encode
 
 
@@ -242,7 +242,7 @@ def test_decoder_rejects_damage_caught_by_crc(encoded):
     "change, match",
     [
         ({"version": 1}, "version"),
-        ({"version": 4}, "version"),
+        ({"version": 5}, "version"),
         ({"version": "3"}, "version"),
         ({"shape": [2, 2, 40]}, "four ints"),
         ({"shape": [2, 2, 41, 64]}, "out has shape"),
@@ -254,10 +254,7 @@ def test_decoder_rejects_damage_caught_by_crc(encoded):
         ({"model": "laplace"}, "model"),
         ({"model": ["gaussian"]}, "model"),
         ({"scale_dtype": "float64"}, "scale_dtype"),
-        ({"scale_dtype": "float32"}, "section scales"),
-        ({"length_bytes": 3}, "length_bytes"),
-        ({"length_bytes": True}, "length_bytes"),
-        ({"length_bytes": 2}, "section lengths"),
+        ({"length_bytes": 1}, "keys"),
         ({"crc": None, "extra": 1}, "keys"),
     ],
 )
@@ -272,11 +269,14 @@ def test_decoder_rejects_the_other_models_sections(encoded):
     decode_fails(payload, seal({**params, "model": other}, payload), match="section")
 
 
-def test_version_2_params_do_not_read_a_version_3_payload(encoded):
+def test_older_versions_params_do_not_read_a_version_4_payload(encoded):
     _, payload, params = encoded
     version_2 = {k: v for k, v in params.items() if k not in MODEL_FIELDS}
     decode_fails(payload, seal({**version_2, "version": 2}, payload), match="section")
     decode_fails(payload, seal({**params, "version": 2}, payload), match="keys")
+    decode_fails(payload, seal({**params, "version": 3}, payload), match="keys")
+    version_3 = {**params, "version": 3, "length_bytes": 1}
+    decode_fails(payload, seal(version_3, payload), match="section")
 
 
 def test_decoder_rejects_inconsistent_sections(encoded):
@@ -286,25 +286,30 @@ def test_decoder_rejects_inconsistent_sections(encoded):
     decode_fails(payload, seal({**params, "sections": shifted}, payload), match="section")
     # swap two lanes' lengths: the streams no longer parse
     start = section_start(params, "lengths")
-    assert params["length_bytes"] == 1
-    lengths = np.frombuffer(payload, dtype="<u1", count=4, offset=start).copy()
+    lengths, _ = read_container(params, payload, params["shape"]).streams()
     i = int(np.flatnonzero(lengths != lengths[0])[0]) if (lengths != lengths[0]).any() else 1
     lengths[[0, i]] = lengths[[i, 0]]
     lengths[0] += 1
     lengths[i] -= 1
-    damaged = payload[:start] + lengths.tobytes() + payload[start + 4 :]
+    section = pack(lengths)
+    size = params["sections"][MODELS[params["model"]].index("lengths")]
+    assert len(section) == size
+    damaged = payload[:start] + section + payload[start + size :]
     decode_fails(damaged, seal(params, damaged))
+    # a packed section whose width does not fit its size
+    damaged = bytes([payload[start] + 1]) + payload[start + 1 :]
+    damaged = payload[:start] + damaged
+    decode_fails(damaged, seal(params, damaged), match="packed")
     # random garbage of the right size never crashes and never writes out
     rng = np.random.default_rng(0)
     for _ in range(5):
         garbage = rng.integers(0, 256, len(payload), dtype=np.uint8).tobytes()
         decode_fails(garbage, seal(params, garbage))
-    # a negative scale (bfloat16: the sign is the high byte's top bit) and an infinite one
+    # a negative scale (bfloat16: the sign is the pattern's top bit) and an infinite one,
+    # as the packed scales' base (bytes 1-4, after the width)
     assert params["scale_dtype"] == "bfloat16"
-    for high_byte in (0x80, 0x7F):
-        damaged = bytearray(payload)
-        damaged[0], damaged[1] = 0x80, high_byte
-        damaged = bytes(damaged)
+    for pattern in (0x8080, 0x7F80):
+        damaged = payload[:1] + pattern.to_bytes(4, "little") + payload[5:]
         decode_fails(damaged, seal(params, damaged), match="scales")
 
 

@@ -18,11 +18,18 @@ from support.samples import assert_within_bound, synthetic_kv
 
 from kvtier_kernels.cachegen import MODELS, CodecError, decode_chunk, encode_chunk
 from kvtier_kernels.cachegen import tables as cachegen_tables
-from kvtier_kernels.cachegen.format import length_dtype, make_params, padded, params_checksum
+from kvtier_kernels.cachegen.format import (
+    make_params,
+    pack,
+    padded,
+    params_checksum,
+    read_container,
+)
 from kvtier_kernels.cachegen.rans import PROB_SCALE, rans_encode_lanes
 from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
     MAX_DISTANCE,
+    MAX_LEVELS,
     SPREADS,
     VARIANCE_BITS,
     cost_table,
@@ -182,15 +189,16 @@ def test_forced_model_arguments():
     assert encode_chunk(long)[1]["model"] == "histogram"
 
 
-def test_lengths_widen_when_a_lane_needs_more_than_255_words():
+def test_lanes_of_more_than_255_words_round_trip():
     g = torch.Generator().manual_seed(0)
     chunk = torch.rand(2, 1, 600, 4, generator=g) * 2 - 1  # ~8 bits per 255-level symbol
     payload, params = encode_chunk(chunk, k_levels=[127], v_levels=[127])
-    assert params["length_bytes"] == 2 and params["scale_dtype"] == "float32"
+    assert params["scale_dtype"] == "float32"
+    lengths, _ = read_container(params, payload, params["shape"]).streams()
+    assert lengths.max() > 255
     out = torch.empty(chunk.shape)
     decode_chunk(payload, params, out)
     assert_within_bound(chunk, out, params)
-    assert length_dtype(255).itemsize == 1 and length_dtype(256).itemsize == 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,7 +261,7 @@ LANES = 2 * HIDDEN
 
 
 def forged(model: str) -> tuple[bytes, dict]:
-    """A version-3 object for 1 layer whose lanes are coded with a table that is valid for
+    """A version-4 object for 1 layer whose lanes are coded with a table that is valid for
     their symbols but not theirs: lane 0's stored spread (gaussian) or histogram (two
     counts moved by one) differs from what its symbols give."""
     rng = np.random.default_rng(0)
@@ -266,22 +274,27 @@ def forged(model: str) -> tuple[bytes, dict]:
         models[0, 1] += 1
         codebook = gaussian_codebook((LEVELS,), alphabet)
         freq = gaussian_freq(models, torch.full((LANES,), LEVELS), codebook)
-        tables = [models.numpy().tobytes()]
+        tables = [packed_models(models.numpy())]
     else:
         counts[0, LEVELS] += 1
         counts[0, LEVELS + 1] -= 1
         freq = quantize_counts(counts)
         lo, hi = LEVELS - 3, LEVELS + 3
         bounds = np.tile(np.array([lo, hi], dtype=np.uint8), (LANES, 1))
-        tables = [bounds.tobytes(), counts[:, lo : hi + 1].numpy().astype(np.uint8).tobytes()]
+        stored = counts[:, lo : hi + 1].numpy().astype(np.uint8)
+        tables = [padded(bounds.tobytes()), padded(stored.tobytes())]
     words, lengths = rans_encode_lanes(symbols_t, freq, backend="torch")
-    scales = np.ones(2 * TOKENS, dtype="<f4").tobytes()
-    sections = [scales, *tables, lengths.numpy().astype("<u1").tobytes()]
-    sections.append(words.numpy().astype("<u2").tobytes())
+    scales = pack(np.ones(2 * TOKENS, dtype="<f4").view("<u4"))
+    sections = [scales, *tables, pack(lengths.numpy())]
+    sections.append(padded(words.numpy().astype("<u2").tobytes()))
     shape = [2, 1, TOKENS, HIDDEN]
-    return make_params(
-        shape, [LEVELS], [LEVELS], model, "float32", 1, [padded(s) for s in sections]
-    )
+    return make_params(shape, [LEVELS], [LEVELS], model, "float32", sections)
+
+
+def packed_models(models: np.ndarray) -> bytes:
+    """The version-4 models section of ``models`` (lanes of ``LEVELS`` levels)."""
+    centres = models[:, 0].astype(np.int64) - LEVELS + MAX_LEVELS
+    return pack(centres) + pack(models[:, 1])
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -300,10 +313,14 @@ def test_models_outside_the_alphabet_or_the_spreads_are_rejected(byte, value, ba
     payload, params = encode_chunk(
         synthetic_kv(layers=1, tokens=TOKENS, hidden=HIDDEN), [LEVELS], [LEVELS], model="gaussian"
     )
-    damaged = bytearray(payload)
-    damaged[params["sections"][0] + 2 * 5 + byte] = value  # lane 5's centre or spread
-    damaged = bytes(damaged)
-    params = {**params, "crc": params_checksum(params, damaged)}
+    models = read_container(params, payload, params["shape"]).gaussian_models()
+    models = models.astype(np.int64)
+    models[5, byte] = value  # lane 5's centre or spread
+    section = packed_models(models)
+    start, size = params["sections"][:2]
+    damaged = payload[:start] + section + payload[start + size :]
+    params = {**params, "sections": [start, len(section), *params["sections"][2:]]}
+    params["crc"] = params_checksum(params, damaged)
     out = torch.full((2, 1, TOKENS, HIDDEN), 7.0)
     with pytest.raises(CodecError, match="Gaussian model is outside"):
         decode_chunk(damaged, params, out, backend=backend)

@@ -5,7 +5,7 @@ A ``KV_2LTD`` chunk is quantized per token (absmax scale, per-layer levels) and 
 (:mod:`kvtier_kernels.cachegen.rans`) under a per-lane frequency table
 (:mod:`kvtier_kernels.cachegen.tables`); the payload's sections are checked by
 :mod:`kvtier_kernels.cachegen.format`. The scheme, its error bound and the bitstream
-(versions 3 and 2) are specified in docs/compression.md, and only there.
+(versions 4, 3 and 2) are specified in docs/compression.md, and only there.
 
 Quantization, statistics and dequantization are torch code with integer or correctly
 rounded fp32 arithmetic, so a GPU encode gives the bytes a CPU encode gives; the numba
@@ -29,14 +29,15 @@ from kvtier_kernels.cachegen.format import (
     MODELS,
     check_levels,
     count_dtype,
-    length_dtype,
     make_params,
+    pack,
     padded,
     read_container,
 )
 from kvtier_kernels.cachegen.rans import CodecError, rans_decode_lanes, rans_encode_lanes
 from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
+    MAX_LEVELS,
     choose_gaussian,
     coding_cost,
     entropy_cost,
@@ -169,12 +170,21 @@ def _encode_statistics(
 
 
 def _stored_scales(scale: np.ndarray, dtype: torch.dtype) -> tuple[str, bytes]:
-    """The scales as the chunk's dtype, where each is exact (an absmax of its values)."""
+    """The scales' bit patterns in the chunk's dtype, where each is exact (an absmax of its
+    values), packed: non-negative floats, so a pattern grows with the value."""
     if dtype == torch.bfloat16:
-        return "bfloat16", (scale.view(np.uint32) >> 16).astype("<u2").tobytes()
+        return "bfloat16", pack(scale.view(np.uint32) >> 16)
     if dtype == torch.float16:
-        return "float16", scale.astype("<f2").tobytes()
-    return "float32", scale.astype("<f4").tobytes()
+        return "float16", pack(scale.astype("<f2").view("<u2"))
+    return "float32", pack(scale.astype("<f4").view("<u4"))
+
+
+def _stored_models(models: np.ndarray, lane_levels: np.ndarray) -> bytes:
+    """The Gaussian models packed: each centre as ``centre - n + MAX_LEVELS``, then the
+    spreads (most centres lie within a few symbols of ``n``, most spreads within a few
+    steps of each other)."""
+    centres = models[:, 0].astype(np.int64) - lane_levels + MAX_LEVELS
+    return pack(centres) + pack(models[:, 1])
 
 
 def encode_chunk(
@@ -236,24 +246,19 @@ def encode_chunk(
     scale, symbols, freq, model, tables = statistics or _encode_statistics(*args)
     words, lengths = rans_encode_lanes(symbols, freq, backend=backend)
 
-    lengths_np = lengths.cpu().numpy()
-    lengths_dtype = length_dtype(int(lengths_np.max()))
     scale_name, scales = _stored_scales(scale, chunk.dtype)
+    if model == "gaussian":
+        stored = [_stored_models(tables[0], _lane_levels(k_levels, v_levels, hidden))]
+    else:
+        stored = [padded(table.tobytes()) for table in tables]
     sections = [
         scales,
-        *(table.tobytes() for table in tables),
-        lengths_np.astype(lengths_dtype).tobytes(),
-        words.cpu().numpy().astype("<u2").tobytes(),
+        *stored,
+        pack(lengths.cpu().numpy()),
+        padded(words.cpu().numpy().astype("<u2").tobytes()),
     ]
-    return make_params(
-        [2, num_layers, num_tokens, hidden],
-        k_levels,
-        v_levels,
-        model,
-        scale_name,
-        lengths_dtype.itemsize,
-        [padded(section) for section in sections],
-    )
+    shape = [2, num_layers, num_tokens, hidden]
+    return make_params(shape, k_levels, v_levels, model, scale_name, sections)
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,7 +275,7 @@ def decode_chunk(
     device: torch.device | str | None = None,
 ) -> None:
     """Fill ``out`` (``[2, L, T, D]`` as in ``params``, bf16/fp16/fp32, contiguous, any
-    device) from what :func:`encode_chunk` made (bitstream version 2 or 3). ``out`` is
+    device) from what :func:`encode_chunk` made (bitstream version 2, 3 or 4). ``out`` is
     written only once everything checked. The rANS decoder is the registry's
     ``rans_decode`` for ``backend``; it and the dequantization run on ``device`` (default
     ``out``'s), or, when the decoder is numba, on the CPU as numba kernels

@@ -1,10 +1,10 @@
 """The CacheGen bitstream's container: the params and the payload's sections, checked.
 
-The format itself (both versions, field by field) is documented in
-:mod:`kvtier_kernels.cachegen.codec` and docs/compression.md. This module builds the params of a
-version-3 object (:func:`make_params`) and, for the decoder, turns params + payload into a
+The format itself (every version, field by field) is documented in docs/compression.md.
+This module builds the params of a version-4 object (:func:`make_params`) and its packed
+sections (:func:`pack`), and, for the decoder, turns params + payload into a
 :class:`Container` whose readers return each section as numpy arrays once its size, range
-and consistency are checked (:func:`read_container`). Anything wrong raises
+and consistency are checked (:func:`read_container`; versions 2, 3 and 4). Anything wrong raises
 :class:`~kvtier_kernels.cachegen.rans.CodecError` before the decoder writes any output.
 """
 
@@ -28,14 +28,14 @@ __all__ = [
     "Container",
     "check_levels",
     "count_dtype",
-    "length_dtype",
     "make_params",
+    "pack",
     "padded",
     "params_checksum",
     "read_container",
 ]
 
-VERSION = 3
+VERSION = 4
 MODELS = {
     "histogram": ("scales", "bounds", "counts", "lengths", "words"),
     "gaussian": ("scales", "models", "lengths", "words"),
@@ -44,10 +44,15 @@ MODELS = {
 SCALE_DTYPES = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2")}
 """How the scales are stored (bfloat16: the high 16 bits of the float32)."""
 MODEL_FIELDS = ("model", "scale_dtype", "length_bytes")
-"""The params version 3 adds to version 2's."""
+"""The params version 3 adds to version 2's (version 4 has the first two)."""
 _KEYS = {2: {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}}
 _KEYS[3] = _KEYS[2] | set(MODEL_FIELDS)
+_KEYS[4] = _KEYS[3] - {"length_bytes"}
 _WIDTHS = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
+PACKED = ("scales", "models", "lengths")
+"""The sections version 4 stores packed (:func:`pack`)."""
+_PACK_HEAD = 5  # width (uint8), then base (uint32)
+_SCALE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 
 
 def count_dtype(num_tokens: int) -> np.dtype:
@@ -57,17 +62,51 @@ def count_dtype(num_tokens: int) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
 
 
-def length_dtype(longest: int) -> np.dtype:
-    """The narrowest of uint8/16/32 that holds ``longest`` (a lane's words)."""
-    return _WIDTHS[1 if longest < 256 else 2 if longest < 65536 else 4]
-
-
 def padded(data: bytes) -> bytes:
     return data + b"\0" * (-len(data) % 4)
 
 
 def _padded_len(nbytes: int) -> int:
     return nbytes + (-nbytes % 4)
+
+
+def pack(values: np.ndarray) -> bytes:
+    """Non-negative integers (< 2**32) packed: the width ``w`` of ``max - min`` in bits
+    (uint8), ``min`` (uint32), then each ``value - min`` in ``w`` bits, least significant
+    first, the last byte padded with zero bits, then zero bytes to a multiple of 4."""
+    values = np.asarray(values, dtype=np.int64).reshape(-1)
+    base = int(values.min()) if values.size else 0
+    width = (int(values.max()) - base).bit_length() if values.size else 0
+    bits = ((values - base)[:, None] >> np.arange(width)) & 1
+    head = np.array([width], "<u1").tobytes() + np.array([base], "<u4").tobytes()
+    return padded(
+        head + np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+    )
+
+
+def _unpack(buffer: Any, offset: int, size: int, count: int, max_bits: int) -> np.ndarray:
+    """int64 ``[count]`` from the packed array at ``offset`` of a section of ``size`` bytes.
+
+    Raises:
+        CodecError: a width above ``max_bits``, values of ``max_bits`` or more bits, a
+            section of another size, or padding bits set.
+    """
+    if size < _PACK_HEAD:
+        raise CodecError("a packed section is shorter than its head")
+    head = np.frombuffer(buffer, np.uint8, count=_PACK_HEAD, offset=offset)
+    width, base = int(head[0]), int(head[1:].view("<u4")[0])
+    nbytes = (count * width + 7) // 8
+    if width > max_bits or _padded_len(_PACK_HEAD + nbytes) != size:
+        raise CodecError(f"a packed section of width {width} for {count} values is {size} bytes")
+    data = np.frombuffer(buffer, np.uint8, count=nbytes, offset=offset + _PACK_HEAD)
+    bits = np.unpackbits(data, bitorder="little")
+    if bits[count * width :].any():
+        raise CodecError("a packed section has padding bits set")
+    weights = np.left_shift(1, np.arange(width, dtype=np.int64))
+    values = bits[: count * width].reshape(count, width).astype(np.int64) @ weights + base
+    if count and int(values.max()) >> max_bits:
+        raise CodecError(f"a packed section holds values of more than {max_bits} bits")
+    return values
 
 
 def params_checksum(params: dict[str, Any], payload: bytes | memoryview) -> int:
@@ -93,10 +132,9 @@ def make_params(
     v_levels: list[int],
     model: str,
     scale_dtype: str,
-    length_bytes: int,
     sections: list[bytes],
 ) -> tuple[bytes, dict[str, Any]]:
-    """``(payload, params)`` of a version-3 object from its padded ``sections``."""
+    """``(payload, params)`` of a version-4 object from its padded ``sections``."""
     payload = b"".join(sections)
     params: dict[str, Any] = {
         "version": VERSION,
@@ -106,7 +144,6 @@ def make_params(
         "v_levels": v_levels,
         "model": model,
         "scale_dtype": scale_dtype,
-        "length_bytes": length_bytes,
         "sections": [len(s) for s in sections],
     }
     params["crc"] = params_checksum(params, payload)
@@ -145,9 +182,21 @@ class Container:
             raise CodecError(f"section {name} is too short for {count} entries")
         return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.offsets[name])
 
+    def packed(self, name: str, count: int, max_bits: int, skip: int = 0) -> np.ndarray:
+        """int64 ``[count]``: the packed array at byte ``skip`` of section ``name``,
+        which must end there (version 4)."""
+        offset, size = self.offsets[name] + skip, self.sizes[name] - skip
+        return _unpack(self.buffer, offset, size, count, max_bits)
+
     def scales(self) -> np.ndarray:
         """float32 ``[2 * L * T]``, finite and non-negative."""
-        stored = self.section("scales", self.scale_dtype, 2 * self.num_layers * self.num_tokens)
+        count = 2 * self.num_layers * self.num_tokens
+        if self.version >= 4:
+            bits = 8 * self.scale_dtype.itemsize
+            patterns = self.packed("scales", count, bits)
+            stored = patterns.astype(f"<u{bits // 8}").view(self.scale_dtype)
+        else:
+            stored = self.section("scales", self.scale_dtype, count)
         if self.scale_dtype == SCALE_DTYPES["bfloat16"]:
             scale = (stored.astype(np.uint32) << 16).view(np.float32)
         else:
@@ -174,17 +223,32 @@ class Container:
     def gaussian_models(self) -> np.ndarray:
         """uint8 ``[lanes, 2]``: each lane's ``(centre, spread)``, centre ``<= 2n``,
         spread ``< SPREADS``."""
-        models = self.section("models", np.dtype(np.uint8), self.lanes * 2)
-        models = models.reshape(self.lanes, 2).copy()
-        if (models[:, 0] > 2 * self.lane_levels).any() or (models[:, 1] >= SPREADS).any():
+        levels = self.lane_levels
+        if self.version >= 4:  # centre - n + MAX_LEVELS, then the spreads
+            head = np.frombuffer(self.buffer, np.uint8, count=1, offset=self.offsets["models"])
+            centres_size = _padded_len(_PACK_HEAD + (self.lanes * int(head[0]) + 7) // 8)
+            if centres_size > self.sizes["models"]:
+                raise CodecError("section models is too short for its centres")
+            offset = self.offsets["models"]
+            centres = _unpack(self.buffer, offset, centres_size, self.lanes, 8)
+            centres += levels - MAX_LEVELS
+            models = np.stack([centres, self.packed("models", self.lanes, 8, centres_size)], 1)
+        else:
+            models = self.section("models", np.dtype(np.uint8), self.lanes * 2)
+            models = models.reshape(self.lanes, 2).astype(np.int64)
+        too_far = (models[:, 0] < 0) | (models[:, 0] > 2 * levels) | (models[:, 1] >= SPREADS)
+        if too_far.any():
             raise CodecError(
                 f"a lane's Gaussian model is outside its alphabet or spreads (< {SPREADS})"
             )
-        return models
+        return models.astype(np.uint8)
 
     def streams(self) -> tuple[np.ndarray, np.ndarray]:
         """``(lengths, words)``: int64 ``[lanes]`` and int32 ``[sum(lengths)]``."""
-        lengths = self.section("lengths", self.length_dtype, self.lanes).astype(np.int64)
+        if self.version >= 4:
+            lengths = self.packed("lengths", self.lanes, 32)
+        else:
+            lengths = self.section("lengths", self.length_dtype, self.lanes).astype(np.int64)
         total_words = int(lengths.sum())
         if _padded_len(total_words * 2) != self.sizes["words"]:
             raise CodecError("section words does not match the lane lengths")
@@ -208,7 +272,7 @@ def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int
     if not _is_key(version, _KEYS, int) or params.get("prob_bits") != PROB_BITS:
         raise CodecError(
             f"unsupported version/prob_bits {version!r}/{params.get('prob_bits')!r} "
-            f"(this decoder reads versions 2 and {VERSION}, prob_bits {PROB_BITS})"
+            f"(this decoder reads versions 2 to {VERSION}, prob_bits {PROB_BITS})"
         )
     if set(params) != _KEYS[version]:
         raise CodecError(
@@ -229,7 +293,8 @@ def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int
         model, scale_dtype = "histogram", SCALE_DTYPES["float32"]
         lengths_dtype = np.dtype("<u2" if num_tokens + 2 < 65536 else "<u4")
     else:
-        model, scale_name, length_bytes = (params[k] for k in MODEL_FIELDS)
+        model, scale_name = params["model"], params["scale_dtype"]
+        length_bytes = params["length_bytes"] if version == 3 else 4  # 4: packed, unused
         known = _is_key(model, MODELS, str) and _is_key(scale_name, SCALE_DTYPES, str)
         if not known or not _is_key(length_bytes, _WIDTHS, int):
             raise CodecError(
@@ -262,7 +327,8 @@ def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int
         "lengths": _padded_len(lanes * lengths_dtype.itemsize),
     }
     for name, size in zip(names, sizes, strict=True):
-        if name in fixed and size != fixed[name]:
+        packed = version >= 4 and name in PACKED  # checked where they are unpacked
+        if name in fixed and not packed and size != fixed[name]:
             raise CodecError(f"section {name} is {size} bytes, the shape needs {fixed[name]}")
     offsets = np.cumsum([0, *sizes[:-1]]).tolist()
     return Container(

@@ -25,6 +25,11 @@ GB/s rows in its throughput section):
   the params as compact JSON, which stand in for their CBOR header field), unit ``x``;
   baseline = the int8 row's ratio, so ``ratio`` is how much smaller cachegen is than
   int8.
+- ``compression cachegen stored object (64 tokens, <heads>x<head size>)`` and ``(…,
+  model_a)``: the naive object's bytes ÷ the cachegen object's, both as the disk / fs tier
+  writes them (header with the key included), for the second 64-token chunk of a small
+  random-weight Llama (4 layers; ``model_a``: the engine tests' 2-layer model), with the
+  header and sections' bytes, bits per symbol and the error;
 - ``compression int8 (<data>)``: the plain 8-bit baseline of the same data, per-token
   absmax int8 codes + one fp32 scale per (K/V, layer, token); baseline uncompressed bf16.
 - ``error`` (both): ``max |x - x̂| ÷ token absmax``, the largest error of any element
@@ -222,6 +227,80 @@ def test_compression_ratio_and_error(record, sample):
         error_metric=ERROR_METRIC,
         error_bound=cachegen_bound,
         rel_frobenius_error=cachegen_fro,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# stored objects of 64-token chunks: what the disk / fs tier writes, against naive
+# ---------------------------------------------------------------------------------------
+
+STORED_TOKENS = 64
+STORED_KEY = "kvtier1@meta-llama%2FLlama-3.1-8B-Instruct@1@0@bfloat16@" + "ab" * 32
+STORED_SHAPES = {  # name -> llama_kv arguments (random-weight Llama, default init)
+    **{
+        f"{heads}x{head}": {"num_layers": 4, "num_kv_heads": heads, "head_size": head}
+        for heads in (1, 2, 4, 8)
+        for head in (64, 128)
+    },
+    # the engine tests' model A (tests/conftest.py): 2 layers, 8 query heads, 2 KV heads x 32
+    "model_a": {"num_layers": 2, "num_kv_heads": 2, "head_size": 32, "weight_std": 0.08},
+}
+
+
+def _stored_kv(name: str) -> torch.Tensor:
+    """The second 64-token chunk of a 128-token forward pass, bf16 ``[2, L, 64, D]``."""
+    pytest.importorskip("transformers")
+    shape = dict(STORED_SHAPES[name])
+    heads = shape["num_kv_heads"]
+    kv = _kv_samples().llama_kv(
+        **shape, num_heads=8 if name == "model_a" else max(4, 2 * heads), tokens=2 * STORED_TOKENS
+    )
+    return kv[:, :, STORED_TOKENS:].contiguous()
+
+
+@pytest.mark.parametrize("name", list(STORED_SHAPES))
+def test_stored_object_ratio_64_tokens(record, name):
+    """``compression cachegen stored object (64 tokens, <shape>)``: the bytes of the object
+    the fs / disk tier writes for a naive chunk ÷ those of its cachegen object (header
+    included: the prefix, the CBOR header with its key and the codec's params), with where
+    the cachegen object's bytes go."""
+    from kvtier.storage import wire
+    from kvtier.storage.serde import CachegenSerde, NaiveSerde
+    from kvtier_kernels.cachegen import MODELS
+
+    kv = _stored_kv(name)
+    naive = sum(len(part) for part in wire.encode(STORED_KEY, kv, NaiveSerde()))
+    header, payload = wire.encode(STORED_KEY, kv, CachegenSerde(device="cpu"))
+    params = wire.parse_header(
+        header[wire.PREFIX_SIZE :], STORED_KEY, wire.checksum_of(header[wire.PREFIX_SIZE :])
+    ).codec_params
+    decoded = torch.empty_like(kv)
+    CachegenSerde(device="cpu").decode(memoryview(payload), params, decoded)
+    error, fro = relative_error(kv, decoded)
+    k_levels, v_levels = default_levels(kv.shape[1])
+    bound = 1 / (2 * min(k_levels + v_levels)) + FP32_SLACK + BF16_ROUNDING
+    assert error <= bound
+    stored = len(header) + len(payload)
+    record(
+        metric=f"compression cachegen stored object ({STORED_TOKENS} tokens, {name})",
+        value=naive / stored,
+        unit="x",
+        baseline="naive object (same chunk, same key)",
+        baseline_value=1.0,
+        codec=f"cachegen stored object ({name})",
+        dataset=f"llama_kv {name}",
+        shape=list(kv.shape),
+        naive_object_bytes=naive,
+        stored_bytes=stored,
+        header_bytes=len(header),
+        section_bytes=dict(zip(MODELS[params["model"]], params["sections"], strict=True)),
+        bits_per_symbol=8 * stored / kv.numel(),
+        statistics_model=params["model"],
+        version=params["version"],
+        error=error,
+        error_metric=ERROR_METRIC,
+        error_bound=bound,
+        rel_frobenius_error=fro,
     )
 
 

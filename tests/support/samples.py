@@ -62,10 +62,12 @@ def llama_kv(
     tokens: int = 256,
     vocab_size: int = 1024,
     seed: int = 0,
+    weight_std: float | None = None,
 ) -> torch.Tensor:
     """K and V (bf16, ``[2, num_layers, tokens, num_kv_heads * head_size]``) of one
     forward pass of a random-weight ``transformers`` Llama (default init, as
-    ``from_config`` draws it) over random token ids; K is post-RoPE, as an engine caches it.
+    ``from_config`` draws it; ``weight_std``: every matrix redrawn from N(0, std), as the
+    engine tests' models are) over random token ids; K is post-RoPE, as an engine caches it.
     Needs ``transformers`` (installed by the test extras)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -82,6 +84,11 @@ def llama_kv(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
+    if weight_std is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, weight_std)
     ids = torch.randint(0, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         cache = model(ids, use_cache=True, past_key_values=DynamicCache()).past_key_values
