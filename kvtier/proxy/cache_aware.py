@@ -295,6 +295,10 @@ class CacheAwareRouter:
     ) -> Decision:
         """Score every instance of the scored pool for ``body`` (a request to ``path``)."""
         tokens = await self._tokens(session, path, body, headers, timeout)
+        return self.decision(tokens, body)
+
+    def decision(self, tokens, body: dict) -> Decision:
+        """The scoring of a request with token ids ``tokens`` (None: unknown)."""
         started = time.perf_counter()
         names = [i.url for i in self.scored.instances]
         block_size = self.block_size
