@@ -21,6 +21,7 @@ import pytest
 import torch
 from support.kv import bits, fill_random_
 
+import kvtier.machine
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
 from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan, slot_mapping
@@ -724,3 +725,13 @@ def test_slot_mapping(block_ids, block_size, num_tokens, start, end, expected):
     assert len(got) == len(expected), f"{len(got)} slots, expected {len(expected)}"
     wrong = [(p, g, w) for p, (g, w) in enumerate(zip(got, expected, strict=True)) if g != w]
     assert not wrong, f"blocks {block_ids}, [{start}, {end}): (position, got, expected) {wrong}"
+
+
+def test_a_pool_that_does_not_fit_beside_vllms_kv_cache_names_both(make_worker, monkeypatch):
+    monkeypatch.setattr(kvtier.machine, "host_memory", lambda: (1 << 20, 8 << 30))
+    with pytest.raises(
+        kvtier.machine.PoolTooLarge,
+        match=r"^max_local_cpu_size=0\.01 .*; lower it, or vLLM's KV cache: it already holds "
+        r"0\.0 GiB .*--kv-cache-memory-bytes and max_local_cpu_size\)$",
+    ):
+        make_worker("vllm_cpu", "CPU_ATTN")

@@ -191,3 +191,14 @@ def detect_paged_kv(
         return PagedKV(name, tensors)
     except LayoutError as error:
         raise LayoutError(f"{described} does not fit layout {name!r}: {error}") from None
+
+
+def host_kv_cache_bytes(kv_caches: dict[str, torch.Tensor]) -> int:
+    """Bytes of the engine's KV cache in this machine's memory: the storage of every KV
+    tensor on the CPU, once per storage (vLLM's layers are views into one buffer)."""
+    storages = {
+        tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+        for tensor in kv_caches.values()
+        if tensor.device.type == "cpu"
+    }
+    return sum(storages.values())

@@ -48,6 +48,7 @@ from kvtier.integration.vllm.common import (
 )
 from kvtier.integration.vllm.extensions import worker_extensions
 from kvtier.integration.vllm.rpc import RpcServer, endpoint_for
+from kvtier.machine import PoolTooLarge
 from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEvent, TierEventLog
 from kvtier.paged_io import use_tuning_dir
@@ -149,9 +150,22 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_size = paged.block_size
         use_tuning_dir(self.config.tuning_dir)  # this worker process's kernel tuning files
-        self.engine = CacheEngine(
-            self.config, self.metadata, paged, stats=self.stats, events=self.events
-        )
+        try:
+            self.engine = CacheEngine(
+                self.config, self.metadata, paged, stats=self.stats, events=self.events
+            )
+        except PoolTooLarge as exc:
+            # NOTE: vLLM allocates (and zero-fills) its KV cache before this hook, so the
+            # memory it holds is already spent; on its CPU build, unless
+            # --kv-cache-memory-bytes says otherwise, that is most of the machine.
+            host_kv = facts.host_kv_cache_bytes(kv_caches)
+            if not host_kv:
+                raise
+            raise PoolTooLarge(
+                f"{exc}, or vLLM's KV cache: it already holds {host_kv / 2**30:.1f} GiB "
+                "of this machine's memory (size the two together: --kv-cache-memory-bytes "
+                "and max_local_cpu_size)"
+            ) from None
         logger.info(
             "kvtier: %d layers, layout %s, %d blocks of %d tokens, %d KV heads x %d, %s",
             paged.num_layers,
