@@ -7,6 +7,10 @@ lease lets go. So bytes read under a lease are the blob as it was when leased. A
 lasts at most ``ttl_s`` (a puller that died must not pin memory forever); one that
 expired before its RELEASE answers ``held: false`` there, and the puller drops what it
 read (a miss, never wrong bytes).
+
+``busy`` tells the NIXL plane when to progress its agent: while a lease is out, and for
+``LINGER_S`` after the last was granted (a read may still be in flight when its lease
+has expired, and some UCX transports need the target to progress for it to end).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 
 from kvtier.memory import MemoryObj
 
+LINGER_S = 1.0
+
 
 class Leases:
     """Leases by id; thread-safe."""
@@ -28,11 +34,13 @@ class Leases:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.expired = 0
+        self._last_grant = float("-inf")
 
     def grant(self, objs: Sequence[MemoryObj]) -> int:
         """A lease on ``objs``, taking over the caller's reference on each."""
         with self._lock:
             lease = next(self._ids)
+            self._last_grant = time.monotonic()
             self._held[lease] = (time.monotonic() + self.ttl_s, list(objs))
             return lease
 
@@ -57,6 +65,10 @@ class Leases:
         for _, objs in entries:
             for obj in objs:
                 obj.ref_down()
+
+    def busy(self) -> bool:
+        """Whether a lease is out, or was granted within ``LINGER_S``."""
+        return bool(self._held) or time.monotonic() - self._last_grant < LINGER_S
 
     def __len__(self) -> int:
         return len(self._held)

@@ -58,9 +58,7 @@ def open_plane(cache: BlobCache, leases: Leases, options: PeerOptions) -> NixlPl
     if options.transport == "tcp":
         return None
     try:
-        return NixlPlane(
-            cache.memory.pool.buffer, busy=lambda: len(leases) > 0, on_idle=leases.expire
-        )
+        return NixlPlane(cache.memory.pool.buffer, busy=leases.busy, on_idle=leases.expire)
     except NixlUnavailable as exc:
         if options.transport == "nixl":
             raise
