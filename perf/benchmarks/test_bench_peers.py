@@ -15,7 +15,8 @@ sending, this thread ``recv_into`` a preallocated buffer). A pull includes the l
 the release and the checksum of every blob.
 
 Idle CPU: a server with a peer configured (and NIXL set up) over ``IDLE_S`` seconds of
-no traffic, against a bare NIXL agent with its progress thread on (NIXL's default).
+no traffic, against a bare NIXL agent with its progress thread on (NIXL's default);
+printed and bounded (under 0.05 cores), not recorded.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.skipif(not NIXL, reason="no NIXL")
-def test_idle_cpu_of_a_server_with_peers(record):
+def test_idle_cpu_of_a_server_with_peers():
     os.environ["UCX_NET_DEVICES"] = "lo"
     with KVTierServerProcess() as a, KVTierServerProcess("--peer", a.url) as b:
         time.sleep(1.0)
@@ -191,8 +192,6 @@ def test_idle_cpu_of_a_server_with_peers(record):
     finally:
         process.kill()
         process.wait()
-    record(
-        metric="peer_idle_cpu_cores", value=round(idle, 4), unit="cores",
-        baseline="nixl_agent_with_progress_thread", baseline_value=round(thread, 4),
-        ratio=round(idle / thread, 4) if thread else None, params={"idle_s": IDLE_S},
-    )  # fmt: skip
+    # printed and bounded, not recorded: the report has no section for CPU cores yet
+    print(f"\npeer idle CPU: {idle:.4f} cores; a NIXL agent's progress thread: {thread:.4f}")
+    assert idle < 0.05, f"an idle server with peers used {idle:.3f} cores"
