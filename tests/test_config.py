@@ -77,6 +77,7 @@ def test_defaults() -> None:
         "remote_tls_cert_file": None,
         "remote_tls_key_file": None,
         "server_token": None,
+        "server_peers": None,
         "s3_endpoint_url": None,
         "s3_region": None,
         "s3_access_key_id": None,

@@ -174,9 +174,10 @@ def test_committed_throughput_and_lookups_tables(committed):
     throughput = _device_part(_section(markdown, "## Throughput"), "cpu")
     gbps = _committed_rows("GB/s")
     assert (
-        len(gbps) == 52
+        len(gbps) == 55
     )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 4 (gather, scatter,
-    # RoPE torch and numba), codec 30 (5 chunks x 2 coders x encode, decode, fetch + decode)
+    # RoPE torch and numba), codec 30 (5 chunks x 2 coders x encode, decode, fetch + decode),
+    # peer pulls 3 (NIXL over UCX shm and tcp, the TCP protocol)
     for row in gbps:
         tier, op = report.tier_and_op(row["metric"])
         cells = _row_with(throughput, tier, op)

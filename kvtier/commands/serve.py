@@ -6,7 +6,8 @@
 The tier flags mirror config keys (``--max-local-cpu-size`` is ``max_local_cpu_size``,
 ...), and ``--config FILE`` reads the same YAML an engine reads; a flag beats the file,
 and ``KVTIER_*`` variables apply as everywhere. The token is the ``server_token`` key
-(``--auth-token``, ``KVTIER_SERVER_TOKEN``).
+(``--auth-token``, ``KVTIER_SERVER_TOKEN``); the peers are the ``server_peers`` key
+(``--peer``, repeatable: the flags replace the key's list).
 
 On SIGTERM or SIGINT the server stops accepting, finishes the requests it is executing,
 drops frames still arriving (nothing half-received is stored), finishes or drops queued
@@ -25,6 +26,9 @@ from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
 from kvtier.config.keys import coerce
 from kvtier.machine import PoolTooLarge
 from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
+from kvtier.storage.node_store import parse_server_address
+
+PEER_TRANSPORTS = ("auto", "nixl", "tcp")
 
 HELP = "a node-level cache server shared by the engines (remote_url: kvtier://host:port)"
 DESCRIPTION = (
@@ -101,6 +105,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse clients' shared-memory segments: every client moves bytes over TCP",
     )
     parser.add_argument(
+        "--peer",
+        action="append",
+        metavar="kvtier://HOST:PORT",
+        help="another kvtier serve to pull missed chunks from (repeatable; the server_peers key)",
+    )
+    parser.add_argument(
+        "--peer-transport",
+        choices=PEER_TRANSPORTS,
+        default="auto",
+        help="how pulled bytes move: nixl (one-sided reads), tcp, or auto: NIXL where it "
+        "can be set up, else TCP (default auto)",
+    )
+    parser.add_argument(
+        "--peer-cache",
+        choices=("on", "off"),
+        default="on",
+        help="keep chunks pulled from peers in the memory tier (default on)",
+    )
+    parser.add_argument(
+        "--lookup-peers",
+        action="store_true",
+        help="POST /lookup counts chunks the peers hold (per request: /lookup?peers=1)",
+    )
+    parser.add_argument(
         "--max-shm-mb",
         type=float,
         default=DEFAULT_MAX_FRAME_BYTES / 2**20,
@@ -144,14 +172,30 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
         raise ConfigError("--port must be 0..65535, --max-frame-mb > 0, --max-clients >= 1")
     if args.max_shm_mb <= 0:
         raise ConfigError("--max-shm-mb must be > 0 (--no-shm turns shared memory off)")
+    for url in peer_urls(args, config):
+        try:
+            parse_server_address(url)
+        except ValueError:
+            raise ConfigError(
+                f"--peer / server_peers {url!r}: expected kvtier://host:port"
+            ) from None
     return config
+
+
+def peer_urls(args: argparse.Namespace, config: KVTierConfig) -> tuple[str, ...]:
+    """The peers: ``--peer`` flags, else the ``server_peers`` key (comma-separated)."""
+    if args.peer:
+        return tuple(args.peer)
+    listed = config.server_peers or ""
+    return tuple(url.strip() for url in listed.split(",") if url.strip())
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting."""
     # NOTE: imported here, not at the top: the admin API runs on aiohttp, which the other
     # commands (and --help) neither need nor pay the import of.
-    from kvtier.server.serve import serve
+    from kvtier.server.nixl import NixlUnavailable
+    from kvtier.server.serve import PeerOptions, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -165,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
                 max_frame_mb=args.max_frame_mb,
                 max_clients=args.max_clients,
                 max_shm_mb=None if args.no_shm else args.max_shm_mb,
+                peers=PeerOptions(
+                    peer_urls(args, config),
+                    transport=args.peer_transport,
+                    keep=args.peer_cache == "on",
+                    lookup=args.lookup_peers,
+                ),
             )
         )
     except PoolTooLarge as exc:
@@ -174,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
             f"{config.max_local_cpu_size:g} (GiB, the server's memory tier): {exc}; lower it",
             file=sys.stderr,
         )
+        return 2
+    except NixlUnavailable as exc:
+        print(f"kvtier serve: --peer-transport nixl: NIXL cannot be used: {exc}", file=sys.stderr)
         return 2
     except (ConfigError, ValueError, OSError) as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)

@@ -113,4 +113,15 @@ def render(address: str, values: dict[str, Any]) -> str:
             f"  remote              {state}, {int(v('remote_queued'))} writes queued, "
             f"{int(v('remote_puts'))} written, {int(v('remote_puts_dropped'))} dropped"
         )
+    if "peers_configured" in values:
+        lines.append(
+            f"  peers               {int(v('peers_up'))} of {int(v('peers_configured'))} up, "
+            f"{int(v('peer_hits'))} chunks pulled ({v('peer_bytes_nixl') / 2**30:.2f} GiB "
+            f"NIXL, {v('peer_bytes_tcp') / 2**30:.2f} GiB TCP), "
+            f"{int(v('peer_misses'))} misses"
+        )
+        for name in sorted(values):
+            if name.startswith('peer_up{peer="'):
+                url = name[len('peer_up{peer="') : -2]
+                lines.append(f"    {url:<30}{'up' if values[name] == 1 else 'DOWN'}")
     return "\n".join(lines)

@@ -134,6 +134,15 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         secret=True,
     ),
     KeySpec(
+        "server_peers",
+        str,
+        None,
+        "kvtier serve (--peer): the other servers it pulls missed chunks from, as "
+        "comma-separated kvtier://host:port URLs.",
+        normalize=lambda v: v or None,
+        nullable=True,
+    ),
+    KeySpec(
         "s3_endpoint_url",
         str,
         None,

@@ -7,7 +7,10 @@ name and never decodes KV.
 
     shm       the server's side of the same-host shared-memory path
     blobs     bounded in-memory LRU and disk directory of blobs
-    cache     memory → disk → write-through remote, per client namespace
+    cache     memory → disk → peers → write-through remote, per client namespace
+    peers     other servers asked for missed chunks (lookups, verified pulls)
+    nixl      NIXL as the data plane of pulls: one-sided READs between memory pools
+    leases    blobs pinned while a peer reads them one-sidedly
     server    the asyncio TCP server (one coroutine per connection)
     admin     /health, /stats, /metrics, /clear, /lookup over HTTP (aiohttp)
     serve     the server assembled (cache, TCP server, admin API), run until a signal

@@ -10,7 +10,9 @@ from the server's own event loop:
     POST /lookup    200 {"cached_tokens": n, "cached_chunks": k, "total_chunks": t,
                     "chunk_size": c}: how long a prefix of a prompt the server holds
                     (body: {"model": ..., "tokens": [...]} or {"model": ..., "hashes":
-                    [...]}; see ``lookup``); 400 naming the bad field
+                    [...]}; see ``lookup``); 400 naming the bad field. With
+                    ``?peers=1`` (or ``kvtier serve --lookup-peers``) a chunk a peer
+                    holds counts as held
 
 Every answer is JSON but /metrics; an error is ``{"error": "<what is wrong>"}``: 404 for
 an unknown path, 405 (with ``Allow``) for a method the endpoint does not take, 400 for a
@@ -51,6 +53,7 @@ _COUNTER_PREFIXES = (
     "remote_puts",
     "remote_errors",
     "request_errors",
+    "peer_",
 )
 
 
@@ -68,13 +71,20 @@ class AdminHooks:
 
 
 def prometheus_text(values: Mapping[str, float]) -> str:
-    """``values`` as Prometheus text: ``kvtier_server_<name>`` (``_total`` for counters)."""
+    """``values`` as Prometheus text: ``kvtier_server_<name>`` (``_total`` for counters).
+    A name with labels (``peer_up{peer="..."}``) is a gauge; its TYPE line comes once."""
     lines = []
+    typed = set()
     for name in sorted(values):
-        counter = name.startswith(_COUNTER_PREFIXES) and not name.endswith("_capacity")
-        metric = f"kvtier_server_{name}" + ("_total" if counter else "")
-        lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
-        lines.append(f"{metric} {float(values[name])!r}")
+        base, brace, labels = name.partition("{")
+        counter = (
+            base.startswith(_COUNTER_PREFIXES) and not base.endswith("_capacity") and not brace
+        )
+        metric = f"kvtier_server_{base}" + ("_total" if counter else "")
+        if metric not in typed:
+            typed.add(metric)
+            lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
+        lines.append(f"{metric}{brace}{labels} {float(values[name])!r}")
     return "\n".join(lines) + "\n"
 
 
@@ -142,7 +152,10 @@ class _AdminAPI:
         if not self._authorized(request):
             return self._unauthorized(request)
         try:
-            result = await asyncio.to_thread(self.hooks.lookup, await _body(request))
+            body = await _body(request)
+            if "peers" in request.query:
+                body["peers"] = request.query["peers"].lower() in ("1", "true", "yes")
+            result = await asyncio.to_thread(self.hooks.lookup, body)
         except ValueError as exc:
             return _error(400, str(exc))
         return _json(200, result)

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.config import KVTierConfig
+from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Counter, Stats
 from kvtier.server.blobs import (
     BlobId,
@@ -49,12 +50,13 @@ from kvtier.server.blobs import (
     write_to_disk,
 )
 from kvtier.server.lookup import KeyShapes
+from kvtier.server.peers import Peers
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.schemes import redact_url
-from kvtier.storage.serde import make_serde
+from kvtier.storage.serde import make_serde, tensor_bytes
 from kvtier.storage.tier import BatchQueue
 
 logger = logging.getLogger(__name__)
@@ -264,7 +266,11 @@ def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
 
 class BlobCache:
     """The server's tiers. Thread-safe; every call is synchronous (the server runs them
-    off its event loop)."""
+    off its event loop).
+
+    Reads go memory → disk → peers (``peers``, set by whoever assembles the server, and
+    asked only where a call says so: never for another server's requests) → remote.
+    """
 
     def __init__(self, config: KVTierConfig, stats: Stats):
         self.stats = stats
@@ -275,24 +281,35 @@ class BlobCache:
         self.remote = open_remote_blobs(config, stats) if config.remote_url else None
         # what /lookup needs to name a chunk's blobs (kept with the disk's files)
         self.shapes = KeyShapes(self.disk.dir if self.disk is not None else None)
+        self.peers: Peers | None = None
 
     def describe(self) -> list[str]:
         """One line per tier, for the start-up log and /health."""
         lines = [f"memory {self.memory.pool.capacity / 2**30:.2f} GiB"]
         if self.disk is not None:
             lines.append(f"disk {self.disk.root} {self.disk.capacity_bytes / 2**30:.2f} GiB")
+        if self.peers is not None:
+            lines.append(self.peers.describe())
         if self.remote is not None:
             lines.append(f"remote {self.remote.describe} (write-through)")
         return lines
 
-    def exists_many(self, namespace: str, names: Sequence[str]) -> list[bool]:
+    def exists_many(
+        self, namespace: str, names: Sequence[str], *, peers: bool = True
+    ) -> list[bool]:
+        """Which of ``names`` some tier holds (asking the peers too with ``peers``)."""
         present = [self.memory.contains((namespace, n)) for n in names]
         missing = [i for i, there in enumerate(present) if not there]
         if missing and self.disk is not None:
             found = self.disk.contains_many([disk_name((namespace, names[i])) for i in missing])
             for i, there in zip(missing, found, strict=True):
                 present[i] = there
-            missing = [i for i in missing if not present[i]]
+            missing = [i for i, there in enumerate(present) if not there]
+        if missing and peers and self.peers is not None:
+            found = self.peers.exists_many(namespace, [names[i] for i in missing])
+            for i, there in zip(missing, found, strict=True):
+                present[i] = there
+            missing = [i for i, there in enumerate(present) if not there]
         if missing and self.remote is not None:
             found = self.remote.exists_many(namespace, [names[i] for i in missing])
             for i, there in zip(missing, found, strict=True):
@@ -325,6 +342,54 @@ class BlobCache:
             return found
         data = self.get(namespace, name)
         return None if data is None else consume(memoryview(data))
+
+    def read_many(
+        self,
+        namespace: str,
+        names: Sequence[str],
+        consume: Callable[[memoryview], T],
+        *,
+        peers: bool = True,
+    ) -> list[T | None]:
+        """``read`` of each name, the names no local tier holds pulled from the peers in
+        one batch first (with ``peers``)."""
+        out: list[T | None] = [read_in_memory(self.memory, (namespace, n), consume) for n in names]
+        missing = [n for n, got in zip(names, out, strict=True) if got is None]
+        if missing and self.disk is not None:
+            on_disk = self.disk.contains_many([disk_name((namespace, n)) for n in missing])
+            missing = [n for n, there in zip(missing, on_disk, strict=True) if not there]
+        pulled = {}
+        if missing and peers and self.peers is not None:
+            pulled = self.peers.pull(namespace, missing)
+            for name in pulled:
+                self.shapes.learn(namespace, name)
+        try:
+            for i, name in enumerate(names):
+                if out[i] is not None:
+                    continue
+                obj = pulled.get(name)
+                if obj is not None:
+                    out[i] = consume(tensor_bytes(obj.tensor)[:-1])
+                else:
+                    out[i] = self.read(namespace, name, consume)
+        finally:
+            for obj in pulled.values():
+                obj.ref_down()
+        return out
+
+    def lease(self, namespace: str, names: Sequence[str]) -> list[MemoryObj | None]:
+        """Each blob's memory buffer with a reference for the caller (a blob only on
+        disk is read into memory first), or None: what a peer's LEASE holds."""
+        out = []
+        for name in names:
+            blob_id: BlobId = (namespace, name)
+            obj = self.memory.get(blob_id)
+            if obj is None and self.disk is not None:
+                data = read_from_disk(self.disk, blob_id)
+                if data is not None and put_in_memory(self.memory, blob_id, data):
+                    obj = self.memory.get(blob_id)
+            out.append(obj)
+        return out
 
     def put(self, namespace: str, name: str, data: Buffer) -> bool:
         """Store ``data``; whether some tier kept it."""
@@ -375,9 +440,13 @@ class BlobCache:
             }
         if self.remote is not None:
             out |= {"remote_up": int(self.remote.is_up), "remote_queued": self.remote.pending}
+        if self.peers is not None:
+            out |= self.peers.gauges()
         return out
 
     def close(self, timeout: float = 10.0) -> None:
+        if self.peers is not None:
+            self.peers.close()
         if self.remote is not None:
             self.remote.close(timeout)
         self.memory.close()

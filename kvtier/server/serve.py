@@ -12,16 +12,59 @@ import asyncio
 import functools
 import logging
 import signal
+from dataclasses import dataclass
 
 from kvtier.config import KVTierConfig
 from kvtier.observability.stats import Stats
 from kvtier.server.admin import AdminHooks, AdminServer
 from kvtier.server.cache import BlobCache
+from kvtier.server.leases import Leases
 from kvtier.server.lookup import lookup
+from kvtier.server.nixl import NixlPlane, NixlUnavailable
+from kvtier.server.peers import Peers
 from kvtier.server.server import KVTierServer
 from kvtier.storage.remote import space_of
 
 logger = logging.getLogger("kvtier.server")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    """How a server works with its peers (``kvtier serve --peer ...``).
+
+    Attributes:
+        urls: ``kvtier://host:port`` of each peer (the ``server_peers`` key and
+            ``--peer``).
+        transport: ``auto`` (NIXL where it can be set up, else TCP, warned once),
+            ``nixl`` (NIXL or refuse to start) or ``tcp``.
+        keep: keep pulled chunks in the memory tier (``--peer-cache on``).
+        lookup: /lookup counts what peers hold (``--lookup-peers``; per request:
+            ``/lookup?peers=1``).
+    """
+
+    urls: tuple[str, ...] = ()
+    transport: str = "auto"
+    keep: bool = True
+    lookup: bool = False
+
+
+def open_plane(cache: BlobCache, leases: Leases, options: PeerOptions) -> NixlPlane | None:
+    """The NIXL plane over the memory pool, or None (``tcp``, or NIXL unavailable under
+    ``auto``: one warning when peers are configured).
+
+    Raises:
+        NixlUnavailable: ``transport`` is ``nixl`` and NIXL cannot be set up.
+    """
+    if options.transport == "tcp":
+        return None
+    try:
+        return NixlPlane(cache.memory.pool.buffer, busy=leases.busy, on_idle=leases.expire)
+    except NixlUnavailable as exc:
+        if options.transport == "nixl":
+            raise
+        log = logger.warning if options.urls else logger.debug
+        log("kvtier server: NIXL unavailable (%s): peers pull over TCP", exc)
+        return None
 
 
 async def serve(
@@ -33,6 +76,7 @@ async def serve(
     max_frame_mb: float,
     max_clients: int,
     max_shm_mb: float | None,
+    peers: PeerOptions = PeerOptions(),
 ) -> None:
     """Serve ``config``'s tiers on ``host:port`` (0: any free port), and the admin API on
     ``admin_port`` when given, until SIGTERM or SIGINT.
@@ -40,9 +84,28 @@ async def serve(
 
     Raises:
         OSError: a port cannot be bound.
+        NixlUnavailable: ``--peer-transport nixl`` and NIXL cannot be set up.
     """
     stats = Stats()
     cache = BlobCache(config, stats)
+    timeout_s = config.remote_timeout_ms / 1000
+    leases = Leases(ttl_s=max(2 * timeout_s, 1.0))
+    try:
+        plane = open_plane(cache, leases, peers)
+    except NixlUnavailable:
+        cache.close(0)
+        raise
+    if peers.urls:
+        cache.peers = Peers(
+            peers.urls,
+            memory=cache.memory,
+            stats=stats,
+            token=config.server_token,
+            timeout_s=timeout_s,
+            reconnect_max_s=config.remote_reconnect_max_ms / 1000,
+            plane=plane,
+            keep=peers.keep,
+        )
     server = KVTierServer(
         cache,
         stats,
@@ -52,6 +115,8 @@ async def serve(
         max_frame_bytes=int(max_frame_mb * 2**20),
         max_clients=max_clients,
         max_shm_bytes=0 if max_shm_mb is None else int(max_shm_mb * 2**20),
+        plane=plane,
+        leases=leases,
     )
     if cache.remote is not None:
         # A remote that is down is warned about now, before the server answers anything:
@@ -60,7 +125,7 @@ async def serve(
     try:
         await server.start()
     except OSError:
-        cache.close(0)
+        _close(cache, plane, leases, 0)
         raise
     admin = None
     if admin_port is not None:
@@ -68,7 +133,7 @@ async def serve(
             snapshot=server.snapshot,
             tiers=lambda: _tiers(cache),
             clear=lambda model: cache.clear(None if model is None else space_of(model)),
-            lookup=functools.partial(_lookup, cache, config),
+            lookup=functools.partial(_lookup, cache, config, peers.lookup),
             token=config.server_token,
         )
         admin = AdminServer(hooks)
@@ -76,7 +141,7 @@ async def serve(
             await admin.start(host, admin_port)
         except OSError:
             await server.stop()
-            cache.close(0)
+            _close(cache, plane, leases, 0)
             raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,15 +160,27 @@ async def serve(
     await server.stop()
     if admin is not None:
         await admin.close()
-    cache.close()
+    _close(cache, plane, leases)
     logger.info("kvtier server stopped")
 
 
-def _lookup(cache: BlobCache, config: KVTierConfig, request: dict) -> dict[str, int]:
+def _close(
+    cache: BlobCache, plane: NixlPlane | None, leases: Leases, timeout: float = 10.0
+) -> None:
+    if cache.peers is not None:  # first: no pull may be reading into the pool
+        cache.peers.close()
+    leases.close()
+    if plane is not None:
+        plane.close()
+    cache.close(timeout)
+
+
+def _lookup(cache: BlobCache, config: KVTierConfig, peers: bool, request: dict) -> dict[str, int]:
+    peers = bool(request.pop("peers", peers))
     result = lookup(
         request,
         cache.shapes,
-        cache.exists_many,
+        functools.partial(cache.exists_many, peers=peers),
         chunk_size=config.chunk_size,
         hash_algorithm=config.hash_algorithm,
         hash_seed=config.hash_seed,
@@ -119,4 +196,8 @@ def _tiers(cache: BlobCache) -> dict[str, dict]:
         tiers["disk"] = {"up": True, "blobs": len(cache.disk), "bytes": cache.disk.used_bytes}
     if cache.remote is not None:
         tiers["remote"] = {"up": cache.remote.is_up, "url": cache.remote.describe}
+    if cache.peers is not None:
+        # each peer's state; a peer down never makes this node degraded (a miss there is
+        # a miss here, as without peers)
+        tiers["peers"] = cache.peers.status()
     return tiers

@@ -22,6 +22,12 @@ references into the segment instead of payload bytes, and the server copies betw
 the segment and its memory tier directly. A reference outside the segment (or on a
 connection without one) is an error reply, counted under ``rejects_bad_shm_ref``; the
 segment is unmapped when its connection ends. See ``kvtier.server.shm``.
+
+Peers: a HELLO with ``peer: true`` comes from another server (``kvtier.server.peers``):
+its EXISTS and GET are answered from this server's memory and disk only, and it may ask
+for this server's NIXL handshake (PEER) and lease blobs for one-sided reads (LEASE,
+RELEASE; ``kvtier.server.leases``). Without NIXL, PEER and LEASE answer ``nixl: false``
+with the reason, and the peer pulls with GET.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from typing import Any
 from kvtier.observability.stats import Stats
 from kvtier.server import shm
 from kvtier.server.cache import BlobCache
+from kvtier.server.leases import Leases
+from kvtier.server.nixl import NixlPlane
 from kvtier.server.shm import ShmRefused
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.node_protocol import Frame, Op, ProtocolError
@@ -54,6 +62,7 @@ class Session:
 
     namespace: str
     segment: Segment | None = None
+    peer: bool = False  # another server: never passed on to this server's peers
 
 
 class KVTierServer:
@@ -67,6 +76,8 @@ class KVTierServer:
         max_clients: connections held at once; more are closed at once (counted).
         max_shm_bytes: the largest shared-memory segment a client may offer; 0 turns the
             same-host path off (every client stays on TCP).
+        plane: the NIXL plane peers read the memory pool through (None: no NIXL).
+        leases: the leases of those reads (with ``plane``).
     """
 
     def __init__(
@@ -80,6 +91,8 @@ class KVTierServer:
         max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         max_clients: int = 256,
         max_shm_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
+        plane: NixlPlane | None = None,
+        leases: Leases | None = None,
     ):
         self.cache = cache
         self.stats = stats
@@ -89,6 +102,8 @@ class KVTierServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_clients = max_clients
         self.max_shm_bytes = max_shm_bytes
+        self.plane = plane
+        self.leases = leases
         self.clients = 0
         self.shm_clients = 0
         self._in_flight = 0
@@ -150,7 +165,7 @@ class KVTierServer:
                     if namespace is None:
                         await self._fail(writer, frame.request_id, "unauthenticated", "bad HELLO")
                         return
-                    session = Session(namespace)
+                    session = Session(namespace, peer=frame.header.get("peer") is True)
                     reply = {"max_frame": self.max_frame_bytes, "version": protocol.VERSION}
                     if "shm" in frame.header:
                         reply |= await self._attach(session, frame.header["shm"])
@@ -267,7 +282,8 @@ class KVTierServer:
 
     def _exists(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
-        return {"present": self.cache.exists_many(session.namespace, names)}, ()
+        present = self.cache.exists_many(session.namespace, names, peers=not session.peer)
+        return {"present": present}, ()
 
     def _get(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
@@ -275,12 +291,9 @@ class KVTierServer:
         if "shm" in frame.header:
             region = shm.region_of(frame.header["shm"], session.segment)
         place = _Placement(session.segment, region, self.max_frame_bytes)
-        sizes: list[int] = []
-        offsets: list[int] = []
-        for name in names:
-            size, offset = self.cache.read(session.namespace, name, place.take) or (-1, -1)
-            sizes.append(size)
-            offsets.append(offset)
+        found = self.cache.read_many(session.namespace, names, place.take, peers=not session.peer)
+        sizes = [size for size, _ in (f or (-1, -1) for f in found)]
+        offsets = [offset for _, offset in (f or (-1, -1) for f in found)]
         hits = sum(s >= 0 for s in sizes)
         self.stats.inc("get_hits", hits)
         self.stats.inc("get_misses", len(names) - hits)
@@ -329,6 +342,35 @@ class KVTierServer:
     def _clear(self, frame: Frame, session: Session):
         return {"deleted": self.cache.clear(session.namespace)}, ()
 
+    def _peer(self, frame: Frame, session: Session):
+        if self.plane is None:
+            return _NO_NIXL, ()
+        return self.plane.handshake(), ()
+
+    def _lease(self, frame: Frame, session: Session):
+        names = protocol.names_of(frame.header)
+        if self.plane is None or self.leases is None:
+            return _NO_NIXL, ()
+        objs = self.cache.lease(session.namespace, names)
+        held = [obj for obj in objs if obj is not None]
+        lease = self.leases.grant(held)
+        self.plane.wake()
+        self.stats.inc("peer_leases")
+        self.stats.inc("peer_leased_blobs", len(held))
+        return {
+            "lease": lease,
+            "agent": self.plane.name,
+            "epoch": self.plane.epoch,
+            "sizes": [-1 if obj is None else obj.data_nbytes - 1 for obj in objs],
+            "offsets": [-1 if obj is None else obj.offset for obj in objs],
+        }, ()
+
+    def _release(self, frame: Frame, session: Session):
+        lease = frame.header.get("lease")
+        if type(lease) is not int or self.leases is None:
+            raise ProtocolError("'lease' must be an integer")
+        return {"held": self.leases.release(lease)}, ()
+
     def _stats(self, frame: Frame, session: Session):
         return self.snapshot(), ()
 
@@ -370,6 +412,7 @@ class _Placement:
         return -1, -1
 
 
+_NO_NIXL = {"nixl": False, "reason": "the peer runs without NIXL"}
 _Handler = Callable[[KVTierServer, Frame, Session], tuple[dict[str, Any], Any]]
 _HANDLERS: dict[Op, _Handler] = {
     Op.PING: KVTierServer._ping,
@@ -379,4 +422,7 @@ _HANDLERS: dict[Op, _Handler] = {
     Op.DELETE: KVTierServer._delete,
     Op.CLEAR: KVTierServer._clear,
     Op.STATS: KVTierServer._stats,
+    Op.PEER: KVTierServer._peer,
+    Op.LEASE: KVTierServer._lease,
+    Op.RELEASE: KVTierServer._release,
 }

@@ -32,6 +32,20 @@ payload). The capability is negotiated, so the version stays 1.
     CLEAR   -                      → deleted: int   (this namespace only)
     STATS   -                      → the server's counters
 
+Between servers (peers; a peer's HELLO carries ``peer: true``, and its EXISTS and GET
+are answered from the server's own memory and disk, never passed on to its peers):
+
+    PEER    [metadata]             → agent, epoch, metadata, base   (NIXL handshake)
+    LEASE   names                  → lease, agent, epoch, sizes, offsets
+    RELEASE lease                  → held: bool
+
+PEER returns the server's NIXL agent name, the epoch of its memory registration, its
+agent metadata and the pool's base address (or ``error`` without NIXL). LEASE pins the
+named blobs held in memory (-1 where not) for a bounded time, giving each one's offset
+in the pool; RELEASE ends the lease and says whether it was held throughout, so a
+puller that read the pool one-sidedly meanwhile knows whether the bytes it read were
+still the blobs it asked for.
+
 A reply's header has ``error`` (a string) when the request failed; after an error
 about the frame itself (bad magic, version, size, CBOR, authentication) the server
 closes the connection, since the stream can no longer be trusted.
@@ -71,6 +85,9 @@ class Op(enum.IntEnum):
     DELETE = 6
     CLEAR = 7
     STATS = 8
+    PEER = 9
+    LEASE = 10
+    RELEASE = 11
 
 
 class ProtocolError(Exception):

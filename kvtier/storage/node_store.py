@@ -127,6 +127,8 @@ class KVTierStore:
         shm: offer each connection a shared-memory segment (used when the server is on
             this host and maps it; else the connection stays on TCP).
         shm_bytes: the size of each connection's segment.
+        peer: connect as another server (HELLO ``peer: true``): the server answers from
+            its own memory and disk only, never asking its own peers.
     """
 
     name = "kvtier"
@@ -142,6 +144,7 @@ class KVTierStore:
         max_connections: int = 16,
         shm: bool = True,
         shm_bytes: int = DEFAULT_SEGMENT_BYTES,
+        peer: bool = False,
     ):
         if not protocol.valid_namespace(namespace):
             raise ValueError(f"namespace {namespace!r}: 1 to 256 characters, no '/'")
@@ -157,6 +160,7 @@ class KVTierStore:
         self._closed = False
         self._shm = shm and shm_available()
         self._shm_bytes = shm_bytes
+        self._peer = peer
         self.shm_active = False  # whether the latest connection got a segment
 
     # -- connections -------------------------------------------------------------------
@@ -166,6 +170,8 @@ class KVTierStore:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES)
         hello: dict[str, Any] = {"token": self._token, "namespace": self.namespace}
+        if self._peer:
+            hello["peer"] = True
         offered = None
         try:
             if self._shm:
@@ -359,6 +365,14 @@ class KVTierStore:
 
     def ping(self) -> None:
         self._request(Op.PING, {})
+
+    def call(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
+        """One request without payload and the reply's header (the peer requests).
+
+        Raises:
+            StoreUnavailable: as every call.
+        """
+        return self._request(op, header)[0]
 
     def stats(self) -> dict[str, float]:
         """The server's counters and gauges."""

@@ -1,0 +1,373 @@
+"""Peers: other ``kvtier serve`` processes (other nodes) that this server asks for the
+chunks it misses (``kvtier serve --peer kvtier://HOST:PORT``).
+
+::
+
+    engine ──GET──▶ server b: memory, disk ─ miss ─▶ peers ─▶ remote (if any)
+                               ▲                      │ LEASE + NIXL READ, or GET (TCP)
+                               └── verified, kept ◀───┘
+
+A server talks to a peer as a client that says ``peer: true`` in its HELLO, so the peer
+answers from its own memory and disk and never asks its own peers in turn (no loops).
+Per batch of names a lookup is one EXISTS to every peer that is up, in parallel, and a
+pull is one LEASE (NIXL) or one GET (TCP) per peer until every name is found, all bounded
+by ``remote_timeout_ms``. A pulled blob is verified as every object crossing a process
+boundary is (``kvtier.storage.wire``: its header, its key, its payload's checksum)
+before anyone can read it, and kept in the memory tier unless ``--peer-cache off``.
+
+Each peer has the remote tiers' health policy (``kvtier.storage.health``): a peer that
+fails or times out is down, and skipped (a miss at once), until a background ping
+answers. A peer refusing the token never answers the ping. With NIXL (``--peer-transport
+auto|nixl``) the bytes move with one-sided READs under a lease (``kvtier.server.nixl``,
+``kvtier.server.leases``); a peer without NIXL, or whose handshake fails, is pulled over
+TCP, with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.memory import MemoryObj
+from kvtier.observability.stats import Stats
+from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
+from kvtier.storage.blob_store import StoreUnavailable
+from kvtier.storage.cpu import LocalCPUTier
+from kvtier.storage.health import Health, fault_reason
+from kvtier.storage.node_protocol import Op
+from kvtier.storage.node_store import KVTierStore, parse_server_address
+from kvtier.storage.serde import CorruptObject, tensor_bytes
+from kvtier.storage.wire import split, verify_payload
+from kvtier.warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+PING_NAMESPACE = "kvtier-ping"
+
+
+def verify_blob(blob: memoryview, name: str) -> bool:
+    """Whether ``blob`` is an intact wire-format object of key ``name``."""
+    try:
+        header, payload = split(blob, name)
+        verify_payload(header, payload)
+    except CorruptObject:
+        return False
+    return True
+
+
+@dataclass(eq=False)
+class Peer:
+    """One peer: its stores (one per namespace), its health and its NIXL pool."""
+
+    url: str
+    host: str
+    port: int
+    health: Health | None = None
+    stores: dict[str, KVTierStore] = field(default_factory=dict)
+    remote: RemotePool | None = None  # its pool, once handshaken
+    nixl: bool = True  # False: pulled over TCP (it has no NIXL, or the handshake failed)
+
+    @property
+    def is_up(self) -> bool:
+        return self.health is None or self.health.is_up
+
+    @property
+    def transport(self) -> str:
+        return "nixl" if self.nixl and self.remote is not None else "tcp"
+
+
+class Peers:
+    """The peers of this server and the pulls from them. Thread-safe.
+
+    Args:
+        urls: ``kvtier://host:port`` of each peer.
+        memory: the memory tier pulls land in (and are kept in, with ``keep``).
+        stats: the server's counters (``peer_*``).
+        token: the token sent in HELLO (the server's own ``--auth-token``).
+        timeout_s: the most a lookup or a pull waits on peers.
+        reconnect_max_s: the longest pause between pings of a peer that is down.
+        plane: this server's NIXL plane, or None: every pull over TCP.
+        keep: keep pulled blobs in the memory tier.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        memory: LocalCPUTier,
+        stats: Stats,
+        token: str | None,
+        timeout_s: float,
+        reconnect_max_s: float,
+        plane: NixlPlane | None,
+        keep: bool = True,
+    ):
+        self.memory = memory
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.plane = plane
+        self.keep = keep
+        self._token = token
+        self._lock = threading.Lock()
+        self.peers: list[Peer] = []
+        for url in urls:
+            address = parse_server_address(url)
+            peer = Peer(f"kvtier://{address.host}:{address.port}", address.host, address.port)
+            peer.health = Health(
+                "peer",
+                f"kvtier server: peer {peer.url}",
+                lambda p=peer: self._store(p, PING_NAMESPACE).ping(),
+                reconnect_max_s=reconnect_max_s,
+                logger=logger,
+                on_reconnect=lambda p=peer: self._forget_pool(p),
+            )
+            self.peers.append(peer)
+        self._calls = ThreadPoolExecutor(
+            max(4, 2 * len(self.peers)), thread_name_prefix="kvtier-peers"
+        )
+
+    def _store(self, peer: Peer, namespace: str) -> KVTierStore:
+        with self._lock:
+            store = peer.stores.get(namespace)
+            if store is None:
+                store = peer.stores[namespace] = KVTierStore(
+                    peer.host,
+                    peer.port,
+                    namespace=namespace,
+                    token=self._token,
+                    timeout_s=self.timeout_s,
+                    max_connections=8,
+                    shm=False,
+                    peer=True,
+                )
+            return store
+
+    def _forget_pool(self, peer: Peer) -> None:
+        """A peer back up may be another process: handshake again before its next READ."""
+        remote, peer.remote, peer.nixl = peer.remote, None, True
+        if remote is not None and self.plane is not None:
+            self.plane.forget(remote)
+
+    def _fault(self, peer: Peer, what: str, exc: BaseException) -> None:
+        self.stats.inc("peer_errors")
+        assert peer.health is not None
+        peer.health.mark_down(fault_reason(what, exc, self.timeout_s))
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def exists_many(self, namespace: str, names: Sequence[str]) -> list[bool]:
+        """Which of ``names`` some peer that is up holds: one EXISTS per peer, in
+        parallel, within the timeout (a peer that does not answer in time counts as
+        holding none, and is down until it answers a ping)."""
+        present = [False] * len(names)
+        peers = [p for p in self.peers if p.is_up]
+        if not names or not peers:
+            return present
+        self.stats.inc("peer_lookups")
+        futures = {
+            self._calls.submit(self._store(p, namespace).exists_many, names): p for p in peers
+        }
+        done, late = wait(futures, timeout=self.timeout_s)
+        for future in late:
+            future.cancel()
+            self._fault(futures[future], "exists", TimeoutError())
+        for future in done:
+            try:
+                found = future.result()
+            except Exception as exc:
+                self._fault(futures[future], "exists", exc)
+                continue
+            present = [a or b for a, b in zip(present, found, strict=True)]
+        self.stats.inc("peer_lookup_hits", sum(present))
+        return present
+
+    # -- pulls -------------------------------------------------------------------------
+
+    def pull(self, namespace: str, names: Sequence[str]) -> dict[str, MemoryObj]:
+        """The blobs of ``names`` that peers hold, verified, each in a buffer of the
+        memory tier with a reference for the caller (a blob of n bytes: the first n of
+        a uint8 buffer of n + 1, as the memory tier keeps blobs), kept in the tier as
+        well unless ``keep`` is off. Within the timeout; what is not found is absent."""
+        deadline = time.monotonic() + self.timeout_s
+        out: dict[str, MemoryObj] = {}
+        wanted = list(dict.fromkeys(names))
+        for peer in self.peers:
+            if not wanted or time.monotonic() >= deadline:
+                break
+            if not peer.is_up:
+                continue
+            got = self._pull_from(peer, namespace, wanted, deadline)
+            out |= got
+            wanted = [n for n in wanted if n not in got]
+        self.stats.inc("peer_pulls")
+        self.stats.inc("peer_hits", len(out))
+        self.stats.inc("peer_misses", len(set(names)) - len(out))
+        if self.keep:
+            for name, obj in out.items():
+                self.memory.replace((namespace, name), obj)
+        return out
+
+    def _pull_from(
+        self, peer: Peer, namespace: str, names: list[str], deadline: float
+    ) -> dict[str, MemoryObj]:
+        """One peer's share of a pull, bounded by ``deadline``: a fault is a miss (and
+        the peer down)."""
+        nixl = self.plane is not None and peer.nixl
+        how = self._pull_nixl if nixl else self._pull_tcp
+        future: Future = self._calls.submit(how, peer, namespace, names, deadline)
+        try:
+            return future.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except Exception as exc:
+            future.add_done_callback(_release_late)
+            self._fault(peer, "pull", exc)
+            return {}
+
+    def _pull_tcp(
+        self, peer: Peer, namespace: str, names: list[str], deadline: float
+    ) -> dict[str, MemoryObj]:
+        def take(blob: memoryview) -> MemoryObj | None:
+            obj = self._allocate(len(blob))
+            if obj is not None:
+                tensor_bytes(obj.tensor)[: len(blob)] = blob
+            return obj
+
+        found = self._store(peer, namespace).read_many(names, take)
+        out = self._verified(peer, {n: o for n, o in zip(names, found, strict=True) if o})
+        self.stats.inc("peer_bytes_tcp", sum(obj.data_nbytes - 1 for obj in out.values()))
+        return out
+
+    def _pull_nixl(
+        self, peer: Peer, namespace: str, names: list[str], deadline: float
+    ) -> dict[str, MemoryObj]:
+        plane = self.plane
+        assert plane is not None
+        store = self._store(peer, namespace)
+        reply = store.call(Op.LEASE, {"names": names})
+        if "lease" not in reply:  # the peer has no NIXL
+            return self._fall_back(peer, namespace, names, deadline, str(reply.get("reason")))
+        lease = reply["lease"]
+        objs: dict[str, MemoryObj] = {}
+        try:
+            sizes, offsets = _leased(reply, len(names))
+            if peer.remote is None or (peer.remote.agent, peer.remote.epoch) != (
+                reply.get("agent"),
+                reply.get("epoch"),
+            ):
+                try:
+                    peer.remote = plane.add_peer(store.call(Op.PEER, {}), peer.remote)
+                except NixlUnavailable as exc:
+                    return self._fall_back(peer, namespace, names, deadline, str(exc))
+                self.stats.inc("peer_handshakes")
+            extents = []
+            for name, size, offset in zip(names, sizes, offsets, strict=True):
+                obj = self._allocate(size) if size >= 0 else None
+                if obj is not None:
+                    objs[name] = obj
+                    extents.append(Extent(offset, obj.offset, size))
+            status = plane.read(peer.remote, extents, deadline) if extents else "done"
+        finally:
+            held = self._release(store, lease)
+        if status == "stuck":
+            self.stats.inc("peer_nixl_stuck", len(objs))
+            objs.clear()  # never returned to the pool: a late write may still land
+            raise StoreUnavailable(f"peer {peer.url}: a READ could not be cancelled")
+        if status != "done" or not held:
+            self.stats.inc("peer_lease_lost" if status == "done" else "peer_nixl_failed")
+            for obj in objs.values():
+                obj.ref_down()
+            if status != "done":
+                plane.forget(peer.remote)
+                peer.remote = None
+            return {}
+        out = self._verified(peer, objs)
+        self.stats.inc("peer_bytes_nixl", sum(obj.data_nbytes - 1 for obj in out.values()))
+        return out
+
+    def _fall_back(
+        self, peer: Peer, namespace: str, names: list[str], deadline: float, why: str
+    ) -> dict[str, MemoryObj]:
+        warn_once(logger, f"kvtier server: peer {peer.url}: no NIXL ({why}); pulls go over TCP")
+        peer.nixl = False
+        self.stats.inc("peer_fallbacks")
+        return self._pull_tcp(peer, namespace, names, deadline)
+
+    def _release(self, store: KVTierStore, lease: Any) -> bool:
+        try:
+            return store.call(Op.RELEASE, {"lease": lease}).get("held") is True
+        except StoreUnavailable:
+            return False
+
+    def _allocate(self, size: int) -> MemoryObj | None:
+        obj = self.memory.allocate((size + 1,), torch.uint8)
+        if obj is None:
+            self.stats.inc("peer_no_room")
+        return obj
+
+    def _verified(self, peer: Peer, objs: dict[str, MemoryObj]) -> dict[str, MemoryObj]:
+        """The pulled blobs that verify; the others are counted and let go (misses)."""
+        out = {}
+        for name, obj in objs.items():
+            if verify_blob(tensor_bytes(obj.tensor)[:-1], name):
+                out[name] = obj
+                continue
+            self.stats.inc("peer_corrupt")
+            warn_once(logger, f"kvtier server: peer {peer.url} sent a corrupt {name}: a miss")
+            obj.ref_down()
+        return out
+
+    # -- status ------------------------------------------------------------------------
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Each peer's state, by URL (for /health and ``kvtier status``)."""
+        return {p.url: {"up": p.is_up, "transport": p.transport} for p in self.peers}
+
+    def gauges(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "peers_configured": len(self.peers),
+            "peers_up": sum(p.is_up for p in self.peers),
+        }
+        for p in self.peers:
+            out[f'peer_up{{peer="{p.url}"}}'] = int(p.is_up)
+        return out
+
+    def describe(self) -> str:
+        plane = "NIXL" if self.plane is not None else "TCP"
+        cache = "kept" if self.keep else "not kept"
+        return f"peers {', '.join(p.url for p in self.peers)} ({plane}, pulls {cache})"
+
+    def close(self) -> None:
+        for peer in self.peers:
+            assert peer.health is not None
+            peer.health.close()
+            with self._lock:
+                stores, peer.stores = list(peer.stores.values()), {}
+            for store in stores:
+                store.close()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+def _leased(reply: dict[str, Any], count: int) -> tuple[list[int], list[int]]:
+    sizes, offsets = reply.get("sizes"), reply.get("offsets")
+    if not (
+        isinstance(sizes, list)
+        and isinstance(offsets, list)
+        and len(sizes) == len(offsets) == count
+        and all(type(v) is int for v in sizes + offsets)
+    ):
+        raise StoreUnavailable("LEASE: a malformed reply")
+    return sizes, offsets
+
+
+def _release_late(future: Future) -> None:
+    """Return the buffers of a pull that finished after its caller stopped waiting."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    for obj in future.result().values():
+        obj.ref_down()

@@ -1,0 +1,229 @@
+"""Peers between ``kvtier serve`` processes: chunks an engine stored through server a are
+served to an engine on server b, pulled with NIXL (where it is installed) or over TCP,
+verified and kept; every fault (a peer killed, restarted, stopped, refusing the token) is
+a miss within the timeout, and server b goes on serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+
+import pytest
+from support.kvtier_server import KVTierServerProcess
+from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
+
+from kvtier.server.nixl import NixlUnavailable, import_nixl
+
+TIMEOUT_MS = 300  # the servers' remote_timeout_ms, under their engines' 500 ms
+
+
+def nixl_installed() -> bool:
+    try:
+        import_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+NIXL_MISSING = "NIXL is not installed (pip install --no-deps nixl-cu13 numpy; make test does)"
+TRANSPORTS = [
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_installed(), reason=NIXL_MISSING)),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def loopback_ucx():
+    """UCX on the loopback device only (the servers inherit the environment)."""
+    saved = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    yield
+    if saved is None:
+        os.environ.pop("UCX_NET_DEVICES", None)
+    else:
+        os.environ["UCX_NET_DEVICES"] = saved
+
+
+@pytest.fixture
+def pool():
+    pool = make_pool(64)
+    yield pool
+    pool.close()
+
+
+def server(
+    *args: str, peers=(), transport: str = "tcp", token: str | None = None
+) -> KVTierServerProcess:
+    """A server with peers ``peers``, whose calls to them are bounded by ``TIMEOUT_MS``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
+        config.write(f"remote_timeout_ms: {TIMEOUT_MS}\nremote_reconnect_max_ms: 200\n")
+    flags = [f"--peer={p.url}" for p in peers]
+    return KVTierServerProcess(
+        "--config",
+        config.name,
+        *args,
+        *flags,
+        "--peer-transport",
+        transport,
+        admin=True,
+        token=token,
+    )
+
+
+def stats(server: KVTierServerProcess) -> dict:
+    with urllib.request.urlopen(server.admin_url + "/stats", timeout=5) as reply:
+        return json.load(reply)
+
+
+def health(server: KVTierServerProcess) -> dict:
+    with urllib.request.urlopen(server.admin_url + "/health", timeout=5) as reply:
+        return json.load(reply)
+
+
+def lookup(server: KVTierServerProcess, hashes: list[str], query: str = "") -> int:
+    body = json.dumps({"model": "org/model-a", "hashes": hashes}).encode()
+    request = urllib.request.Request(server.admin_url + "/lookup" + query, data=body)
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        return json.load(reply)["cached_chunks"]
+
+
+def check_served(reader_url: str, objs: dict, pool) -> None:
+    reader = remote_manager(reader_url)
+    keys = [key(i) for i in objs]
+    try:
+        assert reader.lookup_prefix(keys) == len(keys)
+        got = reader.get_many(keys)
+        assert all(same_bytes(g, objs[i]) for g, i in zip(got, objs, strict=True))
+    finally:
+        reader.close()
+
+
+def check_misses_in_time(reader_url: str, seeds, budget_s: float) -> None:
+    reader = remote_manager(reader_url)
+    try:
+        started = time.monotonic()
+        assert reader.get_many([key(i) for i in seeds]) == [None] * len(seeds)
+        assert time.monotonic() - started < budget_s
+    finally:
+        reader.close()
+
+
+# -- pulls -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_b_serves_what_only_a_holds_and_keeps_it(transport, pool):
+    with server(transport=transport) as a, server(peers=[a], transport=transport) as b:
+        writer = remote_manager(a.url)
+        objs = store_chunks(writer, pool, range(6))
+        writer.close()
+        check_served(b.url, objs, pool)
+        values = stats(b)
+        assert values["peer_hits"] == 6 and values.get("peer_corrupt", 0) == 0
+        assert values[f"peer_bytes_{transport}"] > 6 * 8192
+        assert values['peer_up{peer="' + a.url + '"}'] == 1
+        pulls = values["peer_pulls"]
+        check_served(b.url, objs, pool)  # from b's own memory now
+        assert stats(b)["peer_pulls"] == pulls
+        assert health(b)["tiers"]["peers"][a.url]["transport"] == transport
+        assert (stats(a).get("requests_lease", 0) > 0) == (transport == "nixl")
+
+
+def test_without_peer_cache_every_load_pulls_and_lookup_counts_peers_on_request(pool):
+    with server() as a, server("--peer-cache", "off", peers=[a]) as b:
+        writer = remote_manager(a.url)
+        objs = store_chunks(writer, pool, [1, 2])
+        for i in (1, 2):  # the chunks' other rank (key() is of a world of 2)
+            assert writer.put(key(i, rank=1), objs[i])
+        assert writer.flush(30)
+        writer.close()
+        check_served(b.url, objs, pool)
+        check_served(b.url, objs, pool)
+        assert stats(b)["peer_hits"] == 4, "pulled twice: nothing kept"
+        reader = remote_manager(b.url)
+        assert all(reader.get_many([key(1, rank=1), key(2, rank=1)]))
+        reader.close()
+        hashes = [key(i).to_string().split("@")[5] for i in (1, 2)]
+        assert lookup(b, hashes) == 0
+        assert lookup(b, hashes, "?peers=1") == 2, "the shapes b has pulled, held by a"
+
+
+def test_three_servers_find_a_chunk_on_whichever_peer_holds_it(pool):
+    with server() as a, server() as c, server(peers=[a, c]) as b:
+        objs = {}
+        for holder, seeds in ((a, [1]), (c, [2])):
+            writer = remote_manager(holder.url)
+            objs |= store_chunks(writer, pool, seeds)
+            writer.close()
+        check_served(b.url, objs, pool)
+        assert stats(b)["peer_hits"] == 2
+
+
+# -- faults ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_killed_peer_is_a_miss_and_its_restart_is_found_again(tmp_path, transport, pool):
+    disk = ["--local-disk", str(tmp_path), "--max-local-disk-size", "1"]
+    with server(*disk, transport=transport) as a, server(peers=[a], transport=transport) as b:
+        writer = remote_manager(a.url)
+        objs = store_chunks(writer, pool, range(3))
+        writer.close()
+        a.kill()
+        check_misses_in_time(b.url, range(3), budget_s=3 * TIMEOUT_MS / 1000 + 1)
+        assert stats(b)["peers_up"] == 0
+        a.start()  # the same port, a new process (a new NIXL agent); its disk kept
+        wait_until(lambda: stats(b)["peers_up"] == 1)
+        check_served(b.url, objs, pool)
+        assert b.process.poll() is None
+
+
+def test_a_peer_killed_mid_pull_is_a_miss_in_time(pool):
+    with server() as a, server("--peer-cache", "off", peers=[a]) as b:
+        writer = remote_manager(a.url)
+        store_chunks(writer, pool, range(24))
+        writer.close()
+        reader = remote_manager(b.url)
+        killer = threading.Timer(0.02, a.kill)
+        killer.start()
+        started = time.monotonic()
+        for _ in range(5):
+            reader.get_many([key(i) for i in range(24)])  # hits until a dies, then misses
+        assert time.monotonic() - started < 5 * (3 * TIMEOUT_MS / 1000) + 2
+        killer.join()
+        reader.close()
+        assert b.process.poll() is None
+        assert stats(b)["peers_up"] == 0
+
+
+def test_a_stopped_peer_is_a_miss_within_the_timeout(pool):
+    with server() as a, server(peers=[a]) as b:
+        writer = remote_manager(a.url)
+        store_chunks(writer, pool, [5])
+        writer.close()
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            check_misses_in_time(b.url, [5], budget_s=3 * TIMEOUT_MS / 1000 + 1)
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+        wait_until(lambda: stats(b).get("peer_errors", 0) >= 1)
+
+
+def test_a_peer_refusing_the_token_is_a_miss(pool):
+    with (
+        server("--auth-token", "a-secret", token="a-secret") as a,
+        server("--auth-token", "b-secret", peers=[a], token="b-secret") as b,
+    ):
+        writer = remote_manager(a.url, server_token="a-secret")
+        store_chunks(writer, pool, [7])
+        writer.close()
+        reader = remote_manager(b.url, server_token="b-secret")
+        assert reader.get_many([key(7)]) == [None]
+        reader.close()
+        assert "peer kvtier://127.0.0.1" in b.log() and "unauthenticated" in b.log()
+        assert b.process.poll() is None
