@@ -90,11 +90,15 @@ async def serve(
     cache = BlobCache(config, stats)
     timeout_s = config.remote_timeout_ms / 1000
     leases = Leases(ttl_s=max(2 * timeout_s, 1.0))
-    try:
-        plane = open_plane(cache, leases, peers)
-    except NixlUnavailable:
-        cache.close(0)
-        raise
+    plane, deferred = None, None
+    if peers.urls or peers.transport == "nixl":  # pulls need it, or NIXL or nothing
+        try:
+            plane = open_plane(cache, leases, peers)
+        except NixlUnavailable:
+            cache.close(0)
+            raise
+    elif peers.transport == "auto":  # serving pulls only: set up at the first handshake
+        deferred = functools.partial(_open_plane_for_peers, cache, leases, peers)
     if peers.urls:
         cache.peers = Peers(
             peers.urls,
@@ -117,6 +121,7 @@ async def serve(
         max_shm_bytes=0 if max_shm_mb is None else int(max_shm_mb * 2**20),
         plane=plane,
         leases=leases,
+        open_plane=deferred,
     )
     if cache.remote is not None:
         # A remote that is down is warned about now, before the server answers anything:
@@ -125,7 +130,7 @@ async def serve(
     try:
         await server.start()
     except OSError:
-        _close(cache, plane, leases, 0)
+        _close(cache, server.plane, leases, 0)
         raise
     admin = None
     if admin_port is not None:
@@ -141,7 +146,7 @@ async def serve(
             await admin.start(host, admin_port)
         except OSError:
             await server.stop()
-            _close(cache, plane, leases, 0)
+            _close(cache, server.plane, leases, 0)
             raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -160,8 +165,17 @@ async def serve(
     await server.stop()
     if admin is not None:
         await admin.close()
-    _close(cache, plane, leases)
+    _close(cache, server.plane, leases)
     logger.info("kvtier server stopped")
+
+
+def _open_plane_for_peers(cache: BlobCache, leases: Leases, options: PeerOptions):
+    """:func:`open_plane` for a server that only serves pulls (``auto``: None, one
+    warning, where NIXL cannot be set up; its peers then pull over TCP)."""
+    plane = open_plane(cache, leases, options)
+    if plane is None:
+        logger.warning("kvtier server: NIXL unavailable: peers pull from it over TCP")
+    return plane
 
 
 def _close(

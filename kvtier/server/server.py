@@ -77,6 +77,8 @@ class KVTierServer:
         max_shm_bytes: the largest shared-memory segment a client may offer; 0 turns the
             same-host path off (every client stays on TCP).
         plane: the NIXL plane peers read the memory pool through (None: no NIXL).
+        open_plane: called at the first peer handshake when ``plane`` is None, for the
+            plane then (None: no NIXL).
         leases: the leases of those reads (with ``plane``).
     """
 
@@ -93,6 +95,7 @@ class KVTierServer:
         max_shm_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         plane: NixlPlane | None = None,
         leases: Leases | None = None,
+        open_plane: Callable[[], NixlPlane | None] | None = None,
     ):
         self.cache = cache
         self.stats = stats
@@ -104,6 +107,7 @@ class KVTierServer:
         self.max_shm_bytes = max_shm_bytes
         self.plane = plane
         self.leases = leases
+        self._open_plane = open_plane
         self.clients = 0
         self.shm_clients = 0
         self._in_flight = 0
@@ -343,6 +347,10 @@ class KVTierServer:
         return {"deleted": self.cache.clear(session.namespace)}, ()
 
     def _peer(self, frame: Frame, session: Session):
+        if self.plane is None and self._open_plane is not None:
+            # a server without peers of its own sets up NIXL when a peer first asks
+            # (a fraction of a second, once), not at start
+            self.plane, self._open_plane = self._open_plane(), None
         if self.plane is None:
             return _NO_NIXL, ()
         return self.plane.handshake(), ()
