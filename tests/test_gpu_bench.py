@@ -128,5 +128,5 @@ def test_the_report_of_a_gpu_results_file(tmp_path):
     report = (run.out / "report.md").read_text()
     assert f"### {DEVICE}" in report and "cuda 13.0, driver 580.1" in report
     assert "| engine | store (GPU pages → pinned CPU tier, default config) | 6.50 |" in report
-    assert "| wall_us_per_call | 20.0 | us |" in report
+    assert "| wall_us_per_call | — | — | 20.0 | GPU kernel time per call" in report
     assert "cpu.json" not in report  # this device's files alone

@@ -511,7 +511,8 @@ class Report:
                      "Baseline (same run)", "Baseline µs", "Ratio"],
                     (
                         [_call_name(r), r.fields.get("chunk_memory", "—"),
-                         fmt(r.fields.get("host_us_per_call", r.value)),
+                         fmt(r.fields.get("host_us_per_call") if r.metric.startswith("wall_")
+                             else r.value),
                          fmt(r.value) if r.metric.startswith("wall_") else "—",
                          r.baseline, fmt(r.baseline_value), fmt_ratio(r.ratio)]
                         for r in rows
