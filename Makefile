@@ -73,7 +73,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	# NIXL for the peer tests, without its declared dependencies (torch, numpy: here
 	# already); where pip cannot get it, those tests skip with a message.
-	$(PIP) install -q --no-deps "nixl-cu13>=1.5" || \
+	$(PIP) install -q --no-deps "nixl-cu13==1.5.1" || \
 		echo "nixl-cu13 could not be installed: the NIXL peer tests will be skipped"
 	if [ -n "$(VLLM_SPEC)" ]; then \
 		$(PIP) install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)" && \
