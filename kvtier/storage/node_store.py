@@ -284,16 +284,23 @@ class KVTierStore:
     ) -> tuple[dict[str, Any], memoryview]:
         """One request and its reply: the reply's header and payload (valid until the
         connection's next exchange)."""
+        reply, payload_len = self._ask(conn, op, header, parts)
+        return reply, conn.receive(payload_len)
+
+    def _ask(
+        self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
+    ) -> tuple[dict[str, Any], int]:
+        """Send a request and read its reply's header: that and the length of the payload
+        that follows it on the connection (for the caller to read)."""
         request_id = next(self._ids)
         conn.send(protocol.encode(op, request_id, header, parts))
         prefix = protocol.decode_prefix(_recv(conn.sock, protocol.PREFIX_SIZE), conn.max_frame)
         reply = protocol.decode_header(_recv(conn.sock, prefix.header_len))
-        payload = conn.receive(prefix.payload_len)
         if "error" in reply:
             raise ProtocolError(f"the server answered: {reply['error']}")
         if prefix.request_id != request_id or not prefix.flags & protocol.REPLY:
             raise ProtocolError("a reply to another request")
-        return reply, payload
+        return reply, prefix.payload_len
 
     # -- BlobStore ---------------------------------------------------------------------
 
@@ -356,26 +363,26 @@ class KVTierStore:
         segment = conn.segment
         if segment is not None:
             header["shm"] = [0, segment.size]
-        reply, payload = self._exchange(conn, Op.GET, header, ())
+        reply, payload_len = self._ask(conn, Op.GET, header, ())
         sizes = protocol.sizes_of(reply, len(names), None, absent_ok=True)
         offsets = [-1] * len(names)
         if segment is not None:
             offsets = shm.placed_of(reply.get("shm"), sizes, (0, segment.size))
         inline = [size if offset < 0 else -1 for size, offset in zip(sizes, offsets, strict=True)]
-        if sum(s for s in inline if s > 0) != len(payload):
-            raise ProtocolError(f"GET: the reply's sizes do not add up to {len(payload)} bytes")
+        if sum(s for s in inline if s > 0) != payload_len:
+            raise ProtocolError(f"GET: the reply's sizes do not add up to {payload_len} bytes")
         out: list[T | None] = []
         with contextlib.ExitStack() as views:
             whole = views.enter_context(memoryview(segment.mm)) if segment else None
-            for size, offset, blob in zip(
-                sizes, offsets, protocol.split_payload(payload, inline), strict=True
-            ):
+            for size, offset in zip(sizes, offsets, strict=True):
                 if size < 0:
                     out.append(None)
                     continue
                 if offset >= 0:
                     assert whole is not None
                     blob = views.enter_context(whole[offset : offset + size])
+                else:  # the payload's blobs one at a time, each consumed before the next
+                    blob = conn.receive(size)
                 out.append(consume(blob))
         return out
 
