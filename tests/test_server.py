@@ -303,3 +303,17 @@ def test_a_server_writes_through_to_redis_and_a_fresh_one_reads_it(pool):
             got = reader.get_many([key(1), key(2)])
             assert same_bytes(got[0], objs[1]) and same_bytes(got[1], objs[2])
             reader.close()
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_a_batch_read_from_memory_and_disk_comes_back_in_the_order_asked(tmp_path, shm):
+    disk = str(tmp_path / "disk")
+    args = ("--local-disk", disk, "--max-local-cpu-size", "0.001")  # room for one blob
+    with KVTierServerProcess(*args) as server:
+        client = KVTierStore("127.0.0.1", server.port, namespace="order", shm=shm)
+        first, second = bytes([1]) * 600_000, bytes([2]) * 600_000
+        client.put_many([("first", [first])])
+        client.put_many([("second", [second])])  # evicts the first from memory, not disk
+        assert client.get_many(["first", "second"]) == [first, second]
+        assert client.get_many(["second", "first"]) == [second, first]
+        client.close()

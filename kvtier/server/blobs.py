@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 import xxhash
 
+from kvtier.memory import MemoryObj
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.file_store import FileStore
@@ -48,16 +49,27 @@ def put_in_memory(tier: LocalCPUTier, blob_id: BlobId, data: Buffer) -> bool:
     puts go on meanwhile.
     """
     size = len(data)
-    obj = tier.allocate((size + 1,), torch.uint8)
+    obj = allocate_in_memory(tier, size)
     if obj is None:
         return False
     try:
         if size:
-            tensor_bytes(obj.tensor)[:size] = memoryview(data).cast("B")
+            view_of(obj)[:size] = memoryview(data).cast("B")
         tier.replace(blob_id, obj)  # a concurrent put of the same name: the last one wins
     finally:
         obj.ref_down()
     return True
+
+
+def allocate_in_memory(tier: LocalCPUTier, size: int) -> MemoryObj | None:
+    """A buffer of ``tier`` for a blob of ``size`` bytes (to fill, then ``tier.replace``),
+    or None when the tier has no room for it."""
+    return tier.allocate((size + 1,), torch.uint8)
+
+
+def view_of(obj: MemoryObj) -> memoryview:
+    """The blob that a memory-tier object holds: its bytes but the last."""
+    return tensor_bytes(obj.tensor)[:-1]
 
 
 def read_in_memory(
@@ -69,7 +81,7 @@ def read_in_memory(
     if obj is None:
         return None
     try:
-        return consume(tensor_bytes(obj.tensor)[:-1])
+        return consume(view_of(obj))
     finally:
         obj.ref_down()
 

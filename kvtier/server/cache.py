@@ -39,6 +39,7 @@ from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Counter, Stats
 from kvtier.server.blobs import (
     BlobId,
+    allocate_in_memory,
     clear_memory,
     disk_name,
     namespace_prefix,
@@ -47,6 +48,7 @@ from kvtier.server.blobs import (
     put_in_memory,
     read_from_disk,
     read_in_memory,
+    view_of,
     write_to_disk,
 )
 from kvtier.server.lookup import KeyShapes
@@ -56,7 +58,7 @@ from kvtier.storage.blob_store import BlobStore, Buffer
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.schemes import redact_url
-from kvtier.storage.serde import make_serde, tensor_bytes
+from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import BatchQueue
 
 logger = logging.getLogger(__name__)
@@ -369,13 +371,18 @@ class BlobCache:
                     continue
                 obj = pulled.get(name)
                 if obj is not None:
-                    out[i] = consume(tensor_bytes(obj.tensor)[:-1])
+                    out[i] = consume(view_of(obj))
                 else:
                     out[i] = self.read(namespace, name, consume)
         finally:
             for obj in pulled.values():
                 obj.ref_down()
         return out
+
+    def hold_many(self, namespace: str, names: Sequence[str]) -> list[MemoryObj | None]:
+        """Each blob's memory buffer (``view_of``) with a reference for the caller, or
+        None where memory does not hold it: a blob to send from where it lies."""
+        return [self.memory.get((namespace, name)) for name in names]
 
     def lease(self, namespace: str, names: Sequence[str]) -> list[MemoryObj | None]:
         """Each blob's memory buffer with a reference for the caller (a blob only on
@@ -402,6 +409,28 @@ class BlobCache:
             self.remote.submit_put(namespace, name, bytes(data))
             kept = True
         return kept
+
+    def allocate(self, size: int) -> MemoryObj | None:
+        """A memory buffer for a blob of ``size`` bytes about to arrive (``view_of`` it
+        to fill it, then ``put_received``), or None when memory has no room for it."""
+        return allocate_in_memory(self.memory, size)
+
+    def put_received(
+        self, namespace: str, name: str, obj: MemoryObj | None, data: memoryview
+    ) -> bool:
+        """``put`` of ``data``, a blob that arrived in ``obj`` (from ``allocate``; memory
+        keeps that buffer as it is, the caller keeps its reference), or in a buffer of
+        its own when ``obj`` is None."""
+        if obj is None:
+            return self.put(namespace, name, data)
+        blob_id: BlobId = (namespace, name)
+        self.shapes.learn(namespace, name)
+        self.memory.replace(blob_id, obj)  # a concurrent put of the same name: the last wins
+        if self.disk is not None:
+            write_to_disk(self.disk, blob_id, data)
+        if self.remote is not None:
+            self.remote.submit_put(namespace, name, bytes(data))
+        return True
 
     def delete(self, namespace: str, names: Sequence[str]) -> int:
         deleted = 0

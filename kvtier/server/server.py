@@ -3,7 +3,9 @@
 One coroutine per client connection reads frames (``protocol``), one at a time, and
 answers each with one reply frame. The blob work runs on a small thread pool
 (``BlobCache`` may touch the disk or a remote), so a slow disk never stalls the event
-loop or the other clients.
+loop or the other clients. Blobs cross the socket without copies of the server's own
+(``kvtier.server.sockets``, ``kvtier.server.transfer``): a PUT's blobs are read straight
+into memory-tier buffers, and a GET is sent from the buffers the blobs are kept in.
 
 NOTE: a connection that sends anything the protocol forbids — a bad magic, another
 version, an unknown op, a frame over the size limit, a header that is not a CBOR map, a
@@ -36,17 +38,20 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.observability.stats import Stats
-from kvtier.server import shm
+from kvtier.server import shm, sockets
+from kvtier.server.blobs import view_of
 from kvtier.server.cache import BlobCache
 from kvtier.server.leases import Leases
 from kvtier.server.nixl import NixlPlane
 from kvtier.server.shm import ShmRefused
+from kvtier.server.transfer import Placement, Received, Reply, let_go, take_data
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.node_protocol import Frame, Op, ProtocolError
 from kvtier.storage.node_shm import Segment
@@ -113,88 +118,138 @@ class KVTierServer:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._server: asyncio.Server | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task] = []
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvtier-server-io")
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._serve_client, self.host, self.port, limit=2**20
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._listeners = sockets.listen(self.host, self.port)
+        self.port = self._listeners[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        self._accepting = [loop.create_task(self._accept(sock)) for sock in self._listeners]
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, let requests being executed finish (up to ``grace_s``), close
         every connection. A request still arriving is dropped whole: nothing is stored
         from a frame that was not received completely."""
-        if self._server is not None:
-            self._server.close()
+        for task in self._accepting:
+            task.cancel()
+        for sock in self._listeners:
+            sock.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace_s)
-        for writer in list(self._writers):
-            writer.close()  # its coroutine sees the end of the stream and returns
+        for task in list(self._tasks):
+            task.cancel()  # its coroutine closes its connection
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=grace_s)
         self._pool.shutdown(wait=True)
 
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, a connection reset meanwhile
+                logger.warning("kvtier server: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._serve_client(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
     # -- one connection ----------------------------------------------------------------
 
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        if self.clients >= self.max_clients:
-            self._reject("too_many_clients", f"more than {self.max_clients} clients")
-            writer.close()
-            return
-        self.clients += 1
-        self._writers.add(writer)
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def _serve_client(self, sock: socket.socket) -> None:
+        with sock:
+            if self.clients >= self.max_clients:
+                self._reject("too_many_clients", f"more than {self.max_clients} clients")
+                return
+            self.clients += 1
+            try:
+                sockets.tune(sock)
+                await self._converse(sock)
+            except ConnectionError:
+                pass
+            finally:
+                self.clients -= 1
+
+    async def _converse(self, sock: socket.socket) -> None:
+        """Frames and their answers until the client goes away or breaks the protocol."""
         self.stats.inc("connections")
         session: Session | None = None
         try:
             while True:
                 try:
-                    frame = await self._read_frame(reader)
+                    frame, blobs = await self._read_frame(sock, session)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client went away (between or inside a frame)
                 except TimeoutError:
                     self._reject("timeout", "a frame took too long to arrive")
                     return
                 except ProtocolError as exc:
-                    await self._fail(writer, 0, "malformed", str(exc))
+                    await self._fail(sock, 0, "malformed", str(exc))
                     return
                 if session is None:
                     namespace = self._hello(frame)
                     if namespace is None:
-                        await self._fail(writer, frame.request_id, "unauthenticated", "bad HELLO")
+                        await self._fail(sock, frame.request_id, "unauthenticated", "bad HELLO")
                         return
                     session = Session(namespace, peer=frame.header.get("peer") is True)
                     reply = {"max_frame": self.max_frame_bytes, "version": protocol.VERSION}
                     if "shm" in frame.header:
                         reply |= await self._attach(session, frame.header["shm"])
-                    await self._send(writer, frame, reply, ())
+                    await self._send(sock, frame, Reply(reply))
                     continue
-                await self._answer(writer, frame, session)
-        except ConnectionError:
-            pass
+                await self._answer(sock, frame, session, blobs)
         finally:
             if session is not None and session.segment is not None:
                 session.segment.close()
                 self.shm_clients -= 1
-            self.clients -= 1
-            self._writers.discard(writer)
-            self._tasks.discard(task)
-            writer.close()
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> Frame:
-        head = await reader.readexactly(protocol.PREFIX_SIZE)
+    async def _read_frame(
+        self, sock: socket.socket, session: Session | None
+    ) -> tuple[Frame, list[Received] | None]:
+        """The next frame. An inline PUT's blobs go straight into memory-tier buffers (the
+        returned ``Received``, which the caller stores or releases); any other payload
+        into one buffer of its own."""
+        loop = asyncio.get_running_loop()
+        head = bytearray(protocol.PREFIX_SIZE)
+        await sockets.recv_exactly(loop, sock, memoryview(head))
         prefix = protocol.decode_prefix(head, self.max_frame_bytes)
         async with asyncio.timeout(FRAME_READ_TIMEOUT_S):
-            header = await reader.readexactly(prefix.header_len)
-            payload = await reader.readexactly(prefix.payload_len)
-        self.stats.inc("bytes_in", len(head) + len(header) + len(payload))
-        return Frame(prefix.op, prefix.request_id, protocol.decode_header(header), payload)
+            raw = bytearray(prefix.header_len)
+            await sockets.recv_exactly(loop, sock, memoryview(raw))
+            frame = Frame(prefix.op, prefix.request_id, protocol.decode_header(raw))
+            blobs = self._receivers(frame, session, prefix.payload_len)
+            try:
+                if blobs is None:
+                    payload = bytearray(prefix.payload_len)
+                    await sockets.recv_exactly(loop, sock, memoryview(payload))
+                    frame.payload = payload
+                else:
+                    for blob in blobs:
+                        await sockets.recv_exactly(loop, sock, blob.view)
+            except BaseException:
+                let_go(blobs)
+                raise
+        self.stats.inc("bytes_in", protocol.PREFIX_SIZE + prefix.header_len + prefix.payload_len)
+        return frame, blobs
+
+    def _receivers(
+        self, frame: Frame, session: Session | None, payload_len: int
+    ) -> list[Received] | None:
+        """Where an inline PUT's blobs go as they arrive: a memory-tier buffer each (a
+        scratch one where memory has no room), or None for any other frame, or one
+        whose fields are wrong (its handler answers the error)."""
+        if session is None or frame.op != Op.PUT or "shm" in frame.header or not payload_len:
+            return None
+        try:
+            names = protocol.names_of(frame.header)
+            sizes = protocol.sizes_of(frame.header, len(names), payload_len, absent_ok=False)
+        except ProtocolError:
+            return None
+        return [Received.allocate(self.cache, size) for size in sizes]
 
     def _hello(self, frame: Frame) -> str | None:
         """The namespace a HELLO declares, or None (counted) when it is not a valid HELLO
@@ -236,10 +291,13 @@ class KVTierServer:
         self.stats.inc("shm_attached")
         return {"shm": True}
 
-    async def _answer(self, writer: asyncio.StreamWriter, frame: Frame, session: Session) -> None:
+    async def _answer(
+        self, sock: socket.socket, frame: Frame, session: Session, blobs: list[Received] | None
+    ) -> None:
         handler = _HANDLERS.get(frame.op)
         if handler is None:  # a second HELLO
-            await self._fail(writer, frame.request_id, "malformed", f"unexpected {frame.op.name}")
+            let_go(blobs)
+            await self._fail(sock, frame.request_id, "malformed", f"unexpected {frame.op.name}")
             raise ConnectionError
         self.stats.inc("requests")
         self.stats.inc(f"requests_{frame.op.name.lower()}")
@@ -247,65 +305,86 @@ class KVTierServer:
         self._idle.clear()
         try:
             loop = asyncio.get_running_loop()
-            header, parts = await loop.run_in_executor(self._pool, handler, self, frame, session)
+            if blobs is None:
+                reply = await loop.run_in_executor(self._pool, handler, self, frame, session)
+            else:
+                reply = await loop.run_in_executor(
+                    self._pool, self._put_received, frame, session, blobs
+                )
         except ProtocolError as exc:
             self.stats.inc("request_errors")
             if isinstance(exc, shm.ShmRefError):
                 self._reject("bad_shm_ref", str(exc))
-            header, parts = {"error": str(exc)}, ()
+            reply = Reply({"error": str(exc)})
         finally:
+            let_go(blobs)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
-        await self._send(writer, frame, header, parts)
+        try:
+            await self._send(sock, frame, reply)
+        finally:
+            for obj in reply.held:
+                obj.ref_down()
 
-    async def _send(self, writer, frame: Frame, header: dict[str, Any], parts) -> None:
-        data = protocol.encode(frame.op, frame.request_id, header, parts, flags=protocol.REPLY)
-        self.stats.inc("bytes_out", sum(len(p) for p in data))
-        writer.writelines(data)
-        await writer.drain()
+    async def _send(self, sock: socket.socket, frame: Frame, reply: Reply) -> None:
+        parts = protocol.encode(
+            frame.op, frame.request_id, reply.header, reply.parts, flags=protocol.REPLY
+        )
+        self.stats.inc("bytes_out", sum(len(p) for p in parts))
+        await sockets.send_parts(asyncio.get_running_loop(), sock, parts)
 
     def _reject(self, reason: str, detail: str) -> None:
         self.stats.inc("rejects")
         self.stats.inc(f"rejects_{reason}")
         logger.info("kvtier server: rejected a frame (%s): %s", reason, detail)
 
-    async def _fail(self, writer, request_id: int, reason: str, detail: str) -> None:
+    async def _fail(self, sock: socket.socket, request_id: int, reason: str, detail: str) -> None:
         """Count a rejected frame, answer it with an error and let the caller close."""
         self._reject(reason, detail)
         error = {"error": f"{reason}: {detail}"}
-        data = protocol.encode(Op.PING, request_id, error, flags=protocol.REPLY)
+        parts = protocol.encode(Op.PING, request_id, error, flags=protocol.REPLY)
+        loop = asyncio.get_running_loop()
         with contextlib.suppress(ConnectionError):
-            writer.writelines(data)
-            await writer.drain()
+            await sockets.send_parts(loop, sock, parts)
+            await sockets.linger(loop, sock)
 
     # -- requests (on the thread pool) -------------------------------------------------
 
     def _ping(self, frame: Frame, session: Session):
-        return {}, ()
+        return Reply({})
 
     def _exists(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
         present = self.cache.exists_many(session.namespace, names, peers=not session.peer)
-        return {"present": present}, ()
+        return Reply({"present": present})
 
     def _get(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
         region = None
         if "shm" in frame.header:
             region = shm.region_of(frame.header["shm"], session.segment)
-        place = _Placement(session.segment, region, self.max_frame_bytes)
-        found = self.cache.read_many(session.namespace, names, place.take, peers=not session.peer)
-        sizes = [size for size, _ in (f or (-1, -1) for f in found)]
-        offsets = [offset for _, offset in (f or (-1, -1) for f in found)]
+        place = Placement(session.segment, region, self.max_frame_bytes)
+        # blobs in memory are sent from the tier's own buffers, held until sent; the rest
+        # (disk, peers, remote) are read into bytes of their own
+        held = self.cache.hold_many(session.namespace, names)
+        missing = [name for name, obj in zip(names, held, strict=True) if obj is None]
+        fetched = iter(
+            self.cache.read_many(session.namespace, missing, bytes, peers=not session.peer)
+        )
+        found = [
+            place.take(view_of(obj), obj) if obj is not None else take_data(place, next(fetched))
+            for obj in held
+        ]
+        sizes = [size for size, _ in found]
         hits = sum(s >= 0 for s in sizes)
         self.stats.inc("get_hits", hits)
         self.stats.inc("get_misses", len(names) - hits)
         self.stats.inc("bytes_shm_out", place.shm_bytes)
         header: dict[str, Any] = {"sizes": sizes}
         if region is not None:
-            header["shm"] = offsets
-        return header, place.parts
+            header["shm"] = [offset for _, offset in found]
+        return Reply(header, place.parts, place.held)
 
     def _put(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
@@ -328,9 +407,22 @@ class KVTierServer:
             stored = self._store(
                 session.namespace, names, protocol.split_payload(frame.payload, sizes)
             )
+        return self._stored(len(names), stored)
+
+    def _put_received(self, frame: Frame, session: Session, blobs: list[Received]):
+        """A PUT whose blobs arrived in memory-tier buffers (``_receivers``): kept as they
+        are, not copied again."""
+        names = protocol.names_of(frame.header)
+        stored = sum(
+            self.cache.put_received(session.namespace, name, blob.obj, blob.view)
+            for name, blob in zip(names, blobs, strict=True)
+        )
+        return self._stored(len(names), stored)
+
+    def _stored(self, count: int, stored: int) -> Reply:
         self.stats.inc("puts", stored)
-        self.stats.inc("puts_refused", len(names) - stored)
-        return {"stored": stored}, ()
+        self.stats.inc("puts_refused", count - stored)
+        return Reply({"stored": stored})
 
     def _store(self, namespace: str, names: list[str], blobs) -> int:
         return sum(
@@ -341,10 +433,10 @@ class KVTierServer:
 
     def _delete(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
-        return {"deleted": self.cache.delete(session.namespace, names)}, ()
+        return Reply({"deleted": self.cache.delete(session.namespace, names)})
 
     def _clear(self, frame: Frame, session: Session):
-        return {"deleted": self.cache.clear(session.namespace)}, ()
+        return Reply({"deleted": self.cache.clear(session.namespace)})
 
     def _peer(self, frame: Frame, session: Session):
         if self.plane is None and self._open_plane is not None:
@@ -352,35 +444,37 @@ class KVTierServer:
             # (a fraction of a second, once), not at start
             self.plane, self._open_plane = self._open_plane(), None
         if self.plane is None:
-            return _NO_NIXL, ()
-        return self.plane.handshake(), ()
+            return Reply(_NO_NIXL)
+        return Reply(self.plane.handshake())
 
     def _lease(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
         if self.plane is None or self.leases is None:
-            return _NO_NIXL, ()
+            return Reply(_NO_NIXL)
         objs = self.cache.lease(session.namespace, names)
         held = [obj for obj in objs if obj is not None]
         lease = self.leases.grant(held)
         self.plane.wake()
         self.stats.inc("peer_leases")
         self.stats.inc("peer_leased_blobs", len(held))
-        return {
-            "lease": lease,
-            "agent": self.plane.name,
-            "epoch": self.plane.epoch,
-            "sizes": [-1 if obj is None else obj.data_nbytes - 1 for obj in objs],
-            "offsets": [-1 if obj is None else obj.offset for obj in objs],
-        }, ()
+        return Reply(
+            {
+                "lease": lease,
+                "agent": self.plane.name,
+                "epoch": self.plane.epoch,
+                "sizes": [-1 if obj is None else obj.data_nbytes - 1 for obj in objs],
+                "offsets": [-1 if obj is None else obj.offset for obj in objs],
+            }
+        )
 
     def _release(self, frame: Frame, session: Session):
         lease = frame.header.get("lease")
         if type(lease) is not int or self.leases is None:
             raise ProtocolError("'lease' must be an integer")
-        return {"held": self.leases.release(lease)}, ()
+        return Reply({"held": self.leases.release(lease)})
 
     def _stats(self, frame: Frame, session: Session):
-        return self.snapshot(), ()
+        return Reply(self.snapshot())
 
     def snapshot(self) -> dict[str, float]:
         """Every counter and gauge (thread-safe: the admin API reads it)."""
@@ -392,36 +486,8 @@ class KVTierServer:
         }
 
 
-class _Placement:
-    """Where a GET reply puts each blob: into the client's region of its segment while it
-    fits, else into the frame's payload while that fits (a copy), else nowhere (-1, a
-    miss). ``take`` is called with each blob's view while the cache holds it pinned."""
-
-    def __init__(self, segment: Segment | None, region: tuple[int, int] | None, room: int):
-        self._segment = segment
-        self._next, self._end = (0, 0) if region is None else (region[0], sum(region))
-        self._room = room
-        self.parts: list[bytes] = []
-        self.shm_bytes = 0
-
-    def take(self, blob: memoryview) -> tuple[int, int]:
-        """``(size, offset in the segment or -1)``; ``(-1, -1)`` when it fits nowhere."""
-        size = len(blob)
-        if self._segment is not None and self._next + size <= self._end:
-            offset = self._next
-            self._segment.mm[offset : offset + size] = blob
-            self._next += size
-            self.shm_bytes += size
-            return size, offset
-        if size <= self._room:
-            self.parts.append(bytes(blob))
-            self._room -= size
-            return size, -1
-        return -1, -1
-
-
 _NO_NIXL = {"nixl": False, "reason": "the peer runs without NIXL"}
-_Handler = Callable[[KVTierServer, Frame, Session], tuple[dict[str, Any], Any]]
+_Handler = Callable[[KVTierServer, Frame, Session], Reply]
 _HANDLERS: dict[Op, _Handler] = {
     Op.PING: KVTierServer._ping,
     Op.EXISTS: KVTierServer._exists,

@@ -44,6 +44,8 @@ from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
+REUSED_BYTES = DEFAULT_SEGMENT_BYTES  # a connection's reply buffer, kept between replies
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -108,6 +110,36 @@ class _Connection:
         self.sock = sock
         self.max_frame = max_frame
         self.segment: Segment | None = None
+        self._inbox = bytearray()  # reply payloads, reused (see ``receive``)
+
+    def send(self, parts: Sequence[Buffer]) -> None:
+        """Send ``parts`` in order with as few ``sendmsg`` calls as the kernel allows
+        (none of them copied or joined)."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        first = 0
+        while first < len(views):
+            sent = self.sock.sendmsg(views[first : first + IOV_MAX])
+            while sent:
+                size = len(views[first])
+                if sent < size:
+                    views[first] = views[first][sent:]
+                    break
+                sent -= size
+                first += 1
+
+    def receive(self, size: int) -> memoryview:
+        """The next ``size`` bytes, in a buffer the connection reuses up to
+        ``REUSED_BYTES`` (so a large reply does not fault in fresh pages each time): valid
+        until the next call."""
+        if size > REUSED_BYTES:
+            buffer = bytearray(size)
+        else:
+            if len(self._inbox) < size:
+                self._inbox = bytearray(size)
+            buffer = self._inbox
+        view = memoryview(buffer)[:size]
+        _recv_into(self.sock, view)
+        return view
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -203,9 +235,10 @@ class KVTierStore:
 
     def _request(
         self, op: Op, header: dict[str, Any], parts: Sequence[Buffer] = ()
-    ) -> tuple[dict[str, Any], bytearray]:
-        """One round trip on a pooled connection (see ``_on_connection``)."""
-        return self._on_connection(op, lambda conn: self._exchange(conn, op, header, parts))
+    ) -> dict[str, Any]:
+        """One round trip on a pooled connection (see ``_on_connection``); the reply's
+        header."""
+        return self._on_connection(op, lambda conn: self._exchange(conn, op, header, parts)[0])
 
     def _on_connection(self, op: Op, call: Callable[[_Connection], T]) -> T:
         """``call(conn)`` on a pooled connection, which goes back to the pool after.
@@ -248,20 +281,26 @@ class KVTierStore:
 
     def _exchange(
         self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
-    ) -> tuple[dict[str, Any], bytearray]:
+    ) -> tuple[dict[str, Any], memoryview]:
+        """One request and its reply: the reply's header and payload (valid until the
+        connection's next exchange)."""
+        reply, payload_len = self._ask(conn, op, header, parts)
+        return reply, conn.receive(payload_len)
+
+    def _ask(
+        self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
+    ) -> tuple[dict[str, Any], int]:
+        """Send a request and read its reply's header: that and the length of the payload
+        that follows it on the connection (for the caller to read)."""
         request_id = next(self._ids)
-        prefix, head, *payload = protocol.encode(op, request_id, header, parts)
-        conn.sock.sendall(prefix + head)
-        for part in payload:
-            conn.sock.sendall(part)
+        conn.send(protocol.encode(op, request_id, header, parts))
         prefix = protocol.decode_prefix(_recv(conn.sock, protocol.PREFIX_SIZE), conn.max_frame)
         reply = protocol.decode_header(_recv(conn.sock, prefix.header_len))
-        payload = _recv(conn.sock, prefix.payload_len)
         if "error" in reply:
             raise ProtocolError(f"the server answered: {reply['error']}")
         if prefix.request_id != request_id or not prefix.flags & protocol.REPLY:
             raise ProtocolError("a reply to another request")
-        return reply, payload
+        return reply, prefix.payload_len
 
     # -- BlobStore ---------------------------------------------------------------------
 
@@ -324,33 +363,33 @@ class KVTierStore:
         segment = conn.segment
         if segment is not None:
             header["shm"] = [0, segment.size]
-        reply, payload = self._exchange(conn, Op.GET, header, ())
+        reply, payload_len = self._ask(conn, Op.GET, header, ())
         sizes = protocol.sizes_of(reply, len(names), None, absent_ok=True)
         offsets = [-1] * len(names)
         if segment is not None:
             offsets = shm.placed_of(reply.get("shm"), sizes, (0, segment.size))
         inline = [size if offset < 0 else -1 for size, offset in zip(sizes, offsets, strict=True)]
-        if sum(s for s in inline if s > 0) != len(payload):
-            raise ProtocolError(f"GET: the reply's sizes do not add up to {len(payload)} bytes")
+        if sum(s for s in inline if s > 0) != payload_len:
+            raise ProtocolError(f"GET: the reply's sizes do not add up to {payload_len} bytes")
         out: list[T | None] = []
         with contextlib.ExitStack() as views:
             whole = views.enter_context(memoryview(segment.mm)) if segment else None
-            for size, offset, blob in zip(
-                sizes, offsets, protocol.split_payload(payload, inline), strict=True
-            ):
+            for size, offset in zip(sizes, offsets, strict=True):
                 if size < 0:
                     out.append(None)
                     continue
                 if offset >= 0:
                     assert whole is not None
                     blob = views.enter_context(whole[offset : offset + size])
+                else:  # the payload's blobs one at a time, each consumed before the next
+                    blob = conn.receive(size)
                 out.append(consume(blob))
         return out
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
         if not names:
             return []
-        present = self._request(Op.EXISTS, {"names": list(names)})[0].get("present")
+        present = self._request(Op.EXISTS, {"names": list(names)}).get("present")
         if not isinstance(present, list) or len(present) != len(names):
             raise StoreUnavailable(f"kvtier server {self.url}: EXISTS: a malformed reply")
         return [bool(p) for p in present]
@@ -358,10 +397,10 @@ class KVTierStore:
     def delete_many(self, names: Sequence[str]) -> int:
         if not names:
             return 0
-        return int(self._request(Op.DELETE, {"names": list(names)})[0].get("deleted", 0))
+        return int(self._request(Op.DELETE, {"names": list(names)}).get("deleted", 0))
 
     def clear(self) -> int:
-        return int(self._request(Op.CLEAR, {})[0].get("deleted", 0))
+        return int(self._request(Op.CLEAR, {}).get("deleted", 0))
 
     def ping(self) -> None:
         self._request(Op.PING, {})
@@ -372,11 +411,11 @@ class KVTierStore:
         Raises:
             StoreUnavailable: as every call.
         """
-        return self._request(op, header)[0]
+        return self._request(op, header)
 
     def stats(self) -> dict[str, float]:
         """The server's counters and gauges."""
-        return self._request(Op.STATS, {})[0]
+        return self._request(Op.STATS, {})
 
     def close(self) -> None:
         with self._lock:
@@ -393,14 +432,17 @@ def _blob_bytes(parts: Sequence[Buffer]) -> int:
 
 def _recv(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
+    _recv_into(sock, memoryview(buffer))
+    return buffer
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, len(view)
     while got < size:
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionResetError("the server closed the connection")
         got += n
-    return buffer
 
 
 def open_store(request: RemoteRequest) -> KVTierStore:

@@ -11,10 +11,13 @@ into pool buffers:
 - server put = queue 8 chunks + wait until the server holds them (emptied before each
   round); server get = one batched get of the 8 chunks into pool buffers;
 - baselines, measured in the same run: the in-process CPU tier (``LocalCPUTier``: put =
-  allocate + copy in + index, get = look up + copy out into a buffer) and raw redis-py
-  pipelined SET / GET of the same payloads to a local ``redis-server``.
+  allocate + copy in + index, get = look up + copy out into a buffer), raw redis-py
+  pipelined SET / GET of the same payloads to a local ``redis-server``, and (for TCP) a
+  raw loopback socket moving the same bytes to and from another process, which
+  ``recv_into`` a buffer it keeps (put = send the 8 chunks + a one-byte answer; get = one
+  byte asked, 256 MiB ``recv_into`` a buffer of this process).
 
-Each figure is recorded twice, as a ratio against each baseline (``... vs redis``).
+Each figure is recorded against each baseline (``... vs redis``, ``... vs raw socket``).
 
 Lookup: ``StorageManager.lookup_prefix`` of a 32768-token prompt (128 chunk keys) held by
 the server only (the client's CPU tier cleared), over shared memory (a lookup is one
@@ -24,7 +27,10 @@ EXISTS frame, so the transport hardly matters), against raw redis-py pipelined E
 
 from __future__ import annotations
 
+import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -165,6 +171,59 @@ def redis_gbps(chunks, redis_url) -> dict[str, float]:
     return figures
 
 
+RAW_PEER = r"""
+import socket, sys
+size = int(sys.argv[1])
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buffer = memoryview(bytearray(size))
+while op := conn.recv(1):
+    if op == b"p":
+        got = 0
+        while got < size:
+            got += conn.recv_into(buffer[got:])
+        conn.sendall(b"k")
+    else:
+        conn.sendall(buffer)
+"""
+
+
+@pytest.fixture(scope="module")
+def raw_socket_gbps(chunks) -> dict[str, float]:
+    """A raw loopback socket's put and get GB/s of the same bytes, to and from a process
+    that keeps them in a buffer of its own."""
+    peer = subprocess.Popen(
+        [sys.executable, "-c", RAW_PEER, str(CHUNKS * NBYTES)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert peer.stdout is not None
+        sock = socket.create_connection(("127.0.0.1", int(peer.stdout.readline())))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payloads = [tensor_bytes(obj.tensor) for obj in chunks]
+        sink = memoryview(bytearray(CHUNKS * NBYTES))
+
+        def put():
+            sock.sendall(b"p")
+            for payload in payloads:
+                sock.sendall(payload)
+            assert sock.recv(1) == b"k"
+
+        def get():
+            sock.sendall(b"g")
+            got = 0
+            while got < len(sink):
+                got += sock.recv_into(sink[got:])
+
+        figures = {"put": _median_gbps(put), "get": _median_gbps(get)}
+        sock.close()
+    finally:
+        peer.kill()
+        peer.wait()
+    return figures
+
+
 def _server_tier(server, shm: bool) -> RemoteTier:
     store = KVTierStore("127.0.0.1", server.port, namespace="bench", timeout_s=30.0, shm=shm)
     return RemoteTier(store, describe=server.url, serde=NaiveSerde(), stats=Stats(), timeout_s=30.0)
@@ -176,7 +235,8 @@ def _fill(tier: RemoteTier, chunks) -> None:
     assert tier.flush(120)
 
 
-def _record_both(record, benchmark, metric, op, cpu_tier_gbps, redis_gbps) -> None:
+def _record_all(record, benchmark, metric, op, baselines) -> None:
+    cpu_tier_gbps, redis_gbps, raw_socket_gbps = baselines
     value = CHUNKS * NBYTES / benchmark.stats.stats.median / 1e9
     record(
         metric=metric,
@@ -194,6 +254,14 @@ def _record_both(record, benchmark, metric, op, cpu_tier_gbps, redis_gbps) -> No
         baseline=f"raw redis-py pipelined {redis_op}",
         baseline_value=redis_gbps[op],
     )
+    if raw_socket_gbps is not None:
+        record(
+            metric=f"{metric} vs raw socket",
+            value=value,
+            unit="GB/s",
+            baseline=f"raw loopback socket {op}, same bytes",
+            baseline_value=raw_socket_gbps[op],
+        )
 
 
 TRANSPORTS = [pytest.param(True, id="shm"), pytest.param(False, id="tcp")]
@@ -201,7 +269,7 @@ TRANSPORTS = [pytest.param(True, id="shm"), pytest.param(False, id="tcp")]
 
 @pytest.mark.redis
 @pytest.mark.parametrize("shm", TRANSPORTS)
-def test_server_put(benchmark, record, chunks, server, shm, cpu_tier_gbps, redis_gbps):
+def test_server_put(benchmark, record, request, chunks, server, shm, cpu_tier_gbps, redis_gbps):
     tier = _server_tier(server, shm)
     tier.store.ping()
     assert tier.store.shm_active is shm
@@ -210,15 +278,17 @@ def test_server_put(benchmark, record, chunks, server, shm, cpu_tier_gbps, redis
     )
     assert all(tier.contains_many(KEYS)), "every chunk landed"
     transport = "shm" if shm else "tcp"
-    _record_both(
-        record, benchmark, f"server tier put ({transport})", "put", cpu_tier_gbps, redis_gbps
-    )
+    raw = None if shm else request.getfixturevalue("raw_socket_gbps")
+    baselines = cpu_tier_gbps, redis_gbps, raw
+    _record_all(record, benchmark, f"server tier put ({transport})", "put", baselines)
     tier.close()
 
 
 @pytest.mark.redis
 @pytest.mark.parametrize("shm", TRANSPORTS)
-def test_server_get(benchmark, record, pool, chunks, server, shm, cpu_tier_gbps, redis_gbps):
+def test_server_get(
+    benchmark, record, request, pool, chunks, server, shm, cpu_tier_gbps, redis_gbps
+):
     tier = _server_tier(server, shm)
     tier.clear()
     _fill(tier, chunks)
@@ -235,9 +305,9 @@ def test_server_get(benchmark, record, pool, chunks, server, shm, cpu_tier_gbps,
     assert torch.equal(check.tensor.view(torch.int16), chunks[0].tensor.view(torch.int16))
     check.ref_down()
     transport = "shm" if shm else "tcp"
-    _record_both(
-        record, benchmark, f"server tier get ({transport})", "get", cpu_tier_gbps, redis_gbps
-    )
+    raw = None if shm else request.getfixturevalue("raw_socket_gbps")
+    baselines = cpu_tier_gbps, redis_gbps, raw
+    _record_all(record, benchmark, f"server tier get ({transport})", "get", baselines)
     tier.clear()
     tier.close()
 
