@@ -17,17 +17,36 @@ the release and the checksum of every blob.
 Idle CPU: a server with a peer configured (and NIXL set up) over ``IDLE_S`` seconds of
 no traffic, against a bare NIXL agent with its progress thread on (NIXL's default);
 printed and bounded (under 0.05 cores), not recorded.
+
+Time to first token across peers (``ttft_engine_b_via_peer_<n>_tokens``): real vLLM
+engines, each a fresh process run by ``perf/benchmarks/vllm_ttft_run.py`` (model and
+timing as in ``test_bench_server_ttft.py``), with no CPU tier of their own. Server b
+names server a as its peer; both run ``--peer-transport nixl`` where NIXL is installed
+(else ``tcp``), so that pulls are NIXL READs; nothing else is shared. A round:
+
+1. engine A, on server a, serves one prompt per length (its cold prefill, not recorded)
+   and shuts down, which flushes its stores to server a;
+2. engine B, a new process on server b, warmed up on prompts of its own, serves A's
+   prompts (timed: every token it did not compute, server b pulled from server a), then
+   as many new prompts (timed: B's cold prefill, the baseline, lookups at the peer
+   included).
+
+A row's value is the median over rounds of B's TTFT via the peer, its baseline the
+median of B's cold prefill.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +64,9 @@ from kvtier.storage.wire import encode
 RESULTS_NAME = "peers"
 BLOBS, BLOB_MIB, ROUNDS = 16, 4, 5
 IDLE_S = 5.0
+RUNNER = Path(__file__).with_name("vllm_ttft_run.py")
+TTFT_ROUNDS, TTFT_TOKENS, TTFT_CHUNK = 3, [1024, 4000], 256
+RUN_TIMEOUT_S = 300
 NS = "bench"
 NAME = "kvtier1@bench@1@0@bfloat16@{:032x}"
 
@@ -195,3 +217,73 @@ def test_idle_cpu_of_a_server_with_peers():
     # printed and bounded, not recorded: the report has no section for CPU cores yet
     print(f"\npeer idle CPU: {idle:.4f} cores; a NIXL agent's progress thread: {thread:.4f}")
     assert idle < 0.05, f"an idle server with peers used {idle:.3f} cores"
+
+
+@pytest.fixture(scope="module")
+def ttft_model():
+    pytest.importorskip("vllm")
+    from kvtier.demo_vllm import build_model
+
+    return build_model(Path(tempfile.gettempdir()) / "kvtier-demo-llama-v1")
+
+
+def _engine_run(model: Path, url: str, out: Path, seed: int, prompts: int, warmup: int) -> dict:
+    extra = {"local_cpu": False, "remote_url": url, "remote_timeout_ms": 5000}
+    command = [
+        sys.executable, str(RUNNER), "--mode=kvtier", "--tokens", *map(str, TTFT_TOKENS),
+        f"--prompts={prompts}", f"--seed={seed}", f"--warmup-seed={warmup}", f"--model={model}",
+        f"--json={out}", f"--kvtier-extra={json.dumps(extra)}",
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def peer_rounds(ttft_model, tmp_path_factory) -> tuple[list[dict], dict]:
+    """Engine B's run per round (``miss_s[n]``: via the peer, then cold), and server b's
+    counters after the last round."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    out = tmp_path_factory.mktemp("peer-ttft")
+    pool = ("--chunk-size", str(TTFT_CHUNK), "--max-local-cpu-size", "1")
+    transport = "nixl" if NIXL else "tcp"
+    runs = []
+    with (
+        KVTierServerProcess(*pool, "--peer-transport", transport) as a,
+        KVTierServerProcess(*pool, "--peer", a.url, "--peer-transport", transport, admin=True) as b,
+    ):
+        for round_ in range(TTFT_ROUNDS):
+            seed = 200 + round_  # prompts no other benchmark stored
+            _engine_run(ttft_model, a.url, out / f"{round_}-a.json", seed, 1, seed)
+            runs.append(
+                _engine_run(ttft_model, b.url, out / f"{round_}-b.json", seed, 2, seed + 1000)
+            )
+        stats = b.admin("/stats")[1]
+    return runs, stats
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", TTFT_TOKENS)
+def test_ttft_engine_b_via_peer_vs_its_cold_prefill(peer_rounds, record, tokens):
+    runs, stats = peer_rounds
+    key = str(tokens)
+    warm = [run["miss_s"][key][0] for run in runs]
+    cold = [run["miss_s"][key][1] for run in runs]
+    loaded = [run["miss_cached_tokens"][key][0] for run in runs]
+    cold_cached = [run["miss_cached_tokens"][key][1] for run in runs]
+    transport = "nixl" if stats.get("peer_bytes_nixl", 0) else "tcp"
+    record(
+        metric=f"ttft_engine_b_via_peer_{tokens}_tokens", value=statistics.median(warm),
+        unit="s", baseline=f"ttft_cold_prefill_engine_b_{tokens}_tokens",
+        baseline_value=statistics.median(cold), rounds=warm, spread=[min(warm), max(warm)],
+        baseline_rounds=cold, baseline_spread=[min(cold), max(cold)],
+        params={"peer_transport": transport, "chunk_size": TTFT_CHUNK},
+        engine={"vllm": runs[0]["vllm"], "kvtier_config": runs[0]["kvtier_config"]},
+    )  # fmt: skip
+    assert max(cold_cached) == 0, f"B's cold prefill loaded: {cold_cached}"
+    assert min(loaded) >= tokens // TTFT_CHUNK * TTFT_CHUNK - TTFT_CHUNK, (
+        f"B loaded too little: {loaded}"
+    )
+    assert stats["peer_hits"] > 0 and transport == ("nixl" if NIXL else "tcp"), stats

@@ -93,6 +93,7 @@ def run(
     extra_prompts: int,
     seed: int,
     model: Path,
+    warmup_seed: int | None = None,
     kvtier_extra: dict[str, object] | None = None,
     kv_role: str = "kv_both",
 ) -> dict[str, object]:
@@ -120,7 +121,7 @@ def run(
     # NOTE: the warm-up prompts come from their own generator, so they never share a
     # prefix with a timed prompt (random tokens: a shared first block is out of reach).
     lengths = [*tokens, *extra_tokens]
-    warmup_rng = random.Random(f"warmup-{seed}")
+    warmup_rng = random.Random(f"warmup-{seed if warmup_seed is None else warmup_seed}")
     for n in tokens:
         prompt = random_prompt(warmup_rng, n)
         serve(prompt)
@@ -154,6 +155,7 @@ def run(
     return {
         "mode": mode,
         "seed": seed,
+        "warmup_seed": seed if warmup_seed is None else warmup_seed,
         "pid": os.getpid(),
         "vllm": vllm.__version__,
         "kvtier_config": kvtier_config,
@@ -178,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-tokens", type=int, nargs="*", default=[])
     parser.add_argument("--extra-prompts", type=int, default=1, help="per extra length")
     parser.add_argument("--seed", type=int, default=0, help="selects the random prompts")
+    parser.add_argument(
+        "--warmup-seed",
+        type=int,
+        default=None,
+        help="selects the warm-up prompts (default: --seed): an engine that serves another "
+        "engine's prompts warms up on prompts of its own",
+    )
     parser.add_argument("--model", type=Path, default=default_model_path())
     parser.add_argument("--json", type=Path, required=True, help="where the timings go")
     parser.add_argument(
@@ -205,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_prompts=args.extra_prompts,
         seed=args.seed,
         model=args.model,
+        warmup_seed=args.warmup_seed,
         kvtier_extra=args.kvtier_extra,
         kv_role=args.kv_role,
     )

@@ -430,7 +430,10 @@ class Report:
             "Real vLLM engines, each a fresh process, behind one `kvtier serve` "
             "(`perf/benchmarks/test_bench_server_ttft.py`): engine B on prompts only engine A "
             "served vs A's cold prefill; a `kv_consumer` on prompts a `kv_producer` just served vs "
-            "the consumer's own cold prefill ([docs/disaggregated.md](../docs/disaggregated.md)).",
+            "the consumer's own cold prefill ([docs/disaggregated.md](../docs/disaggregated.md)). "
+            "Across peers (`perf/benchmarks/test_bench_peers.py`): engine B, on server b, on "
+            "prompts only engine A, on server a, served, every loaded chunk pulled by server b "
+            "from its peer, vs B's own cold prefill ([docs/server.md](../docs/server.md#peers)).",
         )
 
     def proxy(self) -> None:

@@ -28,7 +28,7 @@ def _is_hashing(row: Row) -> bool:
     return row.metric.startswith("chunk hashing")
 
 
-TTFT_SHARED = re.compile(r"^ttft_(engine_b_via_server|pd_consumer)_(\d+)_tokens$")
+TTFT_SHARED = re.compile(r"^ttft_(engine_b_via_server|engine_b_via_peer|pd_consumer)_(\d+)_tokens$")
 
 
 SECTION_OF: list[tuple[str, Callable[[Row], bool]]] = [

@@ -50,10 +50,14 @@ class KVTierServerProcess:
         args: more ``kvtier serve`` flags (``--local-disk``, ``--auth-token``, ...).
         admin: also serve the admin API (on another free port; see ``admin_url``).
         token: the token the helper's own client sends (for ``ready`` and ``client``).
+        port: the port to bind (None: a free one), for servers that must name each
+            other before either starts (peers).
     """
 
-    def __init__(self, *args: str, admin: bool = False, token: str | None = None):
-        self.port = free_port()
+    def __init__(
+        self, *args: str, admin: bool = False, token: str | None = None, port: int | None = None
+    ):
+        self.port = free_port() if port is None else port
         self.admin_port = free_port() if admin else None
         self.token = token
         self.args = [*args, "--port", str(self.port)]
