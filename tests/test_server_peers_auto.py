@@ -37,11 +37,6 @@ def blob(i: int) -> bytes:
     return b"".join(bytes(p) for p in encode(NAME.format(i), tensor, make_serde("naive")))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a holder in auto with no peers of its own answers the first LEASE with "
-    "nixl: false before any PEER handshake, and the puller keeps it on TCP for good",
-)
 def test_a_holder_without_peers_of_its_own_is_pulled_with_nixl_in_auto():
     pool = ("--max-local-cpu-size", "0.1")
     with (

@@ -438,18 +438,22 @@ class KVTierServer:
     def _clear(self, frame: Frame, session: Session):
         return Reply({"deleted": self.cache.clear(session.namespace)})
 
-    def _peer(self, frame: Frame, session: Session):
+    def _ready_plane(self) -> NixlPlane | None:
+        """The NIXL plane; a server without peers of its own sets it up when a peer first
+        asks for it (its first PEER or LEASE; a fraction of a second, once), not at start."""
         if self.plane is None and self._open_plane is not None:
-            # a server without peers of its own sets up NIXL when a peer first asks
-            # (a fraction of a second, once), not at start
             self.plane, self._open_plane = self._open_plane(), None
-        if self.plane is None:
+        return self.plane
+
+    def _peer(self, frame: Frame, session: Session):
+        plane = self._ready_plane()
+        if plane is None:
             return Reply(_NO_NIXL)
-        return Reply(self.plane.handshake())
+        return Reply(plane.handshake())
 
     def _lease(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
-        if self.plane is None or self.leases is None:
+        if self._ready_plane() is None or self.leases is None:
             return Reply(_NO_NIXL)
         objs = self.cache.lease(session.namespace, names)
         held = [obj for obj in objs if obj is not None]
