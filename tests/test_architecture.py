@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memory", ("kvtier.memory",)),
     ("storage", ("kvtier.storage",)),
     ("engine", ("kvtier.paged_io", "kvtier.engine", "kvtier.warmup")),
+    ("routing", ("kvtier.routing",)),
     ("node", ("kvtier.web", "kvtier.server", "kvtier.proxy")),
     (
         "integration",

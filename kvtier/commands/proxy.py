@@ -2,6 +2,11 @@
 
     kvtier proxy --prefill http://10.0.0.1:8100 --prefill http://10.0.0.2:8100 \\
                  --decode http://10.0.0.3:8200 --policy least_loaded --port 8000
+    kvtier proxy --decode http://10.0.0.1:8000 --decode http://10.0.0.2:8000 \\
+                 --policy cache_aware --kv-events http://10.0.0.1:8000=tcp://10.0.0.1:5557 \\
+                 --kv-events http://10.0.0.2:8000=tcp://10.0.0.2:5557
+
+``--policy cache_aware`` needs pyzmq and msgspec (``kvtier[routing]``); see docs/routing.md.
 
 The proxy runs on aiohttp, a dependency of kvtier (vLLM brings it too). This module
 imports it only when the command runs, so ``kvtier --help`` works without it, and an
@@ -34,6 +39,12 @@ DEFAULT_PORT = 8000  # vLLM's: clients point at the proxy as they would at one e
 MISSING_AIOHTTP = (
     "kvtier proxy: aiohttp is not installed; install it with: pip install 'kvtier[proxy]'"
 )
+MISSING_ROUTING = (
+    "kvtier proxy: --policy cache_aware needs pyzmq and msgspec; install them with: "
+    "pip install 'kvtier[routing]'"
+)
+HASH_ALGOS = ("auto", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # vLLM's, and auto
+WEIGHT_FLAGS = (("gpu", 1.0), ("cpu", 0.8), ("local_storage", 0.5), ("remote", 0.3))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=POLICIES,
         default="round_robin",
-        help="how an instance is picked: in turn, or the one with the fewest requests "
-        "in flight (default round_robin)",
+        help="how an instance is picked: in turn, the one with the fewest requests "
+        "in flight, or the one holding the longest prefix of the request per the "
+        "engines' KV events, against its load (default round_robin)",
     )
+    add_routing_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0: any free port"
@@ -104,6 +117,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``--policy cache_aware`` (docs/routing.md)."""
+    group = parser.add_argument_group("cache_aware (docs/routing.md)")
+    group.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="an instance's vLLM KV event stream: INSTANCE_URL (as given to --prefill / "
+        "--decode) = its --kv-events-config endpoint, tcp://host:port, optionally "
+        "followed by ';replay=tcp://host:port' (its replay_endpoint); repeat per instance",
+    )
+    group.add_argument(
+        "--remote-group",
+        action="append",
+        default=[],
+        metavar="URL=NAME",
+        help="the group of instances sharing a remote tier (default: one per role); a "
+        "REMOTE block counts for every instance of its group",
+    )
+    group.add_argument(
+        "--index-blocks",
+        type=int,
+        default=1_000_000,
+        help="block hashes the index keeps, least recently used out (default 1000000)",
+    )
+    for name, default in WEIGHT_FLAGS:
+        group.add_argument(
+            f"--weight-{name.replace('_', '-')}",
+            type=float,
+            default=default,
+            help=f"worth of a block held in {name.replace('_', ' ')} (default {default})",
+        )
+    group.add_argument(
+        "--load-weight",
+        type=float,
+        default=0.1,
+        help="score cost of one request in flight, in shares of a fully cached prompt "
+        "(default 0.1: a full GPU hit outweighs 10 requests)",
+    )
+    group.add_argument(
+        "--hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256_cbor",
+        help="the engines' --prefix-caching-hash-algo (vLLM's own default is sha256); "
+        "auto: learnt from the events (default sha256_cbor)",
+    )
+    group.add_argument(
+        "--hash-seed",
+        help="the engines' PYTHONHASHSEED, when they run with one (default: vLLM's seed "
+        "without it, 'vllm-none-hash')",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the proxy until SIGTERM/SIGINT; 0 on a clean stop, 2 on a bad setting or a
     missing aiohttp."""
@@ -114,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if importlib.util.find_spec("aiohttp") is None:
         print(MISSING_AIOHTTP, file=sys.stderr)
+        return 2
+    cache_aware = args.policy == "cache_aware"
+    if cache_aware and not all(importlib.util.find_spec(m) for m in ("zmq", "msgspec")):
+        print(MISSING_ROUTING, file=sys.stderr)
         return 2
     # NOTE: imported here, not at the top: ``kvtier`` must run (and --help) without aiohttp.
     from kvtier.proxy.app import Proxy, ProxySettings, serve
@@ -131,12 +202,51 @@ def run(args: argparse.Namespace) -> int:
             prefill_timeout_s=args.prefill_timeout_s,
             decode_timeout_s=args.decode_timeout_s,
             api_key=args.api_key,
+            routing=routing_settings(args) if cache_aware else None,
         )
         proxy = Proxy(settings)
         return asyncio.run(serve(proxy, args.host, args.port, args.shutdown_grace_s))
     except (ValueError, OSError) as exc:
         print(f"kvtier proxy: {exc}", file=sys.stderr)
         return 2
+
+
+def routing_settings(args: argparse.Namespace):
+    """The ``RoutingSettings`` of the flags (pyzmq and msgspec are installed)."""
+    from kvtier.proxy.cache_aware import RoutingSettings
+    from kvtier.routing.scoring import Weights
+
+    weights = Weights(**{name: getattr(args, f"weight_{name}") for name, _ in WEIGHT_FLAGS})
+    return RoutingSettings(
+        kv_events=url_pairs(args.kv_events, "--kv-events"),
+        remote_groups=url_pairs(args.remote_group, "--remote-group"),
+        index_blocks=args.index_blocks,
+        weights=weights,
+        load_weight=args.load_weight,
+        hash_algo=args.hash_algo,
+        hash_seed=args.hash_seed,
+    )
+
+
+def url_pairs(values: list[str], flag: str) -> dict[str, str]:
+    """``URL=VALUE`` flags -> {normalized URL: VALUE}.
+
+    Raises:
+        ValueError: no ``=``, an empty value, a bad URL, or a URL given twice.
+    """
+    pairs: dict[str, str] = {}
+    for value in values:
+        url, sep, rest = value.partition("=")
+        if not sep or not rest.strip():
+            raise ValueError(f"{flag} {value!r}: expected INSTANCE_URL=VALUE")
+        try:
+            url = normalize_url(url)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {value!r}: {exc}") from None
+        if url in pairs:
+            raise ValueError(f"{flag}: {url} given twice")
+        pairs[url] = rest.strip()
+    return pairs
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -155,3 +265,19 @@ def check_arguments(args: argparse.Namespace) -> None:
     for flag in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+    routing_flags = args.kv_events or args.remote_group
+    if args.policy != "cache_aware" and routing_flags:
+        raise ValueError("--kv-events and --remote-group need --policy cache_aware")
+    if args.policy == "cache_aware" and not args.kv_events:
+        raise ValueError(
+            "--policy cache_aware needs each instance's KV events: "
+            "--kv-events INSTANCE_URL=tcp://host:port (repeat per instance)"
+        )
+    if args.index_blocks < 1:
+        raise ValueError("--index-blocks must be >= 1")
+    for name, _ in (*WEIGHT_FLAGS, ("load", 0)):
+        if getattr(args, f"{name}_weight" if name == "load" else f"weight_{name}") < 0:
+            flag = "--load-weight" if name == "load" else f"--weight-{name.replace('_', '-')}"
+            raise ValueError(f"{flag} must be >= 0")
+    url_pairs(args.kv_events, "--kv-events")
+    url_pairs(args.remote_group, "--remote-group")

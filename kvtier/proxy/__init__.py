@@ -6,8 +6,11 @@ loads that KV instead of computing it; the decode instance's answer is passed ba
 The ``kvtier proxy`` command (:mod:`kvtier.commands.proxy`) imports aiohttp only when it
 runs.
 
-    instances  the engine instances, their up/down state, round_robin / least_loaded
-    metrics    the proxy's Prometheus series
-    messages   the prefill leg's body, headers passed on, OpenAI-style errors
-    app        the aiohttp server and the two legs of a request
+    instances    the engine instances, their up/down state, round_robin / least_loaded /
+                 cache_aware picks
+    counters     the proxy's Prometheus series
+    messages     the prefill leg's body, headers passed on, OpenAI-style errors
+    prompts      a request's /tokenize body, the token cache, cached tokens of an answer
+    cache_aware  the cache_aware policy: KV event subscribers, index, per-request score
+    app          the aiohttp server and the two legs of a request
 """

@@ -17,6 +17,10 @@ Both legs carry the request id as ``X-Request-Id`` (the client's, or a new one),
 header vLLM's OpenAI server takes its request id from; the client's ``Authorization``,
 ``traceparent`` and ``tracestate`` headers are passed on too.
 
+With ``--policy cache_aware`` the prefill instance (the decode instance when there is no
+prefill pool) is the one whose KV events show the request's longest cached prefix
+(``cache_aware.py``); the other leg goes to the least loaded instance.
+
 Failures (NOTE: the decode instance always gets the request unless none is up):
 - prefill: a connection error tries the next prefill instance; a timeout or a 5xx marks
   the instance down and the request goes to decode without a prefill leg; a 4xx (the
@@ -40,6 +44,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -55,7 +60,11 @@ from kvtier.proxy.messages import (
     passed_headers,
     prefill_body,
 )
+from kvtier.proxy.prompts import cached_tokens_in_json, cached_tokens_in_sse
 from kvtier.web import has_bearer_token, start_app
+
+if TYPE_CHECKING:
+    from kvtier.proxy.cache_aware import CacheAwareRouter, Decision, RoutingSettings
 
 logger = logging.getLogger("kvtier.proxy")
 
@@ -63,6 +72,7 @@ logger = logging.getLogger("kvtier.proxy")
 # the instance is closing.
 KEEPALIVE_S = 4.0
 MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 MiB
+USAGE_TAIL_BYTES = 16 << 10  # the end of a stream kept to read its usage chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +87,7 @@ class ProxySettings:
     prefill_timeout_s: float = 300.0  # the whole prefill leg
     decode_timeout_s: float = 300.0  # the longest wait for the next bytes of a decode answer
     api_key: str | None = None
+    routing: RoutingSettings | None = None  # cache_aware's flags
 
 
 class LegFailed(Exception):
@@ -94,9 +105,26 @@ class Proxy:
         if not settings.decode:
             raise ValueError("at least one decode instance is needed (--decode URL)")
         self.settings = settings
-        self.prefill = Pool("prefill", settings.prefill, settings.policy, settings.retry_after_s)
-        self.decode = Pool("decode", settings.decode, settings.policy, settings.retry_after_s)
+        prefill_policy = decode_policy = settings.policy
+        if settings.policy == "cache_aware":
+            # by cache where the prompt is computed; by load for the decode leg of PD
+            decode_policy = "least_loaded" if settings.prefill else "cache_aware"
+        self.prefill = Pool("prefill", settings.prefill, prefill_policy, settings.retry_after_s)
+        self.decode = Pool("decode", settings.decode, decode_policy, settings.retry_after_s)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
+        self.routing: CacheAwareRouter | None = None
+        if settings.policy == "cache_aware":
+            # NOTE: imported here: pyzmq and msgspec (kvtier[routing]) are needed by
+            # this policy only.
+            from kvtier.proxy.cache_aware import CacheAwareRouter, RoutingSettings
+
+            scored = self.prefill if settings.prefill else self.decode
+            self.routing = CacheAwareRouter(
+                settings.routing or RoutingSettings(),
+                scored,
+                [self.prefill, self.decode],
+                self.metrics.registry,
+            )
         self.session: aiohttp.ClientSession | None = None
         self._probe: asyncio.Task | None = None
         self._prefill_timeout = aiohttp.ClientTimeout(
@@ -124,8 +152,12 @@ class Proxy:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
         self._probe = asyncio.create_task(self._probe_loop())
+        if self.routing is not None:
+            self.routing.start()
 
     async def _stop(self, app: web.Application) -> None:
+        if self.routing is not None:
+            await self.routing.stop()
         if self._probe is not None:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -154,8 +186,14 @@ class Proxy:
                 400, "the request body is not a JSON object", "BadRequestError", request_id
             )
         headers = self._leg_headers(request, request_id)
-        prefilled_on, prefill_s = await self._prefill(endpoint, body, headers, request_id)
-        response, decoded_on, decode_s = await self._decode(request, raw, headers, request_id)
+        decision = None
+        if self.routing is not None:
+            timeout = self._probe_timeout
+            decision = await self.routing.decide(self.session, endpoint, body, headers, timeout)
+        prefilled_on, prefill_s = await self._prefill(endpoint, body, headers, request_id, decision)
+        response, decoded_on, decode_s = await self._decode(
+            request, raw, headers, request_id, decision
+        )
         total_s = time.perf_counter() - started
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         self.metrics.overhead_seconds.observe(max(0.0, total_s - prefill_s - decode_s))
@@ -188,20 +226,30 @@ class Proxy:
                 headers[name] = value
         return headers
 
+    def _pick(self, pool: Pool, tried: list[Instance], decision: Decision | None):
+        if decision is None:
+            return pool.pick(exclude=tried)
+        return self.routing.pick(pool, decision, tried)
+
     async def _prefill(
-        self, path: str, body: dict, headers: dict[str, str], request_id: str
+        self,
+        path: str,
+        body: dict,
+        headers: dict[str, str],
+        request_id: str,
+        decision: Decision | None = None,
     ) -> tuple[str, float]:
         """Run the prefill leg. Returns where it ran (a URL, or why it was skipped) and
         its seconds."""
         payload = json.dumps(prefill_body(body)).encode()
         tried: list[Instance] = []
         seconds = 0.0
-        while (instance := self.prefill.pick(exclude=tried)) is not None:
+        while (instance := self._pick(self.prefill, tried, decision)) is not None:
             tried.append(instance)
             leg_started = time.perf_counter()
             try:
                 with self.prefill.in_flight(instance):
-                    status = await self._post_and_read(instance, path, payload, headers)
+                    status, answer = await self._post_and_read(instance, path, payload, headers)
             except aiohttp.ClientConnectionError as exc:
                 seconds += time.perf_counter() - leg_started
                 if isinstance(exc, aiohttp.ServerTimeoutError):
@@ -216,6 +264,9 @@ class Proxy:
             if status >= 500:
                 return self._prefill_failed(instance, f"HTTP {status}", request_id), seconds
             self.prefill.mark_up(instance)
+            if status < 400 and decision is not None:
+                cached = cached_tokens_in_json(answer)
+                self.routing.answered(self.prefill, instance, decision, cached)
             if status >= 400:
                 logger.warning(
                     "%s prefill on %s answered %d; decode gives the verdict",
@@ -232,12 +283,11 @@ class Proxy:
 
     async def _post_and_read(
         self, instance: Instance, path: str, payload: bytes, headers: dict[str, str]
-    ) -> int:
+    ) -> tuple[int, bytes]:
         async with self.session.post(
             instance.url + path, data=payload, headers=headers, timeout=self._prefill_timeout
         ) as response:
-            await response.read()
-            return response.status
+            return response.status, await response.read()
 
     def _prefill_failed(self, instance: Instance, error: object, request_id: str) -> str:
         self._instance_failed(self.prefill, instance, error, request_id)
@@ -259,19 +309,29 @@ class Proxy:
         )
 
     async def _decode(
-        self, request: web.Request, raw: bytes, headers: dict[str, str], request_id: str
+        self,
+        request: web.Request,
+        raw: bytes,
+        headers: dict[str, str],
+        request_id: str,
+        decision: Decision | None = None,
     ) -> tuple[web.StreamResponse, str, float]:
         """Run the decode leg and answer the client. Returns the response, the decode
         instance's URL (or "none") and the leg's seconds."""
         tried: list[Instance] = []
-        while (instance := self.decode.pick(exclude=tried)) is not None:
+        scored = decision is not None and self.routing.scored is self.decode
+        while (instance := self._pick(self.decode, tried, decision)) is not None:
             tried.append(instance)
             leg_started = time.perf_counter()
             with self.decode.in_flight(instance):
                 try:
-                    response = await self._relay(request, instance, raw, headers, request_id)
+                    response, cached = await self._relay(
+                        request, instance, raw, headers, request_id, watch_usage=scored
+                    )
                 except LegFailed:
                     continue
+                if response.status < 400 and decision is not None:
+                    self.routing.answered(self.decode, instance, decision, cached)
                 return response, instance.url, time.perf_counter() - leg_started
         message = "no decode instance is up" if not tried else "every decode instance failed"
         return error_response(503, message, "ServiceUnavailableError", request_id), "none", 0.0
@@ -283,8 +343,10 @@ class Proxy:
         raw: bytes,
         headers: dict[str, str],
         request_id: str,
-    ) -> web.StreamResponse:
-        """Send the client's body to ``instance`` and pass its answer on.
+        watch_usage: bool = False,
+    ) -> tuple[web.StreamResponse, int | None]:
+        """Send the client's body to ``instance`` and pass its answer on. Returns the
+        response and, with ``watch_usage``, the cached tokens the answer reports.
 
         Raises:
             LegFailed: no answer at all from ``instance`` (try another one).
@@ -299,10 +361,12 @@ class Proxy:
             )
         except aiohttp.ServerTimeoutError as exc:  # the instance may be working on it
             self._instance_failed(self.decode, instance, exc, request_id)
-            return error_response(504, "the decode instance timed out", "Timeout", request_id)
+            timed_out = error_response(504, "the decode instance timed out", "Timeout", request_id)
+            return timed_out, None
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._instance_failed(self.decode, instance, exc, request_id)
             raise LegFailed from exc
+        cached = None
         async with upstream:
             self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - leg_started)
             if upstream.status >= 500:
@@ -311,17 +375,21 @@ class Proxy:
                 self.decode.mark_up(instance)
             passed = passed_headers(upstream, request_id)
             if upstream.content_type == EVENT_STREAM:
-                response = await self._stream(request, instance, upstream, passed)
+                response, tail = await self._stream(
+                    request, instance, upstream, passed, watch_usage
+                )
+                cached = cached_tokens_in_sse(tail) if watch_usage else None
             else:
                 try:
                     body = await upstream.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     self._instance_failed(self.decode, instance, exc, request_id)
                     message = f"the decode instance failed: {describe_error(exc)}"
-                    return error_response(504, message, "Timeout", request_id)
+                    return error_response(504, message, "Timeout", request_id), None
                 response = web.Response(status=upstream.status, body=body, headers=passed)
+                cached = cached_tokens_in_json(body) if watch_usage else None
         self.metrics.decode_seconds.observe(time.perf_counter() - leg_started)
-        return response
+        return response, cached
 
     async def _stream(
         self,
@@ -329,8 +397,10 @@ class Proxy:
         instance: Instance,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
-    ) -> web.StreamResponse:
-        """Pass an SSE answer on as its bytes arrive.
+        keep_tail: bool = False,
+    ) -> tuple[web.StreamResponse, bytes]:
+        """Pass an SSE answer on as its bytes arrive. Returns the response and, with
+        ``keep_tail``, the stream's last ``USAGE_TAIL_BYTES`` (where its usage is).
 
         NOTE: when the instance fails mid-stream the status has gone out already; the
         client's connection is then cut (no closing chunk), so the client sees a broken
@@ -339,9 +409,12 @@ class Proxy:
         request_id = headers[REQUEST_ID_HEADER]
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
+        tail = b""
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+                if keep_tail:
+                    tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
             await response.write_eof()
         except ConnectionResetError:
             # The client went away (perhaps right after the last event, before the
@@ -352,7 +425,7 @@ class Proxy:
             self._instance_failed(self.decode, instance, exc, request_id)
             if request.transport is not None:
                 request.transport.abort()
-        return response
+        return response, tail
 
     # -- other endpoints -----------------------------------------------------------
 
@@ -393,6 +466,10 @@ class Proxy:
             "prefill": self.prefill.as_json(),
             "decode": self.decode.as_json(),
         }
+        if self.routing is not None:
+            for role in ("prefill", "decode"):
+                for row in body[role]:
+                    row["kv_events"] = self.routing.stream_json(row["url"])
         return web.json_response(body, status=200 if decode_up else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:

@@ -6,6 +6,8 @@ decode. A ``Pool`` holds the instances of one role and picks one per request:
     round_robin    the next instance in turn among those up
     least_loaded   the instance with the fewest requests in flight through this proxy
                    (ties: the one picked least recently)
+    cache_aware    the highest score the caller gives (``cache_aware.py``: the cached
+                   prefix against the load); ties and no score: least_loaded
 
 NOTE: an instance that fails (connection error, timeout, 5xx) is marked down for
 ``retry_after_s``. A down instance is skipped until that delay has passed; then it is
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
 @dataclass(slots=True)
@@ -100,15 +102,22 @@ class Pool:
     def __len__(self) -> int:
         return len(self.instances)
 
-    def pick(self, exclude: Sequence[Instance] = ()) -> Instance | None:
+    def pick(
+        self,
+        exclude: Sequence[Instance] = (),
+        score: Callable[[Instance], float] | None = None,
+    ) -> Instance | None:
         """The instance for the next request, or None when every instance not in
-        ``exclude`` is down (within its retry delay)."""
+        ``exclude`` is down (within its retry delay). ``score``: the cache_aware
+        policy's score of each instance (higher wins)."""
         now = self.clock()
         candidates = [i for i in self.instances if i.eligible(now) and i not in exclude]
         if not candidates:
             return None
         self._picks += 1
-        if self.policy == "least_loaded":
+        if self.policy == "cache_aware" and score is not None:
+            chosen = max(candidates, key=lambda i: (score(i), -i.in_flight, -i.last_picked))
+        elif self.policy != "round_robin":
             chosen = min(candidates, key=lambda i: (i.in_flight, i.last_picked))
         else:
             # The first candidate after the last one picked, so the rotation stays even

@@ -2,7 +2,7 @@
 runs an aiohttp application (a fake engine, or the proxy itself) beside a test.
 
 ``FakeOpenAI`` answers /v1/completions and /v1/chat/completions (JSON, or SSE with
-``stream: true``), /v1/models and /health, records every request it gets (path,
+``stream: true``), /v1/models, /tokenize (``fake_tokens``) and /health, records every request it gets (path,
 headers, raw body) and is steered through ``behaviour``: an error status, a delay, a
 stream cut mid-way, a failing health check. ``stop()`` closes its port (connections are
 refused, as with a dead engine) and ``start()`` brings it back on the same port.
@@ -76,6 +76,7 @@ class Behaviour:
     chunk_delay_s: float = 0.0  # between SSE events
     cut_after: int | None = None  # drop the connection after this many SSE events
     health_status: int = 200
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens in answers
 
 
 @dataclass
@@ -106,6 +107,7 @@ class FakeOpenAI:
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
         self.server = AppThread(app)
 
     @property
@@ -134,7 +136,11 @@ class FakeOpenAI:
     def answer(self, request_id: str) -> dict:
         text = "".join(f"{self.name}-{i} " for i in range(self.behaviour.chunks))
         choice = {"index": 0, "text": text, "finish_reason": "length"}
-        return {"id": f"cmpl-{request_id}", "model": self.name, "choices": [choice]}
+        answer = {"id": f"cmpl-{request_id}", "model": self.name, "choices": [choice]}
+        if self.behaviour.cached_tokens is not None:
+            details = {"cached_tokens": self.behaviour.cached_tokens}
+            answer["usage"] = {"prompt_tokens_details": details}
+        return answer
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -175,9 +181,25 @@ class FakeOpenAI:
         model = {"id": self.name, "object": "model", "owned_by": "kvtier-tests"}
         return web.json_response({"object": "list", "data": [model]})
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.received.append(Received(request.path, request.headers.copy(), raw))
+        tokens = fake_tokens(json.loads(raw))
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
         return web.Response(status=self.behaviour.health_status)
+
+
+def fake_tokens(body: dict) -> list[int]:
+    """A fake engine's token ids for a /tokenize body: the prompt's bytes (chat: the
+    messages' contents joined by newlines)."""
+    if "messages" in body:
+        text = "\n".join(str(m.get("content", "")) for m in body["messages"])
+    else:
+        text = body["prompt"]
+    return list(text.encode())
 
 
 def main() -> None:
