@@ -21,18 +21,58 @@ event publisher (vLLM's ZMQ PUB) and its replay socket (ROUTER) on free ports.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-from support.engines import kv_transfer_config
+from support.engines import kv_transfer_config, prompts_of
 from support.redis_server import free_port
 from support.vllm_openai import VllmServer, http
 
 HASH_SEED = "31"  # every engine's PYTHONHASHSEED, and the proxy's --hash-seed
 PROXY_STARTUP_S = 60
+# Plain words of the test tokenizer (support.models.add_word_tokenizer: ids 0-5 are
+# special tokens and role names).
+FIRST_WORD = 6
+
+
+def word_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Random token ids of plain words (no special tokens, no role names)."""
+    return [[FIRST_WORD + t for t in p] for p in prompts_of(lengths, seed=seed, vocab=500)]
+
+
+def words(token_ids: list[int]) -> str:
+    """The text the word tokenizer turns into exactly ``token_ids``."""
+    return " ".join(f"w{t}" for t in token_ids)
+
+
+def chat(model: str, system: str, question: str, max_tokens: int = 2, **more) -> dict:
+    """A greedy chat request: a system prompt and a user question (the word tokenizer's
+    chat template makes it ``system <system> user <question> assistant``)."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return body | {"ignore_eos": True} | more
+
+
+def shared_prefix_workload(
+    prompts: int, questions: int, *, system_words: int, question_words: int, seed: int
+) -> list[tuple[int, str, str]]:
+    """``prompts`` system prompts, each followed by ``questions`` questions (every one
+    different), as ``(prompt index, system, question)`` shuffled with ``seed``. A request's
+    templated tokens share ``system_words + 2`` tokens with the other requests of its
+    system prompt (``system``, the words, ``user``)."""
+    systems = [words(p) for p in word_prompts([system_words] * prompts, seed=seed)]
+    asked = word_prompts([question_words] * (prompts * questions), seed=seed + 1)
+    requests = [
+        (i, systems[i], words(asked[i * questions + q]))
+        for i in range(prompts)
+        for q in range(questions)
+    ]
+    random.Random(seed).shuffle(requests)
+    return requests
 
 
 class RoutedInstance:
