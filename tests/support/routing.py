@@ -85,6 +85,7 @@ class RoutedInstance:
         extra: kvtier's config (``hash_seed`` is set to ``HASH_SEED``).
         block_size: vLLM's block size.
         kv_cache_memory_bytes: the size of vLLM's own KV cache (its prefix cache).
+        env: more environment variables for the server.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class RoutedInstance:
         *,
         block_size: int = 32,
         kv_cache_memory_bytes: int = 128 << 20,
+        env: dict[str, str] | None = None,
     ):
         self.engine_id = f"kvtier-routing-{uuid.uuid4().hex[:8]}"
         self.events_port, self.replay_port = free_port(), free_port()
@@ -121,7 +123,7 @@ class RoutedInstance:
                 "sha256_cbor",
                 "--enable-prompt-tokens-details",
             ],
-            env={"PYTHONHASHSEED": HASH_SEED},
+            env={"PYTHONHASHSEED": HASH_SEED, **(env or {})},
         )
 
     @property
