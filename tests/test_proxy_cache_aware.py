@@ -7,6 +7,7 @@ are skipped, PD mode scores the prefill pool, and the metrics and /health fields
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
@@ -80,6 +81,7 @@ def proxy() -> Iterator[Callable[..., AppThread]]:
 
     def make(decode: list[Engine], prefill: list[Engine] = (), **routing) -> AppThread:
         streams = {e.url: e.events.endpoint for e in (*prefill, *decode)}
+        routing.setdefault("hash_algo", "sha256_cbor")  # the fake engines' hashing
         settings = ProxySettings(
             prefill=tuple(e.url for e in prefill),
             decode=tuple(e.url for e in decode),
@@ -271,3 +273,24 @@ def test_command_flags_for_cache_aware(capsys):
     bad = ["--policy", "cache_aware", "--kv-events", f"{decode}=tcp://h:1", "--weight-cpu", "-1"]
     assert main(["proxy", "--decode", decode, *bad]) == 2
     assert "--weight-cpu must be >= 0" in capsys.readouterr().err
+
+
+def test_hash_algo_auto_learns_the_engines_algorithm(engines, proxy):
+    """The default ``--hash-algo auto`` starts with vLLM's own default (sha256) and
+    switches to the algorithm the engines use once an event announces a prompt's first
+    block with its tokens; routing then follows the cache."""
+    a, b = engines("a"), engines("b")
+    server = proxy([a, b], hash_algo="auto")
+    router = server.proxy.routing
+    assert router.hasher.algo == "sha256"
+    tokens = fake_tokens({"prompt": SYSTEM + "Q1"})
+    first = block_keys(SYSTEM + "Q1")[:1]
+    for _ in range(50):  # the first announcements after a subscription may be lost
+        b.events.stored(first, block_size=BLOCK, tokens=tokens[:BLOCK])
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: router.hasher.algo == "sha256_cbor", timeout=0.1)
+            break
+    assert router.hasher.algo == "sha256_cbor"
+    publish_and_wait(server, b, SYSTEM + "Q1")
+    assert post(server.url, "/v1/completions", completion(SYSTEM + "Q2"))[0] == 200
+    assert len(b.completions()) == 1 and not a.completions()

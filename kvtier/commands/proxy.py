@@ -160,9 +160,9 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hash-algo",
         choices=HASH_ALGOS,
-        default="sha256_cbor",
-        help="the engines' --prefix-caching-hash-algo (vLLM's own default is sha256); "
-        "auto: learnt from the events (default sha256_cbor)",
+        default="auto",
+        help="the engines' --prefix-caching-hash-algo; auto (the default): learnt from the "
+        "first block an event announces, vLLM's own default (sha256) until then",
     )
     group.add_argument(
         "--hash-seed",

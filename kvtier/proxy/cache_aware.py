@@ -58,7 +58,7 @@ class RoutingSettings:
     index_blocks: int = DEFAULT_MAX_BLOCKS
     weights: Weights = field(default_factory=Weights)
     load_weight: float = DEFAULT_LOAD_WEIGHT
-    hash_algo: str = "sha256_cbor"
+    hash_algo: str = "auto"
     hash_seed: str | None = None  # None: vLLM's default seed
 
 
