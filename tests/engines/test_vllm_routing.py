@@ -10,7 +10,8 @@ run in order on them:
 - a repeated system prompt goes back to the instance that holds it: the proxy's
   decisions, its predicted cached tokens, the answer's ``cached_tokens`` and the engines'
   own prefix-cache hits agree;
-- a restarted proxy rebuilds its index from the engines' replay sockets;
+- a restarted proxy rebuilds its index from the engines' replay sockets (once each
+  engine publishes its next batch: an idle engine publishes nothing);
 - an instance killed (SIGKILL) is routed around, and once restarted gets requests again
   by its cache (xfail: the restarted engine's first batches are skipped), and is not
   credited with the blocks it lost (xfail: they count until its first new batch);
