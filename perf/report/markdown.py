@@ -92,6 +92,7 @@ class Report:
         self.compression()
         self.shared_ttft()
         self.proxy()
+        self.routing()
         self.blend()
         self.launch()
         self.other()
@@ -443,6 +444,18 @@ class Report:
             "`kvtier proxy` in front of fake OpenAI engines "
             "(`perf/benchmarks/test_bench_proxy.py`): per-request latency through the proxy vs the "
             "same calls made directly, interleaved in one run ([docs/proxy.md](../docs/proxy.md)).",
+        )
+
+    def routing(self) -> None:
+        self._table(
+            "routing",
+            "## Cache-aware routing",
+            "Two `kv_both` vLLM CPU engines, each with its own kvtier CPU tier (`shared` rows: "
+            "and one `kvtier serve` as both's remote tier), behind `kvtier proxy` "
+            "(`perf/benchmarks/test_bench_routing.py`): a shuffled workload of system prompts "
+            "each followed by several questions, per policy; cached prompt tokens as a share of "
+            "the ideal (every repeat of a system prompt hits), TTFT, and the proxy's overhead "
+            "per request against `round_robin` ([docs/routing.md](../docs/routing.md)).",
         )
 
     def blend(self) -> None:

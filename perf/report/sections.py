@@ -35,6 +35,7 @@ SECTION_OF: list[tuple[str, Callable[[Row], bool]]] = [
     ("ttft", lambda r: bool(TTFT_WARM.match(r.metric))),
     ("shared_ttft", lambda r: bool(TTFT_SHARED.match(r.metric))),
     ("proxy", lambda r: r.metric.startswith("proxy_")),
+    ("routing", lambda r: r.metric.startswith("routing_")),
     ("miss", lambda r: bool(TTFT_MISS.match(r.metric))),
     ("compression", _is_compression),
     ("blend", lambda r: r.metric.startswith("blend")),

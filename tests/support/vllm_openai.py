@@ -4,17 +4,22 @@ them (``python -m vllm.entrypoints.openai.api_server``), plus small HTTP helpers
     server = VllmServer(model, log, kv_transfer=transfer_config, tokenizer=False)
     server.wait_healthy()
     body = post_json(server.url + "/v1/completions", {...})
+    server.kill()        # SIGKILL: a crash; the port refuses connections
+    server.start()       # the same port and flags again (wait_healthy before use)
     server.close()
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from support.redis_server import free_port
@@ -55,6 +60,9 @@ class VllmServer:
         tokenizer: load the model's tokenizer (False: ``--skip-tokenizer-init``, prompts
             as token ids only).
         block_size: vLLM's block size.
+        kv_cache_memory_bytes: the KV cache's size.
+        args: more ``vllm serve`` flags.
+        env: more environment variables for the server.
     """
 
     def __init__(
@@ -65,11 +73,14 @@ class VllmServer:
         kv_transfer: dict | None = None,
         tokenizer: bool = False,
         block_size: int = 32,
+        kv_cache_memory_bytes: int = 128 << 20,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [
+        self.command = [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -86,17 +97,28 @@ class VllmServer:
             "--max-model-len",
             "2048",
             "--kv-cache-memory-bytes",
-            str(128 << 20),
+            str(kv_cache_memory_bytes),
             "--enforce-eager",
         ]
         if not tokenizer:
-            command.append("--skip-tokenizer-init")
+            self.command.append("--skip-tokenizer-init")
         if kv_transfer is not None:
-            command += ["--kv-transfer-config", json.dumps(kv_transfer)]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache
-        with open(log, "w") as log_file:
+            self.command += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        self.command += args
+        # VLLM_SERVER_DEV_MODE: /reset_prefix_cache
+        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        self.start()
+
+    def start(self) -> None:
+        """Start the server (again: the same port, flags and environment; the log is
+        appended to)."""
+        with open(self.log, "a") as log_file:
             self.process = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, env=env
+                self.command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,  # its engine process too is killed with the group
             )
 
     def wait_healthy(self, timeout: float = STARTUP_S) -> None:
@@ -120,8 +142,26 @@ class VllmServer:
     def metric(self, name: str) -> float:
         return metric(http(self.url + "/metrics").decode(), name)
 
-    def reset_prefix_cache(self) -> None:
-        assert json.loads(http(self.url + "/reset_prefix_cache", {})).get("success") is not False
+    def reset_prefix_cache(self, external: bool = False) -> None:
+        """Reset vLLM's prefix cache (``external``: the connector's, kvtier's, too)."""
+        path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+        assert json.loads(http(self.url + path, {})).get("success") is not False
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine process (a crash); returns once both are gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+        self._wait_group_gone()
+
+    def _wait_group_gone(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -129,5 +169,4 @@ class VllmServer:
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+                self.kill()
