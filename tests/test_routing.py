@@ -307,3 +307,22 @@ def test_endpoint_specs():
     for bad in ("h:1", "tcp://h:1;foo=1", "tcp://h:1;replay="):
         with pytest.raises(ValueError):
             parse_endpoint(bad)
+
+
+def test_a_restarted_publishers_later_batches_are_applied_without_a_replay():
+    """After "the publisher restarted" (seq <= the last one seen) with no replay socket,
+    the new publisher's next batches are live ones, not duplicates of a replay."""
+
+    async def body(published, subscriber, index):
+        published.stored([1])
+        await until(lambda: subscriber.last_seq == 0)
+        subscriber.last_seq = 7  # as if a previous publisher had reached 7
+        published.stored([2])  # seq 1 <= 7: the publisher restarted
+        await until(lambda: subscriber.counters.gaps == 1)
+        published.stored([3])  # seq 2
+        published.stored([4])  # seq 3
+        await until(lambda: subscriber.last_seq == 3)
+        assert index.holders(1) is None, "dropped with the restarted instance's entries"
+        assert index.holders(3) == {0: 1} and index.holders(4) == {0: 1}
+
+    run_with_subscriber(False, body)

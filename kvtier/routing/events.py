@@ -217,6 +217,11 @@ class Subscriber:
                     "connected to" if connected else "disconnected from",
                     self.endpoint,
                 )
+            if connected and not self.connected and self.last_seq is not None:
+                # back after a disconnection: the engine may have restarted and lost what
+                # it held, so its entries go; the next batch rebuilds them (a replay from 0)
+                self.index.drop_instance(self.name)
+                self.last_seq, self._replayed_from = None, None
             self.connected = connected
 
     # -- the sequence ----------------------------------------------------------------
@@ -246,6 +251,7 @@ class Subscriber:
             )
         if restarted:
             self.index.drop_instance(self.name)
+            self.last_seq = None  # the new publisher's batches are not duplicates
         start = 0 if last is None or restarted else last + 1
         recovered = False
         if self.replay_endpoint is not None and seq > start:

@@ -13,8 +13,8 @@ run in order on them:
 - a restarted proxy rebuilds its index from the engines' replay sockets (once each
   engine publishes its next batch: an idle engine publishes nothing);
 - an instance killed (SIGKILL) is routed around, and once restarted gets requests again
-  by its cache (xfail: the restarted engine's first batches are skipped), and is not
-  credited with the blocks it lost (xfail: they count until its first new batch);
+  by its cache, and is not credited with the blocks it lost (its stream reconnecting
+  drops its entries until its new batches, replayed from 0, rebuild them);
 - a prefix-cache reset (``AllBlocksCleared``) takes the instance's GPU blocks out of the
   index, kvtier's CPU tier still routes there; resetting kvtier too takes the rest.
 
@@ -357,11 +357,6 @@ def test_a_killed_instance_is_routed_around(routed):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a reconnected stream's old entries count until the restarted engine's first "
-    "batch shows the publisher restarted (kvtier/routing/events.py)",
-)
 def test_a_restarted_instance_is_not_credited_with_the_blocks_it_lost(routed):
     # Before the restarted engine's first event: nobody holds the probe's prefix now
     # (the victim lost its caches, the survivor never saw it).
@@ -369,11 +364,6 @@ def test_a_restarted_instance_is_not_credited_with_the_blocks_it_lost(routed):
     assert answer.predicted == answer.actual == 0, answer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after 'the publisher restarted', the subscriber keeps the old last_seq and "
-    "skips the new publisher's batches up to it as replayed ones (kvtier/routing/events.py)",
-)
 def test_a_restarted_instance_gets_requests_again(routed):
     (survivor,) = [i for i in routed.instances if i is not routed.victim]
     # New prefixes: ties go to the least loaded, then the least recently picked.
