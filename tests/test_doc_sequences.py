@@ -3,7 +3,7 @@ sequence markers is its script's text, byte for byte; every script is shown and 
 each script keeps the conventions the engine test relies on; and no command outside the
 scripts starts vLLM the way that fails on its CPU build or without a sized KV cache.
 
-``tests/engines/test_doc_sequences.py`` runs the scripts themselves.
+``tests/engines/test_vllm_doc_sequences.py`` runs the scripts themselves.
 """
 
 from __future__ import annotations

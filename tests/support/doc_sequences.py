@@ -13,7 +13,7 @@ markers, and the block between them is the script's text, byte for byte::
     python tests/support/doc_sequences.py --check  # exit 1 when a block differs
 
 ``tests/test_doc_sequences.py`` checks the blocks and the scripts' conventions;
-``tests/engines/test_doc_sequences.py`` runs every script against real engines.
+``tests/engines/test_vllm_doc_sequences.py`` runs every script against real engines.
 """
 
 from __future__ import annotations
