@@ -174,8 +174,9 @@ def test_committed_throughput_and_lookups_tables(committed):
     throughput = _device_part(_section(markdown, "## Throughput"), "cpu")
     gbps = _committed_rows("GB/s")
     assert (
-        len(gbps) == 55
-    )  # tiers 10, server 8 (shm, tcp x put, get x 2 baselines), kernels 4 (gather, scatter,
+        len(gbps) == 57
+    )  # tiers 10, server 10 (shm, tcp x put, get x 2 baselines; tcp put, get x a raw
+    # loopback socket), kernels 4 (gather, scatter,
     # RoPE torch and numba), codec 30 (5 chunks x 2 coders x encode, decode, fetch + decode),
     # peer pulls 3 (NIXL over UCX shm and tcp, the TCP protocol)
     for row in gbps:
@@ -238,6 +239,11 @@ def test_committed_compression_table(committed):
         "int8 (small_llama_kv_64)",
         "int8 (small_llama_kv_256)",
         "int8 (synthetic_kv)",
+        *(
+            f"cachegen stored object ({shape})"
+            for shape in ("1x64", "1x128", "2x64", "2x128", "4x64", "4x128", "8x64", "8x128")
+        ),
+        "cachegen stored object (model_a)",
     }
     for row in rows:
         cells = _row_with(compression, report.compression_label(report.Row("cpu", "cpu.json", row)))
