@@ -137,7 +137,7 @@ class KVTierServer:
             task.cancel()
         for sock in self._listeners:
             sock.close()
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace_s)
         for task in list(self._tasks):
             task.cancel()  # its coroutine closes its connection
@@ -184,7 +184,7 @@ class KVTierServer:
                     frame, blobs = await self._read_frame(sock, session)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client went away (between or inside a frame)
-                except TimeoutError:
+                except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11
                     self._reject("timeout", "a frame took too long to arrive")
                     return
                 except ProtocolError as exc:
@@ -217,23 +217,31 @@ class KVTierServer:
         head = bytearray(protocol.PREFIX_SIZE)
         await sockets.recv_exactly(loop, sock, memoryview(head))
         prefix = protocol.decode_prefix(head, self.max_frame_bytes)
-        async with asyncio.timeout(FRAME_READ_TIMEOUT_S):
-            raw = bytearray(prefix.header_len)
-            await sockets.recv_exactly(loop, sock, memoryview(raw))
-            frame = Frame(prefix.op, prefix.request_id, protocol.decode_header(raw))
-            blobs = self._receivers(frame, session, prefix.payload_len)
-            try:
-                if blobs is None:
-                    payload = bytearray(prefix.payload_len)
-                    await sockets.recv_exactly(loop, sock, memoryview(payload))
-                    frame.payload = payload
-                else:
-                    for blob in blobs:
-                        await sockets.recv_exactly(loop, sock, blob.view)
-            except BaseException:
-                let_go(blobs)
-                raise
+        # the rest of the frame within FRAME_READ_TIMEOUT_S (wait_for: Python 3.10 too)
+        frame, blobs = await asyncio.wait_for(
+            self._read_rest(loop, sock, session, prefix), FRAME_READ_TIMEOUT_S
+        )
         self.stats.inc("bytes_in", protocol.PREFIX_SIZE + prefix.header_len + prefix.payload_len)
+        return frame, blobs
+
+    async def _read_rest(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, session, prefix
+    ) -> tuple[Frame, list[Received] | None]:
+        raw = bytearray(prefix.header_len)
+        await sockets.recv_exactly(loop, sock, memoryview(raw))
+        frame = Frame(prefix.op, prefix.request_id, protocol.decode_header(raw))
+        blobs = self._receivers(frame, session, prefix.payload_len)
+        try:
+            if blobs is None:
+                payload = bytearray(prefix.payload_len)
+                await sockets.recv_exactly(loop, sock, memoryview(payload))
+                frame.payload = payload
+            else:
+                for blob in blobs:
+                    await sockets.recv_exactly(loop, sock, blob.view)
+        except BaseException:
+            let_go(blobs)
+            raise
         return frame, blobs
 
     def _receivers(

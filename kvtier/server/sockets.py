@@ -108,12 +108,15 @@ async def linger(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     (at most ``LINGER_S`` and ``LINGER_BYTES``): closing a socket with unread bytes
     resets the connection, which can destroy the reply the client has yet to read."""
     scratch = bytearray(1 << 16)
-    with contextlib.suppress(OSError, TimeoutError):
+
+    async def drain() -> None:
+        left = LINGER_BYTES
+        while left > 0 and (n := await loop.sock_recv_into(sock, scratch)):
+            left -= n
+
+    with contextlib.suppress(OSError, TimeoutError, asyncio.TimeoutError):
         sock.shutdown(socket.SHUT_WR)
-        async with asyncio.timeout(LINGER_S):
-            left = LINGER_BYTES
-            while left > 0 and (n := await loop.sock_recv_into(sock, scratch)):
-                left -= n
+        await asyncio.wait_for(drain(), LINGER_S)  # Python 3.10 has no asyncio.timeout
 
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
