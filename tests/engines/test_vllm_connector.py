@@ -11,13 +11,12 @@ own prefix-cache events.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import defaultdict
 
 import pytest
 from conftest import BLOCK, CHUNK
 from support.engines import expected_loaded, generate, make_llm, shutdown, worker_stats
+from support.event_stream import EventStream
 from support.redis_server import free_port
 from test_prometheus import scrape_url
 
@@ -25,46 +24,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 LAYERS, KV_HEADS, HEAD = 2, 2, 32
 CHUNK_BYTES = 2 * LAYERS * CHUNK * KV_HEADS * HEAD * 4  # K and V planes, float32
-
-
-class EventStream:
-    """A subscriber to vLLM's ZMQ KV event publisher; a thread collects every batch."""
-
-    def __init__(self, endpoint: str):
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(endpoint)
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.events: list = []
-        self._last = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._socket.poll(50):
-                _topic, _seq, payload = self._socket.recv_multipart()
-                self.events.extend(self._decoder.decode(payload).events)
-                self._last = time.monotonic()
-
-    def take(self, quiet: float = 1.0) -> list:
-        """Everything received so far, once nothing arrived for ``quiet`` seconds."""
-        while time.monotonic() - self._last < quiet:
-            time.sleep(0.05)
-        taken, self.events = self.events, []
-        return taken
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._socket.close(linger=0)
-        self._context.term()
 
 
 @pytest.fixture(scope="module")
