@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.storage.blob_store import Buffer
+from kvtier.storage.files import advance, byte_views
 
 SEND_BUFFER_BYTES = 4 << 20  # per connection; the kernel caps it at net.core.wmem_max
 IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
@@ -86,21 +87,14 @@ async def send_parts(
 ) -> None:
     """Send ``parts`` in order, as many as the kernel takes per ``sendmsg``, waiting for
     room in between (no part is copied)."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    first = 0
-    while first < len(views):
+    views = byte_views(parts)
+    while views:
         try:
-            sent = sock.sendmsg(views[first : first + IOV_MAX])
+            sent = sock.sendmsg(views[:IOV_MAX])
         except (BlockingIOError, InterruptedError):
             await _writable(loop, sock)
             continue
-        while sent:
-            size = len(views[first])
-            if sent < size:
-                views[first] = views[first][sent:]
-                break
-            sent -= size
-            first += 1
+        views = advance(views, sent)
 
 
 async def linger(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

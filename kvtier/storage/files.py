@@ -77,22 +77,22 @@ def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
 
 def write_all(fd: int, parts: Sequence[Buffer]) -> None:
     """``writev`` every byte of ``parts`` (retrying partial writes)."""
-    views = _byte_views(parts)
+    views = byte_views(parts)
     while views:
-        views = _advance(views, os.writev(fd, views[:IOV_MAX]))
+        views = advance(views, os.writev(fd, views[:IOV_MAX]))
 
 
 def read_into(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """``preadv`` from ``offset`` until ``buffers`` are full or the file ends; returns the
     bytes read (fewer than the buffers hold: the file is shorter)."""
-    views = _byte_views(buffers)
+    views = byte_views(buffers)
     total = 0
     while views:
         n = os.preadv(fd, views[:IOV_MAX], offset + total)
         if not n:
             break
         total += n
-        views = _advance(views, n)
+        views = advance(views, n)
     return total
 
 
@@ -263,7 +263,7 @@ def _copy_into(blob: memoryview, key: str, chunk: ChunkBuffers) -> bool:
     if len(payload) != chunk.nbytes:
         raise CorruptObject(f"payload of {len(payload)} bytes disagrees with its shape")
     offset = 0
-    for target in _byte_views(chunk.buffers):
+    for target in byte_views(chunk.buffers):
         target[:] = payload[offset : offset + len(target)]
         offset += len(target)
     return True
@@ -285,11 +285,12 @@ def _read_whole_direct(path: str, consume: Callable[[memoryview], T]) -> T:
         os.close(fd)
 
 
-def _byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+def byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """A flat byte view of each non-empty buffer (what ``writev`` / ``sendmsg`` take)."""
     return [memoryview(b).cast("B") for b in buffers if len(b)]
 
 
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+def advance(views: list[memoryview], n: int) -> list[memoryview]:
     """``views`` after their first ``n`` bytes were moved."""
     skip = 0
     while skip < len(views) and n >= len(views[skip]):

@@ -37,6 +37,7 @@ from urllib.parse import parse_qsl, urlsplit
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
+from kvtier.storage.files import advance, byte_views
 from kvtier.storage.node_protocol import Op, ProtocolError
 from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
@@ -115,17 +116,9 @@ class _Connection:
     def send(self, parts: Sequence[Buffer]) -> None:
         """Send ``parts`` in order with as few ``sendmsg`` calls as the kernel allows
         (none of them copied or joined)."""
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        first = 0
-        while first < len(views):
-            sent = self.sock.sendmsg(views[first : first + IOV_MAX])
-            while sent:
-                size = len(views[first])
-                if sent < size:
-                    views[first] = views[first][sent:]
-                    break
-                sent -= size
-                first += 1
+        views = byte_views(parts)
+        while views:
+            views = advance(views, self.sock.sendmsg(views[:IOV_MAX]))
 
     def receive(self, size: int) -> memoryview:
         """The next ``size`` bytes, in a buffer the connection reuses up to
