@@ -18,6 +18,9 @@ from kvtier_kernels import _launch
 # on the thread count. Every engine here (with kvtier or not) gets the same reservation,
 # so comparing their outputs compares the KV, not the threading (docs/vllm.md).
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+# NIXL's UCX (the peer tests, and the servers they start, which inherit the environment)
+# stays on the loopback device.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 CHUNK = 64
 BLOCK = 32

@@ -6,7 +6,6 @@ a miss within the timeout, and server b goes on serving."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import tempfile
 import threading
@@ -36,18 +35,6 @@ TRANSPORTS = [
     "tcp",
     pytest.param("nixl", marks=pytest.mark.skipif(not nixl_installed(), reason=NIXL_MISSING)),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def loopback_ucx():
-    """UCX on the loopback device only (the servers inherit the environment)."""
-    saved = os.environ.get("UCX_NET_DEVICES")
-    os.environ["UCX_NET_DEVICES"] = "lo"
-    yield
-    if saved is None:
-        os.environ.pop("UCX_NET_DEVICES", None)
-    else:
-        os.environ["UCX_NET_DEVICES"] = saved
 
 
 @pytest.fixture

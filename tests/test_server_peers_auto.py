@@ -24,12 +24,6 @@ except NixlUnavailable as exc:
     pytest.skip(f"{exc} (make test installs nixl-cu13 --no-deps)", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True)
-def loopback_ucx(monkeypatch):
-    """UCX on the loopback device only (the servers inherit the environment)."""
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-
-
 @functools.cache
 def blob(i: int) -> bytes:
     """A wire-format object of ``NAME.format(i)`` (made once: its header records when)."""

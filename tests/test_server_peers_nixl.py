@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import threading
 
 import pytest
@@ -30,8 +29,6 @@ try:
     import_nixl()
 except NixlUnavailable as exc:
     pytest.skip(f"{exc} (make test installs nixl-cu13 --no-deps)", allow_module_level=True)
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 @functools.cache

@@ -16,7 +16,6 @@ B never stores (a consumer), so whatever server b holds was pulled from server a
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -33,7 +32,6 @@ from kvtier.server.nixl import NixlUnavailable, import_nixl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL's UCX stays on loopback
 
 HITS = "vllm:external_prefix_cache_hits_total"
 
