@@ -16,17 +16,14 @@ B never stores (a consumer), so whatever server b holds was pulled from server a
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import pytest
 from conftest import BLOCK, CHUNK
 from support.engines import expected_loaded, kv_transfer_config, prompts_of
 from support.kvtier_server import KVTierServerProcess, free_port
 from support.models import add_word_tokenizer, make_tiny_llama
+from support.routing import ProxyProcess
 from support.tiers import wait_until
-from support.vllm_openai import VllmServer, http, post_json
+from support.vllm_openai import VllmServer, post_json
 
 from kvtier.server.nixl import NixlUnavailable, import_nixl
 
@@ -61,7 +58,7 @@ class Nodes:
             port=port_b,
         )  # fmt: skip
         self.engines = []
-        self.proxy: subprocess.Popen | None = None
+        self.proxy: ProxyProcess | None = None
         for role, server in (("kv_producer", self.server_a), ("kv_consumer", self.server_b)):
             extra = {
                 "chunk_size": CHUNK,
@@ -83,30 +80,17 @@ class Nodes:
         self.a, self.b = self.engines
         self.a.wait_healthy()
         self.b.wait_healthy()
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "kvtier", "proxy", "--port", str(port)]
-        command += ["--prefill", self.a.url, "--decode", self.b.url]
-        self.proxy_log = open(logs / "proxy.log", "w")  # noqa: SIM115 - closed in close()
-        self.proxy = subprocess.Popen(command, stdout=self.proxy_log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                http(self.url + "/health", timeout=5)
-                return
-            except OSError:
-                assert self.proxy.poll() is None, "kvtier proxy exited"
-                assert time.monotonic() < deadline, "kvtier proxy did not start"
-                time.sleep(0.2)
+        self.proxy = ProxyProcess(
+            ["--prefill", self.a.url, "--decode", self.b.url], logs / "proxy.log"
+        )
+        self.url = self.proxy.url
 
     def stats(self, server: KVTierServerProcess) -> dict:
         return server.admin("/stats")[1]
 
     def close(self) -> None:
         if self.proxy is not None:
-            self.proxy.terminate()
-            self.proxy.wait(30)
-            self.proxy_log.close()
+            self.proxy.stop()
         for engine in self.engines:
             engine.close()
         self.server_a.close()

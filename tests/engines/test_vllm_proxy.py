@@ -10,9 +10,6 @@ the answer equals the prefill instance's own answer to the same request sent dir
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -20,7 +17,7 @@ from conftest import BLOCK, CHUNK
 from support.engines import expected_loaded, kv_transfer_config, prompts_of
 from support.kvtier_server import KVTierServerProcess
 from support.models import add_word_tokenizer, make_tiny_llama
-from support.redis_server import free_port
+from support.routing import ProxyProcess
 from support.vllm_openai import VllmServer, http, post_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -50,30 +47,16 @@ class Deployment:
             )
             for role in ("kv_producer", "kv_consumer")
         )
-        self.proxy: subprocess.Popen | None = None
+        self.proxy: ProxyProcess | None = None
         self.prefill.wait_healthy()
         self.decode.wait_healthy()
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "kvtier", "proxy", "--port", str(port)]
-        command += ["--prefill", self.prefill.url, "--decode", self.decode.url]
-        self.proxy_log = open(logs / "proxy.log", "w")  # noqa: SIM115 - closed in close()
-        self.proxy = subprocess.Popen(command, stdout=self.proxy_log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                http(self.url + "/health", timeout=5)
-                return
-            except OSError:
-                assert self.proxy.poll() is None, "kvtier proxy exited"
-                assert time.monotonic() < deadline, "kvtier proxy did not start"
-                time.sleep(0.2)
+        flags = ["--prefill", self.prefill.url, "--decode", self.decode.url]
+        self.proxy = ProxyProcess(flags, logs / "proxy.log")
+        self.url = self.proxy.url
 
     def close(self) -> None:
         if self.proxy is not None:
-            self.proxy.terminate()
-            self.proxy.wait(30)
-            self.proxy_log.close()
+            self.proxy.stop()
         self.prefill.close()
         self.decode.close()
         self.node.close()
