@@ -474,10 +474,7 @@ class RetrieveTransfer:
             with paged_io.loading() if scatter_now else contextlib.nullcontext():
                 self._accept(chunks, slot_mapping)
         except BaseException:
-            paged_io.loads_done()  # no scatter may still read a released buffer
-            for _, obj in self._held:
-                obj.ref_down()
-            self._held = None
+            self._release_held()
             raise
         self._busy = time.perf_counter() - started
 
@@ -521,16 +518,19 @@ class RetrieveTransfer:
                 self.paged_io.to_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
+    def _release_held(self) -> None:
+        self.paged_io.loads_done()  # no scatter may still read a released buffer
+        for _, obj in self._held:
+            obj.ref_down()
+        self._held = None
+
     def close(self) -> None:
         """Release the held chunks and count the load (idempotent)."""
         if self._held is None:
             return
         loaded = sum(obj.data_nbytes for _, obj in self._held)
         hit_tokens = sum(chunk.num_tokens for chunk, _ in self._held)
-        self.paged_io.loads_done()  # no scatter may still read a released buffer
-        for _, obj in self._held:
-            obj.ref_down()
-        self._held = None
+        self._release_held()
         s = self.engine.stats
         s.inc(Counter.RETRIEVE_REQUESTS)
         s.inc(Counter.HIT_TOKENS, hit_tokens)
