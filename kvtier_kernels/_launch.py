@@ -261,9 +261,8 @@ class BoundLaunch:
             return
         runner = self._runner
         if runner is None:
-            runner = self._first_launch(args, stream)
-            if runner is None:
-                return
+            self._first_launch(args, stream)
+            return
         index = self.device_index
         if self._device_of() != index:
             with torch.cuda.device(index):
@@ -273,12 +272,12 @@ class BoundLaunch:
             stream = self._stream_of(index)
         runner(*args, *self._trailing, stream=stream)
 
-    def _first_launch(self, args: tuple, stream: int | None) -> Callable[..., None] | None:
-        """Launch once through Triton's C launcher (:func:`_triton_compat.direct_launcher`,
-        else ``compiled[grid]``) and keep it as the runner; where this Triton's launcher
-        refuses the call (a signature kvtier was not checked with), launch through
-        ``kernel[grid]`` from now on instead (one warning), which every Triton takes.
-        None: this call is already launched that way."""
+    def _first_launch(self, args: tuple, stream: int | None) -> None:
+        """Launch this first call through Triton's C launcher
+        (:func:`_triton_compat.direct_launcher`, else ``compiled[grid]``) and keep it as the
+        runner; where this Triton's launcher refuses the call (a signature kvtier was not
+        checked with), launch through ``kernel[grid]`` from now on instead (one warning),
+        which every Triton takes."""
         from kvtier_kernels import _triton_compat
 
         self._stream_of = _triton_compat.current_stream_getter()
@@ -307,7 +306,6 @@ class BoundLaunch:
                 )
                 runner(*args, *self._trailing, stream=stream)
         self._runner = runner
-        return None
 
 
 def _launch_through_jit(
