@@ -50,7 +50,7 @@ class PeerOptions:
 
 def open_plane(cache: BlobCache, leases: Leases, options: PeerOptions) -> NixlPlane | None:
     """The NIXL plane over the memory pool, or None (``tcp``, or NIXL unavailable under
-    ``auto``: one warning when peers are configured).
+    ``auto``: one warning).
 
     Raises:
         NixlUnavailable: ``transport`` is ``nixl`` and NIXL cannot be set up.
@@ -62,8 +62,7 @@ def open_plane(cache: BlobCache, leases: Leases, options: PeerOptions) -> NixlPl
     except NixlUnavailable as exc:
         if options.transport == "nixl":
             raise
-        log = logger.warning if options.urls else logger.debug
-        log("kvtier server: NIXL unavailable (%s): peers pull over TCP", exc)
+        logger.warning("kvtier server: NIXL unavailable (%s): peers pull over TCP", exc)
         return None
 
 
@@ -98,7 +97,7 @@ async def serve(
             cache.close(0)
             raise
     elif peers.transport == "auto":  # serving pulls only: set up at the first handshake
-        deferred = functools.partial(_open_plane_for_peers, cache, leases, peers)
+        deferred = functools.partial(open_plane, cache, leases, peers)
     if peers.urls:
         cache.peers = Peers(
             peers.urls,
@@ -167,15 +166,6 @@ async def serve(
         await admin.close()
     _close(cache, server.plane, leases)
     logger.info("kvtier server stopped")
-
-
-def _open_plane_for_peers(cache: BlobCache, leases: Leases, options: PeerOptions):
-    """:func:`open_plane` for a server that only serves pulls (``auto``: None, one
-    warning, where NIXL cannot be set up; its peers then pull over TCP)."""
-    plane = open_plane(cache, leases, options)
-    if plane is None:
-        logger.warning("kvtier server: NIXL unavailable: peers pull from it over TCP")
-    return plane
 
 
 def _close(
