@@ -5,6 +5,8 @@ layer-wise chunk view, the copy split over threads, and the cases it hands to to
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,3 +140,21 @@ def test_auto_picks_it_on_the_cpu() -> None:
         pytest.skip("numba does not import here")
     assert registry.pick("paged_gather", "auto", cpu) == "numba"
     assert registry.pick("paged_scatter", "auto", cpu) == "numba"
+
+
+def test_numba_imported_by_kvtier_leaves_every_namespace_walkable() -> None:
+    """vLLM's CPU worker start-up calls ``vars(value).get(...)`` on every value of every
+    loaded module; llvmlite's library handle answered ``vars()`` with a C function, so a
+    second engine in a process where kvtier had imported numba failed to start."""
+    code = (
+        "import sys, torch\n"
+        "from kvtier_kernels import registry\n"
+        "assert registry.pick('paged_scatter', 'auto', torch.device('cpu')) == 'numba'\n"
+        "for module in list(sys.modules.values()):\n"
+        "    for value in list(getattr(module, '__dict__', {}).values()):\n"
+        "        if hasattr(value, '__dict__'):\n"
+        "            vars(value).get('kernel')\n"
+        "import numba\n"
+        "assert numba.njit(lambda x: x + 1)(41) == 42  # llvmlite still works\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
