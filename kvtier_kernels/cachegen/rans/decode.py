@@ -362,6 +362,12 @@ def rans_decode_lanes(
             does not end in ``RANS_LOW`` (the message names the first bad lane).
         TypeError / ValueError: a wrong type, shape, dtype or device, or a freq row that is
             not a probability table (checked first).
+
+    NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
+    dtypes, devices and alignment, ``n`` and the backend (validation, launch config, grid,
+    the bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`;
+    of ``words`` not its length, which changes from chunk to chunk); a call still builds
+    the cumulative table, allocates its buffers and reads the checks back once.
     """
     try:
         key = decode_key(backend, words, lengths, freq, n)
@@ -415,9 +421,10 @@ def rans_decode_triton(
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`rans_decode_reference`: one launch and one host sync (the
-    length checks and the bad-lane flags). ``interpret``/``config`` as for
-    :func:`rans_encode_triton`. Shapes are assumed valid (:func:`rans_decode_lanes`
-    checks them).
+    length checks and the bad-lane flags), through the cached plan of these shapes (one
+    per ``config``: :class:`~kvtier_kernels.cachegen.rans.plans.DecodePlan`).
+    ``interpret``/``config`` as for :func:`rans_encode_triton`. Shapes are assumed valid
+    (:func:`rans_decode_lanes` checks them).
 
     Raises:
         ValueError / CodecError: as :func:`rans_decode_reference`, or tensors this backend

@@ -314,6 +314,12 @@ def rans_encode_lanes(
         TypeError / ValueError: a wrong type, shape, dtype or device (the message names the
             tensor and the expected shape), a freq row that is not a probability table, or
             a lane using a symbol without frequency (names the first such lane).
+
+    NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
+    dtypes, devices and alignment and the backend (validation, launch config, grid, the
+    bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`);
+    a call still builds the cumulative table, allocates its buffers and reads the checks
+    back once.
     """
     try:
         key = encode_key(backend, symbols, freq)
@@ -353,9 +359,11 @@ def rans_encode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`rans_encode_reference`: one launch, then an on-device
     compaction of the lanes' streams and one host sync (the stream's length and the
-    validity flags). ``interpret`` picks Triton's interpreter (CPU tensors) or the compiled
-    kernel (GPU tensors); None picks by the device. ``config`` overrides
-    :func:`launch_config`. Shapes are assumed valid (:func:`rans_encode_lanes` checks them).
+    validity flags), through the cached plan of these shapes (one per ``config``:
+    :class:`~kvtier_kernels.cachegen.rans.plans.EncodePlan`). ``interpret`` picks Triton's
+    interpreter (CPU tensors) or the compiled kernel (GPU tensors); None picks by the
+    device. ``config`` overrides :func:`launch_config`. Shapes are assumed valid
+    (:func:`rans_encode_lanes` checks them).
 
     Raises:
         ValueError: as :func:`rans_encode_reference`, or tensors this backend cannot reach,
