@@ -275,58 +275,53 @@ def tensor_ops(fn: Callable[[], object]) -> int:
     return ops.count
 
 
+RANS_OPS = ["rans_encode", "rans_encode_before_sync", "rans_decode", "rans_decode_before_sync"]
+
+
 @pytest.mark.parametrize("shape", list(RANS_SHAPES))
-@pytest.mark.parametrize("op", ["rans_encode", "rans_decode"])
+@pytest.mark.parametrize("op", RANS_OPS)
 def test_rans_host_us_per_call_with_a_recorder_for_the_device(op: str, shape: str, record) -> None:
+    """A whole call against the uncached path, or the part before its sync against the
+    whole call; calls alternate with their baseline's, so that the load of a shared
+    machine weighs on both alike."""
     pytest.importorskip("triton")
     case = rans_case(shape, torch.device("cpu"))
     calls = rans_calls(case, "interpret")
-    whole, before_sync = calls[op], calls[f"{op}_before_sync"]
-    rounds = RANS_ROUNDS[shape]
+    fn, whole = calls[op], calls[op.removesuffix("_before_sync")]
+    before_sync = op.endswith("_before_sync")
     with record_launches() as recorder:
         whole()  # builds the plan
-        # alternating calls, so that the load of a shared machine weighs on both alike
-        cached, no_plan = interleaved_medians(
-            whole, whole, repeat=rounds, baseline_setup=rans_plans.clear_plans
+        value, baseline_value = interleaved_medians(
+            fn,
+            whole,
+            repeat=RANS_ROUNDS[shape],
+            baseline_setup=None if before_sync else rans_plans.clear_plans,
         )
-        queued, whole_again = interleaved_medians(before_sync, whole, repeat=rounds)
-        ops_whole, ops_queued = tensor_ops(whole), tensor_ops(before_sync)
+        ops = tensor_ops(fn)
         empty = per_call_us(lambda: None)
-    cached, no_plan, queued, whole_again = (t * 1e6 for t in (cached, no_plan, queued, whole_again))
     assert recorder.calls > 0, "the recorder saw no launch: the row would time nothing"
     lanes, n = RANS_SHAPES[shape]
-    common = {
-        "lanes": lanes,
-        "symbols_per_lane": n,
-        "alphabet": RANS_ALPHABET,
-        "empty_python_call_us": empty,
-        "budget_us": BUDGET_US,
-        "device": "cpu (launch recorded, not run)",
-    }
     record(
         metric="host_us_per_call",
-        value=cached,
+        value=value * 1e6,
         unit="us",
-        baseline="the same call with no cached plan (rebuilt every call)",
-        baseline_value=no_plan,
-        meets_budget=cached <= BUDGET_US,
-        tensor_ops_per_call=ops_whole,
-        host_syncs_per_call=1,
-        note="the whole call: launch, checks read back (one sync), encode's compaction; "
-        "CPU tensor ops do their arithmetic here",
-        **common,
-    )
-    record(
-        metric="host_us_per_call_before_sync",
-        value=queued,
-        unit="us",
-        baseline="the whole call (same run)",
-        baseline_value=whole_again,
-        meets_budget=queued <= BUDGET_US,
-        tensor_ops_per_call=ops_queued,
-        host_syncs_per_call=0,
-        note="key, plan lookup, cumulative table and buffers, launch",
-        **common,
+        baseline="the whole call (same run)"
+        if before_sync
+        else "the same call with no cached plan (rebuilt every call)",
+        baseline_value=baseline_value * 1e6,
+        empty_python_call_us=empty,
+        budget_us=BUDGET_US,
+        meets_budget=value * 1e6 <= BUDGET_US,
+        tensor_ops_per_call=ops,
+        host_syncs_per_call=0 if before_sync else 1,
+        lanes=lanes,
+        symbols_per_lane=n,
+        alphabet=RANS_ALPHABET,
+        device="cpu (launch recorded, not run)",
+        note="key, plan lookup, cumulative table and buffers, launch"
+        if before_sync
+        else "launch, then the checks read back (one sync) and the encoder's compaction; "
+        "the CPU tensor ops do their arithmetic here",
     )
 
 
@@ -425,13 +420,10 @@ def test_gpu_step_fence_of_the_side_streams(record) -> None:
     )
 
 
-RANS_GPU_OPS = ["rans_encode", "rans_decode", "rans_encode_before_sync", "rans_decode_before_sync"]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
 @pytest.mark.parametrize("shape", list(RANS_SHAPES))
-@pytest.mark.parametrize("op", RANS_GPU_OPS)
+@pytest.mark.parametrize("op", RANS_OPS)
 def test_gpu_rans_host_us_and_wall_vs_kernel(op: str, shape: str, record) -> None:
     """The coder's calls with real launches. A whole call waits for its kernel (the checks
     read back), so its host time is its wall time; ``*_before_sync`` is what the host pays
