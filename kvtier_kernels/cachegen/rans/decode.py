@@ -20,7 +20,8 @@ Sections: numpy reference (the definition of correct) -> torch reference -> Trit
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,13 +36,14 @@ from kvtier_kernels.cachegen.rans.common import (
     LaunchConfig,
     bad_table_rows,
     check_freq,
-    check_placement,
     check_same_device,
     checked_table,
-    first_lane,
-    launch,
+    raise_bad_streams,
     raise_bad_table,
+    raise_length_mismatch,
+    raise_short_lanes,
 )
+from kvtier_kernels.cachegen.rans.plans import cached_plan, decode_key, decode_plan, store_plan
 
 __all__ = [
     "KERNEL",
@@ -123,24 +125,6 @@ def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int
 # ---------------------------------------------------------------------------------------
 
 
-def _raise_short_lanes(lengths: torch.Tensor) -> NoReturn:
-    lane = first_lane(lengths < 2)
-    raise CodecError(
-        f"every lane needs at least its 2 state words; lane {lane} has {int(lengths[lane])}"
-    )
-
-
-def _raise_length_mismatch(total: int, num_words: int) -> NoReturn:
-    raise CodecError(f"lane lengths sum to {total}, stream has {num_words}")
-
-
-def _raise_bad_streams(bad_lanes: torch.Tensor) -> NoReturn:
-    raise CodecError(
-        f"rANS stream of lane {first_lane(bad_lanes)} is inconsistent "
-        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes)"
-    )
-
-
 def rans_decode_reference(
     words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
     lengths: torch.Tensor,  # [lanes] int64/int32
@@ -161,9 +145,9 @@ def rans_decode_reference(
         raise_bad_table(bad_rows, freq_cpu)
     # the reference's own length checks, worded as the Triton backend words them
     if (lengths_cpu < 2).any():
-        _raise_short_lanes(lengths_cpu)
+        raise_short_lanes(lengths_cpu)
     if int(lengths_cpu.sum()) != len(words):
-        _raise_length_mismatch(int(lengths_cpu.sum()), len(words))
+        raise_length_mismatch(int(lengths_cpu.sum()), len(words))
     symbols = rans_decode(
         words.cpu().numpy().astype(np.uint16),
         lengths_cpu.numpy(),
@@ -378,7 +362,31 @@ def rans_decode_lanes(
             does not end in ``RANS_LOW`` (the message names the first bad lane).
         TypeError / ValueError: a wrong type, shape, dtype or device, or a freq row that is
             not a probability table (checked first).
+
+    NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
+    dtypes, devices and alignment, ``n`` and the backend (validation, launch config, grid,
+    the bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`;
+    of ``words`` not its length, which changes from chunk to chunk); a call still builds
+    the cumulative table, allocates its buffers and reads the checks back once.
     """
+    try:
+        key = decode_key(backend, words, lengths, freq, n)
+        plan = cached_plan(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validate
+        key, plan = None, None
+    if plan is None:
+        _validate(words, lengths, freq, n)
+        impl = registry.get("rans_decode", backend, words.device)
+        if not (isinstance(impl, functools.partial) and impl.func is rans_decode_triton):
+            return impl(words, lengths, freq, n)  # a CPU coder: no launch to plan
+        plan = decode_plan(words, lengths, freq, n, impl.keywords["interpret"], KERNEL)
+        if key is not None:
+            store_plan(key, plan)
+    return plan(words, lengths, freq)
+
+
+def _validate(words: Any, lengths: Any, freq: Any, n: Any) -> None:
+    """Check the arguments of :func:`rans_decode_lanes`."""
     for name, tensor in (("words", words), ("lengths", lengths)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -396,8 +404,6 @@ def rans_decode_lanes(
             f"every lane needs at least its 2 state words: {len(lengths)} lengths "
             f"for {len(freq)} lanes"
         )
-    impl = registry.get("rans_decode", backend, words.device)
-    return impl(words, lengths, freq, n)
 
 
 # ---------------------------------------------------------------------------------------
@@ -415,67 +421,22 @@ def rans_decode_triton(
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`rans_decode_reference`: one launch and one host sync (the
-    length checks and the bad-lane flags). ``interpret``/``config`` as for
-    :func:`rans_encode_triton`. Shapes are assumed valid (:func:`rans_decode_lanes`
-    checks them).
+    length checks and the bad-lane flags), through the cached plan of these shapes (one
+    per ``config``: :class:`~kvtier_kernels.cachegen.rans.plans.DecodePlan`).
+    ``interpret``/``config`` as for :func:`rans_encode_triton`. Shapes are assumed valid
+    (:func:`rans_decode_lanes` checks them).
 
     Raises:
         ValueError / CodecError: as :func:`rans_decode_reference`, or tensors this backend
             cannot reach, or an invalid ``config``.
     """
-    # validate: shapes and dtypes are checked by rans_decode_lanes(); data after the launch
-    device = words.device
-    interpret = device.type == "cpu" if interpret is None else interpret
-    check_placement(device, interpret)
-    lanes, alphabet = freq.shape
-    num_words = words.numel()
-
-    # allocate
-    lengths64 = lengths.to(torch.int64)
-    starts = lengths64.cumsum(0) - lengths64
-    log2_search = (alphabet - 1).bit_length()
-    cum_hi = torch.full((lanes, 1 << log2_search), PROB_SCALE, dtype=torch.int32, device=device)
-    cum_hi[:, : alphabet - 1] = freq[:, : alphabet - 1].to(torch.int64).cumsum(1).to(torch.int32)
-    out = torch.empty((lanes, n), dtype=torch.uint8, device=device)
-    bad = torch.zeros(lanes, dtype=torch.int8, device=device)
-
-    # grid + launch (with no words every lane is short or the lengths mismatch: no launch)
-    if lanes and num_words:
-        launch(
-            KERNEL,
-            lanes,
-            device,
-            interpret,
-            config,
-            words,  # [num_words]
-            starts,  # [lanes] int64
-            lengths64,  # [lanes] int64
-            freq,  # [lanes, A]
-            cum_hi,  # [lanes, SEARCH] int32
-            out,  # [lanes, n] uint8
-            bad,  # [lanes] int8
-            words.stride(0),
-            *freq.stride(),
-            *out.stride(),
-            lanes,
-            n,
-            num_words,
-            LOG2_SEARCH=log2_search,
-        )
-
-    bad_rows = bad_table_rows(freq)
-    short = lengths64 < 2
-    checks = torch.stack([bad_rows.sum(), short.sum(), lengths64.sum(), bad.sum(dtype=torch.int64)])
-    bad_row_count, short_count, total, bad_lane_count = checks.tolist()  # the one host sync
-    if bad_row_count:
-        raise_bad_table(bad_rows, freq)
-    if short_count:
-        _raise_short_lanes(lengths64)
-    if total != num_words:
-        _raise_length_mismatch(total, num_words)
-    if bad_lane_count:
-        _raise_bad_streams(bad != 0)
-    return out
+    interpret = words.device.type == "cpu" if interpret is None else interpret
+    key = decode_key(("triton", interpret, config), words, lengths, freq, n)
+    plan = cached_plan(key)
+    if plan is None:
+        plan = decode_plan(words, lengths, freq, n, interpret, KERNEL, config)
+        store_plan(key, plan)
+    return plan(words, lengths, freq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -497,11 +458,11 @@ def rans_decode_numba(
     table = checked_table(freq)
     lengths_np = lengths.cpu().numpy().astype(np.int64)
     if (lengths_np < 2).any():
-        _raise_short_lanes(torch.from_numpy(lengths_np))
+        raise_short_lanes(torch.from_numpy(lengths_np))
     ends = lengths_np.cumsum()
     total = int(ends[-1]) if len(ends) else 0
     if total != len(words):
-        _raise_length_mismatch(total, len(words))
+        raise_length_mismatch(total, len(words))
 
     # allocate
     lanes = len(lengths_np)
@@ -522,7 +483,7 @@ def rans_decode_numba(
         work=lanes * n,
     )
     if bad.any():
-        _raise_bad_streams(torch.from_numpy(bad != 0))
+        raise_bad_streams(torch.from_numpy(bad != 0))
     return torch.from_numpy(out).to(words.device)
 
 
