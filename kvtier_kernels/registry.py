@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier_kernels._launch import import_numba, numba_failures, numba_version
+from kvtier_kernels._launch import numba_failures, numba_version
+from kvtier_kernels._numba_compat import import_numba
 
 __all__ = [
     "BACKENDS",
