@@ -4,20 +4,22 @@ one compiled loop, split over the CPU's threads.
 torch's indexing kernels move a row of ``D`` values element by element, and on a scatter
 into vLLM's CPU layout (``index_copy_`` of 256-byte rows) that ran at a fifth of a plain
 copy. This backend moves each row as a run of integer words (the widest every address,
-stride and the row allow: bit-exact for every dtype) in a serial numba kernel::
+stride and the row allow: bit-exact for every dtype) in a serial numba kernel, layer by
+layer, token by token, and for each head the row of every plane::
 
-    job (plane p, layer g of a storage group, row r = token t * H + head h)
-      cache  storage[layer_base[g] + row_offsets[p, r] + w]      w < row_words
+    layer g of a storage group, token t, head h, plane p, word w < row_words
+      cache  storage[layer_base[g] + row_offsets[p, t * H + h] + w]
       chunk  chunk[p * c_plane + layer_pos[g] * c_layer + t * c_token + h * row_words + w]
 
-``row_offsets[p, r]`` is -1 for a token whose slot is negative (nothing moved). Layers are
+``row_offsets`` is -1 for a token whose slot is negative (nothing moved). Layers are
 grouped by the storage they live in (vLLM's layers are views of one buffer: one group);
 each group is one numpy view of its whole storage, so the kernel never sees a raw address.
+Slots are range-checked before the kernel runs (the plan's ``TorchCopy``), as for torch.
 
 The kernel is serial (:class:`~kvtier_kernels._launch.NumbaKernel` with
 ``parallel=False``: a serving engine's own thread calls it, and numba's threading layers
 must stay out of that thread); a chunk of more than ``_SPLIT_BYTES`` is split into ranges
-of jobs that run at once on a small pool of Python threads (the kernel releases the GIL),
+of layers that run at once on a small pool of Python threads (the kernel releases the GIL),
 one per torch thread. The first call for a word type runs on the caller's thread alone, so
 a failed compile falls back before anything was written. Where this backend does not
 apply (a chunk or cache not on the CPU, a chunk whose rows are not contiguous, head rows
@@ -95,8 +97,8 @@ class RowGroups:
 
 def _word_of(paged: PagedKV, layers: range) -> torch.dtype | None:
     """The widest integer word (8 bytes down to the element size) that divides every
-    selected layer's address, every canonical stride and the head row; None where the
-    head's values are not contiguous."""
+    selected layer's address and its storage's, every canonical stride and the head row;
+    None where the head's values are not contiguous."""
     view = paged.layer_view(layers[0])
     itemsize = view.element_size()
     if view.stride(4) != 1 and view.shape[4] > 1:
@@ -104,7 +106,8 @@ def _word_of(paged: PagedKV, layers: range) -> torch.dtype | None:
     strides = [
         s * itemsize for s, n in zip(view.stride()[:4], view.shape[:4], strict=True) if n > 1
     ]
-    offsets = [paged.layer_view(layer).data_ptr() for layer in layers]
+    views = [paged.layer_view(layer) for layer in layers]
+    offsets = [v.data_ptr() for v in views] + [v.untyped_storage().data_ptr() for v in views]
     for word_bytes in (8, 4, 2, 1):
         if word_bytes < itemsize:
             return None
