@@ -408,3 +408,28 @@ def test_rans_encode_reads_a_transposed_table_through_its_strides() -> None:
     freq_t = torch.from_numpy(np.ascontiguousarray(freq.T.astype(np.int64))).t()  # (1, lanes)
     words, lengths = rans_encode_lanes(torch.from_numpy(symbols), freq_t, backend=BACKEND)
     assert_stream_equal(words, lengths, ref_words, ref_lengths)
+
+
+def test_plan_cache_keeps_the_newest_and_takes_puts_from_many_threads() -> None:
+    import threading
+
+    from kvtier_kernels.plan_cache import PlanCache
+
+    cache = PlanCache(8)
+    for i in range(20):
+        cache.put(i, str(i))
+    assert [cache.get(i) for i in range(11, 20)] == [None] + [str(i) for i in range(12, 20)]
+
+    def fill(offset: int) -> None:
+        for i in range(2000):
+            cache.put((offset, i), i)
+            cache.get((offset, i - 1))
+
+    threads = [threading.Thread(target=fill, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len([k for k in range(2000) if cache.get((0, k)) is not None]) <= 8
+    cache.clear()
+    assert cache.get((0, 1999)) is None

@@ -47,6 +47,7 @@ from kvtier_kernels.cachegen.rans.common import (
     raise_short_lanes,
     raise_unusable_symbols,
 )
+from kvtier_kernels.plan_cache import PlanCache
 
 __all__ = [
     "MAX_PLANS",
@@ -65,7 +66,7 @@ MAX_PLANS = 512
 """Plans kept (the oldest go first): one per direction, lane count, symbols per lane (every
 partial chunk length up to a few hundred), alphabet and backend."""
 
-_plans: dict[tuple, Any] = {}
+_plans = PlanCache(MAX_PLANS)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -104,9 +105,7 @@ def clear_plans() -> None:
 
 def store_plan(key: tuple, plan: Any) -> None:
     """Keep ``plan`` under ``key`` (dropping the oldest past MAX_PLANS)."""
-    _plans[key] = plan
-    while len(_plans) > MAX_PLANS:
-        del _plans[next(iter(_plans))]
+    _plans.put(key, plan)
 
 
 def _bind_kernel(
