@@ -335,13 +335,15 @@ def test_registry_serves_triton_backends_lazily() -> None:
     runnable = (
         ["torch", "triton", "interpret"] if torch.cuda.is_available() else ["torch", "interpret"]
     )
-    assert registry.backends_for("paged_gather") == runnable
-    assert registry.backends_for("paged_scatter") == runnable
+    numba = ["numba"] if "numba" in registry.backends_for("rans_encode") else []
+    assert registry.backends_for("paged_gather") == runnable + numba
+    assert registry.backends_for("paged_scatter") == runnable + numba
     impl = registry.get("paged_gather", "interpret", "cpu")
     assert impl.func is gather_triton and impl.keywords == {"interpret": True}
     assert registry.get("paged_scatter", "interpret", "cpu").func is scatter_triton
-    # auto on a CPU cache stays on the torch backend (head rows, else the reference)
-    assert registry.get("paged_gather", "auto", "cpu") is gather_torch
+    # auto on a CPU cache: the numba kernel where numba imports, else the torch backend
+    auto = registry.get("paged_gather", "auto", "cpu")
+    assert auto is (registry.get("paged_gather", "numba") if numba else gather_torch)
 
 
 def test_launchers_called_directly_pick_the_interpreter_for_cpu_tensors() -> None:
