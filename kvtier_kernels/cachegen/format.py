@@ -53,7 +53,7 @@ MODEL_FIELDS = ("model", "scale_dtype", "length_bytes")
 _KEYS = {2: {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}}
 _KEYS[3] = _KEYS[2] | set(MODEL_FIELDS)
 _KEYS[4] = _KEYS[3] - {"length_bytes"}
-_KEYS[5] = _KEYS[4]
+_KEYS[5] = _KEYS[4] - {"prob_bits"}  # always PROB_BITS from version 5 on
 _WIDTHS = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 PACKED = ("scales", "models", "lengths")
 """The sections versions 4 and 5 store packed (:func:`pack`; version 5's models are coded,
@@ -170,7 +170,6 @@ def make_params(
     params: dict[str, Any] = {
         "version": VERSION,
         "shape": shape,
-        "prob_bits": PROB_BITS,
         "k_levels": k_levels,
         "v_levels": v_levels,
         "model": model,
@@ -352,9 +351,10 @@ def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int
     if not isinstance(params, dict):
         raise CodecError(f"params must be a map, got {type(params).__name__}")
     version = params.get("version")
-    if not _is_key(version, _KEYS, int) or params.get("prob_bits") != PROB_BITS:
+    prob_bits = params.get("prob_bits", PROB_BITS if version == VERSION else None)
+    if not _is_key(version, _KEYS, int) or prob_bits != PROB_BITS:
         raise CodecError(
-            f"unsupported version/prob_bits {version!r}/{params.get('prob_bits')!r} "
+            f"unsupported version/prob_bits {version!r}/{prob_bits!r} "
             f"(this decoder reads versions 2 to {VERSION}, prob_bits {PROB_BITS})"
         )
     if set(params) != _KEYS[version]:
