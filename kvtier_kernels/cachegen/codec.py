@@ -48,6 +48,7 @@ from kvtier_kernels.cachegen.tables import (
     gaussian_codebook,
     gaussian_freq,
     gaussian_models,
+    lane_models,
     quantize_counts,
 )
 
@@ -183,15 +184,9 @@ def _stored_scales(scale: np.ndarray, dtype: torch.dtype) -> tuple[str, bytes]:
     return "float32", pack(scale.astype("<f4").view("<u4"))
 
 
-def _model_lanes(models: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """uint8 ``[4 * L, D]``, the model lanes of ``models`` ``[lanes, 2]``: the centres of
-    each (plane, layer)'s lanes, then their spreads."""
-    return models.T.reshape(4 * num_layers, -1)
-
-
-def _model_codebook(levels: np.ndarray) -> tuple[GaussianCodebook, int]:
+def _model_codebook(levels: np.ndarray) -> GaussianCodebook:
     alphabet = 2 * int(levels.max()) + 1
-    return gaussian_codebook(tuple(sorted(set(levels.tolist()))), alphabet), alphabet
+    return gaussian_codebook(tuple(sorted(set(levels.tolist()))), alphabet)
 
 
 def _cpu_backend(backend: str) -> str:
@@ -205,18 +200,17 @@ def _coded_models(
     """Version 5's models section: each model lane is coded as the chunk's lanes are, with
     a Gaussian model of its own (stored as two bytes), in streams of
     :func:`lanes_per_stream` lanes; then the streams' lengths, packed, then their words."""
-    lanes = _model_lanes(torch.from_numpy(models), len(k_levels))
     levels = model_lane_levels(k_levels, v_levels)
-    codebook, alphabet = _model_codebook(levels)
-    meta = gaussian_models(_histogram(lanes, alphabet), hidden)
-    freq = torch.from_numpy(codebook.freq(meta.numpy(), levels))
+    lanes = np.ascontiguousarray(models.T).reshape(len(levels), hidden)  # [4 * L, D]
+    meta = lane_models(lanes)
+    freq = torch.from_numpy(_model_codebook(levels).freq(meta, levels))
     group = lanes_per_stream(len(lanes), hidden)
-    streams = lanes.reshape(len(lanes) // group, -1)
+    streams = torch.from_numpy(lanes).view(len(lanes) // group, group * hidden)
     words, lengths = rans_encode_lanes(
         streams, freq, _cpu_backend(backend), tables_per_stream=group
     )
     return (
-        padded(meta.numpy().tobytes())
+        padded(meta.tobytes())
         + pack(lengths.numpy())
         + padded(words.numpy().astype("<u2").tobytes())
     )
@@ -231,22 +225,19 @@ def _decoded_models(container: Container, backend: str) -> np.ndarray:
     """
     meta, lengths, words = container.coded_models()
     levels = container.model_lane_levels
-    codebook, alphabet = _model_codebook(levels)
     group = lanes_per_stream(len(meta), container.hidden)
     lanes = rans_decode_lanes(
         torch.from_numpy(words),
         torch.from_numpy(lengths),
-        torch.from_numpy(codebook.freq(meta, levels)),
+        torch.from_numpy(_model_codebook(levels).freq(meta, levels)),
         group * container.hidden,
         _cpu_backend(backend),
         tables_per_stream=group,
-    ).view(len(meta), container.hidden)
-    if not torch.equal(
-        gaussian_models(_histogram(lanes, alphabet), container.hidden), torch.from_numpy(meta)
-    ):
+    ).numpy()
+    lanes = lanes.reshape(len(meta), container.hidden)
+    if not np.array_equal(lane_models(lanes), meta):
         raise CodecError("decoded models disagree with their stored Gaussian models")
-    models = lanes.reshape(2, -1).T.numpy().astype(np.int64)
-    return check_models(models, container.lane_levels)
+    return check_models(lanes.reshape(2, -1).T.astype(np.int64), container.lane_levels)
 
 
 def encode_chunk(
