@@ -262,7 +262,7 @@ TOKENS, HIDDEN = 48, 4
 LANES = 2 * HIDDEN
 
 
-def forged(model: str) -> tuple[bytes, dict]:
+def forged(model: str, model_lane_shift: int = 0) -> tuple[bytes, dict]:
     """A version-5 object for 1 layer whose lanes are coded with a table that is valid for
     their symbols but not theirs: lane 0's stored spread (gaussian) or histogram (two
     counts moved by one) differs from what its symbols give."""
@@ -273,10 +273,11 @@ def forged(model: str) -> tuple[bytes, dict]:
     counts = torch.stack([torch.bincount(row.long(), minlength=alphabet) for row in symbols_t])
     if model == "gaussian":
         models = gaussian_models(counts, TOKENS)
-        models[0, 1] += 1
+        if not model_lane_shift:  # else the lanes' models are their own, a model lane's not
+            models[0, 1] += 1
         codebook = gaussian_codebook((LEVELS,), alphabet)
         freq = gaussian_freq(models, torch.full((LANES,), LEVELS), codebook)
-        tables = [coded_models(models)]
+        tables = [coded_models(models, model_lane_shift)]
     else:
         counts[0, LEVELS] += 1
         counts[0, LEVELS + 1] -= 1
@@ -295,14 +296,16 @@ def forged(model: str) -> tuple[bytes, dict]:
     return make_params(shape, [LEVELS], [LEVELS], model, "float32", sections)
 
 
-def coded_models(models: torch.Tensor) -> bytes:
+def coded_models(models: torch.Tensor, spread_shift: int = 0) -> bytes:
     """The version-5 models section of ``models`` (1 layer, lanes of ``LEVELS`` levels):
-    the model lanes' own Gaussian models, their streams' lengths, the streams' words."""
+    the model lanes' own Gaussian models, their streams' lengths, the streams' words;
+    ``spread_shift`` is added to the first model lane's spread (a valid, foreign model)."""
     levels = model_lane_levels([LEVELS], [LEVELS])
     lanes = models.T.reshape(len(levels), HIDDEN)
     alphabet = 2 * MODEL_SPREAD_LEVELS + 1
     counts = torch.stack([torch.bincount(row.long(), minlength=alphabet) for row in lanes])
     meta = gaussian_models(counts, HIDDEN)
+    meta[0, 1] += spread_shift
     codebook = gaussian_codebook((LEVELS, MODEL_SPREAD_LEVELS), alphabet)
     freq = gaussian_freq(meta, torch.from_numpy(levels), codebook)
     group = lanes_per_stream(len(lanes), HIDDEN)
@@ -323,6 +326,15 @@ def test_stored_model_must_be_the_symbols_own(model, backend):
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
+def test_stored_model_of_a_model_lane_must_be_its_own(backend):
+    payload, params = forged("gaussian", model_lane_shift=1)
+    out = torch.full((2, 1, TOKENS, HIDDEN), 7.0)
+    with pytest.raises(CodecError, match="decoded models disagree with their stored"):
+        decode_chunk(payload, params, out, backend=backend)
+    assert bool((out == 7.0).all()), "out written before the check"
+
+
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize(("byte", "value"), [(0, 2 * LEVELS + 1), (1, SPREADS), (1, 255)])
 def test_models_outside_the_alphabet_or_the_spreads_are_rejected(byte, value, backend):
     payload, params = encode_chunk(
@@ -336,3 +348,16 @@ def test_models_outside_the_alphabet_or_the_spreads_are_rejected(byte, value, ba
     with pytest.raises(CodecError, match="Gaussian model is outside"):
         decode_chunk(damaged, params, out, backend=backend)
     assert bool((out == 7.0).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(lanes=st.integers(1, 6), tokens=st.integers(1, 300), levels=st.integers(1, 127))
+def test_lane_models_are_the_gaussian_models_of_the_symbols(lanes, tokens, levels):
+    rng = np.random.default_rng(lanes * tokens + levels)
+    symbols = rng.integers(0, 2 * levels + 1, size=(lanes, tokens)).astype(np.uint8)
+    alphabet = 2 * levels + 1
+    counts = torch.stack(
+        [torch.bincount(row.long(), minlength=alphabet) for row in torch.from_numpy(symbols)]
+    )
+    expected = gaussian_models(counts, tokens).numpy()
+    np.testing.assert_array_equal(cachegen_tables.lane_models(symbols), expected)
