@@ -30,7 +30,7 @@ OLDEST_TESTS := tests/test_paged_copy_triton.py tests/test_rope.py tests/test_ca
 	tests/test_paged_copy.py tests/test_layouts.py tests/test_gpu_compile.py \
 	tests/test_engine.py tests/test_storage_manager.py tests/test_memory.py tests/test_cpu_tier.py \
 	tests/test_disk_tier.py tests/test_wire.py tests/test_hashing.py tests/test_cachegen.py \
-	tests/test_blend.py
+	tests/test_blend.py tests/test_paged_copy_numba.py
 
 # The newest Python, NumPy and numba verified (pyproject: numba>=0.59, numpy>=1.24): the
 # codecs' and kernels' tests in a third venv. NumPy 2.5 needs Python >= 3.12, and on 3.12
@@ -49,7 +49,8 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.kvtier-installed
 NEWEST_TEST_DEPS := pytest hypothesis pytest-timeout
 NEWEST_TESTS := tests/test_cachegen.py tests/test_cachegen_versions.py tests/test_cachegen_models.py \
-	tests/test_cachegen_kernels.py tests/test_rans_numba.py tests/test_rope.py tests/test_architecture.py
+	tests/test_cachegen_kernels.py tests/test_rans_numba.py tests/test_rope.py tests/test_architecture.py \
+	tests/test_paged_copy_numba.py
 
 # SGLang's HiCache storage backend is tested against SGLang's own code in a venv of its own:
 # torch first (the CPU wheel), SGLang without its dependencies (they include CUDA kernels

@@ -68,11 +68,15 @@ def engine_ops(config: KVTierConfig) -> tuple[str, ...]:
 
 
 def numba_ops(config: KVTierConfig) -> tuple[str, ...]:
-    """The ops with numba CPU kernels an engine with ``config`` runs: CacheGen's coder
-    (``remote_serde: cachegen``) and CacheBlend's RoPE (``enable_blending``)."""
+    """The ops with numba CPU kernels an engine with ``config`` runs: the paged copies
+    (``kernel_backend`` auto or numba), CacheGen's coder (``remote_serde: cachegen``) and
+    CacheBlend's RoPE (``enable_blending``)."""
+    paged_on_numba = config.kernel_backend in ("auto", "numba")
     return tuple(
         op
         for op, used in (
+            ("paged_gather", paged_on_numba),
+            ("paged_scatter", paged_on_numba),
             ("cachegen", config.remote_serde == "cachegen"),
             ("rope_rerotate", config.enable_blending),
         )

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from kvtier_kernels._numba_compat import import_numba
+
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing triton)."""
@@ -439,7 +441,7 @@ class NumbaKernel:
             with self._lock:
                 if self._compiled is None:
                     try:
-                        import numba
+                        numba = import_numba()
                     except Exception as error:  # an ImportError, or a numpy it refuses
                         raise _numba_failed(self.op, "import numba", error) from error
 
@@ -488,7 +490,7 @@ class NumbaKernel:
 
     @staticmethod
     def _run_parallel(kernel: Any, args: tuple, work: int) -> Any:
-        import numba
+        numba = import_numba()
 
         with _numba_lock:
             default = numba.get_num_threads()

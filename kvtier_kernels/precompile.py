@@ -284,7 +284,7 @@ def _rope_calls(
     return calls
 
 
-NUMBA_OPS = ("cachegen", "rope_rerotate")
+NUMBA_OPS = ("paged_gather", "paged_scatter", "cachegen", "rope_rerotate")
 """The warmable ops with numba CPU kernels (``auto``'s pick on a CPU where numba imports)."""
 _CACHEGEN_OPS = ("rans_encode", "rans_decode")  # the registry ops of the cachegen coder
 
@@ -301,6 +301,17 @@ def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
     """
     cpu = torch.device("cpu")
     warmed = []
+    for op in ("paged_gather", "paged_scatter"):
+        if op in ops and registry.pick(op, "auto", cpu) == "numba":
+            # rows of 64-bit words: what a cache whose head rows are 8-byte multiples moves
+            paged = PagedKV.empty(
+                "vllm_cpu", num_layers=2, num_blocks=2, block_size=16, num_heads=2,
+                head_size=64, dtype=dtype,
+            )  # fmt: skip
+            chunk = torch.zeros(paged.chunk_shape(16), dtype=dtype)
+            registry.get(op, "numba", cpu)(paged, torch.arange(16), chunk)
+            if registry.pick(op, "auto", cpu) == "numba":
+                warmed.append(op)
     if "cachegen" in ops and registry.pick("rans_encode", "auto", cpu) == "numba":
         from kvtier_kernels.cachegen import FLOAT_DTYPES, decode_chunk, encode_chunk
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier_kernels._launch import numba_failures, numba_version
+from kvtier_kernels._numba_compat import import_numba
 
 __all__ = [
     "BACKENDS",
@@ -166,7 +167,7 @@ def _numba_imports() -> bool:
     with _lock:
         if _numba_error == _NOT_TRIED:
             try:
-                import numba
+                numba = import_numba()
             except Exception as exc:  # an ImportError, or a numpy version numba refuses
                 _numba_error = f"{type(exc).__name__}: {exc}"
                 ops = sorted(op for op, impls in _registry.items() if "numba" in impls)

@@ -163,6 +163,9 @@ def test_info_refuses_what_the_engine_would_refuse(capsys, tmp_path):
     assert not (tmp_path / "new").exists()  # checked, not created
 
 
+NUMBA_OPS = ("paged_gather", "paged_scatter", "rans_encode", "rans_decode", "rope_rerotate")
+
+
 def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
     import torch
 
@@ -176,7 +179,7 @@ def test_info_says_which_torch_build_and_which_backend_auto_picks(capsys):
     for op, auto in info["kernel_auto"].items():
         if on_gpu:
             assert auto["backend"] == "triton", op
-        elif op in ("rans_encode", "rans_decode", "rope_rerotate") and numba:
+        elif numba and op in NUMBA_OPS:
             assert auto["backend"] == "numba", op
             assert auto["why"].startswith("numba: available (numba "), op
         else:

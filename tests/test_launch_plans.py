@@ -1,19 +1,26 @@
 """The cached launch state of the kernels (kvtier_kernels.paged.plans, kvtier_kernels.rope.plans,
-kvtier_kernels._launch.BoundLaunch): a plan serves only the cache and the geometry it was
-built for, a re-registered cache never sees stale addresses, results stay bit-exact
-against the torch reference under Triton's interpreter, and a cached call does no tensor
-work it need not (no read-back of slots, no allocation)."""
+kvtier_kernels.cachegen.rans.plans, kvtier_kernels._launch.BoundLaunch): a plan serves only
+the cache and the geometry it was built for, a re-registered cache never sees stale
+addresses, results stay bit-exact against the torch reference under Triton's interpreter,
+a cached call does no tensor work it need not (no read-back of slots, no allocation), and
+a cached rANS decode still rejects every stream the reference rejects."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from support.kv import fill_random_
+from support.rans_cases import as_tensors, assert_stream_equal, make_lanes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.paged_io import PagedIO
 from kvtier_kernels import PagedKV, gather, rerotate, scatter
 from kvtier_kernels._launch import record_launches
+from kvtier_kernels.cachegen.rans import CodecError, rans_decode_lanes, rans_encode_lanes
+from kvtier_kernels.cachegen.rans import plans as rans_plans
+from kvtier_kernels.cachegen.rans.decode import rans_decode, rans_decode_triton
+from kvtier_kernels.cachegen.rans.encode import rans_encode, rans_encode_triton
 from kvtier_kernels.paged import copy as paged_copy
 from kvtier_kernels.paged import gather_reference, scatter_reference
 from kvtier_kernels.paged.rows import launch_cache
@@ -253,3 +260,176 @@ def test_installed_launch_hooks_keep_tritons_own_runner(monkeypatch) -> None:
 
 def _a_hook(metadata) -> None:
     pass
+
+
+# ---------------------------------------------------------------------------------------
+# the rANS coder's plans
+# ---------------------------------------------------------------------------------------
+
+
+def coded(lanes: int, n: int, alphabet: int, seed: int, distribution: str = "skewed") -> tuple:
+    """``(symbols, freq, words, lengths)`` as tensors, with the reference's stream."""
+    symbols, freq = make_lanes(lanes, n, alphabet, distribution, seed=seed)
+    words, lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = as_tensors(symbols, freq)
+    return sym_t, freq_t, torch.from_numpy(words.astype(np.int64)), torch.from_numpy(lengths)
+
+
+def round_trip(sym_t: torch.Tensor, freq_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode and decode through the public entries, bit-exact against the reference;
+    returns the stream."""
+    symbols, freq = sym_t.numpy(), freq_t.numpy().astype(np.uint32)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    words, lengths = rans_encode_lanes(sym_t, freq_t, backend=BACKEND)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_lanes(words, lengths, freq_t, sym_t.shape[1], backend=BACKEND)
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+    return words, lengths
+
+
+def test_rans_plans_serve_a_second_call_and_a_second_shape() -> None:
+    sym_a, freq_a, _, _ = coded(5, 9, 7, seed=1)
+    round_trip(sym_a, freq_a)  # builds the plans
+    encode_plan = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_a, freq_a, 1))
+    assert isinstance(encode_plan, rans_plans.EncodePlan)
+    other = coded(5, 9, 7, seed=2)[:2]  # the same shapes, other data: the same plan
+    round_trip(*other)
+    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, *other, 1)) is encode_plan
+    sym_b, freq_b, _, _ = coded(3, 14, 11, seed=3)  # another shape: a plan of its own
+    round_trip(sym_b, freq_b)
+    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_b, freq_b, 1)) is not (
+        encode_plan
+    )
+    # the Triton launchers with the backend picked by the tensors' device, no interpret given
+    words, lengths = rans_encode_triton(sym_b, freq_b)
+    decoded = rans_decode_triton(words, lengths, freq_b, 14)
+    assert torch.equal(decoded, sym_b)
+
+
+def test_rans_plans_are_rebuilt_after_clear_plans() -> None:
+    sym_t, freq_t, _, _ = coded(4, 6, 5, seed=4)
+    words, lengths = round_trip(sym_t, freq_t)
+    key = rans_plans.decode_key(BACKEND, words, lengths, freq_t, 6, 1)
+    first = rans_plans.cached_plan(key)
+    assert first is not None
+    rans_plans.clear_plans()
+    assert rans_plans.cached_plan(key) is None
+    round_trip(sym_t, freq_t)
+    assert rans_plans.cached_plan(key) not in (None, first)
+
+
+def test_a_rans_plan_built_while_recording_runs_for_real_afterwards() -> None:
+    rans_plans.clear_plans()
+    sym_t, freq_t, words, lengths = coded(6, 5, 9, seed=5)
+    with record_launches() as recorder:
+        _, recorded_lengths = rans_encode_lanes(sym_t, freq_t, backend=BACKEND)
+        rans_decode_lanes(words, lengths, freq_t, 5, backend=BACKEND)  # nothing decoded
+    assert recorder.calls == 2 and not recorded_lengths.any()  # recorded, not run
+    name, grid, args = recorder.last
+    assert name == "rans_decode_kernel" and grid == (1,) and args[0] is words
+    round_trip(sym_t, freq_t)  # the same plans, launched
+
+
+def test_a_rans_decode_plan_serves_every_word_count_of_its_shapes() -> None:
+    """The words' length is passed per call: streams of one shape and different lengths
+    share a plan (within the classes Triton specializes on) and each decodes right."""
+    cases = [coded(4, 40, 30, seed, "uniform") for seed in (6, 8, 10, 12)]  # 50, 48, 47, 49
+    assert len({len(words) for _, _, words, _ in cases}) == 4
+    plans = []
+    for sym_t, freq_t, words, lengths in cases:
+        decoded = rans_decode_lanes(words, lengths, freq_t, 40, backend=BACKEND)
+        assert torch.equal(decoded, sym_t)
+        key = rans_plans.decode_key(BACKEND, words, lengths, freq_t, 40, 1)
+        plans.append(rans_plans.cached_plan(key))
+    assert plans[0] is plans[2] is plans[3]  # 50, 47, 49 words: one plan
+    assert plans[1] is not plans[0]  # 48 words, a multiple of 16: specialized apart
+
+
+def test_a_cached_rans_decode_still_rejects_what_the_reference_rejects() -> None:
+    sym_t, freq_t, words, lengths = coded(5, 7, 6, seed=9)
+    assert torch.equal(rans_decode_lanes(words, lengths, freq_t, 7, backend=BACKEND), sym_t)
+    damaged = words.clone()
+    damaged[3] ^= 0x5A5A  # same shapes: the cached plan
+    expected = pytest.raises(CodecError)
+    with expected:
+        rans_decode(damaged.numpy().astype(np.uint16), lengths.numpy(), freq_t.numpy(), 7)
+    with pytest.raises(CodecError, match="inconsistent"):
+        rans_decode_lanes(damaged, lengths, freq_t, 7, backend=BACKEND)
+    shifted = lengths.clone()
+    shifted[0] += 1
+    shifted[1] -= 1
+    with pytest.raises(CodecError):
+        rans_decode_lanes(words, shifted, freq_t, 7, backend=BACKEND)
+    bad_table = freq_t.clone()
+    bad_table[2, 0] += 1
+    with pytest.raises(ValueError, match="freq row of lane 2"):
+        rans_decode_lanes(words, lengths, bad_table, 7, backend=BACKEND)
+    with pytest.raises(ValueError, match="n must be an int"):  # True == 1, a key apart
+        rans_decode_lanes(words[:0], lengths[:0], freq_t[:0], True, backend=BACKEND)
+    rans_decode_lanes(words[:0], lengths[:0], freq_t[:0], 1, backend=BACKEND)
+    with pytest.raises(ValueError, match="n must be an int"):
+        rans_decode_lanes(words[:0], lengths[:0], freq_t[:0], True, backend=BACKEND)
+
+
+def test_a_cached_rans_encode_still_rejects_symbols_without_frequency() -> None:
+    sym_t, freq_t, _, _ = coded(4, 6, 5, seed=10)
+    rans_encode_lanes(sym_t, freq_t, backend=BACKEND)
+    zero = freq_t.clone()
+    used = int(sym_t[1, 0])
+    zero[1, (used + 1) % 5] += zero[1, used]
+    zero[1, used] = 0
+    with pytest.raises(ValueError, match="lane 1 uses a symbol"):
+        rans_encode_lanes(sym_t, zero, backend=BACKEND)
+
+
+def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
+    """What a cached call queues before its one sync: the cumulative table and the
+    buffers, then the launch; no read-back."""
+    sym_t, freq_t, words, lengths = coded(4, 6, 5, seed=11)
+    rans_encode_lanes(sym_t, freq_t, backend=BACKEND)
+    rans_decode_lanes(words, lengths, freq_t, 6, backend=BACKEND)
+    encode = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t, 1))
+    decode = rans_plans.cached_plan(rans_plans.decode_key(BACKEND, words, lengths, freq_t, 6, 1))
+    with record_launches() as recorder:
+        with TensorOps() as encoding:
+            encode.enqueue(sym_t, freq_t)
+        with TensorOps() as decoding:
+            decode.enqueue(words, lengths, freq_t)
+    assert recorder.calls == 2
+    for ops in (encoding.ops, decoding.ops):
+        assert "_local_scalar_dense" not in ops and "item" not in ops, ops
+    assert set(encoding.ops) <= {"cumsum", "sub_", "_to_copy", "empty", "zeros", "zero_"}
+    assert set(decoding.ops) <= {"cumsum", "sub_", "full", "slice", "empty", "zeros", "zero_"}
+
+
+def test_rans_encode_reads_a_transposed_table_through_its_strides() -> None:
+    symbols, freq = make_lanes(6, 10, 7, "uniform", seed=12)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    freq_t = torch.from_numpy(np.ascontiguousarray(freq.T.astype(np.int64))).t()  # (1, lanes)
+    words, lengths = rans_encode_lanes(torch.from_numpy(symbols), freq_t, backend=BACKEND)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+
+
+def test_plan_cache_keeps_the_newest_and_takes_puts_from_many_threads() -> None:
+    import threading
+
+    from kvtier_kernels.plan_cache import PlanCache
+
+    cache = PlanCache(8)
+    for i in range(20):
+        cache.put(i, str(i))
+    assert [cache.get(i) for i in range(11, 20)] == [None] + [str(i) for i in range(12, 20)]
+
+    def fill(offset: int) -> None:
+        for i in range(2000):
+            cache.put((offset, i), i)
+            cache.get((offset, i - 1))
+
+    threads = [threading.Thread(target=fill, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len([k for k in range(2000) if cache.get((0, k)) is not None]) <= 8
+    cache.clear()
+    assert cache.get((0, 1999)) is None

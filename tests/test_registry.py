@@ -33,7 +33,11 @@ def test_paged_copy_ops_are_registered() -> None:
     assert {"paged_gather", "paged_scatter"} <= set(registry.ops())
     assert "torch" in registry.backends_for("paged_gather")
     assert registry.get("paged_gather", "torch") is paged_copy.gather_torch
-    assert registry.get("paged_scatter", "auto", torch.device("cpu")) is paged_copy.scatter_torch
+    cpu = torch.device("cpu")
+    assert "numba" in registry.registered("paged_scatter")
+    picked = registry.pick("paged_scatter", "auto", cpu)  # numba where it imports, else torch
+    assert picked == ("numba" if "numba" in registry.backends_for("paged_scatter") else "torch")
+    assert registry.get("paged_scatter", "auto", cpu) is registry.get("paged_scatter", picked)
 
 
 def test_lazy_loader_runs_once_on_first_get() -> None:
@@ -156,7 +160,7 @@ def test_import_does_not_import_triton_numba_or_kvtier() -> None:
         "from kvtier_kernels import cachegen, registry\n"
         "registry.available_backends()\n"
         "registry.backends_for('rans_encode')\n"
-        "registry.get('paged_gather', 'auto', None)\n"
+        "registry.get('paged_gather', 'torch', None)\n"
         "top = ('triton', 'numba', 'kvtier', 'vllm')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in top)\n"
         "assert not bad, bad\n"
@@ -166,6 +170,7 @@ def test_import_does_not_import_triton_numba_or_kvtier() -> None:
 
 def test_backends_for_lists_only_what_can_run_here(monkeypatch) -> None:
     """Compiled Triton needs Triton and a GPU; the interpreter needs Triton only."""
+    monkeypatch.setattr(registry, "_numba_installed", lambda: False)
     monkeypatch.setattr(registry, "_triton_installed", lambda: True)
     monkeypatch.setattr(registry, "_gpu_kind", lambda: None)
     assert registry.backends_for("paged_gather") == ["torch", "interpret"]
@@ -195,7 +200,7 @@ def test_auto_picks_numba_off_the_gpu(numba_op) -> None:
     assert registry.registered(numba_op) == ["torch", "numba"]
     if HAS_TRITON:
         assert registry.pick(numba_op, "auto", torch.device("cuda")) == "torch"  # no kernel
-    assert registry.pick("paged_gather", "auto", torch.device("cpu")) == "torch"
+    assert registry.pick("paged_gather", "auto", torch.device("cpu")) == "numba"
 
 
 def test_auto_falls_back_to_torch_where_numba_does_not_import(numba_op, monkeypatch) -> None:

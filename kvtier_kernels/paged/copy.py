@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from kvtier_kernels import registry
-from kvtier_kernels._launch import LazyKernel, next_power_of_2, triton_loader
+from kvtier_kernels._launch import LazyKernel, next_power_of_2, numba_loader, triton_loader
 from kvtier_kernels.layouts import PagedKV
+from kvtier_kernels.paged.numba_rows import NUMBA_KERNELS, numba_backend
 from kvtier_kernels.paged.plans import (
     TorchCopy,
     cached_plan,
@@ -436,6 +437,13 @@ gather_torch = torch_backend(gather_reference, to_chunk=True)
 scatter_torch = torch_backend(scatter_reference, to_chunk=False)
 registry.register("paged_gather", "torch", gather_torch)
 registry.register("paged_scatter", "torch", scatter_torch)
-for _op, _launcher in (("paged_gather", gather_triton), ("paged_scatter", scatter_triton)):
+for _op, _launcher, _torch in (
+    ("paged_gather", gather_triton, gather_torch),
+    ("paged_scatter", scatter_triton, scatter_torch),
+):
+    _numba = numba_backend(_torch, to_chunk=_op == "paged_gather")
+    registry.register(
+        _op, "numba", loader=numba_loader([NUMBA_KERNELS[_op == "paged_gather"]], _numba)
+    )
     registry.register(_op, "triton", loader=triton_loader(KERNEL, _launcher, False))
     registry.register(_op, "interpret", loader=triton_loader(KERNEL, _launcher, True))

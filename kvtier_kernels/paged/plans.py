@@ -20,6 +20,7 @@ they are built (``PagedIO.device_slots`` does, once per batch, on the host copy)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -170,15 +171,20 @@ def cached_plan(paged: PagedKV, key: tuple) -> Callable[..., Any] | None:
     return launch_cache(paged).get(key)
 
 
+_PLAN_OPS = ("paged_gather", "paged_scatter")  # the first item of a plan's key
+_store_lock = threading.Lock()  # one cache may be stored into from several threads
+
+
 def store_plan(paged: PagedKV, key: tuple, plan: Callable[..., Any]) -> None:
     """Keep ``plan`` under ``key`` for ``paged`` (dropping the oldest past MAX_PLANS)."""
     cache = launch_cache(paged)
-    cache[key] = plan
-    if len(cache) > MAX_PLANS:
-        for old in [k for k in cache if isinstance(k, tuple) and k and k[0] != "layer_table"]:
-            if len(cache) <= MAX_PLANS:
-                break
-            del cache[old]
+    with _store_lock:
+        cache[key] = plan
+        if len(cache) > MAX_PLANS:
+            for old in [k for k in list(cache) if isinstance(k, tuple) and k[0] in _PLAN_OPS]:
+                if len(cache) <= MAX_PLANS:
+                    break
+                del cache[old]
 
 
 class TorchCopy:

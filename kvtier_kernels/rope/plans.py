@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels._launch import BoundLaunch, LazyKernel, bind, check_launch_config, upload
+from kvtier_kernels._launch import (
+    BoundLaunch,
+    LazyKernel,
+    bind,
+    check_launch_config,
+    upload,
+)
+from kvtier_kernels.plan_cache import PlanCache
 
 __all__ = [
     "MAX_PLANS",
@@ -40,7 +47,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PLANS = 256
 """Plans kept (the oldest go first): one per token count, layer count and rotary setting."""
 
-_plans: dict[tuple, Callable[..., torch.Tensor]] = {}
+_plans = PlanCache(MAX_PLANS)
 
 
 def _check_positions(name: str, positions: Any, num_tokens: int) -> None:
@@ -163,9 +170,7 @@ def clear_plans() -> None:
 
 def store_plan(key: tuple, plan: Callable[..., torch.Tensor]) -> None:
     """Keep ``plan`` under ``key`` (dropping the oldest past MAX_PLANS)."""
-    _plans[key] = plan
-    while len(_plans) > MAX_PLANS:
-        del _plans[next(iter(_plans))]
+    _plans.put(key, plan)
 
 
 class TorchRotation:

@@ -25,6 +25,21 @@ table) against the design budget of 15 us per call.
 Layer-wise (``use_layerwise``): a layer of one chunk is one plan call with ``layers`` of
 one layer, the ``paged_io_*_per_layer`` rows; the per-step fence of the side streams
 (``PagedIO.storing``) is paid once per step and is a GPU-only row.
+
+The CacheGen coder (``rans_encode`` / ``rans_decode`` rows, ``rans_encode_lanes`` /
+``rans_decode_lanes`` through their cached plans, :mod:`kvtier_kernels.cachegen.rans.plans`)
+runs on the compression benchmark's lanes, in the streams the codec codes them in
+(:func:`~kvtier_kernels.cachegen.format.lanes_per_stream`, up to ``STREAM_SYMBOLS`` = 1024
+symbols a stream): a 256-token chunk of 32 layers x 8 heads x 128 is 2 x 32 x 1024 = 65536
+lanes of 256 symbols, 4 a stream, 16384 streams of 1024 symbols (``chunk``), and its small
+chunk (``small_kv``: 4 layers x 128 channels x 64 tokens, 1024 lanes of 64 symbols, 16 a
+stream, 64 streams of 1024 symbols), with the default levels' 33-symbol alphabet. Unlike a paged copy, each call does tensor work of its
+own around the launch (the cumulative table from the call's ``freq``, the buffers, the
+checks) and one host sync (the checks read back; the encoder sizes its output by it), so
+two rows each: the whole call against the uncached path, and the part queued before the
+sync (``*_before_sync``: key, plan lookup, table, buffers, launch) against the whole call.
+On the CPU those tensor ops also do their arithmetic (on a GPU they are queued): the rows
+carry ``tensor_ops_per_call``, each a few us of host time on a GPU.
 """
 
 from __future__ import annotations
@@ -34,12 +49,19 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
+from conftest import interleaved_medians
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.paged_io import PagedIO
 from kvtier_kernels import PagedKV, gather, rerotate, scatter
 from kvtier_kernels._launch import record_launches
+from kvtier_kernels.cachegen import quantize_counts
+from kvtier_kernels.cachegen.format import lanes_per_stream
+from kvtier_kernels.cachegen.rans import plans as rans_plans
+from kvtier_kernels.cachegen.rans import rans_decode_lanes, rans_encode_lanes
 from kvtier_kernels.paged.plans import check_slot_range
 from kvtier_kernels.paged.rows import launch_cache
 from kvtier_kernels.rope.plans import clear_plans
@@ -185,6 +207,135 @@ def test_slot_range_check_of_host_slots(record) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# the CacheGen coder (rANS): the compression benchmark's lanes
+# ---------------------------------------------------------------------------------------
+
+RANS_SHAPES = {"chunk": (2 * LAYERS * HEADS * HEAD_SIZE, CHUNK), "small_kv": (2 * 4 * 128, 64)}
+"""``(lanes, tokens)``: the codec codes them as ``lanes_per_stream(lanes, tokens)`` a stream."""
+RANS_ALPHABET = 2 * 16 + 1  # the default levels' largest levels_half, 16
+RANS_ROUNDS = {"chunk": 15, "small_kv": 101}  # rounds of interleaved single calls
+_rans_cases: dict[tuple[str, str], dict] = {}
+
+
+def rans_case(shape: str, device: torch.device) -> dict:
+    """Symbols of quantized KV (each lane a rounded normal around the middle of the
+    alphabet, its own spread), each lane's table from its histogram, and their streams of
+    several lanes as the codec makes them (built once per shape and device)."""
+    case = _rans_cases.get((shape, str(device)))
+    if case is None:
+        lanes, n = RANS_SHAPES[shape]
+        rng = np.random.default_rng(1)
+        spread = rng.uniform(0.5, 4.0, size=(lanes, 1))
+        values = np.rint(rng.normal(RANS_ALPHABET // 2, spread, size=(lanes, n)))
+        symbols = torch.from_numpy(np.clip(values, 0, RANS_ALPHABET - 1).astype(np.uint8))
+        flat = (torch.arange(lanes)[:, None] * RANS_ALPHABET + symbols).flatten()
+        counts = torch.bincount(flat, minlength=lanes * RANS_ALPHABET)
+        freq = quantize_counts(counts.view(lanes, RANS_ALPHABET))
+        group = lanes_per_stream(lanes, n)
+        streams = symbols.view(lanes // group, group * n)
+        # the numpy coder: numba's threads would keep spinning into the timed calls
+        words, lengths = rans_encode_lanes(streams, freq, "torch", tables_per_stream=group)
+        case = {"symbols": streams, "freq": freq, "words": words, "lengths": lengths}
+        case |= {"n": group * n, "group": group}
+        case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        _rans_cases[(shape, str(device))] = case
+    return case
+
+
+def rans_calls(case: dict, backend: str) -> dict[str, Callable[[], object]]:
+    """The coder's calls as the codec makes them, and the part of each before its sync."""
+    symbols, freq, words, lengths, n, group = (
+        case[k] for k in ("symbols", "freq", "words", "lengths", "n", "group")
+    )
+
+    def encode_before_sync() -> object:
+        plan = rans_plans.cached_plan(rans_plans.encode_key(backend, symbols, freq, group))
+        return plan.enqueue(symbols, freq)
+
+    def decode_before_sync() -> object:
+        key = rans_plans.decode_key(backend, words, lengths, freq, n, group)
+        return rans_plans.cached_plan(key).enqueue(words, lengths, freq)
+
+    return {
+        "rans_encode": lambda: rans_encode_lanes(symbols, freq, backend, tables_per_stream=group),
+        "rans_decode": lambda: rans_decode_lanes(
+            words, lengths, freq, n, backend, tables_per_stream=group
+        ),
+        "rans_encode_before_sync": encode_before_sync,
+        "rans_decode_before_sync": decode_before_sync,
+    }
+
+
+class TensorOps(TorchDispatchMode):
+    """Counts the ATen ops run inside it (allocations, fills, reductions, views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tensor_ops(fn: Callable[[], object]) -> int:
+    with TensorOps() as ops:
+        fn()
+    return ops.count
+
+
+RANS_OPS = ["rans_encode", "rans_encode_before_sync", "rans_decode", "rans_decode_before_sync"]
+
+
+@pytest.mark.parametrize("shape", list(RANS_SHAPES))
+@pytest.mark.parametrize("op", RANS_OPS)
+def test_rans_host_us_per_call_with_a_recorder_for_the_device(op: str, shape: str, record) -> None:
+    """A whole call against the uncached path, or the part before its sync against the
+    whole call; calls alternate with their baseline's, so that the load of a shared
+    machine weighs on both alike."""
+    pytest.importorskip("triton")
+    case = rans_case(shape, torch.device("cpu"))
+    calls = rans_calls(case, "interpret")
+    fn, whole = calls[op], calls[op.removesuffix("_before_sync")]
+    before_sync = op.endswith("_before_sync")
+    with record_launches() as recorder:
+        whole()  # builds the plan
+        value, baseline_value = interleaved_medians(
+            fn,
+            whole,
+            repeat=RANS_ROUNDS[shape],
+            baseline_setup=None if before_sync else rans_plans.clear_plans,
+        )
+        ops = tensor_ops(fn)
+        empty = per_call_us(lambda: None)
+    assert recorder.calls > 0, "the recorder saw no launch: the row would time nothing"
+    lanes, n = RANS_SHAPES[shape]
+    record(
+        metric="host_us_per_call",
+        value=value * 1e6,
+        unit="us",
+        baseline="the whole call (same run)"
+        if before_sync
+        else "the same call with no cached plan (rebuilt every call)",
+        baseline_value=baseline_value * 1e6,
+        empty_python_call_us=empty,
+        budget_us=BUDGET_US,
+        meets_budget=value * 1e6 <= BUDGET_US,
+        tensor_ops_per_call=ops,
+        host_syncs_per_call=0 if before_sync else 1,
+        lanes=lanes,
+        symbols_per_lane=n,
+        lanes_per_stream=case["group"],
+        alphabet=RANS_ALPHABET,
+        device="cpu (launch recorded, not run)",
+        note="key, plan lookup, cumulative table and buffers, launch"
+        if before_sync
+        else "launch, then the checks read back (one sync) and the encoder's compaction; "
+        "the CPU tensor ops do their arithmetic here",
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # GPU: real launches (profile_launch.py's method)
 # ---------------------------------------------------------------------------------------
 
@@ -275,5 +426,44 @@ def test_gpu_step_fence_of_the_side_streams(record) -> None:
         baseline="an empty Python call",
         baseline_value=per_call_us(lambda: None),
         wall_us_per_step=wall,
+        device=torch.cuda.get_device_name(0),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("shape", list(RANS_SHAPES))
+@pytest.mark.parametrize("op", RANS_OPS)
+def test_gpu_rans_host_us_and_wall_vs_kernel(op: str, shape: str, record) -> None:
+    """The coder's calls with real launches. A whole call waits for its kernel (the checks
+    read back), so its host time is its wall time; ``*_before_sync`` is what the host pays
+    before that wait. The uncached path (plans dropped every call) is timed alongside."""
+    case = rans_case(shape, torch.device("cuda"))
+    calls = rans_calls(case, "triton")
+    whole = calls[op.removesuffix("_before_sync")]
+    whole()  # builds the plan
+    host, wall, kernel = _gpu_times(calls[op])
+
+    def uncached() -> object:
+        rans_plans.clear_plans()
+        return whole()
+
+    no_plan = None if op.endswith("_before_sync") else _gpu_times(uncached)[0]
+    lanes, n = RANS_SHAPES[shape]
+    record(
+        metric="wall_us_per_call",
+        value=wall,
+        unit="us",
+        baseline="GPU kernel time per call (torch.profiler)",
+        baseline_value=kernel,
+        host_us_per_call=host,
+        no_plan_host_us_per_call=no_plan,
+        tensor_ops_per_call=tensor_ops(calls[op]),
+        budget_us=BUDGET_US,
+        meets_budget=host <= BUDGET_US,
+        lanes=lanes,
+        symbols_per_lane=n,
+        lanes_per_stream=case["group"],
+        chunk_memory="device",
         device=torch.cuda.get_device_name(0),
     )

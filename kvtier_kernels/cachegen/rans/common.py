@@ -22,19 +22,20 @@ tensors. Integer-only math (int64 state), so every backend gives the same bits b
 construction.
 
 This module holds the constants, :class:`CodecError`, the table checks every backend runs
-(the numpy codec assumes valid tables) and the launch parameters of both kernels.
+(the numpy codec assumes valid tables), the errors every backend raises for bad symbols and
+streams, and the launch parameters of both kernels (their launch plans are in
+:mod:`~kvtier_kernels.cachegen.rans.plans`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from kvtier_kernels._launch import LazyKernel, check_launch_config, next_power_of_2
+from kvtier_kernels._launch import next_power_of_2
 
 __all__ = [
     "FREQ_DTYPES",
@@ -52,12 +53,12 @@ __all__ = [
     "check_tables_per_stream",
     "checked_table",
     "first_lane",
-    "launch",
     "launch_config",
     "raise_bad_streams",
     "raise_bad_table",
     "raise_length_mismatch",
     "raise_short_lanes",
+    "raise_unusable_symbols",
 ]
 
 PROB_BITS = 16
@@ -113,6 +114,37 @@ def raise_bad_table(bad_rows: torch.Tensor, freq: torch.Tensor) -> NoReturn:
     )
 
 
+def raise_unusable_symbols(bad_lanes: torch.Tensor) -> NoReturn:
+    """Raise the ValueError of an encode whose lanes flagged in ``bad_lanes`` use a symbol
+    outside their freq row or with frequency 0."""
+    raise ValueError(
+        f"lane {first_lane(bad_lanes)} uses a symbol outside its freq row or with frequency 0 "
+        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes); every symbol used needs a "
+        "positive frequency"
+    )
+
+
+def raise_short_lanes(lengths: torch.Tensor) -> NoReturn:
+    """Raise the CodecError that names the first lane of ``lengths`` with fewer than 2 words."""
+    lane = first_lane(lengths < 2)
+    raise CodecError(
+        f"every lane needs at least its 2 state words; lane {lane} has {int(lengths[lane])}"
+    )
+
+
+def raise_length_mismatch(total: int, num_words: int) -> NoReturn:
+    """Raise the CodecError of lane lengths summing to ``total`` for ``num_words`` words."""
+    raise CodecError(f"lane lengths sum to {total}, stream has {num_words}")
+
+
+def raise_bad_streams(bad_lanes: torch.Tensor) -> NoReturn:
+    """Raise the CodecError that names the first lane flagged in ``bad_lanes``."""
+    raise CodecError(
+        f"rANS stream of lane {first_lane(bad_lanes)} is inconsistent "
+        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes)"
+    )
+
+
 def check_freq(freq: Any, lanes: int | None) -> None:
     """Check the type, dtype and shape of ``freq`` (``lanes`` rows unless None)."""
     if not isinstance(freq, torch.Tensor):
@@ -127,24 +159,6 @@ def check_freq(freq: Any, lanes: int | None) -> None:
             f"freq must have shape [lanes={lanes}, A] with 1 <= A <= {MAX_ALPHABET}; "
             f"got {tuple(freq.shape)}"
         )
-
-
-def raise_short_lanes(lengths: torch.Tensor) -> NoReturn:
-    lane = first_lane(lengths < 2)
-    raise CodecError(
-        f"every lane needs at least its 2 state words; lane {lane} has {int(lengths[lane])}"
-    )
-
-
-def raise_length_mismatch(total: int, num_words: int) -> NoReturn:
-    raise CodecError(f"lane lengths sum to {total}, stream has {num_words}")
-
-
-def raise_bad_streams(bad_lanes: torch.Tensor) -> NoReturn:
-    raise CodecError(
-        f"rANS stream of lane {first_lane(bad_lanes)} is inconsistent "
-        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes)"
-    )
 
 
 def check_tables_per_stream(tables_per_stream: Any, n: int) -> None:
@@ -185,7 +199,7 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# launch parameters and the launch of either kernel
+# launch parameters of both kernels
 # ---------------------------------------------------------------------------------------
 
 
@@ -240,31 +254,4 @@ def check_placement(device: torch.device, interpret: bool) -> None:
         raise ValueError(
             f"kernel backend 'triton' needs CUDA/ROCm tensors; the tensors are on {device} "
             "(use 'interpret' or 'torch')"
-        )
-
-
-def launch(
-    kernel: LazyKernel,
-    lanes: int,
-    device: torch.device,
-    interpret: bool,
-    config: LaunchConfig | None,
-    *args: Any,
-    **meta: Any,
-) -> None:
-    """Launch ``kernel`` over ``lanes`` lanes (grid ``(cdiv(lanes, BLOCK),)``) with ``args``
-    and the constexprs ``PROB_BITS``, ``RANS_LOW``, ``meta`` and ``BLOCK``."""
-    config = launch_config(lanes, device) if config is None else config
-    check_launch_config(config, ("block_lanes",))
-    grid = (-(-lanes // config.block_lanes),)
-    decorated = kernel.get(interpret)
-    device_guard = contextlib.nullcontext() if interpret else torch.cuda.device(device)
-    with device_guard:
-        decorated[grid](
-            *args,
-            PROB_BITS=PROB_BITS,
-            RANS_LOW=RANS_LOW,
-            **meta,
-            BLOCK=config.block_lanes,
-            num_warps=config.num_warps,
         )

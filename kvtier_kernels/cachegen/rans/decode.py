@@ -20,6 +20,7 @@ Sections: numpy reference (the definition of correct) -> torch reference -> Trit
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -34,15 +35,14 @@ from kvtier_kernels.cachegen.rans.common import (
     CodecError,
     LaunchConfig,
     bad_table_rows,
-    check_placement,
     check_streams,
     checked_table,
-    launch,
     raise_bad_streams,
     raise_bad_table,
     raise_length_mismatch,
     raise_short_lanes,
 )
+from kvtier_kernels.cachegen.rans.plans import cached_plan, decode_key, decode_plan, store_plan
 
 __all__ = [
     "KERNEL",
@@ -384,10 +384,28 @@ def rans_decode_lanes(
             does not end in ``RANS_LOW`` (the message names the first bad lane).
         TypeError / ValueError: a wrong type, shape, dtype or device, or a freq row that is
             not a probability table (checked first).
+
+    NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
+    dtypes, devices and alignment, ``n`` and the backend (validation, launch config, grid,
+    the bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`;
+    of ``words`` not its length, which changes from chunk to chunk); a call still builds
+    the cumulative table, allocates its buffers and reads the checks back once.
     """
-    check_streams(words, lengths, freq, n, tables_per_stream)
-    impl = registry.get("rans_decode", backend, words.device)
-    return impl(words, lengths, freq, n, tables_per_stream)
+    try:
+        key = decode_key(backend, words, lengths, freq, n, tables_per_stream)
+        plan = cached_plan(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validate
+        key, plan = None, None
+    if plan is None:
+        check_streams(words, lengths, freq, n, tables_per_stream)
+        impl = registry.get("rans_decode", backend, words.device)
+        if not (isinstance(impl, functools.partial) and impl.func is rans_decode_triton):
+            return impl(words, lengths, freq, n, tables_per_stream)  # a CPU coder: no plan
+        interpret = impl.keywords["interpret"]
+        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, KERNEL)
+        if key is not None:
+            store_plan(key, plan)
+    return plan(words, lengths, freq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -406,70 +424,22 @@ def rans_decode_triton(
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`rans_decode_reference`: one launch and one host sync (the
-    length checks and the bad-lane flags). ``interpret``/``config`` as for
-    :func:`rans_encode_triton`. Shapes are assumed valid (:func:`rans_decode_lanes`
-    checks them).
+    length checks and the bad-lane flags), through the cached plan of these shapes (one
+    per ``config``: :class:`~kvtier_kernels.cachegen.rans.plans.DecodePlan`).
+    ``interpret``/``config`` as for :func:`rans_encode_triton`. Shapes are assumed valid
+    (:func:`rans_decode_lanes` checks them).
 
     Raises:
         ValueError / CodecError: as :func:`rans_decode_reference`, or tensors this backend
             cannot reach, or an invalid ``config``.
     """
-    # validate: shapes and dtypes are checked by rans_decode_lanes(); data after the launch
-    device = words.device
-    interpret = device.type == "cpu" if interpret is None else interpret
-    check_placement(device, interpret)
-    rows, alphabet = freq.shape
-    lanes = len(lengths)
-    num_words = words.numel()
-
-    # allocate
-    lengths64 = lengths.to(torch.int64)
-    starts = lengths64.cumsum(0) - lengths64
-    log2_search = (alphabet - 1).bit_length()
-    cum_hi = torch.full((rows, 1 << log2_search), PROB_SCALE, dtype=torch.int32, device=device)
-    cum_hi[:, : alphabet - 1] = freq[:, : alphabet - 1].to(torch.int64).cumsum(1).to(torch.int32)
-    out = torch.empty((lanes, n), dtype=torch.uint8, device=device)
-    bad = torch.zeros(lanes, dtype=torch.int8, device=device)
-
-    # grid + launch (with no words every lane is short or the lengths mismatch: no launch)
-    if lanes and num_words:
-        launch(
-            KERNEL,
-            lanes,
-            device,
-            interpret,
-            config,
-            words,  # [num_words]
-            starts,  # [lanes] int64
-            lengths64,  # [lanes] int64
-            freq,  # [lanes * g, A]
-            cum_hi,  # [lanes * g, SEARCH] int32
-            out,  # [lanes, n] uint8
-            bad,  # [lanes] int8
-            words.stride(0),
-            *freq.stride(),
-            *out.stride(),
-            lanes,
-            n,
-            num_words,
-            tables_per_stream,
-            max(1, n // tables_per_stream),
-            LOG2_SEARCH=log2_search,
-        )
-
-    bad_rows = bad_table_rows(freq)
-    short = lengths64 < 2
-    checks = torch.stack([bad_rows.sum(), short.sum(), lengths64.sum(), bad.sum(dtype=torch.int64)])
-    bad_row_count, short_count, total, bad_lane_count = checks.tolist()  # the one host sync
-    if bad_row_count:
-        raise_bad_table(bad_rows, freq)
-    if short_count:
-        raise_short_lanes(lengths64)
-    if total != num_words:
-        raise_length_mismatch(total, num_words)
-    if bad_lane_count:
-        raise_bad_streams(bad != 0)
-    return out
+    interpret = words.device.type == "cpu" if interpret is None else interpret
+    key = decode_key(("triton", interpret, config), words, lengths, freq, n, tables_per_stream)
+    plan = cached_plan(key)
+    if plan is None:
+        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, KERNEL, config)
+        store_plan(key, plan)
+    return plan(words, lengths, freq)
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ Sections: numpy reference (the definition of correct) -> torch reference -> Trit
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,14 +35,13 @@ from kvtier_kernels.cachegen.rans.common import (
     LaunchConfig,
     bad_table_rows,
     check_freq,
-    check_placement,
     check_same_device,
     check_tables_per_stream,
     checked_table,
-    first_lane,
-    launch,
     raise_bad_table,
+    raise_unusable_symbols,
 )
+from kvtier_kernels.cachegen.rans.plans import cached_plan, encode_key, encode_plan, store_plan
 
 __all__ = [
     "KERNEL",
@@ -103,14 +103,6 @@ def rans_encode(
 # ---------------------------------------------------------------------------------------
 
 
-def _raise_unusable_symbols(bad_lanes: torch.Tensor) -> NoReturn:
-    raise ValueError(
-        f"lane {first_lane(bad_lanes)} uses a symbol outside its freq row or with frequency 0 "
-        f"({int(bad_lanes.sum())} of {len(bad_lanes)} lanes); every symbol used needs a "
-        "positive frequency"
-    )
-
-
 def rans_encode_reference(
     symbols: torch.Tensor,  # [lanes, n] uint8
     freq: torch.Tensor,  # [lanes * g, A] int32/int64
@@ -138,7 +130,7 @@ def rans_encode_reference(
     row = np.arange(lanes)[:, None] * tables_per_stream + np.arange(n)[None, :] // segment
     bad_lanes = ~usable[row, sym].all(1)
     if bad_lanes.any():
-        _raise_unusable_symbols(torch.from_numpy(bad_lanes))
+        raise_unusable_symbols(torch.from_numpy(bad_lanes))
     words, lengths = rans_encode(sym, table, tables_per_stream)
     device = symbols.device
     return (
@@ -346,19 +338,37 @@ def rans_encode_lanes(
         TypeError / ValueError: a wrong type, shape, dtype or device (the message names the
             tensor and the expected shape), a freq row that is not a probability table, or
             a lane using a symbol without frequency (names the first such lane).
+
+    NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
+    dtypes, devices and alignment and the backend (validation, launch config, grid, the
+    bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`);
+    a call still builds the cumulative table, allocates its buffers and reads the checks
+    back once.
     """
-    if not isinstance(symbols, torch.Tensor):
-        raise TypeError(f"symbols must be a torch.Tensor, got {type(symbols).__name__}")
-    if symbols.dim() != 2 or symbols.dtype != torch.uint8:
-        raise ValueError(
-            f"symbols must be a 2-D uint8 tensor [lanes, n]; "
-            f"got shape {tuple(symbols.shape)} dtype {symbols.dtype}"
-        )
-    check_tables_per_stream(tables_per_stream, symbols.shape[1])
-    check_freq(freq, symbols.shape[0] * tables_per_stream)
-    check_same_device(symbols=symbols, freq=freq)
-    impl = registry.get("rans_encode", backend, symbols.device)
-    return impl(symbols, freq, tables_per_stream)
+    try:
+        key = encode_key(backend, symbols, freq, tables_per_stream)
+        plan = cached_plan(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validate
+        key, plan = None, None
+    if plan is None:
+        if not isinstance(symbols, torch.Tensor):
+            raise TypeError(f"symbols must be a torch.Tensor, got {type(symbols).__name__}")
+        if symbols.dim() != 2 or symbols.dtype != torch.uint8:
+            raise ValueError(
+                f"symbols must be a 2-D uint8 tensor [lanes, n]; "
+                f"got shape {tuple(symbols.shape)} dtype {symbols.dtype}"
+            )
+        check_tables_per_stream(tables_per_stream, symbols.shape[1])
+        check_freq(freq, symbols.shape[0] * tables_per_stream)
+        check_same_device(symbols=symbols, freq=freq)
+        impl = registry.get("rans_encode", backend, symbols.device)
+        if not (isinstance(impl, functools.partial) and impl.func is rans_encode_triton):
+            return impl(symbols, freq, tables_per_stream)  # a CPU coder: no launch to plan
+        interpret = impl.keywords["interpret"]
+        plan = encode_plan(symbols, freq, tables_per_stream, interpret, KERNEL)
+        if key is not None:
+            store_plan(key, plan)
+    return plan(symbols, freq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -376,67 +386,23 @@ def rans_encode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`rans_encode_reference`: one launch, then an on-device
     compaction of the lanes' streams and one host sync (the stream's length and the
-    validity flags). ``interpret`` picks Triton's interpreter (CPU tensors) or the compiled
-    kernel (GPU tensors); None picks by the device. ``config`` overrides
-    :func:`launch_config`. Shapes are assumed valid (:func:`rans_encode_lanes` checks them).
+    validity flags), through the cached plan of these shapes (one per ``config``:
+    :class:`~kvtier_kernels.cachegen.rans.plans.EncodePlan`). ``interpret`` picks Triton's
+    interpreter (CPU tensors) or the compiled kernel (GPU tensors); None picks by the
+    device. ``config`` overrides :func:`launch_config`. Shapes are assumed valid
+    (:func:`rans_encode_lanes` checks them).
 
     Raises:
         ValueError: as :func:`rans_encode_reference`, or tensors this backend cannot reach,
             or an invalid ``config``.
     """
-    # validate: shapes and dtypes are checked by rans_encode_lanes(); tables after the launch
-    device = symbols.device
-    interpret = device.type == "cpu" if interpret is None else interpret
-    check_placement(device, interpret)
-    lanes, n = symbols.shape
-    alphabet = freq.shape[1]
-
-    # allocate
-    width = n + 2
-    freq64 = freq.to(torch.int64)
-    cum_lo = (freq64.cumsum(1) - freq64).to(torch.int32)  # [lanes * g, A]
-    scratch = torch.empty((lanes, width), dtype=torch.int32, device=device)
-    lengths = torch.zeros(lanes, dtype=torch.int64, device=device)
-    bad = torch.zeros(lanes, dtype=torch.int8, device=device)
-
-    # grid + launch
-    if lanes:
-        launch(
-            KERNEL,
-            lanes,
-            device,
-            interpret,
-            config,
-            symbols,  # [lanes, n] uint8
-            freq,  # [lanes * g, A]
-            cum_lo,  # [lanes * g, A] int32
-            scratch,  # [lanes, n + 2] int32
-            lengths,  # [lanes] int64
-            bad,  # [lanes] int8
-            *symbols.stride(),
-            *freq.stride(),
-            lanes,
-            n,
-            alphabet,
-            tables_per_stream,
-            max(1, n // tables_per_stream),
-        )
-
-    bad_rows = bad_table_rows(freq)
-    checks = torch.stack([lengths.sum(), bad_rows.sum(), bad.sum(dtype=torch.int64)])
-    total, bad_row_count, bad_lane_count = checks.tolist()  # the one host sync
-    if bad_row_count:
-        raise_bad_table(bad_rows, freq)
-    if bad_lane_count:
-        _raise_unusable_symbols(bad != 0)
-
-    # compact: lane l's word k (k counted over the whole stream) sits at flat scratch index
-    # l * width + width - ends[l] + k.
-    ends = lengths.cumsum(0)
-    shift = torch.arange(1, lanes + 1, dtype=torch.int64, device=device) * width - ends
-    index = torch.arange(total, dtype=torch.int64, device=device)
-    index += shift.repeat_interleave(lengths, output_size=total)
-    return scratch.view(-1)[index], lengths
+    interpret = symbols.device.type == "cpu" if interpret is None else interpret
+    key = encode_key(("triton", interpret, config), symbols, freq, tables_per_stream)
+    plan = cached_plan(key)
+    if plan is None:
+        plan = encode_plan(symbols, freq, tables_per_stream, interpret, KERNEL, config)
+        store_plan(key, plan)
+    return plan(symbols, freq)
 
 
 # ---------------------------------------------------------------------------------------
@@ -477,7 +443,7 @@ def rans_encode_numba(
         work=lanes * n,
     )
     if bad.any():
-        _raise_unusable_symbols(torch.from_numpy(bad != 0))
+        raise_unusable_symbols(torch.from_numpy(bad != 0))
     device = symbols.device
     return torch.from_numpy(words).to(device), torch.from_numpy(lengths).to(device)
 
