@@ -402,6 +402,33 @@ def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
     assert set(decoding.ops) <= {"cumsum", "sub_", "full", "slice", "empty", "zeros", "zero_"}
 
 
+def test_rans_plans_are_keyed_by_tables_per_stream() -> None:
+    """Streams of several lanes: one plan per ``tables_per_stream`` (a kernel argument the
+    segment length follows from), bit-exact against the reference; a bool is no int."""
+    symbols, freq = make_lanes(6, 4, 9, "dense", seed=13)
+    streams = symbols.reshape(2, 12)  # 3 lanes of 4 symbols a stream
+    ref_words, ref_lengths = rans_encode(streams, freq, 3)
+    sym_t, freq_t = as_tensors(streams, freq)
+    for _ in range(2):  # a miss, then a hit
+        words, lengths = rans_encode_lanes(sym_t, freq_t, BACKEND, tables_per_stream=3)
+        assert_stream_equal(words, lengths, ref_words, ref_lengths)
+        decoded = rans_decode_lanes(words, lengths, freq_t, 12, BACKEND, tables_per_stream=3)
+        np.testing.assert_array_equal(decoded.numpy(), streams)
+    encode = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t, 3))
+    decode = rans_plans.cached_plan(rans_plans.decode_key(BACKEND, words, lengths, freq_t, 12, 3))
+    assert isinstance(encode, rans_plans.EncodePlan) and isinstance(decode, rans_plans.DecodePlan)
+    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t, 1)) is None
+    with pytest.raises(ValueError, match="freq must have shape"):  # 6 rows for 2 x 1 lanes
+        rans_encode_lanes(sym_t, freq_t, BACKEND, tables_per_stream=1)
+    with pytest.raises(ValueError, match="tables_per_stream must be an int"):
+        rans_encode_lanes(sym_t[:, :6], freq_t, BACKEND, tables_per_stream=True)
+    rans_encode_lanes(sym_t[:, :6], freq_t[:2], BACKEND, tables_per_stream=1)
+    with pytest.raises(ValueError, match="tables_per_stream must be an int"):  # True == 1
+        rans_encode_lanes(sym_t[:, :6], freq_t[:2], BACKEND, tables_per_stream=True)
+    with pytest.raises(CodecError, match="2 lengths for 3 lanes"):
+        rans_decode_lanes(words, lengths, freq_t, 12, BACKEND, tables_per_stream=2)
+
+
 def test_rans_encode_reads_a_transposed_table_through_its_strides() -> None:
     symbols, freq = make_lanes(6, 10, 7, "uniform", seed=12)
     ref_words, ref_lengths = rans_encode(symbols, freq)
