@@ -242,7 +242,7 @@ def test_decoder_rejects_damage_caught_by_crc(encoded):
     "change, match",
     [
         ({"version": 1}, "version"),
-        ({"version": 5}, "version"),
+        ({"version": 6}, "version"),
         ({"version": "3"}, "version"),
         ({"shape": [2, 2, 40]}, "four ints"),
         ({"shape": [2, 2, 41, 64]}, "out has shape"),
@@ -269,8 +269,10 @@ def test_decoder_rejects_the_other_models_sections(encoded):
     decode_fails(payload, seal({**params, "model": other}, payload), match="section")
 
 
-def test_older_versions_params_do_not_read_a_version_4_payload(encoded):
+def test_older_versions_params_do_not_read_a_version_5_payload(encoded):
     _, payload, params = encoded
+    params = {**params, "prob_bits": 16}  # what versions 2 to 4 add
+    decode_fails(payload, seal({**params, "version": 4}, payload))
     version_2 = {k: v for k, v in params.items() if k not in MODEL_FIELDS}
     decode_fails(payload, seal({**version_2, "version": 2}, payload), match="section")
     decode_fails(payload, seal({**params, "version": 2}, payload), match="keys")

@@ -53,6 +53,7 @@ from kvtier_kernels.cachegen.rans.encode import rans_encode_numba as numba_encod
 
 has_triton = importlib.util.find_spec("triton") is not None
 has_gpu = torch.cuda.is_available()
+has_numba = registry.pick("rans_encode", "auto", "cpu") == "numba"
 needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton (interpreter or GPU)")
 
 BACKENDS = [pytest.param("interpret", marks=needs_triton), "torch"]
@@ -75,6 +76,45 @@ def test_roundtrip_matches_reference(backend: str, alphabet: int, distribution: 
     decoded = rans_decode_lanes(words, lengths, freq_t, 23, backend=backend)
     assert decoded.dtype == torch.uint8
     np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [*BACKENDS, pytest.param("numba", marks=pytest.mark.skipif(not has_numba, reason="no numba"))],
+)
+@pytest.mark.parametrize(("streams", "per_stream", "n"), [(3, 4, 5), (2, 8, 1), (1, 2, 0)])
+def test_several_lanes_per_stream_match_the_reference(
+    backend: str, streams: int, per_stream: int, n: int
+) -> None:
+    """``tables_per_stream``: each stream codes ``per_stream`` lanes of ``n`` symbols in
+    turn, each with its own table; a damaged stream is rejected as the reference rejects it."""
+    symbols, freq = make_lanes(streams * per_stream, n, 17, "dense", seed=n)
+    symbols = symbols.reshape(streams, per_stream * n)
+    ref_words, ref_lengths = rans_encode(symbols, freq, per_stream)
+    np.testing.assert_array_equal(
+        rans_decode(ref_words, ref_lengths, freq, per_stream * n, per_stream), symbols
+    )
+    sym_t, freq_t = as_tensors(symbols, freq)
+    words, lengths = rans_encode_lanes(sym_t, freq_t, backend, tables_per_stream=per_stream)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_lanes(
+        words, lengths, freq_t, per_stream * n, backend, tables_per_stream=per_stream
+    )
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+    damaged = ref_words.copy()
+    damaged[len(damaged) // 2] ^= 0x0100
+    expected = outcome(lambda: rans_decode(damaged, ref_lengths, freq, per_stream * n, per_stream))
+    got = outcome(
+        lambda: rans_decode_lanes(
+            torch.from_numpy(damaged.astype(np.int32)),
+            lengths,
+            freq_t,
+            per_stream * n,
+            backend,
+            tables_per_stream=per_stream,
+        )
+    )
+    assert_same_outcome(expected, got)
 
 
 @needs_triton
@@ -377,7 +417,17 @@ _SIGNATURES = {
             "lengths": "*i64",
             "bad": "*i8",
         },
-        ["s_sym_lane", "s_sym_pos", "s_freq_lane", "s_freq_sym", "num_lanes", "n", "alphabet"],
+        [
+            "s_sym_lane",
+            "s_sym_pos",
+            "s_freq_lane",
+            "s_freq_sym",
+            "num_lanes",
+            "n",
+            "alphabet",
+            "tables_per_stream",
+            "segment",
+        ],
     ),
     "rans_decode": (
         {
@@ -398,6 +448,8 @@ _SIGNATURES = {
             "num_lanes",
             "n",
             "num_words",
+            "tables_per_stream",
+            "segment",
         ],
     ),
 }

@@ -19,7 +19,10 @@ from support.samples import assert_within_bound, synthetic_kv
 from kvtier_kernels.cachegen import MODELS, CodecError, decode_chunk, encode_chunk
 from kvtier_kernels.cachegen import tables as cachegen_tables
 from kvtier_kernels.cachegen.format import (
+    MODEL_SPREAD_LEVELS,
+    lanes_per_stream,
     make_params,
+    model_lane_levels,
     pack,
     padded,
     params_checksum,
@@ -29,7 +32,6 @@ from kvtier_kernels.cachegen.rans import PROB_SCALE, rans_encode_lanes
 from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
     MAX_DISTANCE,
-    MAX_LEVELS,
     SPREADS,
     VARIANCE_BITS,
     cost_table,
@@ -260,8 +262,8 @@ TOKENS, HIDDEN = 48, 4
 LANES = 2 * HIDDEN
 
 
-def forged(model: str) -> tuple[bytes, dict]:
-    """A version-4 object for 1 layer whose lanes are coded with a table that is valid for
+def forged(model: str, model_lane_shift: int = 0) -> tuple[bytes, dict]:
+    """A version-5 object for 1 layer whose lanes are coded with a table that is valid for
     their symbols but not theirs: lane 0's stored spread (gaussian) or histogram (two
     counts moved by one) differs from what its symbols give."""
     rng = np.random.default_rng(0)
@@ -271,10 +273,11 @@ def forged(model: str) -> tuple[bytes, dict]:
     counts = torch.stack([torch.bincount(row.long(), minlength=alphabet) for row in symbols_t])
     if model == "gaussian":
         models = gaussian_models(counts, TOKENS)
-        models[0, 1] += 1
+        if not model_lane_shift:  # else the lanes' models are their own, a model lane's not
+            models[0, 1] += 1
         codebook = gaussian_codebook((LEVELS,), alphabet)
         freq = gaussian_freq(models, torch.full((LANES,), LEVELS), codebook)
-        tables = [packed_models(models.numpy())]
+        tables = [coded_models(models, model_lane_shift)]
     else:
         counts[0, LEVELS] += 1
         counts[0, LEVELS + 1] -= 1
@@ -283,7 +286,9 @@ def forged(model: str) -> tuple[bytes, dict]:
         bounds = np.tile(np.array([lo, hi], dtype=np.uint8), (LANES, 1))
         stored = counts[:, lo : hi + 1].numpy().astype(np.uint8)
         tables = [padded(bounds.tobytes()), padded(stored.tobytes())]
-    words, lengths = rans_encode_lanes(symbols_t, freq, backend="torch")
+    group = lanes_per_stream(LANES, TOKENS)
+    streams = symbols_t.view(LANES // group, group * TOKENS)
+    words, lengths = rans_encode_lanes(streams, freq, "torch", tables_per_stream=group)
     scales = pack(np.ones(2 * TOKENS, dtype="<f4").view("<u4"))
     sections = [scales, *tables, pack(lengths.numpy())]
     sections.append(padded(words.numpy().astype("<u2").tobytes()))
@@ -291,10 +296,23 @@ def forged(model: str) -> tuple[bytes, dict]:
     return make_params(shape, [LEVELS], [LEVELS], model, "float32", sections)
 
 
-def packed_models(models: np.ndarray) -> bytes:
-    """The version-4 models section of ``models`` (lanes of ``LEVELS`` levels)."""
-    centres = models[:, 0].astype(np.int64) - LEVELS + MAX_LEVELS
-    return pack(centres) + pack(models[:, 1])
+def coded_models(models: torch.Tensor, spread_shift: int = 0) -> bytes:
+    """The version-5 models section of ``models`` (1 layer, lanes of ``LEVELS`` levels):
+    the model lanes' own Gaussian models, their streams' lengths, the streams' words;
+    ``spread_shift`` is added to the first model lane's spread (a valid, foreign model)."""
+    levels = model_lane_levels([LEVELS], [LEVELS])
+    lanes = models.T.reshape(len(levels), HIDDEN)
+    alphabet = 2 * MODEL_SPREAD_LEVELS + 1
+    counts = torch.stack([torch.bincount(row.long(), minlength=alphabet) for row in lanes])
+    meta = gaussian_models(counts, HIDDEN)
+    meta[0, 1] += spread_shift
+    codebook = gaussian_codebook((LEVELS, MODEL_SPREAD_LEVELS), alphabet)
+    freq = gaussian_freq(meta, torch.from_numpy(levels), codebook)
+    group = lanes_per_stream(len(lanes), HIDDEN)
+    streams = lanes.reshape(len(lanes) // group, group * HIDDEN)
+    words, lengths = rans_encode_lanes(streams, freq, "torch", tables_per_stream=group)
+    words = padded(words.numpy().astype("<u2").tobytes())
+    return padded(meta.numpy().tobytes()) + pack(lengths.numpy()) + words
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -308,20 +326,38 @@ def test_stored_model_must_be_the_symbols_own(model, backend):
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
+def test_stored_model_of_a_model_lane_must_be_its_own(backend):
+    payload, params = forged("gaussian", model_lane_shift=1)
+    out = torch.full((2, 1, TOKENS, HIDDEN), 7.0)
+    with pytest.raises(CodecError, match="decoded models disagree with their stored"):
+        decode_chunk(payload, params, out, backend=backend)
+    assert bool((out == 7.0).all()), "out written before the check"
+
+
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize(("byte", "value"), [(0, 2 * LEVELS + 1), (1, SPREADS), (1, 255)])
 def test_models_outside_the_alphabet_or_the_spreads_are_rejected(byte, value, backend):
     payload, params = encode_chunk(
         synthetic_kv(layers=1, tokens=TOKENS, hidden=HIDDEN), [LEVELS], [LEVELS], model="gaussian"
     )
-    models = read_container(params, payload, params["shape"]).gaussian_models()
-    models = models.astype(np.int64)
-    models[5, byte] = value  # lane 5's centre or spread
-    section = packed_models(models)
-    start, size = params["sections"][:2]
-    damaged = payload[:start] + section + payload[start + size :]
-    params = {**params, "sections": [start, len(section), *params["sections"][2:]]}
-    params["crc"] = params_checksum(params, damaged)
+    damaged = bytearray(payload)
+    damaged[params["sections"][0] + byte] = value  # the keys' centres' model: centre or spread
+    damaged = bytes(damaged)
+    params = {**params, "crc": params_checksum(params, damaged)}
     out = torch.full((2, 1, TOKENS, HIDDEN), 7.0)
     with pytest.raises(CodecError, match="Gaussian model is outside"):
         decode_chunk(damaged, params, out, backend=backend)
     assert bool((out == 7.0).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(lanes=st.integers(1, 6), tokens=st.integers(1, 300), levels=st.integers(1, 127))
+def test_lane_models_are_the_gaussian_models_of_the_symbols(lanes, tokens, levels):
+    rng = np.random.default_rng(lanes * tokens + levels)
+    symbols = rng.integers(0, 2 * levels + 1, size=(lanes, tokens)).astype(np.uint8)
+    alphabet = 2 * levels + 1
+    counts = torch.stack(
+        [torch.bincount(row.long(), minlength=alphabet) for row in torch.from_numpy(symbols)]
+    )
+    expected = gaussian_models(counts, tokens).numpy()
+    np.testing.assert_array_equal(cachegen_tables.lane_models(symbols), expected)

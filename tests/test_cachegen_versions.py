@@ -2,8 +2,9 @@
 backend, to exactly what their own decoder returned.
 
 ``tests/fixtures/cachegen_v2.json`` holds version-2 objects written by the encoder before
-version 3 (commit 6a32166): the chunk, the payload and params, and the sha256 of what that
-decoder returned (float32 bytes; bfloat16 bits).
+version 3 (commit 6a32166), ``tests/fixtures/cachegen_v4.json`` version-4 objects written by
+the encoder before version 5 (commit e44f604): the chunk, the payload and params, and the
+sha256 of what that decoder returned (float32 bytes; bfloat16 bits).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from support.samples import assert_within_bound
 
 from kvtier_kernels.cachegen import CodecError, decode_chunk, params_checksum
 
-FIXTURE = Path(__file__).parent / "fixtures" / "cachegen_v2.json"
-CASES = json.loads(FIXTURE.read_text())["cases"]
+FIXTURES = Path(__file__).parent / "fixtures"
+CASES = json.loads((FIXTURES / "cachegen_v2.json").read_text())["cases"]
+V4_CASES = json.loads((FIXTURES / "cachegen_v4.json").read_text())["cases"]
 BACKENDS = [
     "torch",
     pytest.param(
@@ -49,18 +51,43 @@ def sha256(out: torch.Tensor) -> str:
     return hashlib.sha256(bits.numpy().tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
-def test_version_2_objects_decode_as_before(case: dict, backend: str) -> None:
+def decodes_as_before(case: dict, backend: str) -> None:
     payload = base64.b64decode(case["payload"])
     params = case["params"]
-    assert params["version"] == 2
     chunk = chunk_of(case)
     for name, dtype in OUT_DTYPES.items():
         out = torch.empty(params["shape"], dtype=dtype)
         decode_chunk(payload, params, out, backend=backend)
         assert sha256(out) == case["decoded_sha256"][name], f"{name} output differs"
         assert_within_bound(chunk, out, params)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+def test_version_2_objects_decode_as_before(case: dict, backend: str) -> None:
+    assert case["params"]["version"] == 2
+    decodes_as_before(case, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", V4_CASES, ids=[case["name"] for case in V4_CASES])
+def test_version_4_objects_decode_as_before(case: dict, backend: str) -> None:
+    assert case["params"]["version"] == 4
+    decodes_as_before(case, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", V4_CASES, ids=[case["name"] for case in V4_CASES])
+def test_damaged_version_4_objects_are_rejected(case: dict, backend: str) -> None:
+    """A version-4 object whose last lane's stream is damaged: one lane a stream, so
+    the damage stays in that lane and the decoder rejects it."""
+    payload = bytearray(base64.b64decode(case["payload"]))
+    payload[-3] ^= 0x10  # a word of the last stream
+    params = {**case["params"], "crc": params_checksum(case["params"], bytes(payload))}
+    out = torch.full(params["shape"], 7.0)
+    with pytest.raises(CodecError):
+        decode_chunk(bytes(payload), params, out, backend=backend)
+    assert bool((out == 7.0).all())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -290,14 +290,14 @@ def round_trip(sym_t: torch.Tensor, freq_t: torch.Tensor) -> tuple[torch.Tensor,
 def test_rans_plans_serve_a_second_call_and_a_second_shape() -> None:
     sym_a, freq_a, _, _ = coded(5, 9, 7, seed=1)
     round_trip(sym_a, freq_a)  # builds the plans
-    encode_plan = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_a, freq_a))
+    encode_plan = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_a, freq_a, 1))
     assert isinstance(encode_plan, rans_plans.EncodePlan)
     other = coded(5, 9, 7, seed=2)[:2]  # the same shapes, other data: the same plan
     round_trip(*other)
-    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, *other)) is encode_plan
+    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, *other, 1)) is encode_plan
     sym_b, freq_b, _, _ = coded(3, 14, 11, seed=3)  # another shape: a plan of its own
     round_trip(sym_b, freq_b)
-    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_b, freq_b)) is not (
+    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_b, freq_b, 1)) is not (
         encode_plan
     )
     # the Triton launchers with the backend picked by the tensors' device, no interpret given
@@ -309,7 +309,7 @@ def test_rans_plans_serve_a_second_call_and_a_second_shape() -> None:
 def test_rans_plans_are_rebuilt_after_clear_plans() -> None:
     sym_t, freq_t, _, _ = coded(4, 6, 5, seed=4)
     words, lengths = round_trip(sym_t, freq_t)
-    key = rans_plans.decode_key(BACKEND, words, lengths, freq_t, 6)
+    key = rans_plans.decode_key(BACKEND, words, lengths, freq_t, 6, 1)
     first = rans_plans.cached_plan(key)
     assert first is not None
     rans_plans.clear_plans()
@@ -339,7 +339,7 @@ def test_a_rans_decode_plan_serves_every_word_count_of_its_shapes() -> None:
     for sym_t, freq_t, words, lengths in cases:
         decoded = rans_decode_lanes(words, lengths, freq_t, 40, backend=BACKEND)
         assert torch.equal(decoded, sym_t)
-        key = rans_plans.decode_key(BACKEND, words, lengths, freq_t, 40)
+        key = rans_plans.decode_key(BACKEND, words, lengths, freq_t, 40, 1)
         plans.append(rans_plans.cached_plan(key))
     assert plans[0] is plans[2] is plans[3]  # 50, 47, 49 words: one plan
     assert plans[1] is not plans[0]  # 48 words, a multiple of 16: specialized apart
@@ -388,8 +388,8 @@ def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
     sym_t, freq_t, words, lengths = coded(4, 6, 5, seed=11)
     rans_encode_lanes(sym_t, freq_t, backend=BACKEND)
     rans_decode_lanes(words, lengths, freq_t, 6, backend=BACKEND)
-    encode = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t))
-    decode = rans_plans.cached_plan(rans_plans.decode_key(BACKEND, words, lengths, freq_t, 6))
+    encode = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t, 1))
+    decode = rans_plans.cached_plan(rans_plans.decode_key(BACKEND, words, lengths, freq_t, 6, 1))
     with record_launches() as recorder:
         with TensorOps() as encoding:
             encode.enqueue(sym_t, freq_t)
@@ -400,6 +400,33 @@ def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
         assert "_local_scalar_dense" not in ops and "item" not in ops, ops
     assert set(encoding.ops) <= {"cumsum", "sub_", "_to_copy", "empty", "zeros", "zero_"}
     assert set(decoding.ops) <= {"cumsum", "sub_", "full", "slice", "empty", "zeros", "zero_"}
+
+
+def test_rans_plans_are_keyed_by_tables_per_stream() -> None:
+    """Streams of several lanes: one plan per ``tables_per_stream`` (a kernel argument the
+    segment length follows from), bit-exact against the reference; a bool is no int."""
+    symbols, freq = make_lanes(6, 4, 9, "dense", seed=13)
+    streams = symbols.reshape(2, 12)  # 3 lanes of 4 symbols a stream
+    ref_words, ref_lengths = rans_encode(streams, freq, 3)
+    sym_t, freq_t = as_tensors(streams, freq)
+    for _ in range(2):  # a miss, then a hit
+        words, lengths = rans_encode_lanes(sym_t, freq_t, BACKEND, tables_per_stream=3)
+        assert_stream_equal(words, lengths, ref_words, ref_lengths)
+        decoded = rans_decode_lanes(words, lengths, freq_t, 12, BACKEND, tables_per_stream=3)
+        np.testing.assert_array_equal(decoded.numpy(), streams)
+    encode = rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t, 3))
+    decode = rans_plans.cached_plan(rans_plans.decode_key(BACKEND, words, lengths, freq_t, 12, 3))
+    assert isinstance(encode, rans_plans.EncodePlan) and isinstance(decode, rans_plans.DecodePlan)
+    assert rans_plans.cached_plan(rans_plans.encode_key(BACKEND, sym_t, freq_t, 1)) is None
+    with pytest.raises(ValueError, match="freq must have shape"):  # 6 rows for 2 x 1 lanes
+        rans_encode_lanes(sym_t, freq_t, BACKEND, tables_per_stream=1)
+    with pytest.raises(ValueError, match="tables_per_stream must be an int"):
+        rans_encode_lanes(sym_t[:, :6], freq_t, BACKEND, tables_per_stream=True)
+    rans_encode_lanes(sym_t[:, :6], freq_t[:2], BACKEND, tables_per_stream=1)
+    with pytest.raises(ValueError, match="tables_per_stream must be an int"):  # True == 1
+        rans_encode_lanes(sym_t[:, :6], freq_t[:2], BACKEND, tables_per_stream=True)
+    with pytest.raises(CodecError, match="2 lengths for 3 lanes"):
+        rans_decode_lanes(words, lengths, freq_t, 12, BACKEND, tables_per_stream=2)
 
 
 def test_rans_encode_reads_a_transposed_table_through_its_strides() -> None:

@@ -13,8 +13,10 @@
 Header fields: ``key`` (the canonical ``CacheKey`` string), ``layout`` (the order of the
 payload's bytes, below), ``dtype`` and ``shape`` of the chunk tensor, ``codec`` and
 ``codec_params`` (see ``serde``), ``payload_len``, ``checksum`` (xxh3-64 of the payload),
-``created`` (Unix time, informational) and ``pad`` (zero bytes that put the payload at an
-offset that is a multiple of ``PAYLOAD_ALIGN``; readers ignore it).
+``created`` (Unix time, informational) and, where the payload is the tensor's bytes as
+they are (a verbatim codec), ``pad`` (zero bytes that put the payload at an offset that is
+a multiple of ``PAYLOAD_ALIGN``; readers ignore it). A coded payload is decoded, never
+copied as it is, so its object has no ``pad``.
 
 Layouts: ``KV_2LTD`` (``CHUNK_LAYOUT``), the chunk as its shape says,
 ``[planes, layers, tokens, width]``; and ``KV_2TLD`` (``TOKEN_MAJOR_LAYOUT``), the same
@@ -174,6 +176,7 @@ def encode(
         params,
         payload_len=sum(len(p) for p in payload),
         checksum=checksum if known else checksum_of(*payload),
+        aligned=serde.verbatim,
     )
     return [header, *payload]
 
@@ -204,21 +207,22 @@ def encode_header(
     *,
     payload_len: int,
     checksum: int,
+    aligned: bool = True,
 ) -> bytes:
-    """The prefix and header of an object (everything before its payload)."""
-    header = _aligned_header(
-        {
-            "key": key,
-            "layout": layout,
-            "dtype": str(dtype).removeprefix("torch."),
-            "shape": list(shape),
-            "codec": codec,
-            "codec_params": codec_params,
-            "payload_len": payload_len,
-            "checksum": checksum,
-            "created": time.time(),
-        }
-    )
+    """The prefix and header of an object (everything before its payload); ``aligned``:
+    padded so that the payload starts at a multiple of ``PAYLOAD_ALIGN``."""
+    fields = {
+        "key": key,
+        "layout": layout,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": list(shape),
+        "codec": codec,
+        "codec_params": codec_params,
+        "payload_len": payload_len,
+        "checksum": checksum,
+        "created": time.time(),
+    }
+    header = _aligned_header(fields) if aligned else cbor2.dumps(fields)
     return PREFIX.pack(MAGIC, VERSION, len(header), checksum_of(header)) + header
 
 

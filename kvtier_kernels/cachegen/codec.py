@@ -5,7 +5,7 @@ A ``KV_2LTD`` chunk is quantized per token (absmax scale, per-layer levels) and 
 (:mod:`kvtier_kernels.cachegen.rans`) under a per-lane frequency table
 (:mod:`kvtier_kernels.cachegen.tables`); the payload's sections are checked by
 :mod:`kvtier_kernels.cachegen.format`. The scheme, its error bound and the bitstream
-(versions 4, 3 and 2) are specified in docs/compression.md, and only there.
+(versions 5 down to 2) are specified in docs/compression.md, and only there.
 
 Quantization, statistics and dequantization are torch code with integer or correctly
 rounded fp32 arithmetic, so a GPU encode gives the bytes a CPU encode gives; the numba
@@ -27,9 +27,13 @@ from kvtier_kernels._launch import NumbaUnavailable
 from kvtier_kernels.cachegen import numba_kernels
 from kvtier_kernels.cachegen.format import (
     MODELS,
+    Container,
     check_levels,
+    check_models,
     count_dtype,
+    lanes_per_stream,
     make_params,
+    model_lane_levels,
     pack,
     padded,
     read_container,
@@ -37,13 +41,14 @@ from kvtier_kernels.cachegen.format import (
 from kvtier_kernels.cachegen.rans import CodecError, rans_decode_lanes, rans_encode_lanes
 from kvtier_kernels.cachegen.tables import (
     GAUSSIAN_MAX_TOKENS,
-    MAX_LEVELS,
+    GaussianCodebook,
     choose_gaussian,
     coding_cost,
     entropy_cost,
     gaussian_codebook,
     gaussian_freq,
     gaussian_models,
+    lane_models,
     quantize_counts,
 )
 
@@ -179,12 +184,60 @@ def _stored_scales(scale: np.ndarray, dtype: torch.dtype) -> tuple[str, bytes]:
     return "float32", pack(scale.astype("<f4").view("<u4"))
 
 
-def _stored_models(models: np.ndarray, lane_levels: np.ndarray) -> bytes:
-    """The Gaussian models packed: each centre as ``centre - n + MAX_LEVELS``, then the
-    spreads (most centres lie within a few symbols of ``n``, most spreads within a few
-    steps of each other)."""
-    centres = models[:, 0].astype(np.int64) - lane_levels + MAX_LEVELS
-    return pack(centres) + pack(models[:, 1])
+def _model_codebook(levels: np.ndarray) -> GaussianCodebook:
+    alphabet = 2 * int(levels.max()) + 1
+    return gaussian_codebook(tuple(sorted(set(levels.tolist()))), alphabet)
+
+
+def _cpu_backend(backend: str) -> str:
+    """The backend that codes the model lanes, which are on the CPU."""
+    return backend if backend in ("torch", "numba", "interpret") else "auto"
+
+
+def _coded_models(
+    models: np.ndarray, k_levels: list[int], v_levels: list[int], hidden: int, backend: str
+) -> bytes:
+    """Version 5's models section: each model lane is coded as the chunk's lanes are, with
+    a Gaussian model of its own (stored as two bytes), in streams of
+    :func:`lanes_per_stream` lanes; then the streams' lengths, packed, then their words."""
+    levels = model_lane_levels(k_levels, v_levels)
+    lanes = np.ascontiguousarray(models.T).reshape(len(levels), hidden)  # [4 * L, D]
+    meta = lane_models(lanes)
+    freq = torch.from_numpy(_model_codebook(levels).freq(meta, levels))
+    group = lanes_per_stream(len(lanes), hidden)
+    streams = torch.from_numpy(lanes).view(len(lanes) // group, group * hidden)
+    words, lengths = rans_encode_lanes(
+        streams, freq, _cpu_backend(backend), tables_per_stream=group
+    )
+    return (
+        padded(meta.tobytes())
+        + pack(lengths.numpy())
+        + padded(words.numpy().astype("<u2").tobytes())
+    )
+
+
+def _decoded_models(container: Container, backend: str) -> np.ndarray:
+    """uint8 ``[lanes, 2]``: the lanes' Gaussian models from version 5's models section.
+
+    Raises:
+        CodecError: the section is inconsistent, or its streams do not give back the
+            models stored for them.
+    """
+    meta, lengths, words = container.coded_models()
+    levels = container.model_lane_levels
+    group = lanes_per_stream(len(meta), container.hidden)
+    lanes = rans_decode_lanes(
+        torch.from_numpy(words),
+        torch.from_numpy(lengths),
+        torch.from_numpy(_model_codebook(levels).freq(meta, levels)),
+        group * container.hidden,
+        _cpu_backend(backend),
+        tables_per_stream=group,
+    ).numpy()
+    lanes = lanes.reshape(len(meta), container.hidden)
+    if not np.array_equal(lane_models(lanes), meta):
+        raise CodecError("decoded models disagree with their stored Gaussian models")
+    return check_models(lanes.reshape(2, -1).T.astype(np.int64), container.lane_levels)
 
 
 def encode_chunk(
@@ -244,11 +297,13 @@ def encode_chunk(
         with contextlib.suppress(NumbaUnavailable):  # logged once; the torch code below
             statistics = numba_kernels.encode_statistics(*args)
     scale, symbols, freq, model, tables = statistics or _encode_statistics(*args)
-    words, lengths = rans_encode_lanes(symbols, freq, backend=backend)
+    group = lanes_per_stream(len(symbols), num_tokens)
+    streams = symbols.view(len(symbols) // group, group * num_tokens)
+    words, lengths = rans_encode_lanes(streams, freq, backend, tables_per_stream=group)
 
     scale_name, scales = _stored_scales(scale, chunk.dtype)
     if model == "gaussian":
-        stored = [_stored_models(tables[0], _lane_levels(k_levels, v_levels, hidden))]
+        stored = [_coded_models(tables[0], k_levels, v_levels, hidden, backend)]
     else:
         stored = [padded(table.tobytes()) for table in tables]
     sections = [
@@ -310,7 +365,10 @@ def decode_chunk(
             expected = _stored_histograms(lo, hi, stored, num_tokens, alphabet).to(dev)
             freq = quantize_counts(expected)
     else:
-        expected = container.gaussian_models()
+        if container.version >= 5:
+            expected = _decoded_models(container, backend)
+        else:
+            expected = container.gaussian_models()
         codebook = gaussian_codebook(tuple(sorted(set(k_levels + v_levels))), alphabet)
         if on_cpu:
             freq = torch.from_numpy(codebook.freq(expected, container.lane_levels))
@@ -319,14 +377,15 @@ def decode_chunk(
             lane_levels = torch.from_numpy(container.lane_levels).to(dev)
             freq = gaussian_freq(expected, lane_levels, codebook)
     lengths, words = container.streams()
-
+    group = container.lanes_per_stream
     symbols = rans_decode_lanes(
         torch.from_numpy(words).to(dev),
         torch.from_numpy(lengths).to(dev),
         freq,
-        num_tokens,
-        backend=backend,
-    )
+        group * num_tokens,
+        backend,
+        tables_per_stream=group,
+    ).view(container.lanes, num_tokens)
     if on_cpu:
         try:
             numba_kernels.dequantize(

@@ -1,10 +1,10 @@
 """The CacheGen bitstream's container: the params and the payload's sections, checked.
 
 The format itself (every version, field by field) is documented in docs/compression.md.
-This module builds the params of a version-4 object (:func:`make_params`) and its packed
+This module builds the params of a version-5 object (:func:`make_params`) and its packed
 sections (:func:`pack`), and, for the decoder, turns params + payload into a
 :class:`Container` whose readers return each section as numpy arrays once its size, range
-and consistency are checked (:func:`read_container`; versions 2, 3 and 4). Anything wrong raises
+and consistency are checked (:func:`read_container`; versions 2 to 5). Anything wrong raises
 :class:`~kvtier_kernels.cachegen.rans.CodecError` before the decoder writes any output.
 """
 
@@ -23,19 +23,24 @@ from kvtier_kernels.cachegen.tables import GAUSSIAN_MAX_TOKENS, MAX_LEVELS, SPRE
 __all__ = [
     "MODELS",
     "MODEL_FIELDS",
+    "MODEL_SPREAD_LEVELS",
     "SCALE_DTYPES",
+    "STREAM_SYMBOLS",
     "VERSION",
     "Container",
     "check_levels",
+    "check_models",
     "count_dtype",
+    "lanes_per_stream",
     "make_params",
+    "model_lane_levels",
     "pack",
     "padded",
     "params_checksum",
     "read_container",
 ]
 
-VERSION = 4
+VERSION = 5
 MODELS = {
     "histogram": ("scales", "bounds", "counts", "lengths", "words"),
     "gaussian": ("scales", "models", "lengths", "words"),
@@ -44,15 +49,41 @@ MODELS = {
 SCALE_DTYPES = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2")}
 """How the scales are stored (bfloat16: the high 16 bits of the float32)."""
 MODEL_FIELDS = ("model", "scale_dtype", "length_bytes")
-"""The params version 3 adds to version 2's (version 4 has the first two)."""
+"""The params version 3 adds to version 2's (versions 4 and 5 have the first two)."""
 _KEYS = {2: {"version", "shape", "prob_bits", "k_levels", "v_levels", "sections", "crc"}}
 _KEYS[3] = _KEYS[2] | set(MODEL_FIELDS)
 _KEYS[4] = _KEYS[3] - {"length_bytes"}
+_KEYS[5] = _KEYS[4] - {"prob_bits"}  # always PROB_BITS from version 5 on
 _WIDTHS = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 PACKED = ("scales", "models", "lengths")
-"""The sections version 4 stores packed (:func:`pack`)."""
+"""The sections versions 4 and 5 store packed (:func:`pack`; version 5's models are coded,
+see :meth:`Container.coded_models`)."""
 _PACK_HEAD = 5  # width (uint8), then base (uint32)
 _SCALE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+MODEL_SPREAD_LEVELS = SPREADS // 2
+"""Version 5 codes each lane's spread (0..63) as a symbol of this many levels (0..64)."""
+STREAM_SYMBOLS = 1024
+"""Version 5 codes several lanes in one rANS stream, up to this many symbols a stream."""
+
+
+def lanes_per_stream(lanes: int, num_tokens: int) -> int:
+    """Lanes coded in one rANS stream (version 5): the largest power of two that divides
+    ``lanes`` and keeps a stream within ``STREAM_SYMBOLS`` symbols (at least 1). Each stream
+    ends in a 32-bit state that carries about 3 bytes more than its symbols' information,
+    and has its own length: with a lane a stream, 10% of a 64-token lane's bytes."""
+    group = 1
+    while lanes % (2 * group) == 0 and 2 * group * num_tokens <= STREAM_SYMBOLS:
+        group *= 2
+    return group
+
+
+def model_lane_levels(k_levels: list[int], v_levels: list[int]) -> np.ndarray:
+    """int64 ``[4 * L]``: the levels of version 5's model lanes, the centres of each
+    (plane, layer)'s lanes, then their spreads (as symbols of ``MODEL_SPREAD_LEVELS``)."""
+    levels = k_levels + v_levels
+    return np.array(levels + [MODEL_SPREAD_LEVELS] * len(levels), dtype=np.int64)
 
 
 def count_dtype(num_tokens: int) -> np.dtype:
@@ -134,12 +165,11 @@ def make_params(
     scale_dtype: str,
     sections: list[bytes],
 ) -> tuple[bytes, dict[str, Any]]:
-    """``(payload, params)`` of a version-4 object from its padded ``sections``."""
+    """``(payload, params)`` of a version-5 object from its padded ``sections``."""
     payload = b"".join(sections)
     params: dict[str, Any] = {
         "version": VERSION,
         "shape": shape,
-        "prob_bits": PROB_BITS,
         "k_levels": k_levels,
         "v_levels": v_levels,
         "model": model,
@@ -172,6 +202,13 @@ class Container:
         return 2 * self.num_layers * self.hidden
 
     @property
+    def lanes_per_stream(self) -> int:
+        """Lanes coded in one rANS stream: 1 before version 5."""
+        if self.version < 5:
+            return 1
+        return lanes_per_stream(self.lanes, self.num_tokens)
+
+    @property
     def lane_levels(self) -> np.ndarray:
         """int64 ``[lanes]``: each lane's levels ``n``."""
         levels = np.array(self.k_levels + self.v_levels, dtype=np.int64)
@@ -184,7 +221,7 @@ class Container:
 
     def packed(self, name: str, count: int, max_bits: int, skip: int = 0) -> np.ndarray:
         """int64 ``[count]``: the packed array at byte ``skip`` of section ``name``,
-        which must end there (version 4)."""
+        which must end there (versions 4 and 5)."""
         offset, size = self.offsets[name] + skip, self.sizes[name] - skip
         return _unpack(self.buffer, offset, size, count, max_bits)
 
@@ -220,9 +257,42 @@ class Container:
             raise CodecError("section counts does not match the lanes' symbol ranges")
         return bounds, self.section("counts", counts, num_stored).copy()
 
+    def _packed_at(self, name: str, skip: int, count: int, max_bits: int) -> tuple[np.ndarray, int]:
+        """The packed array at byte ``skip`` of section ``name`` and the byte after it."""
+        if skip >= self.sizes[name]:
+            raise CodecError(f"section {name} is too short")
+        offset = self.offsets[name] + skip
+        head = np.frombuffer(self.buffer, np.uint8, count=1, offset=offset)
+        size = _padded_len(_PACK_HEAD + (count * int(head[0]) + 7) // 8)
+        if skip + size > self.sizes[name]:
+            raise CodecError(f"section {name} is too short for its packed arrays")
+        return _unpack(self.buffer, offset, size, count, max_bits), skip + size
+
+    @property
+    def model_lane_levels(self) -> np.ndarray:
+        return model_lane_levels(self.k_levels, self.v_levels)
+
+    def coded_models(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Version 5's models section: ``(models, lengths, words)``, the Gaussian models of
+        the model lanes (uint8 ``[4 * L, 2]``, checked as :func:`check_models`), the
+        lengths of their streams (int64) and the streams' words (int32)."""
+        count = 4 * self.num_layers
+        meta = self.section("models", np.dtype(np.uint8), 2 * count).reshape(count, 2)
+        models = check_models(meta.astype(np.int64), self.model_lane_levels)
+        streams = count // lanes_per_stream(count, self.hidden)
+        lengths, end = self._packed_at("models", _padded_len(2 * count), streams, 32)
+        total_words = int(lengths.sum())
+        if end + _padded_len(2 * total_words) != self.sizes["models"]:
+            raise CodecError("section models does not match its streams' lengths")
+        words = np.frombuffer(
+            self.buffer, np.dtype("<u2"), count=total_words, offset=self.offsets["models"] + end
+        )
+        return models, lengths, words.astype(np.int32)
+
     def gaussian_models(self) -> np.ndarray:
         """uint8 ``[lanes, 2]``: each lane's ``(centre, spread)``, centre ``<= 2n``,
-        spread ``< SPREADS``."""
+        spread ``< SPREADS`` (versions 3 and 4; version 5 codes them, see
+        :meth:`coded_models`)."""
         levels = self.lane_levels
         if self.version >= 4:  # centre - n + MAX_LEVELS, then the spreads
             head = np.frombuffer(self.buffer, np.uint8, count=1, offset=self.offsets["models"])
@@ -236,17 +306,13 @@ class Container:
         else:
             models = self.section("models", np.dtype(np.uint8), self.lanes * 2)
             models = models.reshape(self.lanes, 2).astype(np.int64)
-        too_far = (models[:, 0] < 0) | (models[:, 0] > 2 * levels) | (models[:, 1] >= SPREADS)
-        if too_far.any():
-            raise CodecError(
-                f"a lane's Gaussian model is outside its alphabet or spreads (< {SPREADS})"
-            )
-        return models.astype(np.uint8)
+        return check_models(models, levels)
 
     def streams(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(lengths, words)``: int64 ``[lanes]`` and int32 ``[sum(lengths)]``."""
+        """``(lengths, words)``: int64 ``[lanes / lanes_per_stream]`` and int32
+        ``[sum(lengths)]``."""
         if self.version >= 4:
-            lengths = self.packed("lengths", self.lanes, 32)
+            lengths = self.packed("lengths", self.lanes // self.lanes_per_stream, 32)
         else:
             lengths = self.section("lengths", self.length_dtype, self.lanes).astype(np.int64)
         total_words = int(lengths.sum())
@@ -255,12 +321,28 @@ class Container:
         return lengths, self.section("words", np.dtype("<u2"), total_words).astype(np.int32)
 
 
+def check_models(models: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """``models`` (int64 ``[lanes, 2]``: centre, spread) as uint8 if every centre is in
+    its lane's alphabet ``[0, 2n]`` (``levels``: each lane's ``n``) and every spread
+    below ``SPREADS``.
+
+    Raises:
+        CodecError: a model outside them.
+    """
+    too_far = (models[:, 0] < 0) | (models[:, 0] > 2 * levels) | (models[:, 1] >= SPREADS)
+    if too_far.any():
+        raise CodecError(
+            f"a lane's Gaussian model is outside its alphabet or spreads (< {SPREADS})"
+        )
+    return models.astype(np.uint8)
+
+
 def _is_key(value: Any, mapping: dict, kind: type) -> bool:
     return type(value) is kind and value in mapping
 
 
 def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int]) -> Container:
-    """Check ``params`` (version 2 or 3), the payload's section sizes and CRC against
+    """Check ``params`` (versions 2 to 5), the payload's section sizes and CRC against
     each other and ``out_shape``.
 
     Raises:
@@ -269,9 +351,10 @@ def read_container(params: Any, payload: bytes | memoryview, out_shape: list[int
     if not isinstance(params, dict):
         raise CodecError(f"params must be a map, got {type(params).__name__}")
     version = params.get("version")
-    if not _is_key(version, _KEYS, int) or params.get("prob_bits") != PROB_BITS:
+    prob_bits = params.get("prob_bits", PROB_BITS if version == VERSION else None)
+    if not _is_key(version, _KEYS, int) or prob_bits != PROB_BITS:
         raise CodecError(
-            f"unsupported version/prob_bits {version!r}/{params.get('prob_bits')!r} "
+            f"unsupported version/prob_bits {version!r}/{prob_bits!r} "
             f"(this decoder reads versions 2 to {VERSION}, prob_bits {PROB_BITS})"
         )
     if set(params) != _KEYS[version]:

@@ -62,6 +62,7 @@ __all__ = [
     "gaussian_freq",
     "gaussian_models",
     "gaussian_weights",
+    "lane_models",
     "quantize_counts",
     "spread_sigma",
     "spread_thresholds",
@@ -270,6 +271,19 @@ def gaussian_models(counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
     variance = ((num_tokens * second - first * first) << VARIANCE_BITS) // (num_tokens * num_tokens)
     spread = torch.searchsorted(_on(counts.device, "thresholds"), variance, right=True)
     return torch.stack([centre, spread], dim=1).to(torch.uint8)
+
+
+def lane_models(symbols: np.ndarray) -> np.ndarray:
+    """:func:`gaussian_models` of each lane of ``symbols`` (uint8 ``[lanes, T]``, ``T <=
+    GAUSSIAN_MAX_TOKENS``) in numpy, from the symbols themselves: uint8 ``[lanes, 2]``.
+    For a few short lanes, where torch's per-call cost would dominate."""
+    num_tokens = symbols.shape[1]
+    s = symbols.astype(np.int64)
+    first, second = s.sum(1), (s * s).sum(1)
+    centre = (2 * first + num_tokens) // (2 * num_tokens)
+    variance = ((num_tokens * second - first * first) << VARIANCE_BITS) // (num_tokens**2)
+    spread = np.searchsorted(spread_thresholds(), variance, side="right")
+    return np.stack([centre, spread], axis=1).astype(np.uint8)
 
 
 def gaussian_freq(

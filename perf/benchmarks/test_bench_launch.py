@@ -28,10 +28,12 @@ one layer, the ``paged_io_*_per_layer`` rows; the per-step fence of the side str
 
 The CacheGen coder (``rans_encode`` / ``rans_decode`` rows, ``rans_encode_lanes`` /
 ``rans_decode_lanes`` through their cached plans, :mod:`kvtier_kernels.cachegen.rans.plans`)
-runs on the compression benchmark's lanes: a 256-token chunk of 32 layers x 8 heads x 128
-is 2 x 32 x 1024 = 65536 lanes of 256 symbols (``chunk``), and its small chunk
-(``small_kv``: 4 layers x 128 channels x 64 tokens, 1024 lanes of 64 symbols), with the
-default levels' 33-symbol alphabet. Unlike a paged copy, each call does tensor work of its
+runs on the compression benchmark's lanes, in the streams the codec codes them in
+(:func:`~kvtier_kernels.cachegen.format.lanes_per_stream`, up to ``STREAM_SYMBOLS`` = 1024
+symbols a stream): a 256-token chunk of 32 layers x 8 heads x 128 is 2 x 32 x 1024 = 65536
+lanes of 256 symbols, 4 a stream, 16384 streams of 1024 symbols (``chunk``), and its small
+chunk (``small_kv``: 4 layers x 128 channels x 64 tokens, 1024 lanes of 64 symbols, 16 a
+stream, 64 streams of 1024 symbols), with the default levels' 33-symbol alphabet. Unlike a paged copy, each call does tensor work of its
 own around the launch (the cumulative table from the call's ``freq``, the buffers, the
 checks) and one host sync (the checks read back; the encoder sizes its output by it), so
 two rows each: the whole call against the uncached path, and the part queued before the
@@ -57,6 +59,7 @@ from kvtier.paged_io import PagedIO
 from kvtier_kernels import PagedKV, gather, rerotate, scatter
 from kvtier_kernels._launch import record_launches
 from kvtier_kernels.cachegen import quantize_counts
+from kvtier_kernels.cachegen.format import lanes_per_stream
 from kvtier_kernels.cachegen.rans import plans as rans_plans
 from kvtier_kernels.cachegen.rans import rans_decode_lanes, rans_encode_lanes
 from kvtier_kernels.paged.plans import check_slot_range
@@ -208,6 +211,7 @@ def test_slot_range_check_of_host_slots(record) -> None:
 # ---------------------------------------------------------------------------------------
 
 RANS_SHAPES = {"chunk": (2 * LAYERS * HEADS * HEAD_SIZE, CHUNK), "small_kv": (2 * 4 * 128, 64)}
+"""``(lanes, tokens)``: the codec codes them as ``lanes_per_stream(lanes, tokens)`` a stream."""
 RANS_ALPHABET = 2 * 16 + 1  # the default levels' largest levels_half, 16
 RANS_ROUNDS = {"chunk": 15, "small_kv": 101}  # rounds of interleaved single calls
 _rans_cases: dict[tuple[str, str], dict] = {}
@@ -215,8 +219,8 @@ _rans_cases: dict[tuple[str, str], dict] = {}
 
 def rans_case(shape: str, device: torch.device) -> dict:
     """Symbols of quantized KV (each lane a rounded normal around the middle of the
-    alphabet, its own spread), each lane's table from its histogram, and their stream
-    (built once per shape and device)."""
+    alphabet, its own spread), each lane's table from its histogram, and their streams of
+    several lanes as the codec makes them (built once per shape and device)."""
     case = _rans_cases.get((shape, str(device)))
     if case is None:
         lanes, n = RANS_SHAPES[shape]
@@ -227,9 +231,12 @@ def rans_case(shape: str, device: torch.device) -> dict:
         flat = (torch.arange(lanes)[:, None] * RANS_ALPHABET + symbols).flatten()
         counts = torch.bincount(flat, minlength=lanes * RANS_ALPHABET)
         freq = quantize_counts(counts.view(lanes, RANS_ALPHABET))
+        group = lanes_per_stream(lanes, n)
+        streams = symbols.view(lanes // group, group * n)
         # the numpy coder: numba's threads would keep spinning into the timed calls
-        words, lengths = rans_encode_lanes(symbols, freq, backend="torch")
-        case = {"symbols": symbols, "freq": freq, "words": words, "lengths": lengths, "n": n}
+        words, lengths = rans_encode_lanes(streams, freq, "torch", tables_per_stream=group)
+        case = {"symbols": streams, "freq": freq, "words": words, "lengths": lengths}
+        case |= {"n": group * n, "group": group}
         case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         _rans_cases[(shape, str(device))] = case
     return case
@@ -237,21 +244,23 @@ def rans_case(shape: str, device: torch.device) -> dict:
 
 def rans_calls(case: dict, backend: str) -> dict[str, Callable[[], object]]:
     """The coder's calls as the codec makes them, and the part of each before its sync."""
-    symbols, freq, words, lengths, n = (
-        case[k] for k in ("symbols", "freq", "words", "lengths", "n")
+    symbols, freq, words, lengths, n, group = (
+        case[k] for k in ("symbols", "freq", "words", "lengths", "n", "group")
     )
 
     def encode_before_sync() -> object:
-        plan = rans_plans.cached_plan(rans_plans.encode_key(backend, symbols, freq))
+        plan = rans_plans.cached_plan(rans_plans.encode_key(backend, symbols, freq, group))
         return plan.enqueue(symbols, freq)
 
     def decode_before_sync() -> object:
-        key = rans_plans.decode_key(backend, words, lengths, freq, n)
+        key = rans_plans.decode_key(backend, words, lengths, freq, n, group)
         return rans_plans.cached_plan(key).enqueue(words, lengths, freq)
 
     return {
-        "rans_encode": lambda: rans_encode_lanes(symbols, freq, backend=backend),
-        "rans_decode": lambda: rans_decode_lanes(words, lengths, freq, n, backend=backend),
+        "rans_encode": lambda: rans_encode_lanes(symbols, freq, backend, tables_per_stream=group),
+        "rans_decode": lambda: rans_decode_lanes(
+            words, lengths, freq, n, backend, tables_per_stream=group
+        ),
         "rans_encode_before_sync": encode_before_sync,
         "rans_decode_before_sync": decode_before_sync,
     }
@@ -316,6 +325,7 @@ def test_rans_host_us_per_call_with_a_recorder_for_the_device(op: str, shape: st
         host_syncs_per_call=0 if before_sync else 1,
         lanes=lanes,
         symbols_per_lane=n,
+        lanes_per_stream=case["group"],
         alphabet=RANS_ALPHABET,
         device="cpu (launch recorded, not run)",
         note="key, plan lookup, cumulative table and buffers, launch"
@@ -453,6 +463,7 @@ def test_gpu_rans_host_us_and_wall_vs_kernel(op: str, shape: str, record) -> Non
         meets_budget=host <= BUDGET_US,
         lanes=lanes,
         symbols_per_lane=n,
+        lanes_per_stream=case["group"],
         chunk_memory="device",
         device=torch.cuda.get_device_name(0),
     )

@@ -6,10 +6,12 @@ rANS stream: 32-bit state in ``[2**16, 2**32)``, 16-bit renormalization, 16-bit
 probabilities (``PROB_BITS = 16``), at most one word emitted per symbol. A lane's stream
 is its final encoder state (low word, high word) followed by the renormalization words in
 the order the decoder reads them; a decoded lane must end in the initial state
-``RANS_LOW`` having read exactly its words, which catches most damage::
+``RANS_LOW`` having read exactly its words, which catches most damage. A lane's ``n``
+symbols are coded with ``g = tables_per_stream`` rows of ``freq``, in ``g`` runs of
+``n / g`` (CacheGen codes several of its channels in one stream this way)::
 
-    symbols   [lanes, n]      uint8; lane l coded with freq[l]
-    freq      [lanes, A]      int32/int64, rows sum to PROB_SCALE, A <= 255
+    symbols   [lanes, n]      uint8; lane l's symbol i coded with freq[l * g + i // (n / g)]
+    freq      [lanes * g, A]  int32/int64, rows sum to PROB_SCALE, A <= 255
     words     [sum(lengths)]  int32 holding 16-bit words: the lanes' streams concatenated
     lengths   [lanes]         int64, 2 <= lengths[l] <= n + 2
 
@@ -47,6 +49,8 @@ __all__ = [
     "check_freq",
     "check_placement",
     "check_same_device",
+    "check_streams",
+    "check_tables_per_stream",
     "checked_table",
     "first_lane",
     "launch_config",
@@ -154,6 +158,36 @@ def check_freq(freq: Any, lanes: int | None) -> None:
         raise ValueError(
             f"freq must have shape [lanes={lanes}, A] with 1 <= A <= {MAX_ALPHABET}; "
             f"got {tuple(freq.shape)}"
+        )
+
+
+def check_tables_per_stream(tables_per_stream: Any, n: int) -> None:
+    """Raise ValueError unless ``tables_per_stream`` is an int >= 1 that divides ``n``."""
+    g = tables_per_stream
+    if type(g) is not int or g < 1 or n % g:
+        raise ValueError(f"tables_per_stream must be an int >= 1 dividing n={n}; got {g!r}")
+
+
+def check_streams(words: Any, lengths: Any, freq: Any, n: Any, tables_per_stream: Any) -> None:
+    """Check the arguments of ``rans_decode_lanes``: the types, dtypes, shapes and device
+    (ValueError / TypeError), then one length per lane (CodecError)."""
+    for name, tensor in (("words", words), ("lengths", lengths)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 1 or tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{name} must be a 1-D int32 or int64 tensor; "
+                f"got shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+            )
+    check_freq(freq, None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0; got {n!r}")
+    check_tables_per_stream(tables_per_stream, n)
+    check_same_device(words=words, lengths=lengths, freq=freq)
+    if len(lengths) * tables_per_stream != len(freq):
+        raise CodecError(
+            f"every lane needs at least its 2 state words: {len(lengths)} lengths "
+            f"for {len(freq) // tables_per_stream} lanes"
         )
 
 

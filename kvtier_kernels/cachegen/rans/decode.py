@@ -35,8 +35,7 @@ from kvtier_kernels.cachegen.rans.common import (
     CodecError,
     LaunchConfig,
     bad_table_rows,
-    check_freq,
-    check_same_device,
+    check_streams,
     checked_table,
     raise_bad_streams,
     raise_bad_table,
@@ -63,17 +62,21 @@ __all__ = [
 # ---------------------------------------------------------------------------------------
 
 
-def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int) -> np.ndarray:
+def rans_decode(
+    words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int, tables_per_stream: int = 1
+) -> np.ndarray:
     """Decode ``n`` symbols per lane from ``(words, lengths)`` as :func:`rans_encode`
-    made them with ``freq`` ``[lanes, A]``. Returns uint8 ``[lanes, n]``.
+    made them with ``freq`` ``[lanes * g, A]`` (``g = tables_per_stream``). Returns uint8
+    ``[lanes, n]``.
 
     Raises:
         CodecError: a lane reads past its words, leaves words unread, or does not end
             in the initial state (the stream is not what ``freq`` encoded).
     """
-    lanes, alphabet = freq.shape
+    alphabet = freq.shape[1]
+    lanes = len(freq) // tables_per_stream
     lengths = lengths.astype(np.int64)
-    if len(lengths) != lanes or (lanes and lengths.min() < 2):
+    if len(lengths) * tables_per_stream != len(freq) or (lanes and lengths.min() < 2):
         raise CodecError("every lane needs at least its 2 state words")
     if int(lengths.sum()) != len(words):
         raise CodecError(f"lane lengths sum to {int(lengths.sum())}, stream has {len(words)}")
@@ -82,18 +85,20 @@ def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int
     np.cumsum(lengths[:-1], out=start[1:])
     freq64 = freq.astype(np.uint64).reshape(-1)
     search = 1 << max(0, (alphabet - 1).bit_length())  # power of two >= alphabet
-    cum_hi = np.full((lanes, search), PROB_SCALE, dtype=np.uint64)  # cum of a + 1
+    cum_hi = np.full((len(freq), search), PROB_SCALE, dtype=np.uint64)  # cum of a + 1
     np.cumsum(freq.astype(np.uint64), axis=1, out=cum_hi[:, :alphabet])
     cum_hi[:, alphabet - 1 :] = PROB_SCALE
     cum_hi = cum_hi.reshape(-1)
-    row_search = np.arange(lanes, dtype=np.int64) * search
-    row = np.arange(lanes, dtype=np.int64) * alphabet
+    first_row = np.arange(lanes, dtype=np.int64) * tables_per_stream
+    segment = max(1, n // tables_per_stream)
     state = words64[start] | (words64[start + 1] << np.uint64(16))
     read = np.full(lanes, 2, dtype=np.int64)
     bad = np.zeros(lanes, dtype=bool)
     out = np.empty((lanes, n), dtype=np.uint8)
     mask = np.uint64(PROB_SCALE - 1)
     for i in range(n):
+        row_search = (first_row + i // segment) * search
+        row = (first_row + i // segment) * alphabet
         slot = state & mask
         sym = np.zeros(lanes, dtype=np.int64)  # the number of a with cum_hi[a] <= slot
         step = search >> 1
@@ -128,8 +133,9 @@ def rans_decode(words: np.ndarray, lengths: np.ndarray, freq: np.ndarray, n: int
 def rans_decode_reference(
     words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
     lengths: torch.Tensor,  # [lanes] int64/int32
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
     n: int,
+    tables_per_stream: int = 1,  # g
 ) -> torch.Tensor:
     """:func:`rans_decode` on CPU copies; returns uint8 ``[lanes,
     n]`` on ``words``' device. Shapes are assumed valid (:func:`rans_decode_lanes` checks
@@ -153,6 +159,7 @@ def rans_decode_reference(
         lengths_cpu.numpy(),
         freq_cpu.numpy().astype(np.uint32),
         n,
+        tables_per_stream,
     )
     return torch.from_numpy(symbols).to(words.device)
 
@@ -187,8 +194,8 @@ def rans_decode_kernel(
     words,  # [num_words] int32/int64 16-bit words
     starts,  # [lanes] int64: where each lane's stream starts in words
     lengths,  # [lanes] int64
-    freq,  # [lanes, A] int32/int64
-    cum_hi,  # [lanes, SEARCH] int32, contiguous: freq[0] + ... + freq[a], padded
+    freq,  # [lanes * G, A] int32/int64
+    cum_hi,  # [lanes * G, SEARCH] int32, contiguous: freq[0] + ... + freq[a], padded
     out,  # [lanes, n] uint8 (out)
     bad,  # [lanes] int8 (out): 1 = the reference rejects this lane's stream
     s_word,  # words stride, in elements
@@ -199,6 +206,8 @@ def rans_decode_kernel(
     num_lanes,
     n,
     num_words,
+    tables_per_stream,  # G: lane l's symbol i is decoded with row l * G + i // segment
+    segment,
     PROB_BITS: tl.constexpr,
     RANS_LOW: tl.constexpr,
     LOG2_SEARCH: tl.constexpr,
@@ -207,7 +216,6 @@ def rans_decode_kernel(
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_lane = lanes < num_lanes
     lane64 = lanes.to(tl.int64)
-    table = lane64 * (1 << LOG2_SEARCH)
     start = tl.load(starts + lane64, mask=in_lane, other=0)
     length = tl.load(lengths + lane64, mask=in_lane, other=2)
     head = in_lane & (start >= 0) & (start + 1 < num_words)
@@ -217,7 +225,9 @@ def rans_decode_kernel(
     read = tl.full([BLOCK], 2, tl.int64)
     flags = tl.full([BLOCK], 0, tl.int32)
     out_at = lane64 * s_out_lane
-    for _ in range(n):
+    for i in range(n):
+        row = lane64 * tables_per_stream + i // segment
+        table = row * (1 << LOG2_SEARCH)
         slot = state & ((1 << PROB_BITS) - 1)
         sym = tl.full([BLOCK], 0, tl.int64)
         for k in tl.static_range(LOG2_SEARCH):
@@ -226,7 +236,7 @@ def rans_decode_kernel(
             sym = sym + tl.where(probe.to(tl.int64) <= slot, step, 0)
         tl.store(out + out_at, sym.to(tl.uint8), mask=in_lane)
         out_at += s_out_pos
-        f = tl.load(freq + lane64 * s_freq_lane + sym * s_freq_sym, mask=in_lane, other=0)
+        f = tl.load(freq + row * s_freq_lane + sym * s_freq_sym, mask=in_lane, other=0)
         f = f.to(tl.int64)
         c = tl.load(cum_hi + table + sym, mask=in_lane, other=0).to(tl.int64) - f
         state = f * (state >> PROB_BITS) + slot - c
@@ -267,13 +277,14 @@ prange: Any = range
 BLOCK = 64  # lanes per prange iteration
 
 
-def _lane_tables(freq, lane, cum_hi, lane_freq, lut, k, shift):
-    """Row k of cum_hi, lane_freq and lut for ``lane``; lut[b]: the symbol of slot b << shift."""
+def _lane_tables(freq, row, cum_hi, lane_freq, lut, k, shift):
+    """Row k of cum_hi, lane_freq and lut for ``freq[row]``; lut[b]: the symbol of slot
+    b << shift."""
     alphabet = freq.shape[1]
     low = 0
     for a in range(alphabet):
-        lane_freq[k, a] = freq[lane, a]
-        high = PROB_SCALE if a == alphabet - 1 else low + freq[lane, a]
+        lane_freq[k, a] = freq[row, a]
+        high = PROB_SCALE if a == alphabet - 1 else low + freq[row, a]
         cum_hi[k, a] = high
         for bucket in range((low + (1 << shift) - 1) >> shift, ((high - 1) >> shift) + 1):
             lut[k, bucket] = a
@@ -284,13 +295,15 @@ def rans_decode_numba_kernel(
     words,  # [num_words + n + 2] uint16: the stream, then n + 2 zeros
     starts,  # [lanes] int64: where each lane's stream starts in words
     lengths,  # [lanes] int64, each >= 2, summing to num_words
-    freq,  # [lanes, A] int64, contiguous; rows non-negative, summing to PROB_SCALE
+    freq,  # [lanes * G, A] int64, contiguous; rows non-negative, summing to PROB_SCALE
     out,  # [lanes, n] uint8 (out)
     bad,  # [lanes] uint8 (out): 1 = the reference rejects this lane's stream
     shift,  # log2 of the slots per table entry: 16 - shift bits of table
+    tables_per_stream,  # G: lane l's symbol i is decoded with row l * G + i // segment
 ):
     lanes, n = out.shape
     alphabet = freq.shape[1]
+    segment = max(1, n // tables_per_stream)
     for block in prange((lanes + BLOCK - 1) // BLOCK):
         cum_hi = np.empty((2, alphabet), np.int64)
         lane_freq = np.empty((2, alphabet), np.int64)
@@ -298,12 +311,18 @@ def rans_decode_numba_kernel(
         end = min(lanes, (block + 1) * BLOCK)
         for l0 in range(block * BLOCK, end, 2):
             l1 = min(l0 + 1, end - 1)
-            _lane_tables(freq, l0, cum_hi, lane_freq, lut, 0, shift)
-            _lane_tables(freq, l1, cum_hi, lane_freq, lut, 1, shift)
             at0, at1 = starts[l0] + 2, starts[l1] + 2
             x0 = np.int64(words[at0 - 2]) | (np.int64(words[at0 - 1]) << 16)
             x1 = np.int64(words[at1 - 2]) | (np.int64(words[at1 - 1]) << 16)
             for i in range(n):
+                if i % segment == 0:
+                    row = i // segment
+                    _lane_tables(
+                        freq, l0 * tables_per_stream + row, cum_hi, lane_freq, lut, 0, shift
+                    )
+                    _lane_tables(
+                        freq, l1 * tables_per_stream + row, cum_hi, lane_freq, lut, 1, shift
+                    )
                 slot0, slot1 = x0 & (PROB_SCALE - 1), x1 & (PROB_SCALE - 1)
                 s0, s1 = np.int64(lut[0, slot0 >> shift]), np.int64(lut[1, slot1 >> shift])
                 while cum_hi[0, s0] <= slot0:
@@ -335,9 +354,11 @@ NUMBA_KERNEL = NumbaKernel(rans_decode_numba_kernel, helpers=[_lane_tables], op=
 def rans_decode_lanes(
     words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
     lengths: torch.Tensor,  # [lanes] int64/int32
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
     n: int,
     backend: str = "auto",
+    *,
+    tables_per_stream: int = 1,
 ) -> torch.Tensor:
     """Decode ``n`` symbols per lane from ``(words, lengths)`` as :func:`rans_encode_lanes`
     made them with ``freq``; the inverse of it and bit-exact with
@@ -347,10 +368,11 @@ def rans_decode_lanes(
         words: int32/int64 ``[total_words]``, 16-bit words (higher bits are ignored, as the
             reference's uint16 drops them).
         lengths: int64/int32 ``[lanes]``, each lane's words.
-        freq: int32/int64 ``[lanes, A]`` as for :func:`rans_encode_lanes`.
+        freq: int32/int64 ``[lanes * g, A]`` as for :func:`rans_encode_lanes`.
         n: symbols per lane, ``>= 0``.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"interpret"`` or ``"numba"``
             (see registry).
+        tables_per_stream: ``g``, as for :func:`rans_encode_lanes`.
 
     Returns:
         uint8 ``[lanes, n]`` on ``words``' device.
@@ -370,40 +392,20 @@ def rans_decode_lanes(
     the cumulative table, allocates its buffers and reads the checks back once.
     """
     try:
-        key = decode_key(backend, words, lengths, freq, n)
+        key = decode_key(backend, words, lengths, freq, n, tables_per_stream)
         plan = cached_plan(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: validate
         key, plan = None, None
     if plan is None:
-        _validate(words, lengths, freq, n)
+        check_streams(words, lengths, freq, n, tables_per_stream)
         impl = registry.get("rans_decode", backend, words.device)
         if not (isinstance(impl, functools.partial) and impl.func is rans_decode_triton):
-            return impl(words, lengths, freq, n)  # a CPU coder: no launch to plan
-        plan = decode_plan(words, lengths, freq, n, impl.keywords["interpret"], KERNEL)
+            return impl(words, lengths, freq, n, tables_per_stream)  # a CPU coder: no plan
+        interpret = impl.keywords["interpret"]
+        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, KERNEL)
         if key is not None:
             store_plan(key, plan)
     return plan(words, lengths, freq)
-
-
-def _validate(words: Any, lengths: Any, freq: Any, n: Any) -> None:
-    """Check the arguments of :func:`rans_decode_lanes`."""
-    for name, tensor in (("words", words), ("lengths", lengths)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 1 or tensor.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"{name} must be a 1-D int32 or int64 tensor; "
-                f"got shape {tuple(tensor.shape)} dtype {tensor.dtype}"
-            )
-    check_freq(freq, None)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0; got {n!r}")
-    check_same_device(words=words, lengths=lengths, freq=freq)
-    if len(lengths) != len(freq):
-        raise CodecError(
-            f"every lane needs at least its 2 state words: {len(lengths)} lengths "
-            f"for {len(freq)} lanes"
-        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -414,8 +416,9 @@ def _validate(words: Any, lengths: Any, freq: Any, n: Any) -> None:
 def rans_decode_triton(
     words: torch.Tensor,  # [total_words] int32/int64
     lengths: torch.Tensor,  # [lanes] int64/int32
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
     n: int,
+    tables_per_stream: int = 1,  # g
     *,
     interpret: bool | None = None,
     config: LaunchConfig | None = None,
@@ -431,10 +434,10 @@ def rans_decode_triton(
             cannot reach, or an invalid ``config``.
     """
     interpret = words.device.type == "cpu" if interpret is None else interpret
-    key = decode_key(("triton", interpret, config), words, lengths, freq, n)
+    key = decode_key(("triton", interpret, config), words, lengths, freq, n, tables_per_stream)
     plan = cached_plan(key)
     if plan is None:
-        plan = decode_plan(words, lengths, freq, n, interpret, KERNEL, config)
+        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, KERNEL, config)
         store_plan(key, plan)
     return plan(words, lengths, freq)
 
@@ -448,8 +451,9 @@ def rans_decode_triton(
 def rans_decode_numba(
     words: torch.Tensor,  # [total_words] int32/int64, values 0..65535
     lengths: torch.Tensor,  # [lanes] int64/int32
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
     n: int,
+    tables_per_stream: int = 1,  # g
 ) -> torch.Tensor:
     """numba version of :func:`rans_decode_reference` on CPU copies: the same symbols and
     errors, in the same order. Shapes are assumed valid (:func:`rans_decode_lanes`). Where
@@ -466,6 +470,7 @@ def rans_decode_numba(
 
     # allocate
     lanes = len(lengths_np)
+    segment = max(1, n // tables_per_stream)
     out = np.empty((lanes, n), dtype=np.uint8)
     bad = np.zeros(lanes, dtype=np.uint8)
     padded = np.zeros(total + n + 2, dtype=np.uint16)  # the words, then n + 2 zeros
@@ -476,10 +481,11 @@ def rans_decode_numba(
         padded,  # [num_words + n + 2]
         ends - lengths_np,  # starts [lanes]
         lengths_np,  # [lanes]
-        table,  # [lanes, A]
+        table,  # [lanes * g, A]
         out,  # [lanes, n]
         bad,  # [lanes]
-        PROB_BITS - min(8, max(1, (n - 1).bit_length())),  # shift: one entry per count
+        PROB_BITS - min(8, max(1, (segment - 1).bit_length())),  # shift: an entry per count
+        tables_per_stream,
         work=lanes * n,
     )
     if bad.any():

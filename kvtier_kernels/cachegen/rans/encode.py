@@ -36,6 +36,7 @@ from kvtier_kernels.cachegen.rans.common import (
     bad_table_rows,
     check_freq,
     check_same_device,
+    check_tables_per_stream,
     checked_table,
     raise_bad_table,
     raise_unusable_symbols,
@@ -60,13 +61,18 @@ __all__ = [
 # ---------------------------------------------------------------------------------------
 
 
-def rans_encode(symbols: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Encode each row of ``symbols`` ``[lanes, n]`` with its row of ``freq``
-    ``[lanes, A]`` (uint32, rows summing to ``PROB_SCALE``; every symbol used must have a
-    positive frequency). Returns ``(words, lengths)``: the lanes' streams concatenated
-    (uint16) and each lane's length in words (int64; ``2 <= length <= n + 2``)."""
+def rans_encode(
+    symbols: np.ndarray, freq: np.ndarray, tables_per_stream: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encode each row (stream) of ``symbols`` ``[streams, n]`` with ``g =
+    tables_per_stream`` rows of ``freq`` ``[streams * g, A]`` (uint32, rows summing to
+    ``PROB_SCALE``; every symbol used must have a positive frequency): symbol ``i`` of
+    stream ``s`` with row ``s * g + i // (n / g)``. Returns ``(words, lengths)``: the
+    streams concatenated (uint16) and each one's length in words (int64; ``2 <= length <=
+    n + 2``)."""
     lanes, n = symbols.shape
     alphabet = freq.shape[1]
+    segment = max(1, n // tables_per_stream)
     freq64 = freq.astype(np.uint64)
     cum = np.zeros_like(freq64)
     np.cumsum(freq64[:, :-1], axis=1, out=cum[:, 1:])
@@ -75,10 +81,10 @@ def rans_encode(symbols: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.n
     base = np.arange(lanes, dtype=np.int64) * width
     pos = np.full(lanes, width, dtype=np.int64)  # a lane's stream is buf[pos:width]
     state = np.full(lanes, RANS_LOW, dtype=np.uint64)
-    row = np.arange(lanes, dtype=np.int64) * alphabet
+    first_row = np.arange(lanes, dtype=np.int64) * tables_per_stream
     for i in range(n - 1, -1, -1):
-        index = row + symbols[:, i]
-        f, c = freq64[:, :].reshape(-1)[index], cum.reshape(-1)[index]
+        index = (first_row + i // segment) * alphabet + symbols[:, i]
+        f, c = freq64.reshape(-1)[index], cum.reshape(-1)[index]
         emit = state >= (f << np.uint64(16))
         # writing unconditionally is safe: an unused slot below pos is overwritten later
         buf[base + pos - 1] = (state & np.uint64(0xFFFF)).astype(np.uint16)
@@ -99,7 +105,8 @@ def rans_encode(symbols: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.n
 
 def rans_encode_reference(
     symbols: torch.Tensor,  # [lanes, n] uint8
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
+    tables_per_stream: int = 1,  # g
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rans_encode` on CPU copies; returns ``(words,
     lengths)`` (int32, int64) on ``symbols``' device. Shapes are assumed valid
@@ -115,13 +122,16 @@ def rans_encode_reference(
         raise_bad_table(bad_rows, freq_cpu)
     sym = symbols.cpu().numpy()
     table = freq_cpu.numpy().astype(np.uint32)
-    lanes, alphabet = table.shape
-    usable = np.zeros((lanes, MAX_ALPHABET + 1), dtype=bool)  # a uint8 symbol indexes it
+    rows, alphabet = table.shape
+    usable = np.zeros((rows, MAX_ALPHABET + 1), dtype=bool)  # a uint8 symbol indexes it
     usable[:, :alphabet] = table > 0
-    bad_lanes = ~usable[np.arange(lanes)[:, None], sym].all(1)
+    lanes, n = sym.shape
+    segment = max(1, n // tables_per_stream)
+    row = np.arange(lanes)[:, None] * tables_per_stream + np.arange(n)[None, :] // segment
+    bad_lanes = ~usable[row, sym].all(1)
     if bad_lanes.any():
         raise_unusable_symbols(torch.from_numpy(bad_lanes))
-    words, lengths = rans_encode(sym, table)
+    words, lengths = rans_encode(sym, table, tables_per_stream)
     device = symbols.device
     return (
         torch.from_numpy(words.astype(np.int32)).to(device),
@@ -153,8 +163,8 @@ tl: Any = None
 
 def rans_encode_kernel(
     symbols,  # [lanes, n] uint8
-    freq,  # [lanes, A] int32/int64
-    cum_lo,  # [lanes, A] int32, contiguous: freq[0] + ... + freq[a - 1]
+    freq,  # [lanes * G, A] int32/int64
+    cum_lo,  # [lanes * G, A] int32, contiguous: freq[0] + ... + freq[a - 1]
     scratch,  # [lanes, n + 2] int32, contiguous: each lane's stream at its end
     lengths,  # [lanes] int64 (out)
     bad,  # [lanes] int8 (out): 1 = a symbol outside the row or with frequency 0
@@ -165,6 +175,8 @@ def rans_encode_kernel(
     num_lanes,
     n,
     alphabet,
+    tables_per_stream,  # G: lane l's symbol i is coded with row l * G + i // segment
+    segment,
     PROB_BITS: tl.constexpr,
     RANS_LOW: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -178,13 +190,14 @@ def rans_encode_kernel(
     pos = tl.full([BLOCK], 0, tl.int64) + width
     flags = tl.full([BLOCK], 0, tl.int32)
     sym_at = lane64 * s_sym_lane + (lane64 * 0 + n - 1) * s_sym_pos  # int64: the last symbol
-    for _ in range(n):
+    for step in range(n):
         sym = tl.load(symbols + sym_at, mask=in_lane, other=0).to(tl.int64)
         sym_at -= s_sym_pos
         known = in_lane & (sym < alphabet)
-        f = tl.load(freq + lane64 * s_freq_lane + sym * s_freq_sym, mask=known, other=0)
+        row = lane64 * tables_per_stream + (n - 1 - step) // segment
+        f = tl.load(freq + row * s_freq_lane + sym * s_freq_sym, mask=known, other=0)
         f = f.to(tl.int64)
-        c = tl.load(cum_lo + lane64 * alphabet + sym, mask=known, other=0).to(tl.int64)
+        c = tl.load(cum_lo + row * alphabet + sym, mask=known, other=0).to(tl.int64)
         flags = flags | (f <= 0).to(tl.int32)
         f = tl.maximum(f, 1)
         emit = state >= (f << 16)
@@ -227,14 +240,16 @@ GROUP = 8  # lanes interleaved by one loop iteration
 
 def rans_encode_numba_kernel(
     symbols,  # [lanes, n] uint8, contiguous
-    freq,  # [lanes, A] int64, contiguous; rows non-negative, summing to PROB_SCALE
+    freq,  # [lanes * G, A] int64, contiguous; rows non-negative, summing to PROB_SCALE
     scratch,  # [lanes, n + 2] uint16: each lane's stream at its end
     lengths,  # [lanes] int64 (out)
     bad,  # [lanes] uint8 (out): 1 = a symbol outside the row or with frequency 0
+    tables_per_stream,  # G: lane l's symbol i is coded with row l * G + i // segment
 ):  # -> words: int32 [sum(lengths)], the lanes' streams concatenated
     lanes, n = symbols.shape
     alphabet = freq.shape[1]
     width = n + 2
+    segment = max(1, n // tables_per_stream)
     for group in prange((lanes + GROUP - 1) // GROUP):
         first = group * GROUP
         count = min(GROUP, lanes - first)
@@ -242,18 +257,22 @@ def rans_encode_numba_kernel(
         state = np.full(GROUP, RANS_LOW, np.int64)
         pos = np.full(GROUP, width, np.int64)
         flag = np.zeros(GROUP, np.uint8)
-        for g in range(count):
-            total = 0
-            for a in range(alphabet):
-                cum[g, a] = total
-                total += freq[first + g, a]
+        row = 0
         for i in range(n - 1, -1, -1):
+            if i == n - 1 or i % segment == segment - 1:  # a segment's last symbol: its row
+                row = i // segment
+                for g in range(count):
+                    total = 0
+                    for a in range(alphabet):
+                        cum[g, a] = total
+                        total += freq[(first + g) * tables_per_stream + row, a]
             for g in range(count):
                 lane = first + g
+                table = lane * tables_per_stream + row
                 sym = symbols[lane, i]
                 f, c = 1, 0
-                if sym < alphabet and freq[lane, sym] > 0:
-                    f, c = freq[lane, sym], cum[g, sym]
+                if sym < alphabet and freq[table, sym] > 0:
+                    f, c = freq[table, sym], cum[g, sym]
                 else:
                     flag[g] = 1
                 x, at = state[g], pos[g]
@@ -293,17 +312,22 @@ NUMBA_KERNEL = NumbaKernel(rans_encode_numba_kernel, op="rans_encode")
 
 def rans_encode_lanes(
     symbols: torch.Tensor,  # [lanes, n] uint8
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
     backend: str = "auto",
+    *,
+    tables_per_stream: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rANS-encode each lane (row) of ``symbols`` with its row of ``freq``.
+    """rANS-encode each lane (row) of ``symbols`` into one stream, with its rows of ``freq``.
 
     Args:
         symbols: uint8 ``[lanes, n]``.
-        freq: int32/int64 ``[lanes, A]``, ``1 <= A <= 255``, rows non-negative and summing
-            to ``PROB_SCALE``; every symbol a lane uses must have a positive frequency.
+        freq: int32/int64 ``[lanes * g, A]``, ``1 <= A <= 255``, rows non-negative and
+            summing to ``PROB_SCALE``; every symbol a lane uses must have a positive
+            frequency in its row.
         backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"interpret"`` or ``"numba"``
             (see registry).
+        tables_per_stream: ``g``, a divisor of ``n``: lane ``l``'s symbols are coded in
+            ``g`` runs of ``n / g``, run ``j`` with row ``l * g + j`` of ``freq``.
 
     Returns:
         ``(words, lengths)`` on ``symbols``' device, equal to
@@ -322,9 +346,9 @@ def rans_encode_lanes(
     back once.
     """
     try:
-        key = encode_key(backend, symbols, freq)
+        key = encode_key(backend, symbols, freq, tables_per_stream)
         plan = cached_plan(key)
-    except (AttributeError, TypeError):  # not tensors: validate
+    except (AttributeError, TypeError):  # not tensors, or unhashable: validate
         key, plan = None, None
     if plan is None:
         if not isinstance(symbols, torch.Tensor):
@@ -334,12 +358,14 @@ def rans_encode_lanes(
                 f"symbols must be a 2-D uint8 tensor [lanes, n]; "
                 f"got shape {tuple(symbols.shape)} dtype {symbols.dtype}"
             )
-        check_freq(freq, symbols.shape[0])
+        check_tables_per_stream(tables_per_stream, symbols.shape[1])
+        check_freq(freq, symbols.shape[0] * tables_per_stream)
         check_same_device(symbols=symbols, freq=freq)
         impl = registry.get("rans_encode", backend, symbols.device)
         if not (isinstance(impl, functools.partial) and impl.func is rans_encode_triton):
-            return impl(symbols, freq)  # a CPU coder: no launch to plan
-        plan = encode_plan(symbols, freq, impl.keywords["interpret"], KERNEL)
+            return impl(symbols, freq, tables_per_stream)  # a CPU coder: no launch to plan
+        interpret = impl.keywords["interpret"]
+        plan = encode_plan(symbols, freq, tables_per_stream, interpret, KERNEL)
         if key is not None:
             store_plan(key, plan)
     return plan(symbols, freq)
@@ -352,7 +378,8 @@ def rans_encode_lanes(
 
 def rans_encode_triton(
     symbols: torch.Tensor,  # [lanes, n] uint8
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
+    tables_per_stream: int = 1,  # g
     *,
     interpret: bool | None = None,
     config: LaunchConfig | None = None,
@@ -370,10 +397,10 @@ def rans_encode_triton(
             or an invalid ``config``.
     """
     interpret = symbols.device.type == "cpu" if interpret is None else interpret
-    key = encode_key(("triton", interpret, config), symbols, freq)
+    key = encode_key(("triton", interpret, config), symbols, freq, tables_per_stream)
     plan = cached_plan(key)
     if plan is None:
-        plan = encode_plan(symbols, freq, interpret, KERNEL, config)
+        plan = encode_plan(symbols, freq, tables_per_stream, interpret, KERNEL, config)
         store_plan(key, plan)
     return plan(symbols, freq)
 
@@ -386,7 +413,8 @@ def rans_encode_triton(
 @NUMBA_KERNEL.falling_back_to(rans_encode_reference)
 def rans_encode_numba(
     symbols: torch.Tensor,  # [lanes, n] uint8
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
+    tables_per_stream: int = 1,  # g
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """numba version of :func:`rans_encode_reference`, on CPU copies; the same words,
     lengths and errors. Shapes are assumed valid (:func:`rans_encode_lanes` checks them).
@@ -407,10 +435,11 @@ def rans_encode_numba(
     # launch
     words = NUMBA_KERNEL(
         symbols.cpu().contiguous().numpy(),  # [lanes, n]
-        table,  # [lanes, A]
+        table,  # [lanes * g, A]
         scratch,  # [lanes, n + 2]
         lengths,  # [lanes]
         bad,  # [lanes]
+        tables_per_stream,
         work=lanes * n,
     )
     if bad.any():

@@ -3,12 +3,14 @@ per shape, strides, dtypes, devices and backend, and what is left to do per call
 
 :func:`~kvtier_kernels.cachegen.rans.encode.rans_encode_lanes` and
 :func:`~kvtier_kernels.cachegen.rans.decode.rans_decode_lanes` look their plan up under a
-key of the arguments' shapes, strides, dtypes, devices and alignment (plus ``n`` for a
-decode) and the backend; no tensor address, and not the length of a decode's ``words``,
-which changes with every chunk: only what Triton specializes the kernel on (a length of 1,
-a multiple of 16, beyond int32). A miss validates the arguments and builds the plan: the
-launch config, the grid, the constexprs and, for Triton, the kernel bound and compiled for
-those arguments (:func:`kvtier_kernels._launch.bind`). A hit skips all of that::
+key of the arguments' shapes, strides, dtypes, devices and alignment, ``tables_per_stream``
+(plus ``n`` for a decode) and the backend; no tensor address, and not the length of a
+decode's ``words``, which changes with every chunk: only what Triton specializes the
+kernel on (a length of 1, a multiple of 16, beyond int32). The kernels' segment length
+``max(1, n // tables_per_stream)`` follows from ``n`` and ``tables_per_stream``, so the key
+fixes it too. A miss validates the arguments and builds the plan: the launch config, the
+grid, the constexprs and, for Triton, the kernel bound and compiled for those arguments
+(:func:`kvtier_kernels._launch.bind`). A hit skips all of that::
 
     key -> EncodePlan:  cumulative table, scratch, lengths, flags  ->  BoundLaunch
                         -> checks (one host sync)  ->  compaction of the lanes' streams
@@ -73,24 +75,34 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
-def encode_key(backend: Any, symbols: torch.Tensor, freq: torch.Tensor) -> tuple:
+def encode_key(
+    backend: Any, symbols: torch.Tensor, freq: torch.Tensor, tables_per_stream: Any
+) -> tuple:
     """What an encode plan depends on, read off the arguments without a sync (raises
-    AttributeError or TypeError for arguments that are not tensors: validate those)."""
-    return ("rans_encode", backend, _tensor_key(symbols), _tensor_key(freq))
+    AttributeError or TypeError for arguments that are not tensors, or an unhashable
+    ``tables_per_stream``: validate those)."""
+    return ("rans_encode", backend, _tensor_key(symbols), _tensor_key(freq),
+            tables_per_stream, type(tables_per_stream))  # fmt: skip
 
 
 def decode_key(
-    backend: Any, words: torch.Tensor, lengths: torch.Tensor, freq: torch.Tensor, n: Any
+    backend: Any,
+    words: torch.Tensor,
+    lengths: torch.Tensor,
+    freq: torch.Tensor,
+    n: Any,
+    tables_per_stream: Any,
 ) -> tuple:
     """What a decode plan depends on, read off the arguments without a sync: of ``words``
     its dtype, stride, device and alignment, and of its length only the classes Triton
     specializes an integer on (raises AttributeError or TypeError for arguments that are
-    not tensors, or an unhashable ``n``: validate those)."""
+    not tensors, or an unhashable ``n`` or ``tables_per_stream``: validate those)."""
     num_words = words.numel()
     word_class = (num_words == 1, num_words % 16 == 0, num_words < 1 << 31)
     words_key = (words.dim(), words.stride(), words.dtype, words.device, words.data_ptr() & 15)
     return ("rans_decode", backend, words_key, word_class, _tensor_key(lengths),
-            _tensor_key(freq), n, type(n))  # fmt: skip
+            _tensor_key(freq), n, type(n), tables_per_stream,
+            type(tables_per_stream))  # fmt: skip
 
 
 def cached_plan(key: tuple) -> Any:
@@ -162,7 +174,7 @@ class EncodePlan:
         device, lanes = self.device, self.lanes
         cum = freq.cumsum(1, dtype=torch.int64)
         cum -= freq
-        # [lanes, A], contiguous: freq[0] + ... + freq[a - 1]
+        # [lanes * g, A], contiguous: freq[0] + ... + freq[a - 1]
         cum_lo = cum.to(torch.int32, memory_format=torch.contiguous_format)
         scratch = torch.empty((lanes, self.width), dtype=torch.int32, device=device)
         lengths = torch.zeros(lanes, dtype=torch.int64, device=device)
@@ -195,7 +207,8 @@ class EncodePlan:
 
 def encode_plan(
     symbols: torch.Tensor,  # [lanes, n] uint8
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
+    tables_per_stream: int,  # g
     interpret: bool,
     kernel: LazyKernel,
     config: LaunchConfig | None = None,
@@ -215,7 +228,7 @@ def encode_plan(
         return EncodePlan(None, lanes, n + 2, device)
     args = (
         symbols,  # [lanes, n] uint8
-        freq,  # [lanes, A]
+        freq,  # [lanes * g, A]
         torch.empty(freq.shape, dtype=torch.int32, device=device),  # cum_lo
         torch.empty((lanes, n + 2), dtype=torch.int32, device=device),  # scratch
         torch.empty(lanes, dtype=torch.int64, device=device),  # lengths
@@ -225,6 +238,8 @@ def encode_plan(
         lanes,
         n,
         freq.shape[1],
+        tables_per_stream,
+        max(1, n // tables_per_stream),  # segment
     )
     launch = _bind_kernel(kernel, lanes, device, interpret, config, args, {}, per_call=6)
     return EncodePlan(launch, lanes, n + 2, device)
@@ -239,20 +254,23 @@ class DecodePlan:
     """One decode bound to its shapes: ``plan(words, lengths, freq)`` returns the symbols
     (see the module docstring for what a call does). Built by :func:`decode_plan`."""
 
-    __slots__ = ("alphabet", "device", "lanes", "launch", "n", "scalars", "search")
+    __slots__ = ("alphabet", "device", "lanes", "launch", "n", "rows", "scalars", "search")
+    __slots__ += ("tables",)
 
     def __init__(
         self,
         launch: BoundLaunch | None,
         lanes: int,
         n: int,
-        alphabet: int,
+        freq_shape: tuple[int, int],
         device: torch.device,
         scalars: tuple[int, ...] = (),
+        tables: tuple[int, int] = (1, 1),
     ) -> None:
-        self.launch, self.lanes, self.n, self.alphabet = launch, lanes, n, alphabet
-        self.device, self.scalars = device, scalars
-        self.search = 1 << (alphabet - 1).bit_length()
+        self.launch, self.lanes, self.n, self.device = launch, lanes, n, device
+        self.rows, self.alphabet = freq_shape
+        self.scalars, self.tables = scalars, tables  # the kernel's before / after num_words
+        self.search = 1 << (self.alphabet - 1).bit_length()
 
     def enqueue(
         self, words: torch.Tensor, lengths: torch.Tensor, freq: torch.Tensor
@@ -265,13 +283,17 @@ class DecodePlan:
         starts = lengths64.cumsum(0)
         starts -= lengths64  # [lanes]: where each lane's stream starts in words
         # cum_hi[a] = freq[0] + ... + freq[a], its last real entry and the padding PROB_SCALE
-        cum_hi = torch.full((lanes, self.search), PROB_SCALE, dtype=torch.int32, device=device)
+        shape = (self.rows, self.search)  # [lanes * g, SEARCH]
+        cum_hi = torch.full(shape, PROB_SCALE, dtype=torch.int32, device=device)
         torch.cumsum(freq[:, :last], 1, dtype=torch.int32, out=cum_hi[:, :last])
         out = torch.empty((lanes, self.n), dtype=torch.uint8, device=device)
         bad = torch.zeros(lanes, dtype=torch.int8, device=device)
         num_words = words.numel()
         if self.launch is not None and num_words:
-            self.launch(words, starts, lengths64, freq, cum_hi, out, bad, *self.scalars, num_words)
+            scalars, tables = self.scalars, self.tables
+            self.launch(
+                words, starts, lengths64, freq, cum_hi, out, bad, *scalars, num_words, *tables
+            )
         return out, lengths64, bad
 
     def __call__(
@@ -298,8 +320,9 @@ class DecodePlan:
 def decode_plan(
     words: torch.Tensor,  # [num_words] int32/int64
     lengths: torch.Tensor,  # [lanes] int64/int32
-    freq: torch.Tensor,  # [lanes, A] int32/int64
+    freq: torch.Tensor,  # [lanes * g, A] int32/int64
     n: int,
+    tables_per_stream: int,  # g
     interpret: bool,
     kernel: LazyKernel,
     config: LaunchConfig | None = None,
@@ -314,23 +337,26 @@ def decode_plan(
     """
     device = words.device
     check_placement(device, interpret)
-    lanes, alphabet = freq.shape
+    lanes = len(lengths)
+    rows, alphabet = freq.shape
     if not lanes:
-        return DecodePlan(None, lanes, n, alphabet, device)
+        return DecodePlan(None, lanes, n, (rows, alphabet), device)
     out = torch.empty((lanes, n), dtype=torch.uint8, device=device)  # as a call makes it
     scalars = (words.stride(0), *freq.stride(), *out.stride(), lanes, n)
+    tables = (tables_per_stream, max(1, n // tables_per_stream))  # G, segment
     search = 1 << (alphabet - 1).bit_length()
     args = (
         words,  # [num_words]
         torch.empty(lanes, dtype=torch.int64, device=device),  # starts
         lengths.to(torch.int64),  # the caller's own when int64 (its alignment is keyed)
-        freq,  # [lanes, A]
-        torch.empty((lanes, search), dtype=torch.int32, device=device),  # cum_hi
+        freq,  # [lanes * g, A]
+        torch.empty((rows, search), dtype=torch.int32, device=device),  # cum_hi
         out,  # [lanes, n] uint8
         torch.empty(lanes, dtype=torch.int8, device=device),  # bad
         *scalars,
         words.numel(),
+        *tables,
     )
     meta = {"LOG2_SEARCH": (alphabet - 1).bit_length()}
     launch = _bind_kernel(kernel, lanes, device, interpret, config, args, meta, None)
-    return DecodePlan(launch, lanes, n, alphabet, device, scalars)
+    return DecodePlan(launch, lanes, n, (rows, alphabet), device, scalars, tables)
