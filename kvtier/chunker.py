@@ -20,7 +20,7 @@ items overlapping the chunk, the cache salt on the first chunk), so with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +234,18 @@ class Chunker:
             if s >= skip
         ]
 
+    def prompt_chunks(
+        self,
+        tokens: TokenIds,
+        mask: torch.Tensor | np.ndarray | Sequence[bool] | None = None,
+        extras: RequestExtras | None = None,
+        *,
+        include_partial: bool = False,
+    ) -> PromptChunks:
+        """``chunks`` hashed as they are asked for (:class:`PromptChunks`); the same
+        arguments, checks and chunks."""
+        return PromptChunks(self, tokens, mask, extras, include_partial)
+
     def masked_prefix(self, mask, num_tokens: int) -> int:
         """Length of the mask's False prefix (0 without a mask), validated."""
         if mask is None:
@@ -251,3 +263,49 @@ class Chunker:
                 f"{self.chunk_size}: a chunk is stored or skipped whole"
             )
         return skip
+
+
+class PromptChunks(Sequence[Chunk]):
+    """The chunks ``Chunker.chunks`` returns for a prompt, each hashed when it (or a later
+    one) is first asked for: a store or a load queues the first chunk's copy after hashing
+    that chunk alone, and hashes the rest while the copy runs. ``end``, where the last
+    chunk ends, is known without hashing anything.
+
+    Raises (at construction): what ``Chunker.chunks`` raises for a bad mask.
+    """
+
+    def __init__(
+        self,
+        chunker: Chunker,
+        tokens: TokenIds,
+        mask: torch.Tensor | np.ndarray | Sequence[bool] | None,
+        extras: RequestExtras | None,
+        include_partial: bool,
+    ):
+        skip = chunker.masked_prefix(mask, len(tokens))
+        bounds = chunker.chunk_bounds(len(tokens), include_partial)
+        self._bounds = [(i, s, e) for i, (s, e) in enumerate(bounds) if s >= skip]
+        self._tokens = token_array(tokens)
+        self._chain = HashChain(chunker.hasher, chunker.chunk_size, extras)
+        self._chunker = chunker
+        self._chunks: list[Chunk] = []
+
+    @property
+    def end(self) -> int:
+        return self._bounds[-1][2] if self._bounds else 0
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # negative indices, and the IndexError
+        while len(self._chunks) <= i:
+            index, start, end = self._bounds[len(self._chunks)]
+            hashes = self._chain.upto(self._tokens, end, partial=True)
+            self._chunks.append(Chunk(index, start, end, self._chunker.key(hashes[-1])))
+        return self._chunks[i]
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return (self[i] for i in range(len(self)))

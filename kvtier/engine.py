@@ -12,8 +12,6 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,13 +22,13 @@ from kvtier.chunker import Chunk, Chunker, RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher, TokenIds
 from kvtier.keys import CacheKey
-from kvtier.memory import MemoryObj
 from kvtier.observability.prometheus import export
-from kvtier.observability.stats import Counter, Histogram, Stats
+from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEventLog
 from kvtier.paged_io import PagedIO
 from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.manager import StorageManager
+from kvtier.transfers import RetrieveTransfer, StoreResult, StoreTransfer
 from kvtier_kernels import PagedKV
 from kvtier_kernels.dtypes import dtype_name
 
@@ -46,18 +44,6 @@ class EngineMetadata:
     rank: int = 0
     kv_dtype: str | None = None  # None: taken from the KV cache when it is bound
     tags: tuple[tuple[str, str], ...] = ()  # e.g. the engine layout, when chunks depend on it
-
-
-@dataclass(slots=True)
-class StoreResult:
-    """What one ``store`` call did."""
-
-    stored_chunks: int = 0
-    stored_tokens: int = 0
-    stored_bytes: int = 0
-    skipped_existing: int = 0
-    skipped_no_memory: int = 0
-    seconds: float = 0.0
 
 
 class CacheEngine:
@@ -142,15 +128,6 @@ class CacheEngine:
             raise RuntimeError("CacheEngine has no KV cache bound: call bind(paged) first")
         return self.paged_io, self._require_chunker()
 
-    @staticmethod
-    def _slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
-            raise ValueError(
-                f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected one slot per "
-                f"token, at least ({num_tokens},)"
-            )
-        return slot_mapping.to(torch.int64)
-
     def _chunks(self, tokens: TokenIds, mask: Mask, extras: RequestExtras | None) -> list[Chunk]:
         return self._require_chunker().chunks(
             tokens, mask, extras, include_partial=self.config.save_unfull_chunk
@@ -180,7 +157,10 @@ class CacheEngine:
             a token that is not in the engine's cache (slot < 0) ends the store, as does
             memory exhaustion (counted; a later chunk is useless without its prefix).
         """
-        return self.store_chunks(self._chunks(tokens, mask, extras), slot_mapping)
+        chunks = self._require_chunker().prompt_chunks(
+            tokens, mask, extras, include_partial=self.config.save_unfull_chunk
+        )
+        return self.store_chunks(chunks, slot_mapping)
 
     def store_chunks(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> StoreResult:
         """``store`` for chunks named elsewhere (``chunker.chunks_from_hashes``).
@@ -189,8 +169,8 @@ class CacheEngine:
         """
         paged_io, _ = self._require_bound()
         # each chunk's gather is queued as soon as its buffer is staged: on a GPU the copy
-        # of the first chunk runs while the next ones are staged
-        transfer = StoreTransfer(self, paged_io, list(chunks), slot_mapping, gather_now=True)
+        # of the first chunk runs while the next ones are hashed (PromptChunks) and staged
+        transfer = StoreTransfer(self.checked, paged_io, chunks, slot_mapping, gather_now=True)
         return transfer.commit()
 
     def begin_store(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> StoreTransfer:
@@ -200,7 +180,7 @@ class CacheEngine:
         engine computes the next) and published by ``commit``; ``abort`` drops them.
         """
         paged_io, _ = self._require_bound()
-        return StoreTransfer(self, paged_io, list(chunks), slot_mapping)
+        return StoreTransfer(self.checked, paged_io, list(chunks), slot_mapping)
 
     # -- retrieve --------------------------------------------------------------------
 
@@ -227,7 +207,9 @@ class CacheEngine:
         """
         chunker = self._require_chunker()
         skipped = chunker.masked_prefix(mask, len(tokens))
-        chunks = self._chunks(tokens, mask, extras)
+        chunks = chunker.prompt_chunks(
+            tokens, mask, extras, include_partial=self.config.save_unfull_chunk
+        )
         self.stats.inc(Counter.REQUESTED_TOKENS, len(tokens) - skipped)
         filled = self.retrieve_chunks(chunks, slot_mapping, count_requested=False)
         return max(filled, skipped)
@@ -239,7 +221,7 @@ class CacheEngine:
         (``chunks[0].start`` when nothing was loaded)."""
         paged_io, _ = self._require_bound()
         # each chunk's scatter is queued as soon as it is accepted (see store_chunks)
-        transfer = RetrieveTransfer(self, paged_io, list(chunks), slot_mapping, scatter_now=True)
+        transfer = RetrieveTransfer(self.checked, paged_io, chunks, slot_mapping, scatter_now=True)
         transfer.close()
         if count_requested and chunks:
             self.stats.inc(Counter.REQUESTED_TOKENS, chunks[-1].end - chunks[0].start)
@@ -251,7 +233,7 @@ class CacheEngine:
         """Phase one of a load: fetch and verify the longest run of ``chunks`` the tiers
         hold (held until ``close``); ``scatter`` then writes them into the engine."""
         paged_io, _ = self._require_bound()
-        return RetrieveTransfer(self, paged_io, list(chunks), slot_mapping)
+        return RetrieveTransfer(self.checked, paged_io, list(chunks), slot_mapping)
 
     # -- lookup ----------------------------------------------------------------------
 
@@ -324,216 +306,3 @@ class CacheEngine:
     def close(self) -> None:
         """Release every stored chunk and the memory pool."""
         self.storage.close()
-
-
-def _layer_part(obj: MemoryObj, layer: int | None) -> tuple[torch.Tensor, range | None]:
-    """The chunk buffer's view of ``layer`` and the engine layers it holds (None: all)."""
-    if layer is None:
-        return obj.tensor, None
-    return obj.tensor[:, layer : layer + 1], range(layer, layer + 1)
-
-
-class StoreTransfer:
-    """A store in flight: staged buffers for the chunks not yet stored.
-
-    ``gather_now``: gather each chunk as soon as it is staged (``gather`` is then a no-op).
-
-    NOTE: every staged buffer and every already-stored chunk of the request stays pinned
-    until ``commit``/``abort``, so a prompt larger than the tier cannot evict its own
-    prefix while it is being stored.
-    """
-
-    def __init__(
-        self,
-        engine: CacheEngine,
-        paged_io: PagedIO,
-        chunks: list[Chunk],
-        slot_mapping: torch.Tensor,
-        gather_now: bool = False,
-    ):
-        self.engine = engine
-        self.paged_io = paged_io
-        self.result = StoreResult()
-        self._busy = 0.0
-        self._gathered = gather_now
-        self._staged: list[tuple[Chunk, MemoryObj, torch.Tensor]] = []
-        self._pinned_existing: list[CacheKey] = []
-        started = time.perf_counter()
-        try:
-            with paged_io.storing() if gather_now else contextlib.nullcontext():
-                self._stage(chunks, slot_mapping)
-        except BaseException:
-            self.abort()  # nothing staged stays pinned
-            raise
-        self._busy += time.perf_counter() - started
-
-    def _stage(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> None:
-        engine, paged_io = self.engine, self.paged_io
-        storage = engine.storage
-        end = chunks[-1].end if chunks else 0
-        slots = CacheEngine._slots(slot_mapping, end)
-        placed = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
-        for chunk in chunks:
-            if storage.contains(chunk.key):
-                self.result.skipped_existing += 1
-                self._pinned_existing += storage.pin([chunk.key])
-                continue
-            if bool((slots[chunk.start : chunk.end] < 0).any()):
-                break
-            chunk_slots = placed[chunk.start : chunk.end]
-            obj = storage.allocate(paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype)
-            if obj is None:
-                self.result.skipped_no_memory = sum(
-                    1 for c in chunks if c.index >= chunk.index and not storage.contains(c.key)
-                )
-                break
-            obj.pin()
-            self._staged.append((chunk, obj, chunk_slots))
-            if self._gathered:
-                paged_io.from_engine(obj.tensor, chunk_slots)
-
-    @property
-    def num_staged(self) -> int:
-        return len(self._staged)
-
-    def gather(self, layer: int | None = None) -> None:
-        """Copy one layer (or every layer) of the staged chunks out of the engine."""
-        if self._gathered:
-            return
-        started = time.perf_counter()
-        with self.paged_io.storing():
-            for _, obj, chunk_slots in self._staged:
-                part, layers = _layer_part(obj, layer)
-                self.paged_io.from_engine(part, chunk_slots, layers)
-        self._busy += time.perf_counter() - started
-
-    def commit(self) -> StoreResult:
-        """Publish the staged chunks to the tiers (every layer must have been gathered)."""
-        started = time.perf_counter()
-        engine, result = self.engine, self.result
-        try:
-            self.paged_io.stores_done()  # the gathers have landed: read, publish, release
-            for chunk, obj, _ in self._staged:
-                if engine.checked.put(chunk.key, obj):
-                    result.stored_chunks += 1
-                    result.stored_tokens += chunk.num_tokens
-                    result.stored_bytes += obj.data_nbytes
-        finally:
-            self._release()
-        result.seconds = self._busy + time.perf_counter() - started
-        s = engine.stats
-        s.inc(Counter.STORE_REQUESTS)
-        s.inc(Counter.STORED_CHUNKS, result.stored_chunks)
-        s.inc(Counter.STORED_TOKENS, result.stored_tokens)
-        s.inc(Counter.STORED_BYTES, result.stored_bytes)
-        s.inc(Counter.STORE_SECONDS, result.seconds)
-        s.observe(Histogram.STORE, result.seconds)
-        s.inc(Counter.STORE_SKIPPED_EXISTING, result.skipped_existing)
-        s.inc(Counter.STORE_SKIPPED_NO_MEMORY, result.skipped_no_memory)
-        return result
-
-    def abort(self) -> None:
-        """Drop the staged buffers without storing anything."""
-        self.paged_io.stores_done()  # no gather may still write a released buffer
-        self._release()
-
-    def _release(self) -> None:
-        for _, obj, _ in self._staged:
-            obj.unpin()
-            obj.ref_down()
-        self._staged = []
-        self.engine.storage.unpin(self._pinned_existing)
-        self._pinned_existing = []
-
-
-class RetrieveTransfer:
-    """A load in flight: the verified chunk objects of the longest available run.
-
-    ``end`` is the token position the run reaches (``chunks[0].start`` for none). A chunk
-    whose shape or dtype (or, with ``verify_checksums``, checksum) disagrees with what was
-    asked ends the run: it is rejected (``CheckedChunks.accept``) and never written into
-    the engine. A chunk a lower tier returned was verified by that tier as it was read.
-
-    ``scatter_now``: scatter each chunk as soon as it is accepted (``scatter`` is a no-op).
-    """
-
-    def __init__(
-        self,
-        engine: CacheEngine,
-        paged_io: PagedIO,
-        chunks: list[Chunk],
-        slot_mapping: torch.Tensor,
-        scatter_now: bool = False,
-    ):
-        self.engine = engine
-        self.paged_io = paged_io
-        self._scattered = scatter_now
-        self._held: list[tuple[Chunk, MemoryObj]] = []
-        started = time.perf_counter()
-        try:
-            with paged_io.loading() if scatter_now else contextlib.nullcontext():
-                self._accept(chunks, slot_mapping)
-        except BaseException:
-            self._release_held()
-            raise
-        self._busy = time.perf_counter() - started
-
-    def _accept(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> None:
-        engine, paged_io = self.engine, self.paged_io
-        self.end = chunks[0].start if chunks else 0
-        end = chunks[-1].end if chunks else 0
-        slots = CacheEngine._slots(slot_mapping, end)
-        self._slots = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
-        objs = engine.checked.get_many([chunk.key for chunk in chunks])
-        usable = True
-        for chunk, obj in zip(chunks, objs, strict=True):
-            if obj is None:
-                usable = False
-            elif not usable:
-                obj.ref_down()  # after a gap: not loadable, the engine needs a prefix
-            elif not engine.checked.accept(
-                chunk.key, obj, paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype
-            ):
-                obj.ref_down()
-                usable = False
-            else:
-                self._held.append((chunk, obj))
-                self.end = chunk.end
-                if self._scattered:
-                    paged_io.to_engine(obj.tensor, self._slots[chunk.start : chunk.end])
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._held)
-
-    def scatter(self, layer: int | None = None) -> None:
-        """Write one layer (or every layer) of the held chunks into the engine."""
-        if self._scattered:
-            return
-        started = time.perf_counter()
-        with self.paged_io.loading():
-            for chunk, obj in self._held:
-                chunk_slots = self._slots[chunk.start : chunk.end]
-                part, layers = _layer_part(obj, layer)
-                self.paged_io.to_engine(part, chunk_slots, layers)
-        self._busy += time.perf_counter() - started
-
-    def _release_held(self) -> None:
-        self.paged_io.loads_done()  # no scatter may still read a released buffer
-        for _, obj in self._held:
-            obj.ref_down()
-        self._held = None
-
-    def close(self) -> None:
-        """Release the held chunks and count the load (idempotent)."""
-        if self._held is None:
-            return
-        loaded = sum(obj.data_nbytes for _, obj in self._held)
-        hit_tokens = sum(chunk.num_tokens for chunk, _ in self._held)
-        self._release_held()
-        s = self.engine.stats
-        s.inc(Counter.RETRIEVE_REQUESTS)
-        s.inc(Counter.HIT_TOKENS, hit_tokens)
-        s.inc(Counter.LOADED_BYTES, loaded)
-        s.inc(Counter.LOAD_SECONDS, self._busy)
-        s.observe(Histogram.LOAD, self._busy)

@@ -102,7 +102,7 @@ STEPS: tuple[Step, ...] = (
     pytest_step("tests", "the GPU-marked tests", 90, "-m", "gpu", *gpu_test_files(),
                 "--continue-on-collection-errors", saves=False, parallel=True),
     pytest_step("kernels", "kernel benchmark", 45, f"{BENCH}/test_bench_kernels.py"),
-    pytest_step("engine", "engine store / retrieve, GPU pages <-> pinned CPU tier", 45,
+    pytest_step("engine", "engine store / retrieve / both at once, GPU pages <-> pinned CPU tier", 45,
                 f"{BENCH}/test_bench_engine_gpu.py"),
     pytest_step("launch", "host cost per call, GPU rows", 40, "-m", "gpu",
                 f"{BENCH}/test_bench_launch.py"),

@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("memory", ("kvtier.memory",)),
     ("storage", ("kvtier.storage",)),
-    ("engine", ("kvtier.paged_io", "kvtier.engine", "kvtier.warmup")),
+    ("engine", ("kvtier.paged_io", "kvtier.transfers", "kvtier.engine", "kvtier.warmup")),
     ("routing", ("kvtier.routing",)),
     ("node", ("kvtier.web", "kvtier.server", "kvtier.proxy")),
     (

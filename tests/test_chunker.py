@@ -184,3 +184,53 @@ def test_hash_chain_reads_each_token_once_as_the_sequence_grows():
     assert all(tokens.reads[i] == 1 for i in range(512)), "a full chunk was read again"
     partial_reads = sum(n % 256 for n in lengths if n % 256)
     assert sum(tokens.reads.values()) == full + partial_reads
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chunk_size=st.integers(1, 6),
+    tokens=st.lists(st.integers(0, 70_000), max_size=30),
+    skipped_chunks=st.integers(0, 6),
+    include_partial=st.booleans(),
+    salted=st.booleans(),
+    algorithm=st.sampled_from(["sha256_cbor", "xxh3_128"]),
+)
+def test_prompt_chunks_are_the_chunks_hashed_one_at_a_time(
+    chunk_size, tokens, skipped_chunks, include_partial, salted, algorithm
+):
+    db = make_db(chunk_size, algorithm)
+    skip = min(skipped_chunks * chunk_size, len(tokens))
+    mask = [False] * skip + [True] * (len(tokens) - skip)
+    extras = RequestExtras(cache_salt="s", mm=(MultiModalSpan("i", 3, 4),)) if salted else None
+    want = db.chunks(tokens, mask, extras, include_partial=include_partial)
+    lazy = db.prompt_chunks(tokens, mask, extras, include_partial=include_partial)
+    assert len(lazy) == len(want)
+    assert lazy.end == (want[-1].end if want else 0)
+    assert list(lazy) == want
+    assert lazy[-1:] == want[-1:] and (not want or lazy[0] == want[0])
+
+
+def test_prompt_chunks_hash_a_chunk_when_it_is_asked_for(monkeypatch):
+    db = make_db(4)
+    hashed: list[int] = []
+    chain_array = ChunkHasher.chain_array
+
+    def counting(self, tokens, bounds, *args):
+        hashed.append(len(bounds))
+        return chain_array(self, tokens, bounds, *args)
+
+    monkeypatch.setattr(ChunkHasher, "chain_array", counting)
+    lazy = db.prompt_chunks(list(range(18)), [False] * 8 + [True] * 10, include_partial=True)
+    assert (len(lazy), lazy.end, hashed) == (3, 18, [])
+    assert lazy[0].index == 2 and hashed == [3]  # the skipped prefix chains into chunk 2
+    assert [c.index for c in lazy] == [2, 3, 4] and hashed == [3, 1, 1]
+    assert lazy[2].num_tokens == 2 and hashed == [3, 1, 1]  # each chunk hashed once
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [([False] * 3 + [True] * 9, "not a multiple of chunk_size=4"), ([False] * 11, "shape")],
+)
+def test_prompt_chunks_check_the_mask_at_once(mask, message):
+    with pytest.raises(ValueError, match=message):
+        make_db(4).prompt_chunks(list(range(12)), mask=mask)

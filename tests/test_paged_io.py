@@ -6,11 +6,16 @@ without one."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from support.kv import bits, fill_random_
 
-from kvtier.paged_io import PagedIO
+from kvtier.config import load_config
+from kvtier.engine import CacheEngine, EngineMetadata
+from kvtier.paged_io import PagedIO, _Streams
+from kvtier.transfers import RetrieveTransfer, StoreTransfer
 from kvtier_kernels import PagedKV
 
 has_gpu = torch.cuda.is_available()
@@ -174,3 +179,99 @@ def test_gpu_copy_engine_runs_with_a_pinned_chunk():
     copier.stores_done()
     kernel_only.stores_done()
     assert torch.equal(bits(by_copy), bits(by_kernel))
+
+
+class StreamLog:
+    """Stand-ins for the CUDA stream calls ``PagedIO`` makes, logging them in order: the
+    side-stream protocol checked on the CPU (the copies themselves run synchronously)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entries: list[tuple[str, ...]] = []
+        unnamed = iter(("store", "load"))  # the order in which ``_Streams`` makes them
+        log = self
+
+        class Stream:
+            def __init__(self, device=None, name: str | None = None) -> None:
+                self.name = name or next(unnamed)
+
+            def wait_stream(self, other) -> None:
+                log.entries.append(("wait", self.name, other.name))
+
+            def wait_event(self, event) -> None:
+                log.entries.append(("wait", self.name, event.name))
+
+        class Event:
+            def record(self, stream) -> None:
+                self.name = f"{stream.name} event"
+                log.entries.append(("record", stream.name))
+
+            def synchronize(self) -> None:
+                log.entries.append(("sync", self.name))
+
+        @contextlib.contextmanager
+        def on(stream):
+            outer, log.current = log.current, stream
+            try:
+                yield
+            finally:
+                log.current = outer
+
+        self.current = Stream(name="engine")
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: log.current)
+        monkeypatch.setattr(torch.cuda, "stream", on)
+
+    def copies(self, io: PagedIO) -> None:
+        """Log each gather and scatter ``io`` queues, with the stream it is queued on."""
+        for name in ("_gather", "_scatter"):
+            copy = getattr(io, name)
+
+            def logged(*args, copy=copy, name=name):
+                self.entries.append((name[1:], self.current.name))
+                return copy(*args)
+
+            setattr(io, name, logged)
+
+
+def test_a_store_and_a_load_queued_together_run_at_once(monkeypatch):
+    """One engine stores one prompt while it loads another: every copy of both is queued,
+    each on its direction's stream, before anything waits for either; neither stream
+    waits for the other's event (nothing orders the load after the store)."""
+    log = StreamLog(monkeypatch)
+    config = load_config({"chunk_size": 16, "max_local_cpu_size": 0.05}, env={})
+    engine = CacheEngine(config, EngineMetadata("m"), random_cache("vllm_nhd"))
+    io = engine.paged_io
+    io._streams = _Streams(torch.device("cuda"))
+    tokens_a, tokens_b = torch.arange(48), torch.arange(48) + 1000
+    slots_a, slots_b = torch.arange(48), torch.arange(48) + 320
+    engine.store(tokens_b, slot_mapping=slots_b)
+    want = bits(engine.paged_io.paged.tensors[0].clone())
+    log.copies(io)
+    log.entries.clear()
+
+    chunker = engine.chunker
+    store = StoreTransfer(
+        engine.checked, io, chunker.prompt_chunks(tokens_a), slots_a, gather_now=True
+    )
+    load = RetrieveTransfer(
+        engine.checked, io, chunker.prompt_chunks(tokens_b), slots_b.roll(5), scatter_now=True
+    )
+    assert store.commit().stored_chunks == 3
+    load.close()
+
+    copies = [i for i, entry in enumerate(log.entries) if entry[0] in ("gather", "scatter")]
+    queued, waited = log.entries[: copies[-1] + 1], log.entries[copies[-1] + 1 :]
+    assert [e for e in queued if e[0] in ("gather", "scatter")] == [("gather", "store")] * 3 + [
+        ("scatter", "load")
+    ] * 3
+    assert not [e for e in queued if e[0] == "sync"], f"a host wait between the copies: {queued}"
+    side_waits = [e for e in log.entries if e[0] == "wait" and e[1] != "engine"]
+    assert side_waits == [("wait", "store", "engine"), ("wait", "load", "engine")]
+    assert ("wait", "engine", "store event") not in log.entries
+    assert queued.index(("wait", "store", "engine")) < queued.index(("wait", "load", "engine"))
+    assert [e for e in waited if e[0] == "sync"] == [
+        ("sync", "store event"),
+        ("sync", "load event"),
+    ]
+    assert not torch.equal(bits(engine.paged_io.paged.tensors[0]), want), "nothing was loaded"

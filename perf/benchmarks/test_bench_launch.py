@@ -40,6 +40,14 @@ two rows each: the whole call against the uncached path, and the part queued bef
 sync (``*_before_sync``: key, plan lookup, table, buffers, launch) against the whole call.
 On the CPU those tensor ops also do their arithmetic (on a GPU they are queued): the rows
 carry ``tensor_ops_per_call``, each a few us of host time on a GPU.
+
+Before the first copy (``host_us_before_first_copy`` rows, CPU): a ``CacheEngine.store`` /
+``retrieve`` of the GPU engine benchmark's prompt (four 256-token chunks, token ids as a
+tensor), timed from the call to the moment its first chunk's copy is queued
+(``PagedIO.from_engine`` / ``to_engine`` entered), launches recorded. The engine hashes the
+prompt's chunks as it reaches them (``Chunker.prompt_chunks``); the baseline, in the same
+run, is the prompt hashed whole first (``Chunker.chunks`` then ``store_chunks`` /
+``retrieve_chunks``), as every store and retrieve did before.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ import torch
 from conftest import interleaved_medians
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvtier.config import load_config
+from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.paged_io import PagedIO
 from kvtier_kernels import PagedKV, gather, rerotate, scatter
 from kvtier_kernels._launch import record_launches
@@ -466,4 +476,87 @@ def test_gpu_rans_host_us_and_wall_vs_kernel(op: str, shape: str, record) -> Non
         lanes_per_stream=case["group"],
         chunk_memory="device",
         device=torch.cuda.get_device_name(0),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# a store / retrieve of a whole prompt: host time before its first copy is queued
+# ---------------------------------------------------------------------------------------
+
+PROMPT_CHUNKS = 4
+
+
+def _first_copy_engine() -> tuple[CacheEngine, torch.Tensor, dict[str, float]]:
+    """An engine over the benchmark's cache (room for the prompt twice in its CPU tier),
+    the prompt's slots, and where it notes when the first copy of a call was queued."""
+    paged = make_case(torch.device("cpu"))["paged"]
+    nbytes = PROMPT_CHUNKS * 2 * LAYERS * CHUNK * HEADS * HEAD_SIZE * DTYPE.itemsize
+    config = load_config({"max_local_cpu_size": 2 * nbytes / 2**30, "kernel_backend": "interpret"})
+    engine = CacheEngine(config, EngineMetadata("bench"), paged)
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: PROMPT_CHUNKS * CHUNK // BLOCK_SIZE]
+    slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
+    first: dict[str, float] = {}
+    io = engine.paged_io
+    for name in ("from_engine", "to_engine"):
+        copy = getattr(io, name)
+
+        def noted(*args, copy=copy):
+            first.setdefault("at", time.perf_counter())
+            return copy(*args)
+
+        setattr(io, name, noted)
+    return engine, slots, first
+
+
+def _us_to_first_copy(call, setup, first: dict[str, float], rounds: int = 41) -> float:
+    """Median over ``rounds`` calls of the host time from ``call``'s start to its first copy."""
+    times = []
+    for i in range(rounds + 3):
+        setup()
+        first.clear()
+        started = time.perf_counter()
+        call()
+        if i >= 3:
+            times.append(first["at"] - started)
+    return statistics.median(times) * 1e6
+
+
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+def test_host_us_before_the_first_copy_of_a_prompt(op: str, record) -> None:
+    pytest.importorskip("triton")
+    engine, slots, first = _first_copy_engine()
+    tokens = torch.arange(PROMPT_CHUNKS * CHUNK)
+    whole = engine.chunker.chunks  # the prompt hashed whole first
+    if op == "store":
+        calls = (
+            lambda: engine.store(tokens, slot_mapping=slots),
+            lambda: engine.store_chunks(whole(tokens), slots),
+        )
+        setup = engine.clear
+    else:
+        engine.store(tokens, slot_mapping=slots)
+        calls = (
+            lambda: engine.retrieve(tokens, slot_mapping=slots),
+            lambda: engine.retrieve_chunks(whole(tokens), slots),
+        )
+        setup = lambda: None  # noqa: E731
+    with record_launches() as recorder:
+        new, old = [], []
+        for _ in range(3):  # the two paths in alternation: load elsewhere weighs on both
+            new.append(_us_to_first_copy(calls[0], setup, first, rounds=15))
+            old.append(_us_to_first_copy(calls[1], setup, first, rounds=15))
+        whole_call = per_call_us(lambda: (setup(), calls[0]()), calls=20, rounds=3)
+    engine.close()
+    assert recorder.calls > 0, "the recorder saw no launch: the row would time nothing"
+    record(
+        metric="host_us_before_first_copy",
+        value=statistics.median(new),
+        unit="us",
+        baseline="the prompt hashed whole before its first chunk is staged",
+        baseline_value=statistics.median(old),
+        whole_call_us=whole_call,
+        chunks=PROMPT_CHUNKS,
+        tokens=PROMPT_CHUNKS * CHUNK,
+        device="cpu (launch recorded, not run)",
     )

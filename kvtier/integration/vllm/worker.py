@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.engine import CacheEngine, EngineMetadata, RetrieveTransfer, StoreTransfer
+from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.integration.vllm import facts
 from kvtier.integration.vllm.common import (
     LoadSpec,
@@ -52,6 +52,7 @@ from kvtier.machine import PoolTooLarge
 from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEvent, TierEventLog
 from kvtier.paged_io import use_tuning_dir
+from kvtier.transfers import RetrieveTransfer, StoreTransfer
 from kvtier.warmup import start_background
 
 if TYPE_CHECKING:

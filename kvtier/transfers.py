@@ -1,0 +1,285 @@
+"""Stores and loads in flight: a prompt's chunks between the engine's pages and the tiers.
+
+``CacheEngine`` opens one per ``store`` / ``retrieve`` (and the vLLM worker one per
+request and step, filled layer by layer)::
+
+    StoreTransfer     stage a pool buffer per chunk not yet stored ─▶ gather ─▶ commit
+                      (publish to the tiers) or abort
+    RetrieveTransfer  fetch + accept the longest held run ─▶ scatter ─▶ close (release)
+
+With ``gather_now`` / ``scatter_now`` each chunk's copy is queued as soon as its buffer is
+staged (fetched): given a ``PromptChunks``, the first chunk's copy is queued after hashing
+that chunk alone, and the rest are hashed, checked and staged while it runs. A store's
+"already stored?" check is the CPU tier's own (``StorageManager.contains``, no disk or
+network access), so checking chunk by chunk costs no round trip; a load fetches a first
+chunk that the CPU tier holds on its own and every other chunk in one ``get_many`` (one
+batched call per lower tier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.chunker import Chunk, PromptChunks
+from kvtier.keys import CacheKey
+from kvtier.memory import MemoryObj
+from kvtier.observability.stats import Counter, Histogram
+from kvtier.paged_io import PagedIO
+from kvtier.storage.checked import CheckedChunks
+
+
+@dataclass(slots=True)
+class StoreResult:
+    """What one ``store`` call did."""
+
+    stored_chunks: int = 0
+    stored_tokens: int = 0
+    stored_bytes: int = 0
+    skipped_existing: int = 0
+    skipped_no_memory: int = 0
+    seconds: float = 0.0
+
+
+def _checked_slots(slot_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``slot_mapping`` as int64, checked to hold one slot per token of ``num_tokens``."""
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping has shape {tuple(slot_mapping.shape)}; expected one slot per "
+            f"token, at least ({num_tokens},)"
+        )
+    return slot_mapping.to(torch.int64)
+
+
+def _layer_part(obj: MemoryObj, layer: int | None) -> tuple[torch.Tensor, range | None]:
+    """The chunk buffer's view of ``layer`` and the engine layers it holds (None: all)."""
+    if layer is None:
+        return obj.tensor, None
+    return obj.tensor[:, layer : layer + 1], range(layer, layer + 1)
+
+
+def _end_of(chunks: Sequence[Chunk]) -> int:
+    """Where the last of ``chunks`` ends (0: none), without hashing ``PromptChunks``."""
+    if isinstance(chunks, PromptChunks):
+        return chunks.end
+    return chunks[-1].end if chunks else 0
+
+
+class StoreTransfer:
+    """A store in flight: staged buffers for the chunks not yet stored.
+
+    ``gather_now``: gather each chunk as soon as it is staged (``gather`` is then a no-op).
+
+    NOTE: every staged buffer and every already-stored chunk of the request stays pinned
+    until ``commit``/``abort``, so a prompt larger than the tier cannot evict its own
+    prefix while it is being stored.
+    """
+
+    def __init__(
+        self,
+        checked: CheckedChunks,
+        paged_io: PagedIO,
+        chunks: Sequence[Chunk],
+        slot_mapping: torch.Tensor,
+        gather_now: bool = False,
+    ):
+        self.checked = checked
+        self.paged_io = paged_io
+        self.result = StoreResult()
+        self._busy = 0.0
+        self._gathered = gather_now
+        self._staged: list[tuple[Chunk, MemoryObj, torch.Tensor]] = []
+        self._pinned_existing: list[CacheKey] = []
+        started = time.perf_counter()
+        try:
+            with paged_io.storing() if gather_now else contextlib.nullcontext():
+                self._stage(chunks, slot_mapping)
+        except BaseException:
+            self.abort()  # nothing staged stays pinned
+            raise
+        self._busy += time.perf_counter() - started
+
+    def _stage(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> None:
+        storage, paged_io = self.checked.storage, self.paged_io
+        end = _end_of(chunks)
+        slots = _checked_slots(slot_mapping, end)
+        placed = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
+        for chunk in chunks:
+            if storage.contains(chunk.key):
+                self.result.skipped_existing += 1
+                self._pinned_existing += storage.pin([chunk.key])
+                continue
+            if bool((slots[chunk.start : chunk.end] < 0).any()):
+                break
+            chunk_slots = placed[chunk.start : chunk.end]
+            obj = storage.allocate(paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype)
+            if obj is None:
+                self.result.skipped_no_memory = sum(
+                    1 for c in chunks if c.index >= chunk.index and not storage.contains(c.key)
+                )
+                break
+            obj.pin()
+            self._staged.append((chunk, obj, chunk_slots))
+            if self._gathered:
+                paged_io.from_engine(obj.tensor, chunk_slots)
+
+    @property
+    def num_staged(self) -> int:
+        return len(self._staged)
+
+    def gather(self, layer: int | None = None) -> None:
+        """Copy one layer (or every layer) of the staged chunks out of the engine."""
+        if self._gathered:
+            return
+        started = time.perf_counter()
+        with self.paged_io.storing():
+            for _, obj, chunk_slots in self._staged:
+                part, layers = _layer_part(obj, layer)
+                self.paged_io.from_engine(part, chunk_slots, layers)
+        self._busy += time.perf_counter() - started
+
+    def commit(self) -> StoreResult:
+        """Publish the staged chunks to the tiers (every layer must have been gathered)."""
+        started = time.perf_counter()
+        result = self.result
+        try:
+            self.paged_io.stores_done()  # the gathers have landed: read, publish, release
+            for chunk, obj, _ in self._staged:
+                if self.checked.put(chunk.key, obj):
+                    result.stored_chunks += 1
+                    result.stored_tokens += chunk.num_tokens
+                    result.stored_bytes += obj.data_nbytes
+        finally:
+            self._release()
+        result.seconds = self._busy + time.perf_counter() - started
+        s = self.checked.storage.stats
+        s.inc(Counter.STORE_REQUESTS)
+        s.inc(Counter.STORED_CHUNKS, result.stored_chunks)
+        s.inc(Counter.STORED_TOKENS, result.stored_tokens)
+        s.inc(Counter.STORED_BYTES, result.stored_bytes)
+        s.inc(Counter.STORE_SECONDS, result.seconds)
+        s.observe(Histogram.STORE, result.seconds)
+        s.inc(Counter.STORE_SKIPPED_EXISTING, result.skipped_existing)
+        s.inc(Counter.STORE_SKIPPED_NO_MEMORY, result.skipped_no_memory)
+        return result
+
+    def abort(self) -> None:
+        """Drop the staged buffers without storing anything."""
+        self.paged_io.stores_done()  # no gather may still write a released buffer
+        self._release()
+
+    def _release(self) -> None:
+        for _, obj, _ in self._staged:
+            obj.unpin()
+            obj.ref_down()
+        self._staged = []
+        self.checked.storage.unpin(self._pinned_existing)
+        self._pinned_existing = []
+
+
+class RetrieveTransfer:
+    """A load in flight: the verified chunk objects of the longest available run.
+
+    ``end`` is the token position the run reaches (``chunks[0].start`` for none). A chunk
+    whose shape or dtype (or, with ``verify_checksums``, checksum) disagrees with what was
+    asked ends the run: it is rejected (``CheckedChunks.accept``) and never written into
+    the engine. A chunk a lower tier returned was verified by that tier as it was read.
+
+    ``scatter_now``: scatter each chunk as soon as it is accepted (``scatter`` is a no-op).
+    """
+
+    def __init__(
+        self,
+        checked: CheckedChunks,
+        paged_io: PagedIO,
+        chunks: Sequence[Chunk],
+        slot_mapping: torch.Tensor,
+        scatter_now: bool = False,
+    ):
+        self.checked = checked
+        self.paged_io = paged_io
+        self._scattered = scatter_now
+        self._held: list[tuple[Chunk, MemoryObj]] = []
+        started = time.perf_counter()
+        try:
+            with paged_io.loading() if scatter_now else contextlib.nullcontext():
+                self._accept(chunks, slot_mapping)
+        except BaseException:
+            self._release_held()
+            raise
+        self._busy = time.perf_counter() - started
+
+    def _accept(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> None:
+        checked, paged_io = self.checked, self.paged_io
+        self.end = chunks[0].start if chunks else 0
+        end = _end_of(chunks)
+        slots = _checked_slots(slot_mapping, end)
+        self._slots = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
+        usable = True
+        for chunk, obj in self._fetched(chunks):
+            if obj is None:
+                usable = False
+            elif not usable:
+                obj.ref_down()  # after a gap: not loadable, the engine needs a prefix
+            elif not checked.accept(
+                chunk.key, obj, paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype
+            ):
+                obj.ref_down()
+                usable = False
+            else:
+                self._held.append((chunk, obj))
+                self.end = chunk.end
+                if self._scattered:
+                    paged_io.to_engine(obj.tensor, self._slots[chunk.start : chunk.end])
+
+    def _fetched(self, chunks: Sequence[Chunk]) -> Iterator[tuple[Chunk, MemoryObj | None]]:
+        """Each chunk with its object from the tiers (None: a miss). A first chunk the CPU
+        tier holds is fetched alone, so that its copy is queued before the rest are
+        hashed and fetched; the rest (or all, when the first is not in memory) in one
+        ``get_many``: one batched call per lower tier."""
+        checked, first = self.checked, 0
+        if chunks and checked.storage.contains(chunks[0].key):
+            yield chunks[0], checked.get_many([chunks[0].key])[0]
+            first = 1
+        rest = [chunks[i] for i in range(first, len(chunks))]
+        yield from zip(rest, checked.get_many([chunk.key for chunk in rest]), strict=True)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._held)
+
+    def scatter(self, layer: int | None = None) -> None:
+        """Write one layer (or every layer) of the held chunks into the engine."""
+        if self._scattered:
+            return
+        started = time.perf_counter()
+        with self.paged_io.loading():
+            for chunk, obj in self._held:
+                chunk_slots = self._slots[chunk.start : chunk.end]
+                part, layers = _layer_part(obj, layer)
+                self.paged_io.to_engine(part, chunk_slots, layers)
+        self._busy += time.perf_counter() - started
+
+    def _release_held(self) -> None:
+        self.paged_io.loads_done()  # no scatter may still read a released buffer
+        for _, obj in self._held:
+            obj.ref_down()
+        self._held = None
+
+    def close(self) -> None:
+        """Release the held chunks and count the load (idempotent)."""
+        if self._held is None:
+            return
+        loaded = sum(obj.data_nbytes for _, obj in self._held)
+        hit_tokens = sum(chunk.num_tokens for chunk, _ in self._held)
+        self._release_held()
+        s = self.checked.storage.stats
+        s.inc(Counter.RETRIEVE_REQUESTS)
+        s.inc(Counter.HIT_TOKENS, hit_tokens)
+        s.inc(Counter.LOADED_BYTES, loaded)
+        s.inc(Counter.LOAD_SECONDS, self._busy)
+        s.observe(Histogram.LOAD, self._busy)
