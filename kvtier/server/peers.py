@@ -164,6 +164,8 @@ class Peers:
         urls = set()
         for url in found:
             try:
+                if not url.startswith("kvtier://"):  # as every server registers itself
+                    raise ValueError(url)
                 urls.add(peer_url(url))
             except ValueError:
                 warn_once(logger, f"kvtier server: peer discovery: {url!r} is no address; skipped")
