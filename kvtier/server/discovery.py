@@ -1,6 +1,6 @@
-"""Peer discovery through a shared Redis/Valkey (``kvtier serve --peer-discovery URL``):
-each server registers its own address with a TTL and lists the others of its group, so
-that Redis/Valkey, an existing engine, keeps the membership.
+"""Peers found in a shared Redis/Valkey, where each server registers its own address with
+a TTL and lists the others of its group (``kvtier serve --peer-discovery URL``):
+Redis/Valkey, an existing engine, keeps the membership.
 
 ::
 
