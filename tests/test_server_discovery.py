@@ -10,9 +10,17 @@ import time
 from collections.abc import Sequence
 
 import pytest
-from support.redis_server import REDIS_MISSING, RedisServer, redis_available
+from support.redis_server import (
+    CLUSTER_MISSING,
+    REDIS_MISSING,
+    LocalRedisCluster,
+    RedisServer,
+    redis_available,
+    redis_cluster_available,
+)
 
 from kvtier.cli import main
+from kvtier.commands.status import render
 from kvtier.config import load_config
 from kvtier.observability.stats import Stats
 from kvtier.server.blobs import open_memory
@@ -255,3 +263,29 @@ def test_redis_names_lists_one_namespace_with_scan_and_registrations_expire():
         finally:
             store.close()
             other.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not redis_cluster_available(), reason=CLUSTER_MISSING)
+def test_redis_names_scans_every_primary_of_a_cluster():
+    with LocalRedisCluster(primaries=3) as cluster:
+        store = open_registry(cluster.url, load_config(), "g", ttl_s=5)
+        try:
+            members = [f"kvtier://10.0.1.{i}:65432" for i in range(12)]
+            store.put_many([(m, [m.encode()]) for m in members])
+            per_node = [len(list(c.scan_iter(match="kvtier:peers:g:*"))) for c in cluster.clients()]
+            assert sum(per_node) == 12 and sum(n > 0 for n in per_node) >= 2, per_node
+            assert sorted(store.names()) == sorted(members)
+        finally:
+            store.close()
+
+
+def test_kvtier_status_shows_whether_the_server_is_registered():
+    values = {"peers_configured": 1, "peers_up": 1, "peers_discovered": 1}
+    values |= {"discovery_registered": 0, "discovery_refreshes": 4, "discovery_errors": 2}
+    line = render("h:1", values).splitlines()[-1]
+    assert (
+        line.split()
+        == ["peer", "discovery", "NOT", "registered,", "1", "peers", "found,", "4", "refreshes,", "2", "failed", "(why:", "/health,", "tiers.discovery)"]
+    )
+    assert "peer discovery" not in render("h:1", {"peers_configured": 0, "peers_up": 0})

@@ -185,7 +185,10 @@ class Discovery:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # a bug must not end the refreshes (the key would expire)
+                logger.exception("kvtier server: peer discovery: a refresh failed")
             self._stop.wait(self.ttl_s / 3)
 
     def refresh(self) -> bool:
