@@ -284,8 +284,20 @@ def test_kvtier_status_shows_whether_the_server_is_registered():
     values = {"peers_configured": 1, "peers_up": 1, "peers_discovered": 1}
     values |= {"discovery_registered": 0, "discovery_refreshes": 4, "discovery_errors": 2}
     line = render("h:1", values).splitlines()[-1]
-    assert (
-        line.split()
-        == ["peer", "discovery", "NOT", "registered,", "1", "peers", "found,", "4", "refreshes,", "2", "failed", "(why:", "/health,", "tiers.discovery)"]
-    )
+    assert line.split() == [
+        "peer",
+        "discovery",
+        "NOT",
+        "registered,",
+        "1",
+        "peers",
+        "found,",
+        "4",
+        "refreshes,",
+        "2",
+        "failed",
+        "(why:",
+        "/health,",
+        "tiers.discovery)",
+    ]
     assert "peer discovery" not in render("h:1", {"peers_configured": 0, "peers_up": 0})
