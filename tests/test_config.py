@@ -78,6 +78,7 @@ def test_defaults() -> None:
         "remote_tls_key_file": None,
         "server_token": None,
         "server_peers": None,
+        "server_peer_discovery": None,
         "s3_endpoint_url": None,
         "s3_region": None,
         "s3_access_key_id": None,

@@ -7,7 +7,9 @@ The tier flags mirror config keys (``--max-local-cpu-size`` is ``max_local_cpu_s
 ...), and ``--config FILE`` reads the same YAML an engine reads; a flag beats the file,
 and ``KVTIER_*`` variables apply as everywhere. The token is the ``server_token`` key
 (``--auth-token``, ``KVTIER_SERVER_TOKEN``); the peers are the ``server_peers`` key
-(``--peer``, repeatable: the flags replace the key's list).
+(``--peer``, repeatable: the flags replace the key's list) and, with
+``--peer-discovery`` (the ``server_peer_discovery`` key), the servers of the same
+``--peer-group`` registered in a shared Redis/Valkey.
 
 On SIGTERM or SIGINT the server stops accepting, finishes the requests it is executing,
 drops frames still arriving (nothing half-received is stored), finishes or drops queued
@@ -25,8 +27,16 @@ import sys
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
 from kvtier.config.keys import coerce
 from kvtier.machine import PoolTooLarge
+from kvtier.server.discovery import (
+    DEFAULT_GROUP,
+    DEFAULT_TTL_S,
+    MIN_TTL_S,
+    advertised,
+    check_group,
+)
 from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
 from kvtier.storage.node_store import parse_server_address
+from kvtier.storage.redis_url import parse_url
 
 PEER_TRANSPORTS = ("auto", "nixl", "tcp")
 
@@ -129,6 +139,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="POST /lookup counts chunks the peers hold (per request: /lookup?peers=1)",
     )
     parser.add_argument(
+        "--peer-discovery",
+        metavar="redis://HOST:PORT[/DB]",
+        help="find peers in this Redis/Valkey (the Redis tier's URL forms), where each "
+        "server registers itself with a TTL; 'remote': the server's own Redis/Valkey "
+        "--remote-url (the server_peer_discovery key; default: no discovery)",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="kvtier://HOST:PORT",
+        help="the address other servers reach this one at, as discovery registers it "
+        "(default: --host and --port; required when --host binds every address)",
+    )
+    parser.add_argument(
+        "--peer-group",
+        default=DEFAULT_GROUP,
+        help="the servers that find each other: one group per cluster sharing a Redis "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--peer-discovery-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        metavar="SECONDS",
+        help="how long a server stays registered after it stops refreshing (every third "
+        f"of it); at least {MIN_TTL_S:g} (default %(default)g)",
+    )
+    parser.add_argument(
         "--max-shm-mb",
         type=float,
         default=DEFAULT_MAX_FRAME_BYTES / 2**20,
@@ -179,7 +216,57 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             raise ConfigError(
                 f"--peer / server_peers {url!r}: expected kvtier://host:port"
             ) from None
+    if discovery_url(args, config) is None:
+        given = [
+            flag
+            for flag, set_ in (
+                ("--advertise", args.advertise is not None),
+                ("--peer-group", args.peer_group != DEFAULT_GROUP),
+            )
+            if set_
+        ]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} need --peer-discovery")
+        return config
+    try:
+        advertised(args.host, args.port, args.advertise)
+        check_group(args.peer_group)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not args.peer_discovery_ttl >= MIN_TTL_S:
+        raise ConfigError(f"--peer-discovery-ttl must be >= {MIN_TTL_S:g} (seconds)")
     return config
+
+
+def discovery_url(args: argparse.Namespace, config: KVTierConfig) -> str | None:
+    """The Redis/Valkey of peer discovery: ``--peer-discovery``, else the
+    ``server_peer_discovery`` key; ``remote`` is the server's own ``remote_url``.
+
+    Raises:
+        ConfigError: not a Redis/Valkey URL (naming the flag), or ``remote`` with a
+            remote that is none.
+    """
+    url = args.peer_discovery if args.peer_discovery is not None else config.server_peer_discovery
+    if not url:
+        return None
+    setting = "--peer-discovery / server_peer_discovery"
+    if url == "remote":
+        remote = config.remote_url
+        try:
+            if remote is None:
+                raise ValueError("no remote_url is set")
+            parse_url(remote)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{setting} remote: the server's remote_url must be a Redis/Valkey URL "
+                f"({exc}); or give --peer-discovery redis://HOST:PORT"
+            ) from None
+        return remote
+    try:
+        parse_url(url, setting)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return url
 
 
 def peer_urls(args: argparse.Namespace, config: KVTierConfig) -> tuple[str, ...]:
@@ -214,6 +301,10 @@ def run(args: argparse.Namespace) -> int:
                     transport=args.peer_transport,
                     keep=args.peer_cache == "on",
                     lookup=args.lookup_peers,
+                    discovery=discovery_url(args, config),
+                    advertise=args.advertise,
+                    group=args.peer_group,
+                    discovery_ttl_s=args.peer_discovery_ttl,
                 ),
             )
         )

@@ -124,4 +124,11 @@ def render(address: str, values: dict[str, Any]) -> str:
             if name.startswith('peer_up{peer="'):
                 url = name[len('peer_up{peer="') : -2]
                 lines.append(f"    {url:<30}{'up' if values[name] == 1 else 'DOWN'}")
+    if "discovery_registered" in values:
+        state = "registered" if v("discovery_registered") == 1 else "NOT registered"
+        lines.append(
+            f"  peer discovery      {state}, {int(v('peers_discovered'))} peers found, "
+            f"{int(v('discovery_refreshes'))} refreshes, {int(v('discovery_errors'))} failed"
+            + ("" if v("discovery_registered") == 1 else " (why: /health, tiers.discovery)")
+        )
     return "\n".join(lines)

@@ -143,6 +143,17 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         nullable=True,
     ),
     KeySpec(
+        "server_peer_discovery",
+        str,
+        None,
+        "kvtier serve (--peer-discovery): a Redis/Valkey URL where the servers register "
+        "themselves and find each other as peers, or 'remote' for the server's own "
+        "Redis/Valkey remote_url; null: no discovery.",
+        normalize=lambda v: v or None,
+        nullable=True,
+        redact=redact_url,
+    ),
+    KeySpec(
         "s3_endpoint_url",
         str,
         None,

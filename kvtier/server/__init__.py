@@ -9,6 +9,7 @@ name and never decodes KV.
     blobs     bounded in-memory LRU and disk directory of blobs
     cache     memory → disk → peers → write-through remote, per client namespace
     peers     other servers asked for missed chunks (lookups, verified pulls)
+    discovery peers found in a shared Redis/Valkey (registrations with a TTL)
     nixl      NIXL as the data plane of pulls: one-sided READs between memory pools
     leases    blobs pinned while a peer reads them one-sidedly
     server    the asyncio TCP server (one coroutine per connection)

@@ -54,6 +54,8 @@ _COUNTER_PREFIXES = (
     "remote_errors",
     "request_errors",
     "peer_",
+    "discovery_refreshes",
+    "discovery_errors",
 )
 
 

@@ -21,6 +21,13 @@ answers. A peer refusing the token never answers the ping. With NIXL (``--peer-t
 auto|nixl``) the bytes move with one-sided READs under a lease (``kvtier.server.nixl``,
 ``kvtier.server.leases``); a peer without NIXL, or whose handshake fails, is pulled over
 TCP, with one warning saying why.
+
+The peers are the static ones (``--peer``) and, with discovery
+(``kvtier.server.discovery``), the servers found registered in the same group:
+``update`` adds a server found, as a peer like any other, and closes one no longer
+listed unless it is static. The list is replaced, never changed in place, so a lookup or
+a pull runs over the peers of the moment it started; a call to a peer closed meanwhile
+is a miss.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +44,7 @@ import torch
 
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Stats
+from kvtier.server.discovery import Discovery, peer_url
 from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
 from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.cpu import LocalCPUTier
@@ -50,6 +58,9 @@ from kvtier.warn import warn_once
 logger = logging.getLogger(__name__)
 
 PING_NAMESPACE = "kvtier-ping"
+# Calls to peers at once; the pool starts a thread only when none is idle, so discovered
+# peers find room without a thread per peer held from the start.
+MAX_CALLS = 64
 
 
 def verify_blob(blob: memoryview, name: str) -> bool:
@@ -73,6 +84,8 @@ class Peer:
     stores: dict[str, KVTierStore] = field(default_factory=dict)
     remote: RemotePool | None = None  # its pool, once handshaken
     nixl: bool = True  # False: pulled over TCP (it has no NIXL, or the handshake failed)
+    static: bool = True  # False: found by discovery, dropped when no longer registered
+    closed: bool = False  # no longer a peer: every call to it fails
 
     @property
     def is_up(self) -> bool:
@@ -87,7 +100,7 @@ class Peers:
     """The peers of this server and the pulls from them. Thread-safe.
 
     Args:
-        urls: ``kvtier://host:port`` of each peer.
+        urls: ``kvtier://host:port`` of each static peer.
         memory: the memory tier pulls land in (and are kept in, with ``keep``).
         stats: the server's counters (``peer_*``).
         token: the token sent in HELLO (the server's own ``--auth-token``).
@@ -95,6 +108,7 @@ class Peers:
         reconnect_max_s: the longest pause between pings of a peer that is down.
         plane: this server's NIXL plane, or None: every pull over TCP.
         keep: keep pulled blobs in the memory tier.
+        self_url: this server's own ``kvtier://host:port``, never its own peer.
     """
 
     def __init__(
@@ -108,33 +122,80 @@ class Peers:
         reconnect_max_s: float,
         plane: NixlPlane | None,
         keep: bool = True,
+        self_url: str | None = None,
     ):
         self.memory = memory
         self.stats = stats
         self.timeout_s = timeout_s
+        self.reconnect_max_s = reconnect_max_s
         self.plane = plane
         self.keep = keep
+        self.self_url = self_url
+        self.discovery: Discovery | None = None  # set by whoever starts it; closed here
         self._token = token
-        self._lock = threading.Lock()
-        self.peers: list[Peer] = []
-        for url in urls:
-            address = parse_server_address(url)
-            peer = Peer(f"kvtier://{address.host}:{address.port}", address.host, address.port)
-            peer.health = Health(
-                "peer",
-                f"kvtier server: peer {peer.url}",
-                lambda p=peer: self._store(p, PING_NAMESPACE).ping(),
-                reconnect_max_s=reconnect_max_s,
-                logger=logger,
-                on_reconnect=lambda p=peer: self._forget_pool(p),
-            )
-            self.peers.append(peer)
+        self._lock = threading.Lock()  # each peer's stores
+        self._members = threading.Lock()  # updates of the list
+        static = [u for u in dict.fromkeys(peer_url(u) for u in urls) if u != self_url]
+        self.peers: list[Peer] = [self._new_peer(url) for url in static]
         self._calls = ThreadPoolExecutor(
-            max(4, 2 * len(self.peers)), thread_name_prefix="kvtier-peers"
+            max(MAX_CALLS, 2 * len(self.peers)), thread_name_prefix="kvtier-peers"
         )
+
+    def _new_peer(self, url: str, static: bool = True) -> Peer:
+        address = parse_server_address(url)
+        peer = Peer(url, address.host, address.port, static=static)
+        peer.health = Health(
+            "peer",
+            f"kvtier server: peer {peer.url}",
+            lambda: self._store(peer, PING_NAMESPACE).ping(),
+            reconnect_max_s=self.reconnect_max_s,
+            logger=logger,
+            on_reconnect=lambda: self._forget_pool(peer),
+        )
+        return peer
+
+    # -- membership --------------------------------------------------------------------
+
+    def update(self, found: Iterable[str]) -> None:
+        """Make the peers the static ones and the servers ``found`` by discovery (this
+        server left out): a server new to the list is added (up, connected at its first
+        call), a discovered peer no longer found is closed. An address that is not a
+        ``kvtier://host:port`` is skipped, with one warning."""
+        urls = set()
+        for url in found:
+            try:
+                if not url.startswith("kvtier://"):  # as every server registers itself
+                    raise ValueError(url)
+                urls.add(peer_url(url))
+            except ValueError:
+                warn_once(logger, f"kvtier server: peer discovery: {url!r} is no address; skipped")
+        urls.discard(self.self_url)
+        with self._members:
+            known = {p.url for p in self.peers}
+            gone = [p for p in self.peers if not p.static and p.url not in urls]
+            added = [self._new_peer(url, static=False) for url in sorted(urls - known)]
+            if gone or added:
+                self.peers = [p for p in self.peers if p not in gone] + added
+        for peer in added:
+            logger.info("kvtier server: peer %s found (discovery)", peer.url)
+        for peer in gone:
+            logger.info("kvtier server: peer %s is no longer registered: dropped", peer.url)
+            self._close_peer(peer)
+            self._forget_pool(peer)
+
+    def _close_peer(self, peer: Peer) -> None:
+        with self._lock:  # from here on no store of it opens
+            peer.closed = True
+            stores, peer.stores = list(peer.stores.values()), {}
+        assert peer.health is not None
+        peer.health.close()
+        for store in stores:
+            store.close()
 
     def _store(self, peer: Peer, namespace: str) -> KVTierStore:
         with self._lock:
+            if peer.closed:
+                raise StoreUnavailable(f"peer {peer.url}: no longer a peer")
             store = peer.stores.get(namespace)
             if store is None:
                 store = peer.stores[namespace] = KVTierStore(
@@ -156,6 +217,8 @@ class Peers:
             self.plane.forget(remote)
 
     def _fault(self, peer: Peer, what: str, exc: BaseException) -> None:
+        if peer.closed:  # dropped meanwhile: nothing to count or ping
+            return
         self.stats.inc("peer_errors")
         assert peer.health is not None
         peer.health.mark_down(fault_reason(what, exc, self.timeout_s))
@@ -171,9 +234,7 @@ class Peers:
         if not names or not peers:
             return present
         self.stats.inc("peer_lookups")
-        futures = {
-            self._calls.submit(self._store(p, namespace).exists_many, names): p for p in peers
-        }
+        futures = {self._calls.submit(self._exists, p, namespace, names): p for p in peers}
         done, late = wait(futures, timeout=self.timeout_s)
         for future in late:
             future.cancel()
@@ -187,6 +248,9 @@ class Peers:
             present = [a or b for a, b in zip(present, found, strict=True)]
         self.stats.inc("peer_lookup_hits", sum(present))
         return present
+
+    def _exists(self, peer: Peer, namespace: str, names: Sequence[str]) -> list[bool]:
+        return self._store(peer, namespace).exists_many(names)
 
     # -- pulls -------------------------------------------------------------------------
 
@@ -326,30 +390,43 @@ class Peers:
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Each peer's state, by URL (for /health and ``kvtier status``)."""
-        return {p.url: {"up": p.is_up, "transport": p.transport} for p in self.peers}
+        return {
+            p.url: {
+                "up": p.is_up,
+                "transport": p.transport,
+                "source": "static" if p.static else "discovery",
+            }
+            for p in self.peers
+        }
 
     def gauges(self) -> dict[str, float]:
+        peers = self.peers
         out: dict[str, float] = {
-            "peers_configured": len(self.peers),
-            "peers_up": sum(p.is_up for p in self.peers),
+            "peers_configured": len(peers),
+            "peers_up": sum(p.is_up for p in peers),
         }
-        for p in self.peers:
+        for p in peers:
             out[f'peer_up{{peer="{p.url}"}}'] = int(p.is_up)
+        if self.discovery is not None:
+            out["peers_discovered"] = sum(not p.static for p in peers)
+            out |= self.discovery.gauges()
         return out
 
     def describe(self) -> str:
         plane = "NIXL" if self.plane is not None else "TCP"
         cache = "kept" if self.keep else "not kept"
-        return f"peers {', '.join(p.url for p in self.peers)} ({plane}, pulls {cache})"
+        urls = ", ".join(p.url for p in self.peers) or "none yet"
+        found = f"; {self.discovery.describe()}" if self.discovery is not None else ""
+        return f"peers {urls} ({plane}, pulls {cache}){found}"
 
     def close(self) -> None:
-        for peer in self.peers:
-            assert peer.health is not None
-            peer.health.close()
-            with self._lock:
-                stores, peer.stores = list(peer.stores.values()), {}
-            for store in stores:
-                store.close()
+        """Deregister (with discovery) and close every peer."""
+        if self.discovery is not None:
+            self.discovery.close()
+        with self._members:
+            peers, self.peers = self.peers, []
+        for peer in peers:
+            self._close_peer(peer)
         self._calls.shutdown(wait=False, cancel_futures=True)
 
 

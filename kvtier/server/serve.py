@@ -18,6 +18,13 @@ from kvtier.config import KVTierConfig
 from kvtier.observability.stats import Stats
 from kvtier.server.admin import AdminHooks, AdminServer
 from kvtier.server.cache import BlobCache
+from kvtier.server.discovery import (
+    DEFAULT_GROUP,
+    DEFAULT_TTL_S,
+    Discovery,
+    advertised,
+    open_registry,
+)
 from kvtier.server.leases import Leases
 from kvtier.server.lookup import lookup
 from kvtier.server.nixl import NixlPlane, NixlUnavailable
@@ -40,12 +47,23 @@ class PeerOptions:
         keep: keep pulled chunks in the memory tier (``--peer-cache on``).
         lookup: /lookup counts what peers hold (``--lookup-peers``; per request:
             ``/lookup?peers=1``).
+        discovery: the Redis/Valkey URL where servers find each other
+            (``--peer-discovery``, the ``server_peer_discovery`` key), or None.
+        advertise: ``kvtier://host:port`` the others reach this server at
+            (``--advertise``); None: the bind address.
+        group: the servers that find each other (``--peer-group``).
+        discovery_ttl_s: how long a registration outlives its server
+            (``--peer-discovery-ttl``).
     """
 
     urls: tuple[str, ...] = ()
     transport: str = "auto"
     keep: bool = True
     lookup: bool = False
+    discovery: str | None = None
+    advertise: str | None = None
+    group: str = DEFAULT_GROUP
+    discovery_ttl_s: float = DEFAULT_TTL_S
 
 
 def open_plane(cache: BlobCache, leases: Leases, options: PeerOptions) -> NixlPlane | None:
@@ -84,13 +102,19 @@ async def serve(
     Raises:
         OSError: a port cannot be bound.
         NixlUnavailable: ``--peer-transport nixl`` and NIXL cannot be set up.
+        ValueError: discovery without redis-py, or a bind address that names no host
+            without ``advertise``.
     """
+    registry = None
+    if peers.discovery is not None:
+        advertised(host, port, peers.advertise)  # before anything starts
+        registry = open_registry(peers.discovery, config, peers.group, peers.discovery_ttl_s)
     stats = Stats()
     cache = BlobCache(config, stats)
     timeout_s = config.remote_timeout_ms / 1000
     leases = Leases(ttl_s=max(2 * timeout_s, 1.0))
     plane, deferred = None, None
-    if peers.urls or peers.transport == "nixl":  # pulls need it, or NIXL or nothing
+    if peers.urls or registry or peers.transport == "nixl":  # pulls need it, or NIXL or nothing
         try:
             plane = open_plane(cache, leases, peers)
         except NixlUnavailable:
@@ -98,7 +122,7 @@ async def serve(
             raise
     elif peers.transport == "auto":  # serving pulls only: set up at the first handshake
         deferred = functools.partial(open_plane, cache, leases, peers)
-    if peers.urls:
+    if peers.urls or registry:
         cache.peers = Peers(
             peers.urls,
             memory=cache.memory,
@@ -108,6 +132,7 @@ async def serve(
             reconnect_max_s=config.remote_reconnect_max_ms / 1000,
             plane=plane,
             keep=peers.keep,
+            self_url=advertised(host, port, peers.advertise) if registry and port else None,
         )
     server = KVTierServer(
         cache,
@@ -130,7 +155,21 @@ async def serve(
         await server.start()
     except OSError:
         _close(cache, server.plane, leases, 0)
+        if registry is not None:
+            registry.close()
         raise
+    if registry is not None:
+        assert cache.peers is not None
+        discovery = Discovery(
+            registry,
+            advertise=advertised(host, server.port, peers.advertise),
+            group=peers.group,
+            ttl_s=peers.discovery_ttl_s,
+            on_members=cache.peers.update,
+            stats=stats,
+        )
+        cache.peers.discovery = discovery  # closed (deregistered) with the peers
+        discovery.start()
     admin = None
     if admin_port is not None:
         hooks = AdminHooks(
@@ -161,6 +200,8 @@ async def serve(
     logger.info("kvtier server tiers: %s", "; ".join(cache.describe()))
     await stop.wait()
     logger.info("kvtier server stopping")
+    if cache.peers is not None and cache.peers.discovery is not None:
+        await asyncio.to_thread(cache.peers.discovery.close)  # the others drop it at once
     await server.stop()
     if admin is not None:
         await admin.close()
@@ -204,4 +245,7 @@ def _tiers(cache: BlobCache) -> dict[str, dict]:
         # each peer's state; a peer down never makes this node degraded (a miss there is
         # a miss here, as without peers)
         tiers["peers"] = cache.peers.status()
+        if cache.peers.discovery is not None:
+            # where this node registers and why the last refresh failed, if it did
+            tiers["discovery"] = cache.peers.discovery.status()
     return tiers

@@ -113,6 +113,13 @@ def _joined_bytes(parts: Sequence[Buffer]) -> int:
     return sum(len(p) for p in parts) if len(parts) > 1 else 0
 
 
+def _primaries(client: redis.Redis | RedisCluster) -> list[redis.Redis]:
+    """The nodes whose keys make up the whole keyspace: a cluster's primaries, or one."""
+    if isinstance(client, RedisCluster):
+        return [node.redis_connection for node in client.get_primaries()]
+    return [client]
+
+
 def _glob_escape(text: str) -> str:
     """``text`` as a literal in a Redis MATCH pattern."""
     return "".join("\\" + c if c in "\\*?[]" else c for c in text)
@@ -415,18 +422,13 @@ class RedisStore:
     def clear(self) -> int:
         """Delete every key under the namespace (SCAN + UNLINK, every primary of a cluster);
         returns how many blobs were deleted (parts are not counted)."""
-        pattern = _glob_escape(self.namespace) + "*"
         part_marker = PART_SEP.encode()
         prefix_len = len(self.namespace.encode())
         deleted = 0
         with self._call("clear") as client:
-            if isinstance(client, RedisCluster):
-                nodes = [node.redis_connection for node in client.get_primaries()]
-            else:
-                nodes = [client]
-            for node in nodes:
+            for node in _primaries(client):
                 batch: list[bytes] = []
-                for key in node.scan_iter(match=pattern, count=_SCAN_BATCH):
+                for key in self._scan(node):
                     batch.append(key)
                     if len(batch) == _SCAN_BATCH:
                         deleted += self._unlink(node, batch, prefix_len, part_marker)
@@ -434,6 +436,17 @@ class RedisStore:
                 if batch:
                     deleted += self._unlink(node, batch, prefix_len, part_marker)
         return deleted
+
+    def names(self) -> list[str]:
+        """Every name under the namespace (SCAN, every primary of a cluster; never KEYS)."""
+        prefix_len = len(self.namespace.encode())
+        with self._call("names") as client:
+            keys = [key for node in _primaries(client) for key in self._scan(node)]
+        names = (key[prefix_len:].decode(errors="replace") for key in keys)
+        return [name for name in names if PART_SEP not in name]
+
+    def _scan(self, node: redis.Redis) -> Iterator[bytes]:
+        return node.scan_iter(match=_glob_escape(self.namespace) + "*", count=_SCAN_BATCH)
 
     @staticmethod
     def _unlink(node: redis.Redis, keys: list[bytes], prefix_len: int, part_marker: bytes) -> int:

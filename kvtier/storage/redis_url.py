@@ -72,16 +72,17 @@ class RedisEndpoint:
         return f"RedisEndpoint({self.display!r})"
 
 
-def parse_url(url: str) -> RedisEndpoint:
+def parse_url(url: str, setting: str = "remote_url") -> RedisEndpoint:
     """Parse a Redis/Valkey ``remote_url`` (see the module docstring for the forms).
 
     Raises:
-        ValueError: naming ``remote_url`` (password hidden) and the accepted forms.
+        ValueError: naming ``setting`` (``remote_url``, or the flag that gave the URL),
+            the URL (password hidden) and the accepted forms.
     """
 
     def bad(problem: str) -> ValueError:
         return ValueError(
-            f"remote_url {redact_url(url)!r}: {problem}; accepted forms: {ACCEPTED_URL_FORMS}"
+            f"{setting} {redact_url(url)!r}: {problem}; accepted forms: {ACCEPTED_URL_FORMS}"
         )
 
     scheme, sep, _ = url.partition("://")
