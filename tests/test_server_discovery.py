@@ -258,7 +258,7 @@ def test_redis_names_lists_one_namespace_with_scan_and_registrations_expire():
             store.put_many([(A, [A.encode()]), (B, [b""])])
             other.put_many([(C, [b"x"])])
             assert sorted(store.names()) == [A, B] and other.names() == [C]
-            assert server.client().pttl(f"kvtier:peers:g:{A}") > 0
+            assert server.client().pttl(f"kvtier-peers:g:{A}") > 0
             assert store.delete_many([A]) == 1 and store.names() == [B]
         finally:
             store.close()
@@ -273,7 +273,7 @@ def test_redis_names_scans_every_primary_of_a_cluster():
         try:
             members = [f"kvtier://10.0.1.{i}:65432" for i in range(12)]
             store.put_many([(m, [m.encode()]) for m in members])
-            per_node = [len(list(c.scan_iter(match="kvtier:peers:g:*"))) for c in cluster.clients()]
+            per_node = [len(list(c.scan_iter(match="kvtier-peers:g:*"))) for c in cluster.clients()]
             assert sum(per_node) == 12 and sum(n > 0 for n in per_node) >= 2, per_node
             assert sorted(store.names()) == sorted(members)
         finally:

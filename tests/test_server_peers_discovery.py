@@ -108,15 +108,15 @@ def test_servers_registered_in_redis_pull_from_each_other_and_leave_when_stopped
             # groups: d is alone in its own, and in no one's list of the default group
             assert peer_urls(d) == set() and get(d, "/stats")["peers_discovered"] == 0
             assert d.url not in peer_urls(a) | peer_urls(c)
-            keys = {k.decode() for k in redis.client().scan_iter(match="kvtier:peers:*")}
-            assert f"kvtier:peers:other:{d.url}" in keys and len(keys) == 4
+            keys = {k.decode() for k in redis.client().scan_iter(match="kvtier-peers:*")}
+            assert f"kvtier-peers:other:{d.url}" in keys and len(keys) == 4
 
             assert c.terminate() == 0  # a clean stop deletes its key: gone at b's next refresh
-            assert not redis.client().exists(f"kvtier:peers:default:{c.url}")
+            assert not redis.client().exists(f"kvtier-peers:default:{c.url}")
             wait_until(lambda: peer_urls(b) == {a.url}, timeout=TTL_S + 5)
 
             a.kill()  # its key stays until it expires
-            assert redis.client().pttl(f"kvtier:peers:default:{a.url}") > 0
+            assert redis.client().pttl(f"kvtier-peers:default:{a.url}") > 0
             wait_until(lambda: peer_urls(b) == set(), timeout=2 * TTL_S + 5)
             assert get(b, "/stats")["peers_configured"] == 0
             assert "is no longer registered: dropped" in b.log()

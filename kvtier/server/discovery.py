@@ -4,8 +4,8 @@ Redis/Valkey, an existing engine, keeps the membership.
 
 ::
 
-    kvtier:peers:<group>:kvtier://10.0.0.1:65432    value: the same address
-    kvtier:peers:<group>:kvtier://10.0.0.2:65432    each key expires after ttl_s
+    kvtier-peers:<group>:kvtier://10.0.0.1:65432    value: the same address
+    kvtier-peers:<group>:kvtier://10.0.0.2:65432    each key expires after ttl_s
 
 One daemon thread per server does every call: each ``ttl_s / 3`` it SETs its key with the
 TTL, SCANs the group's keys (MATCH, never KEYS) and hands the others' addresses to
@@ -37,7 +37,7 @@ from kvtier.storage.schemes import load_module, redact_url
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "kvtier:peers:"
+KEY_PREFIX = "kvtier-peers:"  # outside the Redis tier's "kvtier:<model>:" keys
 DEFAULT_TTL_S = 15.0
 MIN_TTL_S = 1.0  # a refresh every third of it: shorter would only load the store
 DEFAULT_GROUP = "default"
