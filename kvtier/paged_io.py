@@ -45,7 +45,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvtier_kernels import PagedKV, gather, scatter
+from kvtier_kernels import PagedKV, gather, registry, scatter
 from kvtier_kernels._launch import upload
 from kvtier_kernels.paged.plans import check_slot_range
 from kvtier_kernels.tuning.lookup import copy_engine_crossover, prepend_search_path
@@ -112,7 +112,8 @@ class PagedIO:
 
     Args:
         paged: the engine's KV cache with its layout.
-        backend: kernel backend (``auto`` | ``triton`` | ``interpret`` | ``torch``).
+        backend: kernel backend (``auto`` | ``triton`` | ``interpret`` | ``torch`` |
+            ``numba``); checked here (ValueError naming it where it cannot run).
         copy_engine_min_bytes: ``{"store": bytes, "load": bytes}``, the run size from
             which ``copy_`` moves contiguous pages instead of the kernel; default: the
             tuned crossover of ``paged_gather`` / ``paged_scatter`` on this GPU (none on a
@@ -128,6 +129,7 @@ class PagedIO:
         self.paged = paged
         self.backend = backend
         device = paged.device
+        registry.resolve_backend(backend, device)  # e.g. numba not installed: said now
         self._streams = _Streams(device) if device.type == "cuda" else None
         if copy_engine_min_bytes is None:
             copy_engine_min_bytes = {

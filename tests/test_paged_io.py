@@ -16,7 +16,7 @@ from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.paged_io import PagedIO, _Streams
 from kvtier.transfers import RetrieveTransfer, StoreTransfer
-from kvtier_kernels import PagedKV
+from kvtier_kernels import PagedKV, registry
 
 has_gpu = torch.cuda.is_available()
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 3, 40, 16, 2, 64
@@ -275,3 +275,21 @@ def test_a_store_and_a_load_queued_together_run_at_once(monkeypatch):
         ("sync", "load event"),
     ]
     assert not torch.equal(bits(engine.paged_io.paged.tensors[0]), want), "nothing was loaded"
+
+
+def test_backend_that_cannot_run_is_refused_at_construction() -> None:
+    paged = PagedKV.empty(
+        "vllm_cpu", num_layers=1, num_blocks=2, block_size=16, num_heads=1, head_size=64,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'triton' cannot run on device 'cpu'"):
+        PagedIO(paged, "triton")
+    with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
+        PagedIO(paged, "cuda")
+    assert load_config({"kernel_backend": "numba"}, env={}).kernel_backend == "numba"
+    if "numba" in registry.backends_for("paged_scatter"):
+        io = PagedIO(paged, "numba")
+        chunk = torch.ones(paged.chunk_shape(16), dtype=torch.bfloat16)
+        with io.loading():
+            io.to_engine(chunk, torch.arange(16))
+        assert bool((paged.layer_view(0)[:, 0] == 1).all())

@@ -67,10 +67,11 @@ KERNELS: tuple[KeySpec, ...] = (
         "kernel_backend",
         str,
         "auto",
-        "Kernel implementation: auto (Triton on a GPU Triton can drive, else numba for the "
-        "CacheGen coder where numba is installed, else torch), triton, interpret (Triton "
-        "interpreter) or torch (reference kernels; the numpy CacheGen coder).",
-        choices=("auto", "triton", "interpret", "torch"),
+        "Kernel implementation: auto (Triton on a GPU Triton can drive, else numba where "
+        "numba is installed, else torch), triton, interpret (Triton interpreter), torch "
+        "(reference kernels; the numpy CacheGen coder) or numba (the CPU kernels numba "
+        "compiles: the paged copies, RoPE and the CacheGen coder; for KV on the CPU).",
+        choices=("auto", "triton", "interpret", "torch", "numba"),
     ),
     KeySpec(
         "tuning_dir",
