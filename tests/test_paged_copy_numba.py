@@ -105,20 +105,6 @@ def test_a_layer_wise_view_of_a_chunk() -> None:
     assert_round_trip_matches_reference(paged, slots, range(1, 2), chunk=whole[:, 1:2])
 
 
-def test_split_over_threads(monkeypatch) -> None:
-    monkeypatch.setattr(numba_rows, "_SPLIT_BYTES", 1)  # split even a small chunk
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for name in ("vllm_cpu", "cross_layer", "flash_hnd"):
-            paged = make_cache(name, 2, 64, torch.bfloat16, 16, layers=5)
-            slots = make_slots(paged.num_slots, TOKENS, pad_every=3, seed=8)
-            for _ in range(2):  # the first call of a word type runs on one thread
-                assert_round_trip_matches_reference(paged, slots, range(5))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_hands_what_it_cannot_move_to_torch() -> None:
     paged = make_cache("flash_nhd", 2, 64, torch.bfloat16, 16)
     slots = make_slots(paged.num_slots, TOKENS, pad_every=None, seed=9)

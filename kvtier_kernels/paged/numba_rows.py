@@ -1,5 +1,5 @@
 """The paged copies' numba backend: head rows moved between a CPU cache and a CPU chunk by
-one compiled loop, split over the CPU's threads.
+one compiled loop.
 
 torch's indexing kernels move a row of ``D`` values element by element, and on a scatter
 into vLLM's CPU layout (``index_copy_`` of 256-byte rows) that ran at a fifth of a plain
@@ -18,22 +18,19 @@ Slots are range-checked before the kernel runs (the plan's ``TorchCopy``), as fo
 
 The kernel is serial (:class:`~kvtier_kernels._launch.NumbaKernel` with
 ``parallel=False``: a serving engine's own thread calls it, and numba's threading layers
-must stay out of that thread); a chunk of more than ``_SPLIT_BYTES`` is split into ranges
-of layers that run at once on a small pool of Python threads (the kernel releases the GIL),
-one per torch thread. The first call for a word type runs on the caller's thread alone, so
-a failed compile falls back before anything was written. Where this backend does not
-apply (a chunk or cache not on the CPU, a chunk whose rows are not contiguous, head rows
+must stay out of that thread), and it runs on the caller's thread alone. NOTE: split over
+a second Python thread (the kernel releases the GIL) it ran faster alone, but slower in
+an engine: right after a torch op the OpenMP threads of torch (vLLM's CPU forward pass
+uses them) spin-wait on the cores, and the second thread competed with them (retrieve of
+a prompt at 0.47x a raw copy split, 0.56x on one thread, on this project's 2-core
+machine). Where this backend does not apply (a chunk or cache not on the CPU, a chunk whose rows are not contiguous, head rows
 that are not contiguous in the cache, no integer word both sides allow) the call runs the
 torch backend.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +39,7 @@ import torch
 from kvtier_kernels._launch import NumbaKernel
 from kvtier_kernels.dtypes import INT_OF_SIZE
 from kvtier_kernels.layouts import PagedKV
-from kvtier_kernels.paged.rows import launch_cache
+from kvtier_kernels.paged.rows import copy_whole_blocks, launch_cache
 
 __all__ = ["NUMBA_KERNELS", "RowGroups", "copy_rows", "numba_backend", "row_groups"]
 
@@ -176,22 +173,6 @@ def _row_offsets(paged: PagedKV, slots: torch.Tensor, rows: RowGroups) -> np.nda
     return offsets.reshape(kv, -1).numpy()
 
 
-_SPLIT_BYTES = 1 << 20  # below this a copy runs on the caller's thread alone
-_compiled: set[tuple[bool, torch.dtype]] = set()  # (direction, word) run once already
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
-_pool_lock = threading.Lock()
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """The copy threads (made again in a forked child, whose copy of them is gone)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-copy")
-            _pool = (os.getpid(), workers, pool)
-        return _pool[2]
-
-
 def copy_rows(
     paged: PagedKV,
     slot_mapping: torch.Tensor,
@@ -222,43 +203,27 @@ def copy_rows(
     flat = words.as_strided((span,), (1,)).numpy()
     chunk_strides = np.array(words.stride()[:3], dtype=np.int64)
     offsets = _row_offsets(paged, slot_mapping, rows)
-    calls = []
+    kernel = NUMBA_KERNELS[to_chunk]
     for storage, bases, positions in rows.groups:
         args = (storage, bases, positions, offsets, flat, chunk_strides, heads, row_words, to_chunk)
-        calls.append((args, len(bases)))
-    nbytes = chunk.numel() * chunk.element_size()
-    threads = min(torch.get_num_threads(), max(1, nbytes // _SPLIT_BYTES))
-    kernel = NUMBA_KERNELS[to_chunk]
-    if (to_chunk, rows.word) not in _compiled or threads == 1:
-        for args, total in calls:
-            kernel(*args, 0, total, work=total)
-        _compiled.add((to_chunk, rows.word))
-        return True
-    pieces = [
-        (args, start, min(start + math.ceil(total / threads), total))
-        for args, total in calls
-        for start in range(0, total, math.ceil(total / threads))
-    ]
-    shares = [pieces[i::threads] for i in range(threads)]
-    pending = [_executor(threads - 1).submit(_run, kernel, share) for share in shares[1:]]
-    _run(kernel, shares[0])
-    for future in pending:
-        future.result()
+        kernel(*args, 0, len(bases), work=len(bases))
     return True
-
-
-def _run(kernel: NumbaKernel, pieces: list[tuple[tuple, int, int]]) -> None:
-    for args, start, stop in pieces:
-        kernel(*args, start, stop, work=stop - start)
 
 
 def numba_backend(torch_impl: Callable, to_chunk: bool) -> Callable:
     """A paged copy's numba backend: :func:`copy_rows` where it applies, else
-    ``torch_impl`` (the torch backend, same contract)."""
+    ``torch_impl`` (the torch backend, same contract). A gather of whole blocks of
+    evenly spaced layers is left to torch's one ``index_select`` of block slices
+    (:func:`~kvtier_kernels.paged.rows.copy_whole_blocks`), which moved a prompt from
+    vLLM's CPU layout at 0.65x a raw copy against 0.41x for this kernel; a scatter
+    always runs here (a prompt's retrieve: torch's ``index_copy_`` of the same slices
+    0.32x, this kernel 0.56x; 2-core machine)."""
 
     @NUMBA_KERNELS[to_chunk].falling_back_to(torch_impl)
     def run(paged: PagedKV, slot_mapping: torch.Tensor, chunk: torch.Tensor, layers=None):
         layers = range(paged.num_layers) if layers is None else layers
+        if to_chunk and copy_whole_blocks(paged, slot_mapping, chunk, layers, to_chunk=True):
+            return chunk
         if not copy_rows(paged, slot_mapping, chunk, layers, to_chunk):
             return torch_impl(paged, slot_mapping, chunk, layers)
         return chunk if to_chunk else None
