@@ -522,11 +522,11 @@ def test_kvtier_kernels_lists_ops_backends_and_tuning_files(tmp_path: Path) -> N
     # compiled Triton is listed only where torch sees a GPU
     gpu = torch.cuda.is_available()
     backends = "torch, triton, interpret" if gpu else "torch, interpret"
-    numba = importlib.util.find_spec("numba") is not None  # RoPE has a numba CPU kernel
+    numba = importlib.util.find_spec("numba") is not None
     for op in ("paged_gather", "paged_scatter", "rope_rerotate"):
         assert backends in lines[op], lines[op]
         listed, auto = lines[op].split(backends, 1)[1].split()[:2]
-        if op == "rope_rerotate" and numba and not gpu:
+        if numba and not gpu:  # the paged copies and RoPE have numba CPU kernels
             assert (listed, auto) == (",", "numba"), lines[op]  # "..., numba  numba"
         else:
             assert listed == ("triton" if gpu else "torch"), lines[op]
