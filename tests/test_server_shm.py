@@ -1,10 +1,14 @@
 """The same-host shared-memory path of ``kvtier serve``: blobs round-trip bit-exactly
-through a segment, clients fall back to TCP when the server cannot (or may not) map it,
-bad references are rejected and counted while the server keeps serving, and no segment
-outlives its connection in ``/dev/shm`` or in the server's mappings."""
+through a segment (and out of the server's memory tier, which such clients map
+read-only), clients fall back to TCP when the server cannot (or may not) map it, bad
+references are rejected and counted while the server keeps serving, a byte changed in
+the server's memory is a miss, and no segment outlives its connection in ``/dev/shm`` or
+in the server's mappings."""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import signal
 import socket
@@ -60,6 +64,22 @@ def mapped_segments(pid: int) -> list[str]:
     """The kvtier segments process ``pid`` has mapped (deleted names included)."""
     maps = Path(f"/proc/{pid}/maps").read_text()
     return [line for line in maps.splitlines() if f"/{shm.NAME_PREFIX}" in line]
+
+
+def mapped_arenas(pid: int) -> list[str]:
+    """The servers' memory tiers (memfds) process ``pid`` has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [line for line in maps.splitlines() if "/memfd:kvtier-pool-" in line]
+
+
+def server_arena(pid: int) -> str:
+    """``/proc/<pid>/fd/<n>`` of the memory tier of the server ``pid``."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        with contextlib.suppress(OSError):
+            if os.readlink(path).startswith("/memfd:kvtier-pool-"):
+                return path
+    raise AssertionError("the server keeps no memory tier in a memfd")
 
 
 def blobs(count: int, size: int) -> list[tuple[str, bytes]]:
@@ -120,6 +140,62 @@ def test_a_corrupt_blob_in_the_segment_is_a_miss(server, pool):
     raw.close()
     writer.close()
     reader.close()
+
+
+def test_a_get_copies_straight_out_of_the_servers_memory_and_lets_go_of_it():
+    """A same-host client maps the server's memory tier read-only and copies each blob
+    out of it under a lease; released after the get, the blob is evicted as any other."""
+    with KVTierServerProcess("--max-local-cpu-size", str(4.5 / 1024)) as server:
+        store = client(server, shm_bytes=SEGMENT)
+        items = blobs(5, 1 << 20)
+        store.put_many([(n, [d]) for n, d in items[:1]])
+        assert store.get_many([items[0][0], "absent"]) == [items[0][1], None]
+        assert store.read_many([items[0][0]], len) == [1 << 20]
+        assert len(mapped_arenas(os.getpid())) == 1
+        store.put_many(
+            [(n, [d]) for n, d in items[1:]]
+        )  # 4 MiB more: the least recently used, b0, goes
+        assert store.get_many([n for n, _ in items]) == [None] + [d for _, d in items[1:]]
+        store.close()
+        assert not mapped_arenas(os.getpid())
+
+
+def test_a_byte_changed_in_the_servers_memory_is_a_miss(server, pool):
+    writer = remote_manager(server.url)
+    store_chunks(writer, pool, [8])
+    name = key(8).to_string()
+    raw = client(server, namespace="org%2Fmodel-a")
+    blob = raw.get_many([name])[0]
+    with open(server_arena(server.process.pid), "r+b") as f, mmap.mmap(f.fileno(), 0) as tier:
+        at = tier.find(blob)
+        assert at >= 0
+        tier[at + len(blob) - 1] ^= 0xFF
+    reader_stats = Stats()
+    reader = remote_manager(server.url, reader_stats)
+    assert reader.get_many([key(8)]) == [None]
+    assert reader_stats.get(tier_counter("kvtier", TierCounter.CORRUPT)) == 1
+    raw.close()
+    writer.close()
+    reader.close()
+
+
+def test_a_memory_tier_the_client_cannot_map_leaves_it_on_its_segment(server, monkeypatch):
+    """As for a client in another pid namespace: ``/proc/<pid>/fd/<fd>`` is not the file."""
+    offers, attach = [], shm.attach_arena
+    monkeypatch.setattr(shm, "attach_arena", lambda offer: offers.append(offer))
+    store = client(server)
+    store.put_many([("seg", [b"s" * 5000])])
+    assert store.get_many(["seg"]) == [b"s" * 5000] and store.shm_active
+    assert len(offers) == 1 and not mapped_arenas(os.getpid())
+    store.close()
+    offer = offers[0]
+    assert attach({**offer, "name": "kvtier-pool-" + "0" * 32}) is None
+    assert attach({**offer, "size": offer["size"] + 1}) is None
+    assert attach({**offer, "fd": -1}) is None
+    assert attach("pool") is None
+    arena = attach(offer)
+    assert arena is not None and arena.size == offer["size"]
+    arena.close()
 
 
 def test_namespaces_stay_apart_on_shared_memory(server):
@@ -263,6 +339,9 @@ def test_bad_references_are_rejected_counted_and_harmless(server, with_segment):
         assert "error" in read_reply(sock)  # a payload and references at once
         sock.sendall(frame(Op.PING, {}))
         assert "error" not in read_reply(sock), "the connection stays usable"
+        sock.sendall(frame(Op.GET, {"names": ["kept"], "pool": True}))
+        got = read_reply(sock)  # a lent blob only where the client proved it is on this host
+        assert ("pool" in got) is with_segment and got["sizes"] == [len(b"still here")]
     counted = stats(server)["rejects_bad_shm_ref"] - before
     assert counted == len(BAD_REFERENCES) + 1
     assert other.get_many(["kept", "a"]) == [b"still here", None], "nothing stored, others fine"

@@ -86,7 +86,7 @@ async def serve(
         NixlUnavailable: ``--peer-transport nixl`` and NIXL cannot be set up.
     """
     stats = Stats()
-    cache = BlobCache(config, stats)
+    cache = BlobCache(config, stats, shared_memory=max_shm_mb is not None)
     timeout_s = config.remote_timeout_ms / 1000
     leases = Leases(ttl_s=max(2 * timeout_s, 1.0))
     plane, deferred = None, None

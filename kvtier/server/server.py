@@ -297,7 +297,8 @@ class KVTierServer:
         session.segment = segment
         self.shm_clients += 1
         self.stats.inc("shm_attached")
-        return {"shm": True}
+        arena = self.cache.arena if self.leases is not None else None
+        return {"shm": True} if arena is None else {"shm": True, "pool": arena.offer()}
 
     async def _answer(
         self, sock: socket.socket, frame: Frame, session: Session, blobs: list[Received] | None
@@ -372,7 +373,9 @@ class KVTierServer:
         region = None
         if "shm" in frame.header:
             region = shm.region_of(frame.header["shm"], session.segment)
-        place = Placement(session.segment, region, self.max_frame_bytes)
+        lend = frame.header.get("pool") is True and session.segment is not None
+        arena = self.cache.arena if lend and self.leases is not None else None
+        place = Placement(session.segment, region, self.max_frame_bytes, arena)
         # blobs in memory are sent from the tier's own buffers, held until sent; the rest
         # (disk, peers, remote) are read into bytes of their own
         held = self.cache.hold_many(session.namespace, names)
@@ -392,6 +395,10 @@ class KVTierServer:
         header: dict[str, Any] = {"sizes": sizes}
         if region is not None:
             header["shm"] = [offset for _, offset in found]
+        if arena is not None and self.leases is not None:
+            self.leases.expire()  # a client that died holding one lets go here
+            header["pool"] = place.lent_at
+            header["lease"] = self.leases.grant(place.lent) if place.lent else 0
         return Reply(header, place.parts, place.held)
 
     def _put(self, frame: Frame, session: Session):

@@ -14,6 +14,7 @@ from typing import Any
 from kvtier.memory import MemoryObj
 from kvtier.server.blobs import view_of
 from kvtier.server.cache import BlobCache
+from kvtier.server.shm import SharedArena
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.node_shm import Segment
 
@@ -55,23 +56,45 @@ def let_go(blobs: list[Received] | None) -> None:
 
 
 class Placement:
-    """Where a GET reply puts each blob: into the client's region of its segment while it
-    fits (a copy), else into the frame's payload while that fits (the blob's own buffer,
-    held until the reply is sent), else nowhere (-1, a miss)."""
+    """Where a GET reply puts each blob: where it lies in the shared memory tier when the
+    client reads that (``arena``: no copy; the object is lent, ``lent``, until the client
+    lets go of the lease), else into the client's region of its segment while it fits (a
+    copy), else into the frame's payload while that fits (the blob's own buffer, held
+    until the reply is sent), else nowhere (-1, a miss)."""
 
-    def __init__(self, segment: Segment | None, region: tuple[int, int] | None, room: int):
+    def __init__(
+        self,
+        segment: Segment | None,
+        region: tuple[int, int] | None,
+        room: int,
+        arena: SharedArena | None = None,
+    ):
         self._segment = segment
         self._next, self._end = (0, 0) if region is None else (region[0], sum(region))
         self._room = room
+        self._arena = arena
         self.parts: list[Buffer] = []
         self.held: list[MemoryObj] = []
+        self.lent: list[MemoryObj] = []
+        self.lent_at: list[int] = []  # per blob (taken or missed): where in the arena, or -1
         self.shm_bytes = 0
+
+    def miss(self) -> tuple[int, int]:
+        """A blob found nowhere: ``(-1, -1)``."""
+        self.lent_at.append(-1)
+        return -1, -1
 
     def take(self, blob: Buffer, obj: MemoryObj | None = None) -> tuple[int, int]:
         """``(size, offset in the segment or -1)``; ``(-1, -1)`` when it fits nowhere.
         ``obj``: the memory-tier object ``blob`` views, with a reference that the
         placement now owns."""
         size = len(blob)
+        self.lent_at.append(-1)
+        if self._arena is not None and obj is not None:
+            self.lent_at[-1] = self._arena.offset_of(obj)
+            self.lent.append(obj)
+            self.shm_bytes += size
+            return size, -1
         if self._segment is not None and self._next + size <= self._end:
             offset = self._next
             self._segment.mm[offset : offset + size] = blob
@@ -94,4 +117,4 @@ class Placement:
 
 def take_data(place: Placement, data: bytes | None) -> tuple[int, int]:
     """``place.take(data)``, or a miss when ``data`` is None."""
-    return (-1, -1) if data is None else place.take(data)
+    return place.miss() if data is None else place.take(data)

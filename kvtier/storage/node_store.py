@@ -13,7 +13,10 @@ Same host: each connection offers the server a shared-memory segment of its own 
 HELLO (``kvtier.storage.node_shm``). When the server maps it, PUT and GET frames on that
 connection carry ``(offset, size)`` references into the segment and the blobs never
 cross the socket; when it does not (another host, ``kvtier serve --no-shm``, no
-``/dev/shm``), the connection carries them inline, as before. ``?shm=0`` in the URL turns
+``/dev/shm``), the connection carries them inline, as before. Such a connection also maps
+the server's memory tier read-only where the server offers it, and a GET copies the blobs
+it holds in memory straight out of it (one copy instead of two), then lets go of their
+lease. ``?shm=0`` in the URL turns
 the offer off; ``?shm_mb=N`` sizes the segment (default 64 MiB; a blob larger than that
 goes inline).
 
@@ -39,7 +42,7 @@ from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
 from kvtier.storage.files import advance, byte_views
 from kvtier.storage.node_protocol import Op, ProtocolError
-from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
+from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Arenas, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.warn import warn_once
 
@@ -105,12 +108,14 @@ def parse_server_url(url: str) -> tuple[str, int]:
 
 class _Connection:
     """One TCP connection that has said HELLO, with its shared-memory segment when the
-    server mapped one."""
+    server mapped one, and the server's memory tier when it offered it (``arenas``)."""
 
-    def __init__(self, sock: socket.socket, max_frame: int):
+    def __init__(self, sock: socket.socket, max_frame: int, arenas: Arenas):
         self.sock = sock
         self.max_frame = max_frame
         self.segment: Segment | None = None
+        self.arena: Segment | None = None
+        self._arenas = arenas
         self._inbox = bytearray()  # reply payloads, reused (see ``receive``)
 
     def send(self, parts: Sequence[Buffer]) -> None:
@@ -139,6 +144,9 @@ class _Connection:
             self.sock.close()
         if self.segment is not None:
             self.segment.close()
+        if self.arena is not None:
+            self._arenas.release(self.arena)
+            self.arena = None
 
 
 class KVTierStore:
@@ -186,6 +194,7 @@ class KVTierStore:
         self._shm = shm and shm_available()
         self._shm_bytes = shm_bytes
         self._peer = peer
+        self._arenas = Arenas()
         self.shm_active = False  # whether the latest connection got a segment
 
     # -- connections -------------------------------------------------------------------
@@ -193,7 +202,7 @@ class KVTierStore:
     def _connect(self) -> _Connection:
         sock = socket.create_connection((self.host, self.port), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES)
+        conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES, self._arenas)
         hello: dict[str, Any] = {"token": self._token, "namespace": self.namespace}
         if self._peer:
             hello["peer"] = True
@@ -211,6 +220,8 @@ class KVTierStore:
                 logger.debug("kvtier server %s: TCP only (%s)", self.url, reply.get("shm_error"))
                 conn.segment.close()
                 conn.segment = None
+            elif conn.segment is not None and "pool" in reply:
+                conn.arena = self._arenas.acquire(reply["pool"])
             self.shm_active = conn.segment is not None
         except BaseException:
             conn.close()
@@ -353,30 +364,46 @@ class KVTierStore:
 
     def _read(self, conn: _Connection, names: list[str], consume: Callable[[memoryview], T]):
         header: dict[str, Any] = {"names": names}
-        segment = conn.segment
+        segment, arena = conn.segment, conn.arena
         if segment is not None:
             header["shm"] = [0, segment.size]
+        if arena is not None:
+            header["pool"] = True
         reply, payload_len = self._ask(conn, Op.GET, header, ())
         sizes = protocol.sizes_of(reply, len(names), None, absent_ok=True)
-        offsets = [-1] * len(names)
+        offsets = lent = [-1] * len(names)
         if segment is not None:
             offsets = shm.placed_of(reply.get("shm"), sizes, (0, segment.size))
-        inline = [size if offset < 0 else -1 for size, offset in zip(sizes, offsets, strict=True)]
+        if arena is not None and "pool" in reply:
+            lent = shm.placed_of(reply["pool"], sizes, (0, arena.size))
+        inline = [
+            s if o < 0 and p < 0 else -1 for s, o, p in zip(sizes, offsets, lent, strict=True)
+        ]
         if sum(s for s in inline if s > 0) != payload_len:
             raise ProtocolError(f"GET: the reply's sizes do not add up to {payload_len} bytes")
+        if any(o >= 0 and p >= 0 for o, p in zip(offsets, lent, strict=True)):
+            raise ProtocolError("GET: a blob placed in both the segment and the memory tier")
         out: list[T | None] = []
         with contextlib.ExitStack() as views:
             whole = views.enter_context(memoryview(segment.mm)) if segment else None
-            for size, offset in zip(sizes, offsets, strict=True):
+            tier = views.enter_context(memoryview(arena.mm)) if arena else None
+            for size, offset, at in zip(sizes, offsets, lent, strict=True):
                 if size < 0:
                     out.append(None)
                     continue
-                if offset >= 0:
+                if at >= 0:  # copied out of the server's memory and verified by ``consume``
+                    assert tier is not None
+                    blob = views.enter_context(tier[at : at + size])
+                elif offset >= 0:
                     assert whole is not None
                     blob = views.enter_context(whole[offset : offset + size])
                 else:  # the payload's blobs one at a time, each consumed before the next
                     blob = conn.receive(size)
                 out.append(consume(blob))
+        lease = reply.get("lease")
+        if type(lease) is int and lease > 0:
+            # what was read is verified already: an expired lease ("held": false) is moot
+            self._exchange(conn, Op.RELEASE, {"lease": lease}, ())
         return out
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
@@ -413,7 +440,7 @@ class KVTierStore:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._drop_idle()
+        self._drop_idle()  # a connection still in use unmaps the memory tier as it closes
 
     def __repr__(self) -> str:
         return f"KVTierStore({self.url!r}, namespace={self.namespace!r})"
