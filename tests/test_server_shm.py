@@ -145,17 +145,28 @@ def test_a_corrupt_blob_in_the_segment_is_a_miss(server, pool):
 def test_a_get_copies_straight_out_of_the_servers_memory_and_lets_go_of_it():
     """A same-host client maps the server's memory tier read-only and copies each blob
     out of it under a lease; released after the get, the blob is evicted as any other."""
-    with KVTierServerProcess("--max-local-cpu-size", str(4.5 / 1024)) as server:
+    with KVTierServerProcess("--max-local-cpu-size", str(4.5 / 1024), admin=True) as server:
         store = client(server, shm_bytes=SEGMENT)
         items = blobs(5, 1 << 20)
         store.put_many([(n, [d]) for n, d in items[:1]])
         assert store.get_many([items[0][0], "absent"]) == [items[0][1], None]
         assert store.read_many([items[0][0]], len) == [1 << 20]
         assert len(mapped_arenas(os.getpid())) == 1
-        store.put_many(
-            [(n, [d]) for n, d in items[1:]]
-        )  # 4 MiB more: the least recently used, b0, goes
+        store.put_many([(n, [d]) for n, d in items[1:]])  # 4 MiB more: b0 (the oldest) goes
         assert store.get_many([n for n, _ in items]) == [None] + [d for _, d in items[1:]]
+        # a client gone without letting go: the end of its connection ends its lease
+        connected = stats(server)["shm_clients_connected"]
+        segment, offer = shm.create_segment(SEGMENT)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(frame(Op.HELLO, {"namespace": "test", "shm": offer.as_header()}))
+            assert "pool" in read_reply(sock)
+            sock.sendall(frame(Op.GET, {"names": ["b1"], "pool": True}))
+            assert read_reply(sock)["lease"] > 0
+        segment.close()
+        wait_until(lambda: stats(server)["shm_clients_connected"] == connected)
+        assert store.read_many(["b2", "b3", "b4"], len) == [1 << 20] * 3  # b1 is the oldest
+        store.put_many([(n, [d]) for n, d in items[:1]])
+        assert store.read_many(["b0", "b1", "b2"], len) == [1 << 20, None, 1 << 20]
         store.close()
         assert not mapped_arenas(os.getpid())
 

@@ -41,7 +41,7 @@ import logging
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.observability.stats import Stats
@@ -63,11 +63,13 @@ FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame may take to arrive
 
 @dataclass(slots=True)
 class Session:
-    """One authenticated connection: its namespace and its shared-memory segment."""
+    """One authenticated connection: its namespace, its shared-memory segment and the
+    leases of its reads from the shared memory tier (let go of when it ends)."""
 
     namespace: str
     segment: Segment | None = None
     peer: bool = False  # another server: never passed on to this server's peers
+    leases: set[int] = field(default_factory=set)
 
 
 class KVTierServer:
@@ -203,6 +205,9 @@ class KVTierServer:
                     continue
                 await self._answer(sock, frame, session, blobs)
         finally:
+            if session is not None and self.leases is not None:
+                for lease in session.leases:
+                    self.leases.release(lease)  # those let go of already: nothing to do
             if session is not None and session.segment is not None:
                 session.segment.close()
                 self.shm_clients -= 1
@@ -376,8 +381,9 @@ class KVTierServer:
         lend = frame.header.get("pool") is True and session.segment is not None
         arena = self.cache.arena if lend and self.leases is not None else None
         place = Placement(session.segment, region, self.max_frame_bytes, arena)
-        # blobs in memory are sent from the tier's own buffers, held until sent; the rest
-        # (disk, peers, remote) are read into bytes of their own
+        # blobs in memory are lent where they lie (a same-host client reading the shared
+        # tier) or sent from the tier's own buffers, held until sent; the rest (disk,
+        # peers, remote) are read into bytes of their own
         held = self.cache.hold_many(session.namespace, names)
         missing = [name for name, obj in zip(names, held, strict=True) if obj is None]
         fetched = iter(
@@ -396,9 +402,11 @@ class KVTierServer:
         if region is not None:
             header["shm"] = [offset for _, offset in found]
         if arena is not None and self.leases is not None:
-            self.leases.expire()  # a client that died holding one lets go here
-            header["pool"] = place.lent_at
-            header["lease"] = self.leases.grant(place.lent) if place.lent else 0
+            self.leases.expire()  # one past its time (a client stuck mid-copy) lets go here
+            header["pool"], header["lease"] = place.lent_at, 0
+            if place.lent:
+                header["lease"] = self.leases.grant(place.lent)
+                session.leases.add(header["lease"])
         return Reply(header, place.parts, place.held)
 
     def _put(self, frame: Frame, session: Session):
@@ -490,6 +498,7 @@ class KVTierServer:
         lease = frame.header.get("lease")
         if type(lease) is not int or self.leases is None:
             raise ProtocolError("'lease' must be an integer")
+        session.leases.discard(lease)
         return Reply({"held": self.leases.release(lease)})
 
     def _stats(self, frame: Frame, session: Session):

@@ -20,6 +20,7 @@ import stat
 
 import torch
 
+from kvtier.machine import check_host_memory
 from kvtier.memory import MemoryObj
 from kvtier.storage.node_protocol import ProtocolError
 from kvtier.storage.node_shm import (
@@ -143,10 +144,15 @@ class SharedArena:
     """Memory for the server's memory tier in a memfd, which a same-host client (one whose
     segment the server mapped) opens through ``/proc/<pid>/fd/<fd>`` and maps read-only.
 
-    The file has no name in any directory: it goes when the server exits.
+    The file has no name in any directory: it goes when the server exits and no client
+    maps it any more.
+
+    Raises:
+        PoolTooLarge: ``size`` is more than the machine's available memory.
     """
 
     def __init__(self, size: int):
+        check_host_memory(size)
         self.name = f"kvtier-pool-{secrets.token_hex(16)}"
         assert ARENA_PATTERN.fullmatch(self.name)
         self.size = size

@@ -64,7 +64,7 @@ CHUNK_LAYOUT = "KV_2LTD"  # [planes, layers, tokens, width]: the chunk as its sh
 TOKEN_MAJOR_LAYOUT = "KV_2TLD"  # [planes, tokens, layers, width] (naive codec only)
 LAYOUTS = (CHUNK_LAYOUT, TOKEN_MAJOR_LAYOUT)
 PAYLOAD_ALIGN = 64  # bytes; a cache line (the CPU pool's buffers are aligned to more)
-COPY_BLOCK = 256 << 10  # bytes copied, then hashed while in cache (``copy_hashed``)
+COPY_BLOCK = 1 << 20  # bytes copied, then hashed while in cache (``copy_hashed``)
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
