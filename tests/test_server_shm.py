@@ -1,6 +1,6 @@
 """The same-host shared-memory path of ``kvtier serve``: blobs round-trip bit-exactly
-through a segment (and out of the server's memory tier, which such clients map
-read-only), clients fall back to TCP when the server cannot (or may not) map it, bad
+through a segment (and through the server's memory tier, which such clients map),
+clients fall back to TCP when the server cannot (or may not) map it, bad
 references are rejected and counted while the server keeps serving, a byte changed in
 the server's memory is a miss, and no segment outlives its connection in ``/dev/shm`` or
 in the server's mappings."""
@@ -143,8 +143,9 @@ def test_a_corrupt_blob_in_the_segment_is_a_miss(server, pool):
 
 
 def test_a_get_copies_straight_out_of_the_servers_memory_and_lets_go_of_it():
-    """A same-host client maps the server's memory tier read-only and copies each blob
-    out of it under a lease; released after the get, the blob is evicted as any other."""
+    """A same-host client maps the server's memory tier, writes its blobs into buffers
+    set aside there and copies each blob out of it under a lease; released after the
+    get, the blob is evicted as any other."""
     with KVTierServerProcess("--max-local-cpu-size", str(4.5 / 1024), admin=True) as server:
         store = client(server, shm_bytes=SEGMENT)
         items = blobs(5, 1 << 20)
@@ -359,6 +360,65 @@ def test_bad_references_are_rejected_counted_and_harmless(server, with_segment):
     other.close()
     if segment is not None:
         segment.close()
+
+
+def test_puts_into_memory_out_of_order_are_rejected_counted_and_harmless(server):
+    before = stats(server).get("rejects_bad_shm_ref", 0)
+    blob = {"names": ["in-place"], "sizes": [10]}
+    steps = [
+        ({**blob, "pool": "commit"}, b"", "without a reservation"),
+        ({**blob, "pool": "reserve"}, b"", None),
+        ({"names": ["other"], "sizes": [10], "pool": "commit"}, b"", "other than those reserved"),
+        ({**blob, "pool": "commit"}, b"", "without a reservation"),  # the bad one dropped it
+        ({**blob, "pool": "send"}, b"", "'reserve' or 'commit'"),
+        ({**blob, "pool": "reserve"}, b"0123456789", "no payload"),
+    ]
+    segment, offer = shm.create_segment(SEGMENT)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(frame(Op.HELLO, {"namespace": "fuzz", "shm": offer.as_header()}))
+        assert "pool" in read_reply(sock)
+        for header, payload, reason in steps:
+            sock.sendall(frame(Op.PUT, header, payload))
+            reply = read_reply(sock)
+            assert reason in reply["error"] if reason else reply["pool"][0] >= 0
+        sock.sendall(frame(Op.PING, {}))
+        assert "error" not in read_reply(sock), "the connection stays usable"
+    segment.close()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(frame(Op.HELLO, {"namespace": "fuzz"}))
+        assert "pool" not in read_reply(sock)
+        sock.sendall(frame(Op.PUT, {**blob, "pool": "reserve"}))
+        assert "needs shared memory" in read_reply(sock)["error"]
+    assert stats(server)["rejects_bad_shm_ref"] - before == 6
+    other = client(server, "fuzz")
+    assert other.get_many(["in-place", "other"]) == [None, None], "nothing stored"
+    other.close()
+
+
+def test_a_put_memory_has_no_room_for_goes_by_the_segment_or_inline(tmp_path):
+    """Memory sets no buffer aside for a blob larger than it: the blob goes the other
+    way (to disk, here), and a reservation its client never commits is let go of."""
+    args = ("--max-local-cpu-size", str(2.5 / 1024), "--local-disk", str(tmp_path))
+    with KVTierServerProcess(*args, admin=True) as server:
+        store = client(server, shm_bytes=SEGMENT)
+        small, large = b"s" * (1 << 20), os.urandom(3 << 20)
+        store.put_many([("small", [small]), ("large", [large])])
+        assert store.get_many(["small", "large"]) == [small, large]
+        connected = stats(server)["shm_clients_connected"]
+        segment, offer = shm.create_segment(SEGMENT)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(frame(Op.HELLO, {"namespace": "test", "shm": offer.as_header()}))
+            assert "pool" in read_reply(sock)
+            sock.sendall(frame(Op.PUT, {"names": ["x"], "sizes": [2 << 20], "pool": "reserve"}))
+            assert read_reply(sock)["pool"][0] >= 0  # "small" evicted for it (on disk still)
+        segment.close()
+        wait_until(lambda: stats(server)["shm_clients_connected"] == connected)
+        fresh = os.urandom(2 << 20)
+        store.put_many([("fresh", [fresh])])  # room again: the reservation was let go of
+        assert store.get_many(["fresh", "x"]) == [fresh, None]
+        gauges = stats(server)
+        assert gauges["memory_blobs"] == 1 and gauges["memory_bytes_used"] >= 2 << 20
+        store.close()
 
 
 def test_a_malformed_offer_is_refused_and_the_client_stays_on_tcp(server):

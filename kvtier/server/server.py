@@ -41,7 +41,6 @@ import logging
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.observability.stats import Stats
@@ -51,25 +50,21 @@ from kvtier.server.cache import BlobCache
 from kvtier.server.leases import Leases
 from kvtier.server.nixl import NixlPlane
 from kvtier.server.shm import ShmRefused
-from kvtier.server.transfer import Placement, Received, Reply, let_go, take_data
+from kvtier.server.transfer import (
+    Placement,
+    Received,
+    Reply,
+    Session,
+    carries_blobs,
+    let_go,
+    take_data,
+)
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.node_protocol import Frame, Op, ProtocolError
-from kvtier.storage.node_shm import Segment
 
 logger = logging.getLogger(__name__)
 
 FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame may take to arrive
-
-
-@dataclass(slots=True)
-class Session:
-    """One authenticated connection: its namespace, its shared-memory segment and the
-    leases of its reads from the shared memory tier (let go of when it ends)."""
-
-    namespace: str
-    segment: Segment | None = None
-    peer: bool = False  # another server: never passed on to this server's peers
-    leases: set[int] = field(default_factory=set)
 
 
 class KVTierServer:
@@ -205,9 +200,8 @@ class KVTierServer:
                     continue
                 await self._answer(sock, frame, session, blobs)
         finally:
-            if session is not None and self.leases is not None:
-                for lease in session.leases:
-                    self.leases.release(lease)  # those let go of already: nothing to do
+            if session is not None:
+                session.end(self.leases)
             if session is not None and session.segment is not None:
                 session.segment.close()
                 self.shm_clients -= 1
@@ -255,7 +249,7 @@ class KVTierServer:
         """Where an inline PUT's blobs go as they arrive: a memory-tier buffer each (a
         scratch one where memory has no room), or None for any other frame, or one
         whose fields are wrong (its handler answers the error)."""
-        if session is None or frame.op != Op.PUT or "shm" in frame.header or not payload_len:
+        if session is None or not carries_blobs(frame, payload_len):
             return None
         try:
             names = protocol.names_of(frame.header)
@@ -381,9 +375,8 @@ class KVTierServer:
         lend = frame.header.get("pool") is True and session.segment is not None
         arena = self.cache.arena if lend and self.leases is not None else None
         place = Placement(session.segment, region, self.max_frame_bytes, arena)
-        # blobs in memory are lent where they lie (a same-host client reading the shared
-        # tier) or sent from the tier's own buffers, held until sent; the rest (disk,
-        # peers, remote) are read into bytes of their own
+        # blobs in memory are lent where they lie or sent from their own buffers, held
+        # until sent; the rest (disk, peers, remote) are read into bytes of their own
         held = self.cache.hold_many(session.namespace, names)
         missing = [name for name, obj in zip(names, held, strict=True) if obj is None]
         fetched = iter(
@@ -411,6 +404,8 @@ class KVTierServer:
 
     def _put(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
+        if "pool" in frame.header:
+            return self._put_in_place(frame, session, names)
         if "shm" in frame.header:
             sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
             if frame.payload:
@@ -431,6 +426,21 @@ class KVTierServer:
                 session.namespace, names, protocol.split_payload(frame.payload, sizes)
             )
         return self._stored(len(names), stored)
+
+    def _put_in_place(self, frame: Frame, session: Session, names: list[str]) -> Reply:
+        """A same-host client's PUT into the shared memory tier (``Session.reserve``: the
+        client writes its blobs there itself, then ``Session.commit`` stores them)."""
+        sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
+        step = frame.header["pool"]
+        if self.cache.arena is None or session.segment is None or frame.payload:
+            raise shm.ShmRefError("a PUT into memory needs shared memory and no payload")
+        if step == "reserve":
+            return Reply({"pool": session.reserve(self.cache, names, sizes)})
+        if step != "commit":
+            raise shm.ShmRefError(f"'pool' must be 'reserve' or 'commit', not {step!r}")
+        count, stored = session.commit(self.cache, names, sizes)
+        self.stats.inc("bytes_shm_in", sum(sizes))
+        return self._stored(count, stored)
 
     def _put_received(self, frame: Frame, session: Session, blobs: list[Received]):
         """A PUT whose blobs arrived in memory-tier buffers (``_receivers``): kept as they

@@ -1,13 +1,14 @@
 """The server's side of the same-host path (the segment and the client's side:
 ``kvtier.storage.node_shm``): a HELLO's offer checked, the client's segment mapped, the
 references that PUT and GET frames make into it checked, and the memory tier kept in a
-memfd (``SharedArena``) that such clients map read-only.
+memfd (``SharedArena``) that such clients map.
 
 NOTE: nothing in a segment is trusted: the server copies a PUT's bytes out before
 storing them (a blob is a wire-format object whose checksum its reader verifies), and
-every reference is checked against the segment's bounds before it is used. A client
-reading the memory tier copies a blob out and verifies the copy, so a blob changed
-under it (a lease that expired) is a miss, never wrong bytes.
+every reference is checked against the segment's bounds before it is used. Nor is the
+memory tier, once clients map it: they write their PUTs' blobs into it themselves, and a
+client reading it copies a blob out and verifies the copy, so a blob changed under it (a
+lease that expired, another client's stray write) is a miss, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def region_of(value: object, segment: Segment | None) -> tuple[int, int]:
 
 class SharedArena:
     """Memory for the server's memory tier in a memfd, which a same-host client (one whose
-    segment the server mapped) opens through ``/proc/<pid>/fd/<fd>`` and maps read-only.
+    segment the server mapped) opens through ``/proc/<pid>/fd/<fd>`` and maps.
 
     The file has no name in any directory: it goes when the server exits and no client
     maps it any more.

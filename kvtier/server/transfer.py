@@ -1,21 +1,25 @@
 """How a request's blobs travel between a client and the server's memory tier without
 more copies than the transport needs: an inline PUT's blobs received straight into
-memory-tier buffers (``Received``), and a GET's blobs placed into the client's
-shared-memory segment or sent from the tier's own buffers (``Placement``), held until the
-reply is out (``Reply``).
+memory-tier buffers (``Received``), a same-host client's PUT written by the client
+itself into buffers set aside in the shared memory tier (``Reservation``), and a GET's
+blobs lent where they lie in the shared tier, placed into the client's shared-memory
+segment or sent from the tier's own buffers (``Placement``), held until the reply is out
+(``Reply``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.memory import MemoryObj
 from kvtier.server.blobs import view_of
 from kvtier.server.cache import BlobCache
-from kvtier.server.shm import SharedArena
+from kvtier.server.leases import Leases
+from kvtier.server.shm import SharedArena, ShmRefError
 from kvtier.storage.blob_store import Buffer
+from kvtier.storage.node_protocol import Frame, Op
 from kvtier.storage.node_shm import Segment
 
 
@@ -27,6 +31,53 @@ class Reply:
     header: dict[str, Any]
     parts: Sequence[Buffer] = ()
     held: Sequence[MemoryObj] = ()
+
+
+@dataclass(slots=True)
+class Session:
+    """One authenticated connection: its namespace, its shared-memory segment, the leases
+    of its reads from the shared memory tier and the buffers set aside for its next
+    PUT there (both let go of when it ends)."""
+
+    namespace: str
+    segment: Segment | None = None
+    peer: bool = False  # another server: never passed on to this server's peers
+    leases: set[int] = field(default_factory=set)
+    reserved: Reservation | None = None
+
+    def reserve(self, cache: BlobCache, names: list[str], sizes: list[int]) -> list[int]:
+        """Set buffers aside for a PUT of these blobs (instead of any set aside before):
+        where each lies in the shared tier, -1 where memory has no room."""
+        assert cache.arena is not None
+        if self.reserved is not None:
+            self.reserved.release()
+        self.reserved = Reservation.make(cache, names, sizes)
+        return self.reserved.offsets(cache.arena)
+
+    def commit(self, cache: BlobCache, names: list[str], sizes: list[int]) -> tuple[int, int]:
+        """Store what was reserved for these very blobs: ``(blobs reserved, stored)``.
+
+        Raises:
+            ShmRefError: nothing was reserved, or for other names or sizes.
+        """
+        reserved, self.reserved = self.reserved, None
+        if reserved is None:
+            raise ShmRefError("a commit without a reservation")
+        try:
+            if (reserved.names, reserved.sizes) != (names, sizes):
+                raise ShmRefError("a commit of blobs other than those reserved")
+            return reserved.commit(cache, self.namespace)
+        finally:
+            reserved.release()
+
+    def end(self, leases: Leases | None) -> None:
+        """Let go of what the connection holds in the memory tier."""
+        if self.reserved is not None:
+            self.reserved.release()
+            self.reserved = None
+        for lease in self.leases if leases is not None else ():
+            leases.release(lease)  # those let go of already: nothing to do
+        self.leases.clear()
 
 
 @dataclass(slots=True)
@@ -44,6 +95,48 @@ class Received:
         if obj is None:
             return cls(memoryview(bytearray(size)), None)
         return cls(view_of(obj)[:size], obj)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Memory-tier buffers set aside for a same-host client's PUT, one per blob (None
+    where memory had no room), which the client fills itself through its mapping of the
+    shared tier (``SharedArena``) before it commits them. Until then no reader sees them;
+    after, a reader verifies them as any blob."""
+
+    names: list[str]
+    sizes: list[int]
+    blobs: list[Received | None]
+
+    @classmethod
+    def make(cls, cache: BlobCache, names: list[str], sizes: list[int]) -> Reservation:
+        objs = [cache.allocate(size) for size in sizes]
+        return cls(
+            names,
+            sizes,
+            [
+                None if o is None else Received(view_of(o)[:s], o)
+                for o, s in zip(objs, sizes, strict=True)
+            ],
+        )
+
+    def offsets(self, arena: SharedArena) -> list[int]:
+        """Where each buffer lies in the shared tier (-1: none)."""
+        return [-1 if b is None or b.obj is None else arena.offset_of(b.obj) for b in self.blobs]
+
+    def commit(self, cache: BlobCache, namespace: str) -> tuple[int, int]:
+        """Store the filled buffers as they are: ``(blobs reserved, blobs stored)``."""
+        kept = [(n, b) for n, b in zip(self.names, self.blobs, strict=True) if b is not None]
+        return len(kept), sum(cache.put_received(namespace, n, b.obj, b.view) for n, b in kept)
+
+    def release(self) -> None:
+        let_go([b for b in self.blobs if b is not None])
+
+
+def carries_blobs(frame: Frame, payload_len: int) -> bool:
+    """Whether ``frame`` is a PUT whose blobs come in its payload of ``payload_len`` bytes
+    (not by reference into shared memory)."""
+    return frame.op == Op.PUT and payload_len > 0 and not {"shm", "pool"} & frame.header.keys()
 
 
 def let_go(blobs: list[Received] | None) -> None:

@@ -23,14 +23,19 @@ client created, so a server on another host (whose ``/dev/shm`` has no such file
 unrelated one) refuses and the client falls back to TCP. Only the short window between
 the client's create and the HELLO reply can leave a name behind (a client killed there).
 
-A client whose segment the server mapped may also read the server's memory tier
-itself: the HELLO reply's ``pool`` names the memory file (a memfd) that the tier's pool
-lives in, by the server's pid and descriptor. The client opens it through ``/proc``, checks
-that it is the named memfd of the offered size, and maps it read-only
-(``attach_arena``); a GET then names where each blob lies in it, under a lease, and the
-client copies the blob straight into its own buffer (verified there), so a get makes one
-copy instead of two. Where that fails (another pid namespace, another user) the
-connection goes on with its segment.
+A client whose segment the server mapped may also reach the server's memory tier itself:
+the HELLO reply's ``pool`` names the memory file (a memfd) that the tier's pool lives in,
+by the server's pid and descriptor. The client opens it through ``/proc``, checks that it
+is the named memfd of the offered size, and maps it (``attach_arena``). A GET then names
+where each blob lies in it, under a lease, and the client copies the blob straight into
+its own buffer (verified there); a PUT asks for buffers there, writes its blobs into them
+and commits them. Each makes one copy instead of two. Where the file cannot be opened
+(another pid namespace, another user) the connection goes on with its segment.
+
+NOTE: so every same-host client can write the whole memory tier, not only its own
+blobs: a bug in one engine can damage another's blobs. Every reader verifies every blob
+it reads (``kvtier.storage.wire``), so such damage is a miss, never wrong KV; the blobs
+were never trusted (docs/reliability.md), the mapping only widens who could spoil them.
 
 This module is the segment itself and the client's side; the server's side (checking
 an offer, mapping it, checking references, the shared memory tier) is
@@ -137,9 +142,9 @@ def unlink(name: str) -> None:
 
 
 def attach_arena(offer: object) -> Segment | None:
-    """Map the server's memory tier read-only from a HELLO reply's ``pool`` offer
-    (``{pid, fd, name, size}``); None when the offer is malformed or the file is not the
-    named memfd of that size (another host or pid namespace, another user)."""
+    """Map the server's memory tier from a HELLO reply's ``pool`` offer (``{pid, fd,
+    name, size}``); None when the offer is malformed or the file is not the named memfd
+    of that size (another host or pid namespace, another user)."""
     if not isinstance(offer, dict):
         return None
     pid, fd, name, size = (offer.get(k) for k in ("pid", "fd", "name", "size"))
@@ -150,7 +155,7 @@ def attach_arena(offer: object) -> Segment | None:
     ):
         return None
     try:
-        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -159,7 +164,7 @@ def attach_arena(offer: object) -> Segment | None:
             return None
         if os.fstat(own).st_size != size or size == 0:
             return None
-        return Segment(name, mmap.mmap(own, size, prot=mmap.PROT_READ))
+        return Segment(name, mmap.mmap(own, size))
     except OSError:
         return None
     finally:
@@ -167,9 +172,9 @@ def attach_arena(offer: object) -> Segment | None:
 
 
 class Arenas:
-    """The servers' memory tiers a client maps (``attach_arena``): one read-only mapping
-    per file, however many connections read it, unmapped when the last lets go (a
-    restarted server's old file is freed then). Thread-safe."""
+    """The servers' memory tiers a client maps (``attach_arena``): one mapping per file,
+    however many connections use it, unmapped when the last lets go (a restarted
+    server's old file is freed then). Thread-safe."""
 
     def __init__(self) -> None:
         self._maps: dict[str, list] = {}  # name -> [Segment, connections using it]

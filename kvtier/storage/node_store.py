@@ -14,9 +14,10 @@ HELLO (``kvtier.storage.node_shm``). When the server maps it, PUT and GET frames
 connection carry ``(offset, size)`` references into the segment and the blobs never
 cross the socket; when it does not (another host, ``kvtier serve --no-shm``, no
 ``/dev/shm``), the connection carries them inline, as before. Such a connection also maps
-the server's memory tier read-only where the server offers it, and a GET copies the blobs
-it holds in memory straight out of it (one copy instead of two), then lets go of their
-lease. ``?shm=0`` in the URL turns
+the server's memory tier where the server offers it (``node_shm.attach_arena``): a PUT
+writes its blobs into buffers the server sets aside there and then commits them, and a GET
+copies the blobs the server holds in memory straight out of it under a lease, so each
+makes one copy instead of two. ``?shm=0`` in the URL turns
 the offer off; ``?shm_mb=N`` sizes the segment (default 64 MiB; a blob larger than that
 goes inline).
 
@@ -196,6 +197,7 @@ class KVTierStore:
         self._peer = peer
         self._arenas = Arenas()
         self.shm_active = False  # whether the latest connection got a segment
+        self._in_place = False  # whether it maps the server's memory tier
 
     # -- connections -------------------------------------------------------------------
 
@@ -223,6 +225,7 @@ class KVTierStore:
             elif conn.segment is not None and "pool" in reply:
                 conn.arena = self._arenas.acquire(reply["pool"])
             self.shm_active = conn.segment is not None
+            self._in_place = conn.arena is not None
         except BaseException:
             conn.close()
             raise
@@ -323,29 +326,49 @@ class KVTierStore:
 
     def _frame_limit(self) -> int:
         """The most bytes one PUT frame carries: the server's frame limit, and the segment
-        when the last connection got one (a larger blob goes inline on its own)."""
+        when the last connection got one but not the server's memory (a larger blob goes
+        inline on its own)."""
         with self._lock:
             limit = self._idle[0].max_frame if self._idle else protocol.DEFAULT_MAX_FRAME_BYTES
-        return min(limit, self._shm_bytes) if self.shm_active else limit
+        return min(limit, self._shm_bytes) if self.shm_active and not self._in_place else limit
 
     def _put_batch(self, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
-        names = [name for name, _ in batch]
-        sizes = [_blob_bytes(parts) for _, parts in batch]
-        parts = [p for _, blob in batch for p in blob if len(p)]
-
         def put(conn: _Connection) -> None:
-            segment = conn.segment
-            if segment is None or sum(sizes) > segment.size:
-                self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes}, parts)
-                return
-            offsets, end = [], 0
-            for _, blob in batch:
-                offsets.append(end)
-                end = segment.write(end, blob)
-            header = {"names": names, "sizes": sizes, "shm": offsets}
-            self._exchange(conn, Op.PUT, header, ())
+            rest = self._put_in_place(conn, conn.arena, batch) if conn.arena else batch
+            if rest:
+                self._put_sent(conn, rest)
 
         self._on_connection(Op.PUT, put)
+
+    def _put_in_place(
+        self, conn: _Connection, arena: Segment, batch: list[tuple[str, Sequence[Buffer]]]
+    ) -> list[tuple[str, Sequence[Buffer]]]:
+        """Write the blobs into buffers the server sets aside in its memory tier, then
+        commit them; returns those it had no room for."""
+        sizes = [_blob_bytes(parts) for _, parts in batch]
+        header = {"names": [name for name, _ in batch], "sizes": sizes, "pool": "reserve"}
+        reply, _ = self._exchange(conn, Op.PUT, header, ())
+        offsets = shm.placed_of(reply.get("pool"), sizes, (0, arena.size))
+        for (_, parts), offset in zip(batch, offsets, strict=True):
+            if offset >= 0:
+                arena.write(offset, parts)
+        self._exchange(conn, Op.PUT, {**header, "pool": "commit"}, ())
+        return [item for item, offset in zip(batch, offsets, strict=True) if offset < 0]
+
+    def _put_sent(self, conn: _Connection, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
+        """The blobs through the connection's segment when they fit there, else inline."""
+        names = [name for name, _ in batch]
+        sizes = [_blob_bytes(parts) for _, parts in batch]
+        segment = conn.segment
+        if segment is None or sum(sizes) > segment.size:
+            parts = [p for _, blob in batch for p in blob if len(p)]
+            self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes}, parts)
+            return
+        offsets, end = [], 0
+        for _, blob in batch:
+            offsets.append(end)
+            end = segment.write(end, blob)
+        self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes, "shm": offsets}, ())
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         return self.read_many(names, bytes)
