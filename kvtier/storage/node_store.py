@@ -116,6 +116,7 @@ class _Connection:
         self.max_frame = max_frame
         self.segment: Segment | None = None
         self.arena: Segment | None = None
+        self.owed: list[int] = []  # requests sent whose replies are still to be read
         self._arenas = arenas
         self._inbox = bytearray()  # reply payloads, reused (see ``receive``)
 
@@ -298,9 +299,25 @@ class KVTierStore:
         self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
     ) -> tuple[dict[str, Any], int]:
         """Send a request and read its reply's header: that and the length of the payload
-        that follows it on the connection (for the caller to read)."""
+        that follows it on the connection (for the caller to read). The replies still
+        owed to requests sent without waiting (``_tell``) are read first."""
         request_id = next(self._ids)
         conn.send(protocol.encode(op, request_id, header, parts))
+        owed, conn.owed = conn.owed, []
+        for earlier in owed:
+            conn.receive(self._reply(conn, earlier)[1])
+        return self._reply(conn, request_id)
+
+    def _tell(self, conn: _Connection, op: Op, header: dict[str, Any]) -> None:
+        """Send a request without waiting for its reply: the server answers in order, so
+        the next request on the connection reads it (``_ask``)."""
+        request_id = next(self._ids)
+        conn.send(protocol.encode(op, request_id, header, ()))
+        conn.owed.append(request_id)
+
+    def _reply(self, conn: _Connection, request_id: int) -> tuple[dict[str, Any], int]:
+        """The header of the reply to ``request_id``, next on the connection, and the
+        length of its payload."""
         prefix = protocol.decode_prefix(_recv(conn.sock, protocol.PREFIX_SIZE), conn.max_frame)
         reply = protocol.decode_header(_recv(conn.sock, prefix.header_len))
         if "error" in reply:
@@ -426,7 +443,7 @@ class KVTierStore:
         lease = reply.get("lease")
         if type(lease) is int and lease > 0:
             # what was read is verified already: an expired lease ("held": false) is moot
-            self._exchange(conn, Op.RELEASE, {"lease": lease}, ())
+            self._tell(conn, Op.RELEASE, {"lease": lease})
         return out
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
