@@ -23,6 +23,7 @@ from support.kvtier_server import KVTierServerProcess
 from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
 
 from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.server import shm as server_shm
 from kvtier.server.blobs import open_memory, put_in_memory, read_in_memory
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
@@ -170,6 +171,14 @@ def test_a_get_copies_straight_out_of_the_servers_memory_and_lets_go_of_it():
         assert store.read_many(["b0", "b1", "b2"], len) == [1 << 20, None, 1 << 20]
         store.close()
         assert not mapped_arenas(os.getpid())
+
+
+def test_without_memfd_the_memory_tier_stays_private(monkeypatch):
+    arena = server_shm.open_arena(1 << 20)
+    assert arena is not None and arena.offer()["size"] == 1 << 20
+    arena.close()
+    monkeypatch.delattr(os, "memfd_create")
+    assert server_shm.open_arena(1 << 20) is None
 
 
 def test_a_byte_changed_in_the_servers_memory_is_a_miss(server, pool):

@@ -54,7 +54,7 @@ from kvtier.server.blobs import (
 )
 from kvtier.server.lookup import KeyShapes
 from kvtier.server.peers import Peers
-from kvtier.server.shm import SharedArena
+from kvtier.server.shm import open_arena
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer
 from kvtier.storage.health import Health, fault_reason
@@ -282,7 +282,7 @@ class BlobCache:
     def __init__(self, config: KVTierConfig, stats: Stats, *, shared_memory: bool = False):
         self.stats = stats
         capacity = config.max_local_cpu_bytes
-        self.arena = SharedArena(capacity + MEMORY_ALIGNMENT) if shared_memory else None
+        self.arena = open_arena(capacity + MEMORY_ALIGNMENT) if shared_memory else None
         self.memory = open_memory(capacity, None if self.arena is None else self.arena.tensor)
         self.disk = (
             open_disk(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None

@@ -14,6 +14,7 @@ lease that expired, another client's stray write) is a miss, never wrong bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
@@ -34,6 +35,8 @@ from kvtier.storage.node_shm import (
     ShmOffer,
     unlink,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def offer_of(value: object) -> ShmOffer:
@@ -139,6 +142,23 @@ def region_of(value: object, segment: Segment | None) -> tuple[int, int]:
 
 
 # -- the memory tier, shared -------------------------------------------------------------
+
+
+def open_arena(size: int) -> SharedArena | None:
+    """A ``SharedArena`` of ``size`` bytes, or None (logged) where this system has no
+    memfd: the memory tier then stays private and clients use their segments.
+
+    Raises:
+        PoolTooLarge: ``size`` is more than the machine's available memory.
+    """
+    if not hasattr(os, "memfd_create"):
+        logger.info("kvtier server: no memfd here; same-host clients copy through segments")
+        return None
+    try:
+        return SharedArena(size)
+    except OSError as exc:
+        logger.warning("kvtier server: cannot share the memory tier (%s); segments only", exc)
+        return None
 
 
 class SharedArena:
