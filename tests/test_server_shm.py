@@ -113,6 +113,28 @@ def test_engines_share_chunks_bit_exactly_through_shared_memory(server, pool):
     reader.close()
 
 
+def test_chunks_read_in_batches_out_of_the_servers_memory_keep_their_places(server, pool):
+    """Reading the server's memory, the remote tier asks for ``read_batch`` chunks per
+    request; each lands in its key's place, absent ones in between included."""
+    writer = remote_manager(server.url)
+    seeds = range(40, 52)  # no other test's chunks
+    stored = [i for i in seeds[:-1] if i not in (42, 49)]
+    objs = store_chunks(writer, pool, stored)
+    reader = remote_manager(server.url)
+    got = dict(zip(seeds, reader.get_many([key(i) for i in seeds]), strict=True))
+    assert [i for i, obj in got.items() if obj is not None] == stored
+    assert all(same_bytes(got[i], objs[i]) for i in stored)
+    probe = client(server)
+    probe.ping()
+    assert 1 < probe.read_batch < 12, "two batches, the first with an absent chunk"
+    probe.close()
+    for obj in got.values():
+        if obj is not None:
+            obj.ref_down()
+    writer.close()
+    reader.close()
+
+
 @pytest.mark.parametrize("size", [0, 1, 4097, SEGMENT // 2, SEGMENT + 10])
 def test_store_round_trip_of_any_size_in_shm_or_inline(server, size):
     store = client(server, shm_bytes=SEGMENT)

@@ -14,10 +14,8 @@ HELLO (``kvtier.storage.node_shm``). When the server maps it, PUT and GET frames
 connection carry ``(offset, size)`` references into the segment and the blobs never
 cross the socket; when it does not (another host, ``kvtier serve --no-shm``, no
 ``/dev/shm``), the connection carries them inline, as before. Such a connection also maps
-the server's memory tier where the server offers it (``node_shm.attach_arena``): a PUT
-writes its blobs into buffers the server sets aside there and then commits them, and a GET
-copies the blobs the server holds in memory straight out of it under a lease, so each
-makes one copy instead of two. ``?shm=0`` in the URL turns
+the server's memory tier where offered (``node_shm``): PUTs write their blobs into
+buffers set aside there, GETs copy them straight out; one copy each instead of two. ``?shm=0`` in the URL turns
 the offer off; ``?shm_mb=N`` sizes the segment (default 64 MiB; a blob larger than that
 goes inline).
 
@@ -51,6 +49,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
 REUSED_BYTES = DEFAULT_SEGMENT_BYTES  # a connection's reply buffer, kept between replies
+READ_BATCH = 8  # blobs per read while reading the server's memory (``read_batch``)
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -392,17 +391,32 @@ class KVTierStore:
 
     def read_many(self, names: Sequence[str], consume: Callable[[memoryview], T]) -> list[T | None]:
         """``consume(view of the blob)`` for each name present (None where absent): the
-        view is of the reply (or of the shared segment), valid only during the call, so
-        a caller that decodes it saves the copy ``get_many`` makes.
+        view is of the reply (or of the shared segment, or of the server's memory),
+        valid only during the call, so a caller that decodes it saves the copy
+        ``get_many`` makes.
 
         Raises:
             StoreUnavailable: as every call; an exception from ``consume`` propagates.
         """
+        return self.read_each(names, lambda _, blob: consume(blob))
+
+    def read_each(
+        self, names: Sequence[str], consume: Callable[[int, memoryview], T]
+    ) -> list[T | None]:
+        """``read_many`` with each blob's index in ``names`` (``consume(i, view)``)."""
         if not names:
             return []
         return self._on_connection(Op.GET, lambda conn: self._read(conn, list(names), consume))
 
-    def _read(self, conn: _Connection, names: list[str], consume: Callable[[memoryview], T]):
+    @property
+    def read_batch(self) -> int:
+        """Blobs per ``read_each`` (``ReadingStore``): ``READ_BATCH`` while connections
+        copy blobs out of the server's memory (a read waits on no network), else 1."""
+        return READ_BATCH if self._in_place else 1
+
+    def _read(
+        self, conn: _Connection, names: list[str], consume: Callable[[int, memoryview], T]
+    ) -> list[T | None]:
         header: dict[str, Any] = {"names": names}
         segment, arena = conn.segment, conn.arena
         if segment is not None:
@@ -427,7 +441,7 @@ class KVTierStore:
         with contextlib.ExitStack() as views:
             whole = views.enter_context(memoryview(segment.mm)) if segment else None
             tier = views.enter_context(memoryview(arena.mm)) if arena else None
-            for size, offset, at in zip(sizes, offsets, lent, strict=True):
+            for i, (size, offset, at) in enumerate(zip(sizes, offsets, lent, strict=True)):
                 if size < 0:
                     out.append(None)
                     continue
@@ -439,7 +453,7 @@ class KVTierStore:
                     blob = views.enter_context(whole[offset : offset + size])
                 else:  # the payload's blobs one at a time, each consumed before the next
                     blob = conn.receive(size)
-                out.append(consume(blob))
+                out.append(consume(i, blob))
         lease = reply.get("lease")
         if type(lease) is int and lease > 0:
             # what was read is verified already: an expired lease ("held": false) is moot
