@@ -526,11 +526,12 @@ def test_a_killed_server_leaves_nothing_behind_and_clients_reconnect():
         with pytest.raises(StoreUnavailable):
             store.get_many(["k"])
         assert not mapped_segments(os.getpid()), "the client unmapped its dead connections"
+        assert not mapped_arenas(os.getpid()), "and the dead server's memory tier"
         server.start()
         assert store.get_many(["k"]) == [None]  # a fresh, empty server
-        assert store.shm_active
+        assert store.shm_active and len(mapped_arenas(os.getpid())) == 1
         store.close()
-        assert not mapped_segments(os.getpid())
+        assert not mapped_segments(os.getpid()) and not mapped_arenas(os.getpid())
     assert segments_in_dev_shm() == before
 
 
