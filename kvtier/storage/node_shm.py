@@ -32,8 +32,8 @@ its own buffer (verified there); a PUT asks for buffers there, writes its blobs 
 and commits them. Each makes one copy instead of two. Where the file cannot be opened
 (another pid namespace, another user) the connection goes on with its segment.
 
-NOTE: so every same-host client can write the whole memory tier, not only its own
-blobs: a bug in one engine can damage another's blobs. Every reader verifies every blob
+NOTE: every such client can write the whole memory tier, not only its own blobs, so a
+bug in one engine can damage another's. Every reader verifies every blob
 it reads (``kvtier.storage.wire``), so such damage is a miss, never wrong KV; the blobs
 were never trusted (docs/reliability.md), the mapping only widens who could spoil them.
 
