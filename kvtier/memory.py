@@ -252,6 +252,9 @@ class HostMemoryPool:
             pinning fails the pool falls back to pageable memory with one warning; check
             `pinned`. Only meaningful for a CPU ``device``.
         device: where the buffer lives (normally ``"cpu"``).
+        memory: a CPU uint8 tensor of at least ``capacity_bytes + alignment - 1`` bytes
+            to carve the pool from instead of allocating one (memory shared with another
+            process); the caller keeps it alive and unpinned.
 
     Raises:
         ValueError: ``capacity_bytes`` is not positive, ``alignment`` is not a power of
@@ -267,6 +270,7 @@ class HostMemoryPool:
         alignment: int = 256,
         pin_memory: bool | None = None,
         device: str | torch.device = "cpu",
+        memory: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -289,7 +293,9 @@ class HostMemoryPool:
         self.pinned: bool = False
         self.stats: PoolStats = PoolStats()
         self._lock = threading.Lock()
-        self._buffer: torch.Tensor | None = self._allocate_buffer(pin_memory)
+        self._buffer: torch.Tensor | None = (
+            self._allocate_buffer(pin_memory) if memory is None else self._aligned(memory)
+        )
 
         # Free extents, sorted by offset, and the same extents sorted by (size, offset).
         self._free_offsets: list[int] = [0]
@@ -322,7 +328,13 @@ class HostMemoryPool:
                 raw = torch.empty(raw_nbytes, dtype=torch.uint8, device=self.device)
             except RuntimeError as exc:  # the allocator's refusal, with a raw traceback
                 raise PoolTooLarge(f"cannot allocate {raw_nbytes / 2**30:.1f} GiB: {exc}") from None
+        return self._aligned(raw)
+
+    def _aligned(self, raw: torch.Tensor) -> torch.Tensor:
+        """The pool's ``capacity`` bytes of ``raw``, from its first aligned address."""
         shift = -raw.data_ptr() % self.alignment
+        if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() < shift + self.capacity:
+            raise ValueError(f"memory must be a 1-d uint8 tensor of {self.capacity} bytes or more")
         return raw[shift : shift + self.capacity]
 
     # -- allocation ----------------------------------------------------------------------

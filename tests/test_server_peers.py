@@ -177,7 +177,7 @@ def test_a_peer_killed_mid_pull_is_a_miss_in_time(pool):
         store_chunks(writer, pool, range(24))
         writer.close()
         reader = remote_manager(b.url)
-        killer = threading.Timer(0.02, a.kill)
+        killer = threading.Timer(0.005, a.kill)
         killer.start()
         started = time.monotonic()
         for _ in range(5):

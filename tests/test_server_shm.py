@@ -1,10 +1,14 @@
 """The same-host shared-memory path of ``kvtier serve``: blobs round-trip bit-exactly
-through a segment, clients fall back to TCP when the server cannot (or may not) map it,
-bad references are rejected and counted while the server keeps serving, and no segment
-outlives its connection in ``/dev/shm`` or in the server's mappings."""
+through a segment (and through the server's memory tier, which such clients map),
+clients fall back to TCP when the server cannot (or may not) map it, bad
+references are rejected and counted while the server keeps serving, a byte changed in
+the server's memory is a miss, and no segment outlives its connection in ``/dev/shm`` or
+in the server's mappings."""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import signal
 import socket
@@ -19,6 +23,7 @@ from support.kvtier_server import KVTierServerProcess
 from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
 
 from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.server import shm as server_shm
 from kvtier.server.blobs import open_memory, put_in_memory, read_in_memory
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
@@ -62,6 +67,22 @@ def mapped_segments(pid: int) -> list[str]:
     return [line for line in maps.splitlines() if f"/{shm.NAME_PREFIX}" in line]
 
 
+def mapped_arenas(pid: int) -> list[str]:
+    """The servers' memory tiers (memfds) process ``pid`` has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [line for line in maps.splitlines() if "/memfd:kvtier-pool-" in line]
+
+
+def server_arena(pid: int) -> str:
+    """``/proc/<pid>/fd/<n>`` of the memory tier of the server ``pid``."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        with contextlib.suppress(OSError):
+            if os.readlink(path).startswith("/memfd:kvtier-pool-"):
+                return path
+    raise AssertionError("the server keeps no memory tier in a memfd")
+
+
 def blobs(count: int, size: int) -> list[tuple[str, bytes]]:
     return [(f"b{i}", os.urandom(size)) for i in range(count)]
 
@@ -88,6 +109,28 @@ def test_engines_share_chunks_bit_exactly_through_shared_memory(server, pool):
     assert after["bytes_out"] - before["bytes_out"] < moved // 10
     for obj in got[:4]:
         obj.ref_down()
+    writer.close()
+    reader.close()
+
+
+def test_chunks_read_in_batches_out_of_the_servers_memory_keep_their_places(server, pool):
+    """Reading the server's memory, the remote tier asks for ``read_batch`` chunks per
+    request; each lands in its key's place, absent ones in between included."""
+    writer = remote_manager(server.url)
+    seeds = range(40, 52)  # no other test's chunks
+    stored = [i for i in seeds[:-1] if i not in (42, 49)]
+    objs = store_chunks(writer, pool, stored)
+    reader = remote_manager(server.url)
+    got = dict(zip(seeds, reader.get_many([key(i) for i in seeds]), strict=True))
+    assert [i for i, obj in got.items() if obj is not None] == stored
+    assert all(same_bytes(got[i], objs[i]) for i in stored)
+    probe = client(server)
+    probe.ping()
+    assert 1 < probe.read_batch < 12, "two batches, the first with an absent chunk"
+    probe.close()
+    for obj in got.values():
+        if obj is not None:
+            obj.ref_down()
     writer.close()
     reader.close()
 
@@ -120,6 +163,82 @@ def test_a_corrupt_blob_in_the_segment_is_a_miss(server, pool):
     raw.close()
     writer.close()
     reader.close()
+
+
+def test_a_get_copies_straight_out_of_the_servers_memory_and_lets_go_of_it():
+    """A same-host client maps the server's memory tier, writes its blobs into buffers
+    set aside there and copies each blob out of it under a lease; released after the
+    get, the blob is evicted as any other."""
+    with KVTierServerProcess("--max-local-cpu-size", str(4.5 / 1024), admin=True) as server:
+        store = client(server, shm_bytes=SEGMENT)
+        items = blobs(5, 1 << 20)
+        store.put_many([(n, [d]) for n, d in items[:1]])
+        assert store.get_many([items[0][0], "absent"]) == [items[0][1], None]
+        assert store.read_many([items[0][0]], len) == [1 << 20]
+        assert len(mapped_arenas(os.getpid())) == 1
+        store.put_many([(n, [d]) for n, d in items[1:]])  # 4 MiB more: b0 (the oldest) goes
+        assert store.get_many([n for n, _ in items]) == [None] + [d for _, d in items[1:]]
+        # a client gone without letting go: the end of its connection ends its lease
+        connected = stats(server)["shm_clients_connected"]
+        segment, offer = shm.create_segment(SEGMENT)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(frame(Op.HELLO, {"namespace": "test", "shm": offer.as_header()}))
+            assert "pool" in read_reply(sock)
+            sock.sendall(frame(Op.GET, {"names": ["b1"], "pool": True}))
+            assert read_reply(sock)["lease"] > 0
+        segment.close()
+        wait_until(lambda: stats(server)["shm_clients_connected"] == connected)
+        assert store.read_many(["b2", "b3", "b4"], len) == [1 << 20] * 3  # b1 is the oldest
+        store.put_many([(n, [d]) for n, d in items[:1]])
+        assert store.read_many(["b0", "b1", "b2"], len) == [1 << 20, None, 1 << 20]
+        store.close()
+        assert not mapped_arenas(os.getpid())
+
+
+def test_without_memfd_the_memory_tier_stays_private(monkeypatch):
+    arena = server_shm.open_arena(1 << 20)
+    assert arena is not None and arena.offer()["size"] == 1 << 20
+    arena.close()
+    monkeypatch.delattr(os, "memfd_create")
+    assert server_shm.open_arena(1 << 20) is None
+
+
+def test_a_byte_changed_in_the_servers_memory_is_a_miss(server, pool):
+    writer = remote_manager(server.url)
+    store_chunks(writer, pool, [8])
+    name = key(8).to_string()
+    raw = client(server, namespace="org%2Fmodel-a")
+    blob = raw.get_many([name])[0]
+    with open(server_arena(server.process.pid), "r+b") as f, mmap.mmap(f.fileno(), 0) as tier:
+        at = tier.find(blob)
+        assert at >= 0
+        tier[at + len(blob) - 1] ^= 0xFF
+    reader_stats = Stats()
+    reader = remote_manager(server.url, reader_stats)
+    assert reader.get_many([key(8)]) == [None]
+    assert reader_stats.get(tier_counter("kvtier", TierCounter.CORRUPT)) == 1
+    raw.close()
+    writer.close()
+    reader.close()
+
+
+def test_a_memory_tier_the_client_cannot_map_leaves_it_on_its_segment(server, monkeypatch):
+    """As for a client in another pid namespace: ``/proc/<pid>/fd/<fd>`` is not the file."""
+    offers, attach = [], shm.attach_arena
+    monkeypatch.setattr(shm, "attach_arena", lambda offer: offers.append(offer))
+    store = client(server)
+    store.put_many([("seg", [b"s" * 5000])])
+    assert store.get_many(["seg"]) == [b"s" * 5000] and store.shm_active
+    assert len(offers) == 1 and not mapped_arenas(os.getpid())
+    store.close()
+    offer = offers[0]
+    assert attach({**offer, "name": "kvtier-pool-" + "0" * 32}) is None
+    assert attach({**offer, "size": offer["size"] + 1}) is None
+    assert attach({**offer, "fd": -1}) is None
+    assert attach("pool") is None
+    arena = attach(offer)
+    assert arena is not None and arena.size == offer["size"]
+    arena.close()
 
 
 def test_namespaces_stay_apart_on_shared_memory(server):
@@ -263,12 +382,74 @@ def test_bad_references_are_rejected_counted_and_harmless(server, with_segment):
         assert "error" in read_reply(sock)  # a payload and references at once
         sock.sendall(frame(Op.PING, {}))
         assert "error" not in read_reply(sock), "the connection stays usable"
+        sock.sendall(frame(Op.GET, {"names": ["kept"], "pool": True}))
+        got = read_reply(sock)  # a lent blob only where the client proved it is on this host
+        assert ("pool" in got) is with_segment and got["sizes"] == [len(b"still here")]
     counted = stats(server)["rejects_bad_shm_ref"] - before
     assert counted == len(BAD_REFERENCES) + 1
     assert other.get_many(["kept", "a"]) == [b"still here", None], "nothing stored, others fine"
     other.close()
     if segment is not None:
         segment.close()
+
+
+def test_puts_into_memory_out_of_order_are_rejected_counted_and_harmless(server):
+    before = stats(server).get("rejects_bad_shm_ref", 0)
+    blob = {"names": ["in-place"], "sizes": [10]}
+    steps = [
+        ({**blob, "pool": "commit"}, b"", "without a reservation"),
+        ({**blob, "pool": "reserve"}, b"", None),
+        ({"names": ["other"], "sizes": [10], "pool": "commit"}, b"", "other than those reserved"),
+        ({**blob, "pool": "commit"}, b"", "without a reservation"),  # the bad one dropped it
+        ({**blob, "pool": "send"}, b"", "'reserve' or 'commit'"),
+        ({**blob, "pool": "reserve"}, b"0123456789", "no payload"),
+    ]
+    segment, offer = shm.create_segment(SEGMENT)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(frame(Op.HELLO, {"namespace": "fuzz", "shm": offer.as_header()}))
+        assert "pool" in read_reply(sock)
+        for header, payload, reason in steps:
+            sock.sendall(frame(Op.PUT, header, payload))
+            reply = read_reply(sock)
+            assert reason in reply["error"] if reason else reply["pool"][0] >= 0
+        sock.sendall(frame(Op.PING, {}))
+        assert "error" not in read_reply(sock), "the connection stays usable"
+    segment.close()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(frame(Op.HELLO, {"namespace": "fuzz"}))
+        assert "pool" not in read_reply(sock)
+        sock.sendall(frame(Op.PUT, {**blob, "pool": "reserve"}))
+        assert "needs shared memory" in read_reply(sock)["error"]
+    assert stats(server)["rejects_bad_shm_ref"] - before == 6
+    other = client(server, "fuzz")
+    assert other.get_many(["in-place", "other"]) == [None, None], "nothing stored"
+    other.close()
+
+
+def test_a_put_memory_has_no_room_for_goes_by_the_segment_or_inline(tmp_path):
+    """Memory sets no buffer aside for a blob larger than it: the blob goes the other
+    way (to disk, here), and a reservation its client never commits is let go of."""
+    args = ("--max-local-cpu-size", str(2.5 / 1024), "--local-disk", str(tmp_path))
+    with KVTierServerProcess(*args, admin=True) as server:
+        store = client(server, shm_bytes=SEGMENT)
+        small, large = b"s" * (1 << 20), os.urandom(3 << 20)
+        store.put_many([("small", [small]), ("large", [large])])
+        assert store.get_many(["small", "large"]) == [small, large]
+        connected = stats(server)["shm_clients_connected"]
+        segment, offer = shm.create_segment(SEGMENT)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(frame(Op.HELLO, {"namespace": "test", "shm": offer.as_header()}))
+            assert "pool" in read_reply(sock)
+            sock.sendall(frame(Op.PUT, {"names": ["x"], "sizes": [2 << 20], "pool": "reserve"}))
+            assert read_reply(sock)["pool"][0] >= 0  # "small" evicted for it (on disk still)
+        segment.close()
+        wait_until(lambda: stats(server)["shm_clients_connected"] == connected)
+        fresh = os.urandom(2 << 20)
+        store.put_many([("fresh", [fresh])])  # room again: the reservation was let go of
+        assert store.get_many(["fresh", "x"]) == [fresh, None]
+        gauges = stats(server)
+        assert gauges["memory_blobs"] == 1 and gauges["memory_bytes_used"] >= 2 << 20
+        store.close()
 
 
 def test_a_malformed_offer_is_refused_and_the_client_stays_on_tcp(server):
@@ -345,11 +526,12 @@ def test_a_killed_server_leaves_nothing_behind_and_clients_reconnect():
         with pytest.raises(StoreUnavailable):
             store.get_many(["k"])
         assert not mapped_segments(os.getpid()), "the client unmapped its dead connections"
+        assert not mapped_arenas(os.getpid()), "and the dead server's memory tier"
         server.start()
         assert store.get_many(["k"]) == [None]  # a fresh, empty server
-        assert store.shm_active
+        assert store.shm_active and len(mapped_arenas(os.getpid())) == 1
         store.close()
-        assert not mapped_segments(os.getpid())
+        assert not mapped_segments(os.getpid()) and not mapped_arenas(os.getpid())
     assert segments_in_dev_shm() == before
 
 

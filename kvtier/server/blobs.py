@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 BlobId = tuple[str, str]  # (namespace, name)
 TREE = "kvtier-server-v1"
+MEMORY_ALIGNMENT = 64  # bytes: every blob in memory starts at a cache line
 T = TypeVar("T")
 
 
@@ -92,10 +93,14 @@ def clear_memory(tier: LocalCPUTier, namespace: str | None) -> int:
     return sum(tier.remove(b) for b in stored if namespace is None or b[0] == namespace)
 
 
-def open_memory(capacity_bytes: int) -> LocalCPUTier:
+def open_memory(capacity_bytes: int, memory: torch.Tensor | None = None) -> LocalCPUTier:
     """The server's memory tier: an LRU ``LocalCPUTier`` of ``capacity_bytes`` in pageable
-    memory (no GPU copies from it), with counters of its own (``memory_evictions``)."""
-    return LocalCPUTier(capacity_bytes, "LRU", alignment=64, pin_memory=False)
+    memory (no GPU copies from it), with counters of its own (``memory_evictions``).
+    ``memory``: the bytes to carve it from (``capacity_bytes + MEMORY_ALIGNMENT``), or
+    None for its own."""
+    return LocalCPUTier(
+        capacity_bytes, "LRU", alignment=MEMORY_ALIGNMENT, pin_memory=False, memory=memory
+    )
 
 
 def open_disk(root: str, capacity_bytes: int) -> FileStore:

@@ -38,6 +38,7 @@ from kvtier.config import KVTierConfig
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Counter, Stats
 from kvtier.server.blobs import (
+    MEMORY_ALIGNMENT,
     BlobId,
     allocate_in_memory,
     clear_memory,
@@ -53,6 +54,7 @@ from kvtier.server.blobs import (
 )
 from kvtier.server.lookup import KeyShapes
 from kvtier.server.peers import Peers
+from kvtier.server.shm import open_arena
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer
 from kvtier.storage.health import Health, fault_reason
@@ -272,11 +274,16 @@ class BlobCache:
 
     Reads go memory → disk → peers (``peers``, set by whoever assembles the server, and
     asked only where a call says so: never for another server's requests) → remote.
+
+    ``shared_memory``: keep the memory tier in a ``SharedArena`` (``arena``), which
+    same-host clients read blobs from.
     """
 
-    def __init__(self, config: KVTierConfig, stats: Stats):
+    def __init__(self, config: KVTierConfig, stats: Stats, *, shared_memory: bool = False):
         self.stats = stats
-        self.memory = open_memory(config.max_local_cpu_bytes)
+        capacity = config.max_local_cpu_bytes
+        self.arena = open_arena(capacity + MEMORY_ALIGNMENT) if shared_memory else None
+        self.memory = open_memory(capacity, None if self.arena is None else self.arena.tensor)
         self.disk = (
             open_disk(config.local_disk, config.max_local_disk_bytes) if config.local_disk else None
         )
@@ -479,3 +486,5 @@ class BlobCache:
         if self.remote is not None:
             self.remote.close(timeout)
         self.memory.close()
+        if self.arena is not None:
+            self.arena.close()

@@ -110,7 +110,7 @@ async def serve(
         advertised(host, port, peers.advertise)  # before anything starts
         registry = open_registry(peers.discovery, config, peers.group, peers.discovery_ttl_s)
     stats = Stats()
-    cache = BlobCache(config, stats)
+    cache = BlobCache(config, stats, shared_memory=max_shm_mb is not None)
     timeout_s = config.remote_timeout_ms / 1000
     leases = Leases(ttl_s=max(2 * timeout_s, 1.0))
     plane, deferred = None, None

@@ -41,7 +41,6 @@ import logging
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from kvtier.observability.stats import Stats
@@ -51,23 +50,21 @@ from kvtier.server.cache import BlobCache
 from kvtier.server.leases import Leases
 from kvtier.server.nixl import NixlPlane
 from kvtier.server.shm import ShmRefused
-from kvtier.server.transfer import Placement, Received, Reply, let_go, take_data
+from kvtier.server.transfer import (
+    Placement,
+    Received,
+    Reply,
+    Session,
+    carries_blobs,
+    let_go,
+    take_data,
+)
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.node_protocol import Frame, Op, ProtocolError
-from kvtier.storage.node_shm import Segment
 
 logger = logging.getLogger(__name__)
 
 FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame may take to arrive
-
-
-@dataclass(slots=True)
-class Session:
-    """One authenticated connection: its namespace and its shared-memory segment."""
-
-    namespace: str
-    segment: Segment | None = None
-    peer: bool = False  # another server: never passed on to this server's peers
 
 
 class KVTierServer:
@@ -203,6 +200,8 @@ class KVTierServer:
                     continue
                 await self._answer(sock, frame, session, blobs)
         finally:
+            if session is not None:
+                session.end(self.leases)
             if session is not None and session.segment is not None:
                 session.segment.close()
                 self.shm_clients -= 1
@@ -250,7 +249,7 @@ class KVTierServer:
         """Where an inline PUT's blobs go as they arrive: a memory-tier buffer each (a
         scratch one where memory has no room), or None for any other frame, or one
         whose fields are wrong (its handler answers the error)."""
-        if session is None or frame.op != Op.PUT or "shm" in frame.header or not payload_len:
+        if session is None or not carries_blobs(frame, payload_len):
             return None
         try:
             names = protocol.names_of(frame.header)
@@ -297,7 +296,8 @@ class KVTierServer:
         session.segment = segment
         self.shm_clients += 1
         self.stats.inc("shm_attached")
-        return {"shm": True}
+        arena = self.cache.arena if self.leases is not None else None
+        return {"shm": True} if arena is None else {"shm": True, "pool": arena.offer()}
 
     async def _answer(
         self, sock: socket.socket, frame: Frame, session: Session, blobs: list[Received] | None
@@ -372,9 +372,11 @@ class KVTierServer:
         region = None
         if "shm" in frame.header:
             region = shm.region_of(frame.header["shm"], session.segment)
-        place = Placement(session.segment, region, self.max_frame_bytes)
-        # blobs in memory are sent from the tier's own buffers, held until sent; the rest
-        # (disk, peers, remote) are read into bytes of their own
+        lend = frame.header.get("pool") is True and session.segment is not None
+        arena = self.cache.arena if lend and self.leases is not None else None
+        place = Placement(session.segment, region, self.max_frame_bytes, arena)
+        # blobs in memory are lent where they lie or sent from their own buffers, held
+        # until sent; the rest (disk, peers, remote) are read into bytes of their own
         held = self.cache.hold_many(session.namespace, names)
         missing = [name for name, obj in zip(names, held, strict=True) if obj is None]
         fetched = iter(
@@ -392,10 +394,18 @@ class KVTierServer:
         header: dict[str, Any] = {"sizes": sizes}
         if region is not None:
             header["shm"] = [offset for _, offset in found]
+        if arena is not None and self.leases is not None:
+            self.leases.expire()  # one past its time (a client stuck mid-copy) lets go here
+            header["pool"], header["lease"] = place.lent_at, 0
+            if place.lent:
+                header["lease"] = self.leases.grant(place.lent)
+                session.leases.add(header["lease"])
         return Reply(header, place.parts, place.held)
 
     def _put(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
+        if "pool" in frame.header:
+            return self._put_in_place(frame, session, names)
         if "shm" in frame.header:
             sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
             if frame.payload:
@@ -416,6 +426,21 @@ class KVTierServer:
                 session.namespace, names, protocol.split_payload(frame.payload, sizes)
             )
         return self._stored(len(names), stored)
+
+    def _put_in_place(self, frame: Frame, session: Session, names: list[str]) -> Reply:
+        """A same-host client's PUT into the shared memory tier (``Session.reserve``: the
+        client writes its blobs there itself, then ``Session.commit`` stores them)."""
+        sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
+        step = frame.header["pool"]
+        if self.cache.arena is None or session.segment is None or frame.payload:
+            raise shm.ShmRefError("a PUT into memory needs shared memory and no payload")
+        if step == "reserve":
+            return Reply({"pool": session.reserve(self.cache, names, sizes)})
+        if step != "commit":
+            raise shm.ShmRefError(f"'pool' must be 'reserve' or 'commit', not {step!r}")
+        count, stored = session.commit(self.cache, names, sizes)
+        self.stats.inc("bytes_shm_in", sum(sizes))
+        return self._stored(count, stored)
 
     def _put_received(self, frame: Frame, session: Session, blobs: list[Received]):
         """A PUT whose blobs arrived in memory-tier buffers (``_receivers``): kept as they
@@ -483,6 +508,7 @@ class KVTierServer:
         lease = frame.header.get("lease")
         if type(lease) is not int or self.leases is None:
             raise ProtocolError("'lease' must be an integer")
+        session.leases.discard(lease)
         return Reply({"held": self.leases.release(lease)})
 
     def _stats(self, frame: Frame, session: Session):

@@ -1,20 +1,32 @@
 """The server's side of the same-host path (the segment and the client's side:
-``kvtier.storage.node_shm``): a HELLO's offer checked, the client's segment mapped, and
-the references that PUT and GET frames make into it checked.
+``kvtier.storage.node_shm``): a HELLO's offer checked, the client's segment mapped, the
+references that PUT and GET frames make into it checked, and the memory tier kept in a
+memfd (``SharedArena``) that such clients map.
 
 NOTE: nothing in a segment is trusted: the server copies a PUT's bytes out before
 storing them (a blob is a wire-format object whose checksum its reader verifies), and
-every reference is checked against the segment's bounds before it is used.
+every reference is checked against the segment's bounds before it is used. Nor is the
+memory tier, once clients map it: they write their PUTs' blobs into it themselves, and a
+client reading it copies a blob out and verifies the copy, so a blob changed under it (a
+lease that expired, another client's stray write) is a miss, never wrong bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import mmap
 import os
+import secrets
 import stat
 
+import torch
+
+from kvtier.machine import check_host_memory
+from kvtier.memory import MemoryObj
 from kvtier.storage.node_protocol import ProtocolError
 from kvtier.storage.node_shm import (
+    ARENA_PATTERN,
     MIN_SEGMENT_BYTES,
     NAME_PATTERN,
     NONCE_BYTES,
@@ -23,6 +35,8 @@ from kvtier.storage.node_shm import (
     ShmOffer,
     unlink,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def offer_of(value: object) -> ShmOffer:
@@ -125,3 +139,67 @@ def region_of(value: object, segment: Segment | None) -> tuple[int, int]:
     ):
         raise ShmRefError(f"shm region out of range: {value!r} (segment of {segment.size} bytes)")
     return value[0], value[1]
+
+
+# -- the memory tier, shared -------------------------------------------------------------
+
+
+def open_arena(size: int) -> SharedArena | None:
+    """A ``SharedArena`` of ``size`` bytes, or None (logged) where this system has no
+    memfd: the memory tier then stays private and clients use their segments.
+
+    Raises:
+        PoolTooLarge: ``size`` is more than the machine's available memory.
+    """
+    if not hasattr(os, "memfd_create"):
+        logger.info("kvtier server: no memfd here; same-host clients copy through segments")
+        return None
+    try:
+        return SharedArena(size)
+    except OSError as exc:
+        logger.warning("kvtier server: cannot share the memory tier (%s); segments only", exc)
+        return None
+
+
+class SharedArena:
+    """Memory for the server's memory tier in a memfd, which a same-host client (one whose
+    segment the server mapped) opens through ``/proc/<pid>/fd/<fd>`` and maps.
+
+    The file has no name in any directory: it goes when the server exits and no client
+    maps it any more.
+
+    Raises:
+        PoolTooLarge: ``size`` is more than the machine's available memory.
+    """
+
+    def __init__(self, size: int):
+        check_host_memory(size)
+        self.name = f"kvtier-pool-{secrets.token_hex(16)}"
+        assert ARENA_PATTERN.fullmatch(self.name)
+        self.size = size
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size)
+            self._mm = mmap.mmap(self._fd, size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._base = self.tensor.data_ptr()
+
+    def offer(self) -> dict:
+        """A HELLO reply's ``pool``: where a client on this host finds the file."""
+        return {"pid": os.getpid(), "fd": self._fd, "name": self.name, "size": self.size}
+
+    def offset_of(self, obj: MemoryObj) -> int:
+        """Where ``obj``'s bytes start in the file."""
+        return obj.tensor.data_ptr() - self._base
+
+    def close(self) -> None:
+        """Unmap and close (once the pool carved from ``tensor`` is closed)."""
+        self.tensor = None
+        with contextlib.suppress(BufferError, ValueError):
+            self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = -1

@@ -75,12 +75,21 @@ class BlobStore(Protocol):
 @runtime_checkable
 class ReadingStore(Protocol):
     """A store that can hand each blob to a callback while the blob is still in its own
-    buffer (a reply, a shared segment), saving the copy ``get_many`` makes; the remote
-    tier then decodes chunks straight from there."""
+    buffer (a reply, a shared segment, the server's memory), saving the copy ``get_many``
+    makes; the remote tier then decodes chunks straight from there.
 
-    def read_many(self, names: Sequence[str], consume: Callable[[memoryview], T]) -> list[T | None]:
-        """``consume(view)`` of each blob present (None where absent); the view is valid
-        only during the call."""
+    ``read_batch``: how many blobs one call should carry. 1 where a read waits on the
+    network (the tier makes one call per blob, in parallel); more where a read is a copy
+    out of memory, which parallel calls would not make faster than their overhead.
+    """
+
+    read_batch: int
+
+    def read_each(
+        self, names: Sequence[str], consume: Callable[[int, memoryview], T]
+    ) -> list[T | None]:
+        """``consume(i, view)`` of each blob ``names[i]`` present (None where absent); the
+        view is valid only during the call."""
         ...
 
 

@@ -51,6 +51,7 @@ class LocalCPUTier:
         pin_memory: pin the pool (None: when a GPU is present).
         stats: where evictions and allocation failures are counted.
         events: where changes of its contents are recorded (None: not recorded).
+        memory: what to carve the pool from (``HostMemoryPool``'s ``memory``).
     """
 
     name = "cpu"
@@ -64,8 +65,11 @@ class LocalCPUTier:
         pin_memory: bool | None = None,
         stats: Stats | None = None,
         events: TierEventLog | None = None,
+        memory: torch.Tensor | None = None,
     ):
-        self.pool = HostMemoryPool(capacity_bytes, alignment=alignment, pin_memory=pin_memory)
+        self.pool = HostMemoryPool(
+            capacity_bytes, alignment=alignment, pin_memory=pin_memory, memory=memory
+        )
         self.policy = make_policy(policy)
         self.stats = stats or Stats()
         self.events = events

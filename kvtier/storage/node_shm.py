@@ -23,8 +23,23 @@ client created, so a server on another host (whose ``/dev/shm`` has no such file
 unrelated one) refuses and the client falls back to TCP. Only the short window between
 the client's create and the HELLO reply can leave a name behind (a client killed there).
 
+A client whose segment the server mapped may also reach the server's memory tier itself:
+the HELLO reply's ``pool`` names the memory file (a memfd) that the tier's pool lives in,
+by the server's pid and descriptor. The client opens it through ``/proc``, checks that it
+is the named memfd of the offered size, and maps it (``attach_arena``). A GET then names
+where each blob lies in it, under a lease, and the client copies the blob straight into
+its own buffer (verified there); a PUT asks for buffers there, writes its blobs into them
+and commits them. Each makes one copy instead of two. Where the file cannot be opened
+(another pid namespace, another user) the connection goes on with its segment.
+
+NOTE: every such client can write the whole memory tier, not only its own blobs, so a
+bug in one engine can damage another's. Every reader verifies every blob
+it reads (``kvtier.storage.wire``), so such damage is a miss, never wrong KV; the blobs
+were never trusted (docs/reliability.md), the mapping only widens who could spoil them.
+
 This module is the segment itself and the client's side; the server's side (checking
-an offer, mapping it, checking references) is ``kvtier.server.shm``.
+an offer, mapping it, checking references, the shared memory tier) is
+``kvtier.server.shm``.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 from dataclasses import dataclass
 
 from kvtier.storage.node_protocol import ProtocolError
@@ -44,6 +60,7 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvtier-"
 NAME_PATTERN = re.compile(r"kvtier-[0-9]{1,10}-[0-9a-f]{32}")
+ARENA_PATTERN = re.compile(r"kvtier-pool-[0-9a-f]{32}")
 NONCE_BYTES = 16
 MIN_SEGMENT_BYTES = 1 << 16
 DEFAULT_SEGMENT_BYTES = 64 << 20  # the client's default (``?shm_mb=``)
@@ -122,6 +139,73 @@ def unlink(name: str) -> None:
     """Remove the segment's name from ``/dev/shm`` (absent already: nothing to do)."""
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(SHM_DIR, name))
+
+
+def attach_arena(offer: object) -> Segment | None:
+    """Map the server's memory tier from a HELLO reply's ``pool`` offer (``{pid, fd,
+    name, size}``); None when the offer is malformed or the file is not the named memfd
+    of that size (another host or pid namespace, another user)."""
+    if not isinstance(offer, dict):
+        return None
+    pid, fd, name, size = (offer.get(k) for k in ("pid", "fd", "name", "size"))
+    if not (
+        all(type(v) is int and v >= 0 for v in (pid, fd, size))
+        and isinstance(name, str)
+        and ARENA_PATTERN.fullmatch(name)
+    ):
+        return None
+    try:
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # checked on the descriptor opened, so a file swapped in meanwhile cannot pass
+        if os.readlink(f"/proc/self/fd/{own}") != f"/memfd:{name} (deleted)":
+            return None
+        if os.fstat(own).st_size != size or size == 0:
+            return None
+        return Segment(name, mmap.mmap(own, size))
+    except OSError:
+        return None
+    finally:
+        os.close(own)
+
+
+class Arenas:
+    """The servers' memory tiers a client maps (``attach_arena``): one mapping per file,
+    however many connections use it, unmapped when the last lets go (a restarted
+    server's old file is freed then). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, list] = {}  # name -> [Segment, connections using it]
+        self._lock = threading.Lock()
+
+    def acquire(self, offer: object) -> Segment | None:
+        """The mapping of the file a HELLO reply's ``pool`` offers, or None."""
+        name = offer.get("name") if isinstance(offer, dict) else None
+        with self._lock:
+            entry = self._maps.get(name) if isinstance(name, str) else None
+            if entry is not None:
+                entry[1] += 1
+                return entry[0]
+        arena = attach_arena(offer)
+        if arena is None:
+            return None
+        with self._lock:
+            entry = self._maps.setdefault(arena.name, [arena, 0])
+            entry[1] += 1
+        if entry[0] is not arena:  # another connection mapped it meanwhile
+            arena.close()
+        return entry[0]
+
+    def release(self, arena: Segment) -> None:
+        with self._lock:
+            entry = self._maps[arena.name]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._maps[arena.name]
+        arena.close()
 
 
 def placed_of(value: object, sizes: list[int], region: tuple[int, int]) -> list[int]:

@@ -13,7 +13,9 @@ Same host: each connection offers the server a shared-memory segment of its own 
 HELLO (``kvtier.storage.node_shm``). When the server maps it, PUT and GET frames on that
 connection carry ``(offset, size)`` references into the segment and the blobs never
 cross the socket; when it does not (another host, ``kvtier serve --no-shm``, no
-``/dev/shm``), the connection carries them inline, as before. ``?shm=0`` in the URL turns
+``/dev/shm``), the connection carries them inline, as before. Such a connection also maps
+the server's memory tier where offered (``node_shm``): PUTs write their blobs into
+buffers set aside there, GETs copy them straight out; one copy each instead of two. ``?shm=0`` in the URL turns
 the offer off; ``?shm_mb=N`` sizes the segment (default 64 MiB; a blob larger than that
 goes inline).
 
@@ -39,7 +41,7 @@ from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
 from kvtier.storage.files import advance, byte_views
 from kvtier.storage.node_protocol import Op, ProtocolError
-from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Segment, shm_available
+from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Arenas, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.warn import warn_once
 
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
 REUSED_BYTES = DEFAULT_SEGMENT_BYTES  # a connection's reply buffer, kept between replies
+READ_BATCH = 8  # blobs per read while reading the server's memory (``read_batch``)
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -105,12 +108,15 @@ def parse_server_url(url: str) -> tuple[str, int]:
 
 class _Connection:
     """One TCP connection that has said HELLO, with its shared-memory segment when the
-    server mapped one."""
+    server mapped one, and the server's memory tier when it offered it (``arenas``)."""
 
-    def __init__(self, sock: socket.socket, max_frame: int):
+    def __init__(self, sock: socket.socket, max_frame: int, arenas: Arenas):
         self.sock = sock
         self.max_frame = max_frame
         self.segment: Segment | None = None
+        self.arena: Segment | None = None
+        self.owed: list[int] = []  # requests sent whose replies are still to be read
+        self._arenas = arenas
         self._inbox = bytearray()  # reply payloads, reused (see ``receive``)
 
     def send(self, parts: Sequence[Buffer]) -> None:
@@ -139,6 +145,9 @@ class _Connection:
             self.sock.close()
         if self.segment is not None:
             self.segment.close()
+        if self.arena is not None:
+            self._arenas.release(self.arena)
+            self.arena = None
 
 
 class KVTierStore:
@@ -186,14 +195,16 @@ class KVTierStore:
         self._shm = shm and shm_available()
         self._shm_bytes = shm_bytes
         self._peer = peer
+        self._arenas = Arenas()
         self.shm_active = False  # whether the latest connection got a segment
+        self._in_place = False  # whether it maps the server's memory tier
 
     # -- connections -------------------------------------------------------------------
 
     def _connect(self) -> _Connection:
         sock = socket.create_connection((self.host, self.port), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES)
+        conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES, self._arenas)
         hello: dict[str, Any] = {"token": self._token, "namespace": self.namespace}
         if self._peer:
             hello["peer"] = True
@@ -211,7 +222,10 @@ class KVTierStore:
                 logger.debug("kvtier server %s: TCP only (%s)", self.url, reply.get("shm_error"))
                 conn.segment.close()
                 conn.segment = None
+            elif conn.segment is not None and "pool" in reply:
+                conn.arena = self._arenas.acquire(reply["pool"])
             self.shm_active = conn.segment is not None
+            self._in_place = conn.arena is not None
         except BaseException:
             conn.close()
             raise
@@ -284,9 +298,25 @@ class KVTierStore:
         self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
     ) -> tuple[dict[str, Any], int]:
         """Send a request and read its reply's header: that and the length of the payload
-        that follows it on the connection (for the caller to read)."""
+        that follows it on the connection (for the caller to read). The replies still
+        owed to requests sent without waiting (``_tell``) are read first."""
         request_id = next(self._ids)
         conn.send(protocol.encode(op, request_id, header, parts))
+        owed, conn.owed = conn.owed, []
+        for earlier in owed:
+            conn.receive(self._reply(conn, earlier)[1])
+        return self._reply(conn, request_id)
+
+    def _tell(self, conn: _Connection, op: Op, header: dict[str, Any]) -> None:
+        """Send a request without waiting for its reply: the server answers in order, so
+        the next request on the connection reads it (``_ask``)."""
+        request_id = next(self._ids)
+        conn.send(protocol.encode(op, request_id, header, ()))
+        conn.owed.append(request_id)
+
+    def _reply(self, conn: _Connection, request_id: int) -> tuple[dict[str, Any], int]:
+        """The header of the reply to ``request_id``, next on the connection, and the
+        length of its payload."""
         prefix = protocol.decode_prefix(_recv(conn.sock, protocol.PREFIX_SIZE), conn.max_frame)
         reply = protocol.decode_header(_recv(conn.sock, prefix.header_len))
         if "error" in reply:
@@ -312,71 +342,122 @@ class KVTierStore:
 
     def _frame_limit(self) -> int:
         """The most bytes one PUT frame carries: the server's frame limit, and the segment
-        when the last connection got one (a larger blob goes inline on its own)."""
+        when the last connection got one but not the server's memory (a larger blob goes
+        inline on its own)."""
         with self._lock:
             limit = self._idle[0].max_frame if self._idle else protocol.DEFAULT_MAX_FRAME_BYTES
-        return min(limit, self._shm_bytes) if self.shm_active else limit
+        return min(limit, self._shm_bytes) if self.shm_active and not self._in_place else limit
 
     def _put_batch(self, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
-        names = [name for name, _ in batch]
-        sizes = [_blob_bytes(parts) for _, parts in batch]
-        parts = [p for _, blob in batch for p in blob if len(p)]
-
         def put(conn: _Connection) -> None:
-            segment = conn.segment
-            if segment is None or sum(sizes) > segment.size:
-                self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes}, parts)
-                return
-            offsets, end = [], 0
-            for _, blob in batch:
-                offsets.append(end)
-                end = segment.write(end, blob)
-            header = {"names": names, "sizes": sizes, "shm": offsets}
-            self._exchange(conn, Op.PUT, header, ())
+            rest = self._put_in_place(conn, conn.arena, batch) if conn.arena else batch
+            if rest:
+                self._put_sent(conn, rest)
 
         self._on_connection(Op.PUT, put)
+
+    def _put_in_place(
+        self, conn: _Connection, arena: Segment, batch: list[tuple[str, Sequence[Buffer]]]
+    ) -> list[tuple[str, Sequence[Buffer]]]:
+        """Write the blobs into buffers the server sets aside in its memory tier, then
+        commit them; returns those it had no room for."""
+        sizes = [_blob_bytes(parts) for _, parts in batch]
+        header = {"names": [name for name, _ in batch], "sizes": sizes, "pool": "reserve"}
+        reply, _ = self._exchange(conn, Op.PUT, header, ())
+        offsets = shm.placed_of(reply.get("pool"), sizes, (0, arena.size))
+        for (_, parts), offset in zip(batch, offsets, strict=True):
+            if offset >= 0:
+                arena.write(offset, parts)
+        self._exchange(conn, Op.PUT, {**header, "pool": "commit"}, ())
+        return [item for item, offset in zip(batch, offsets, strict=True) if offset < 0]
+
+    def _put_sent(self, conn: _Connection, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
+        """The blobs through the connection's segment when they fit there, else inline."""
+        names = [name for name, _ in batch]
+        sizes = [_blob_bytes(parts) for _, parts in batch]
+        segment = conn.segment
+        if segment is None or sum(sizes) > segment.size:
+            parts = [p for _, blob in batch for p in blob if len(p)]
+            self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes}, parts)
+            return
+        offsets, end = [], 0
+        for _, blob in batch:
+            offsets.append(end)
+            end = segment.write(end, blob)
+        self._exchange(conn, Op.PUT, {"names": names, "sizes": sizes, "shm": offsets}, ())
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         return self.read_many(names, bytes)
 
     def read_many(self, names: Sequence[str], consume: Callable[[memoryview], T]) -> list[T | None]:
         """``consume(view of the blob)`` for each name present (None where absent): the
-        view is of the reply (or of the shared segment), valid only during the call, so
-        a caller that decodes it saves the copy ``get_many`` makes.
+        view is of the reply (or of the shared segment, or of the server's memory),
+        valid only during the call, so a caller that decodes it saves the copy
+        ``get_many`` makes.
 
         Raises:
             StoreUnavailable: as every call; an exception from ``consume`` propagates.
         """
+        return self.read_each(names, lambda _, blob: consume(blob))
+
+    def read_each(
+        self, names: Sequence[str], consume: Callable[[int, memoryview], T]
+    ) -> list[T | None]:
+        """``read_many`` with each blob's index in ``names`` (``consume(i, view)``)."""
         if not names:
             return []
         return self._on_connection(Op.GET, lambda conn: self._read(conn, list(names), consume))
 
-    def _read(self, conn: _Connection, names: list[str], consume: Callable[[memoryview], T]):
+    @property
+    def read_batch(self) -> int:
+        """Blobs per ``read_each`` (``ReadingStore``): ``READ_BATCH`` while connections
+        copy blobs out of the server's memory (a read waits on no network), else 1."""
+        return READ_BATCH if self._in_place else 1
+
+    def _read(
+        self, conn: _Connection, names: list[str], consume: Callable[[int, memoryview], T]
+    ) -> list[T | None]:
         header: dict[str, Any] = {"names": names}
-        segment = conn.segment
+        segment, arena = conn.segment, conn.arena
         if segment is not None:
             header["shm"] = [0, segment.size]
+        if arena is not None:
+            header["pool"] = True
         reply, payload_len = self._ask(conn, Op.GET, header, ())
         sizes = protocol.sizes_of(reply, len(names), None, absent_ok=True)
-        offsets = [-1] * len(names)
+        offsets = lent = [-1] * len(names)
         if segment is not None:
             offsets = shm.placed_of(reply.get("shm"), sizes, (0, segment.size))
-        inline = [size if offset < 0 else -1 for size, offset in zip(sizes, offsets, strict=True)]
+        if arena is not None and "pool" in reply:
+            lent = shm.placed_of(reply["pool"], sizes, (0, arena.size))
+        inline = [
+            s if o < 0 and p < 0 else -1 for s, o, p in zip(sizes, offsets, lent, strict=True)
+        ]
         if sum(s for s in inline if s > 0) != payload_len:
             raise ProtocolError(f"GET: the reply's sizes do not add up to {payload_len} bytes")
+        if any(o >= 0 and p >= 0 for o, p in zip(offsets, lent, strict=True)):
+            raise ProtocolError("GET: a blob placed in both the segment and the memory tier")
         out: list[T | None] = []
         with contextlib.ExitStack() as views:
             whole = views.enter_context(memoryview(segment.mm)) if segment else None
-            for size, offset in zip(sizes, offsets, strict=True):
+            tier = views.enter_context(memoryview(arena.mm)) if arena else None
+            for i, (size, offset, at) in enumerate(zip(sizes, offsets, lent, strict=True)):
                 if size < 0:
                     out.append(None)
                     continue
-                if offset >= 0:
+                if at >= 0:  # copied out of the server's memory and verified by ``consume``
+                    assert tier is not None
+                    blob = views.enter_context(tier[at : at + size])
+                elif offset >= 0:
                     assert whole is not None
                     blob = views.enter_context(whole[offset : offset + size])
                 else:  # the payload's blobs one at a time, each consumed before the next
                     blob = conn.receive(size)
-                out.append(consume(blob))
+                out.append(consume(i, blob))
+        lease = reply.get("lease")
+        if type(lease) is int and lease > 0:
+            # what was read is verified already: an expired lease ("held": false) is moot
+            self._tell(conn, Op.RELEASE, {"lease": lease})
         return out
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
@@ -413,7 +494,7 @@ class KVTierStore:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._drop_idle()
+        self._drop_idle()  # a connection still in use unmaps the memory tier as it closes
 
     def __repr__(self) -> str:
         return f"KVTierStore({self.url!r}, namespace={self.namespace!r})"

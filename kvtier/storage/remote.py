@@ -203,26 +203,30 @@ class RemoteTier:
         return list(present)
 
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
-        """The chunks, fetched in parallel: one request per chunk, ``concurrency`` at a
-        time, each wave of requests allowed ``timeout_s``."""
+        """The chunks, fetched in parallel: one request per chunk (per ``read_batch``
+        chunks, for a store that reads from memory), ``concurrency`` at a time, each wave
+        of requests allowed ``timeout_s``."""
         if not self.is_up:
             self._count(TierCounter.GET_MISSES, len(keys))
             return [None] * len(keys)
         started = time.perf_counter()
         if isinstance(self.store, ReadingStore):
             # decoded on the I/O threads, straight from the store's buffer
-            futures = [self._io.submit(self._read_one, k, allocate) for k in keys]
+            size = max(self.store.read_batch, 1)
+            groups = [list(keys[i : i + size]) for i in range(0, len(keys), size)]
+            futures = [self._io.submit(self._read_group, g, allocate) for g in groups]
         else:
+            groups = [[k] for k in keys]
             futures = [self._io.submit(self.store.get_many, [k.to_string()]) for k in keys]
-        waves = -(-len(keys) // self._concurrency)
+        waves = -(-len(futures) // self._concurrency)
         deadline = time.monotonic() + self.timeout_s * waves
         out: list[MemoryObj | None] = []
-        for key, future in zip(keys, futures, strict=True):
-            found = self._result(future, deadline)
-            if found is None or isinstance(found, MemoryObj):
-                out.append(found)
-            else:
-                out.append(self._decode(key, found, allocate))
+        for group, future in zip(groups, futures, strict=True):
+            for key, found in zip(group, self._results(future, deadline, len(group)), strict=True):
+                if found is None or isinstance(found, MemoryObj):
+                    out.append(found)
+                else:
+                    out.append(self._decode(key, found, allocate))
         hits = [obj for obj in out if obj is not None]
         self._count(TierCounter.GET_HITS, len(hits))
         self._count(TierCounter.GET_MISSES, len(out) - len(hits))
@@ -232,18 +236,21 @@ class RemoteTier:
         self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
         return out
 
-    def _read_one(self, key: CacheKey, allocate: Allocate) -> list[MemoryObj | None]:
+    def _read_group(self, keys: list[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
         assert isinstance(self.store, ReadingStore)
-        return self.store.read_many(
-            [key.to_string()], lambda blob: self._decode(key, blob, allocate)
+        return self.store.read_each(
+            [key.to_string() for key in keys],
+            lambda i, blob: self._decode(keys[i], blob, allocate),
         )
 
-    def _result(self, future: Future, deadline: float) -> bytes | MemoryObj | None:
+    def _results(self, future: Future, deadline: float, count: int) -> list:
+        """What ``future`` found for its ``count`` keys (None each where the tier is down
+        or the wait timed out: the future frees what it decodes late)."""
         try:
-            return self._wait(future, max(deadline - time.monotonic(), 0.0), "a get")[0]
+            return self._wait(future, max(deadline - time.monotonic(), 0.0), "a get")
         except _Down:
             future.add_done_callback(_release_late)
-            return None
+            return [None] * count
 
     def _decode(self, key: CacheKey, blob: Buffer, allocate: Allocate) -> MemoryObj | None:
         name = key.to_string()

@@ -74,14 +74,19 @@ class NaiveSerde:
         return [tensor_bytes(tensor)], {}
 
     def decode(self, payload: memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
-        target = tensor_bytes(out)
+        self.check(payload, params, out)
+        tensor_bytes(out)[:] = payload
+
+    @staticmethod
+    def check(payload: memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
+        """Raise ``CorruptObject`` unless ``payload`` can be decoded into ``out``: no
+        parameters, and as many bytes as ``out`` holds."""
         if params:
             raise CorruptObject(f"naive codec takes no parameters, header has {sorted(params)}")
-        if len(payload) != len(target):
+        if len(payload) != out.nbytes:
             raise CorruptObject(
-                f"naive payload is {len(payload)} bytes, the header's shape needs {len(target)}"
+                f"naive payload is {len(payload)} bytes, the header's shape needs {out.nbytes}"
             )
-        target[:] = payload
 
 
 class CachegenSerde:
