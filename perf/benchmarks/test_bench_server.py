@@ -11,7 +11,7 @@ into pool buffers:
 - server put = queue 8 chunks + wait until the server holds them (emptied before each
   round); server get = one batched get of the 8 chunks into pool buffers;
 - baselines, measured in the same run: the in-process CPU tier (``LocalCPUTier``: put =
-  allocate + copy in + index, get = look up + copy out into a buffer), raw redis-py
+  allocate + copy in + index, get = look up + copy out into a buffer per chunk), raw redis-py
   pipelined SET / GET of the same payloads to a local ``redis-server``, and (for TCP) a
   raw loopback socket moving the same bytes to and from another process, which
   ``recv_into`` a buffer it keeps (put = send the 8 chunks + a one-byte answer; get = one
@@ -121,7 +121,9 @@ def _median_gbps(fn, setup=None) -> float:
 def cpu_tier_gbps(chunks) -> dict[str, float]:
     """The in-process CPU tier's put and get GB/s of the same chunks."""
     tier = LocalCPUTier(CHUNKS * NBYTES + 2**20, "LRU")
-    out = torch.empty(SHAPE, dtype=DTYPE)
+    # a buffer of its own for each chunk, as the server's get fills the pool's (one
+    # reused 32 MiB buffer stays partly in a 32 MiB L3 and flatters the copy)
+    outs = [torch.empty(SHAPE, dtype=DTYPE) for _ in KEYS]
 
     def put():
         for key, chunk in zip(KEYS, chunks, strict=True):
@@ -131,7 +133,7 @@ def cpu_tier_gbps(chunks) -> dict[str, float]:
             obj.ref_down()
 
     def get():
-        for key in KEYS:
+        for key, out in zip(KEYS, outs, strict=True):
             got = tier.get(key)
             out.copy_(got.tensor)
             got.ref_down()
