@@ -564,7 +564,8 @@ def _call_name(row: Row) -> str:
     """The benchmark's parameters (``gather-device``), else its name."""
     name = str(row.fields.get("benchmark", row.metric))
     match = re.search(r"\[(.+)\]$", name)
-    return match.group(1) if match else name.removeprefix("test_")
+    call = match.group(1) if match else name.removeprefix("test_")
+    return f"{call}, up to its first copy" if row.metric == "host_us_before_first_copy" else call
 
 
 def _num_or_none(value: object) -> float | None:

@@ -40,7 +40,7 @@ SECTION_OF: list[tuple[str, Callable[[Row], bool]]] = [
     ("compression", _is_compression),
     ("blend", lambda r: r.metric.startswith("blend")),
     ("hashing", _is_hashing),
-    ("launch", lambda r: r.metric.startswith(("host_us_per_", "wall_us_per_"))),
+    ("launch", lambda r: r.metric.startswith(("host_us_per_", "wall_us_per_", "host_us_before_"))),
     ("lookups", lambda r: r.unit == "lookups/s"),
     ("throughput", lambda r: r.unit == "GB/s"),
 ]
