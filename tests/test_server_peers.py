@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 from support.kvtier_server import KVTierServerProcess
-from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
+from support.tiers import check_served as served
+from support.tiers import key, make_pool, remote_manager, store_chunks, wait_until
 
 from kvtier.server.nixl import NixlUnavailable, import_nixl
 
@@ -80,15 +81,8 @@ def lookup(server: KVTierServerProcess, hashes: list[str], query: str = "") -> i
         return json.load(reply)["cached_chunks"]
 
 
-def check_served(reader_url: str, objs: dict, pool) -> None:
-    reader = remote_manager(reader_url, remote_timeout_ms=READER_TIMEOUT_MS)
-    keys = [key(i) for i in objs]
-    try:
-        assert reader.lookup_prefix(keys) == len(keys)
-        got = reader.get_many(keys)
-        assert all(same_bytes(g, objs[i]) for g, i in zip(got, objs, strict=True))
-    finally:
-        reader.close()
+def check_served(reader_url: str, objs: dict) -> None:
+    served(reader_url, objs, remote_timeout_ms=READER_TIMEOUT_MS)
 
 
 def check_misses_in_time(reader_url: str, seeds, budget_s: float) -> None:
@@ -110,13 +104,13 @@ def test_b_serves_what_only_a_holds_and_keeps_it(transport, pool):
         writer = remote_manager(a.url)
         objs = store_chunks(writer, pool, range(6))
         writer.close()
-        check_served(b.url, objs, pool)
+        check_served(b.url, objs)
         values = stats(b)
         assert values["peer_hits"] == 6 and values.get("peer_corrupt", 0) == 0
         assert values[f"peer_bytes_{transport}"] > 6 * 8192
         assert values['peer_up{peer="' + a.url + '"}'] == 1
         pulls = values["peer_pulls"]
-        check_served(b.url, objs, pool)  # from b's own memory now
+        check_served(b.url, objs)  # from b's own memory now
         assert stats(b)["peer_pulls"] == pulls
         assert health(b)["tiers"]["peers"][a.url]["transport"] == transport
         assert (stats(a).get("requests_lease", 0) > 0) == (transport == "nixl")
@@ -130,8 +124,8 @@ def test_without_peer_cache_every_load_pulls_and_lookup_counts_peers_on_request(
             assert writer.put(key(i, rank=1), objs[i])
         assert writer.flush(30)
         writer.close()
-        check_served(b.url, objs, pool)
-        check_served(b.url, objs, pool)
+        check_served(b.url, objs)
+        check_served(b.url, objs)
         assert stats(b)["peer_hits"] == 4, "pulled twice: nothing kept"
         reader = remote_manager(b.url)
         assert all(reader.get_many([key(1, rank=1), key(2, rank=1)]))
@@ -148,7 +142,7 @@ def test_three_servers_find_a_chunk_on_whichever_peer_holds_it(pool):
             writer = remote_manager(holder.url)
             objs |= store_chunks(writer, pool, seeds)
             writer.close()
-        check_served(b.url, objs, pool)
+        check_served(b.url, objs)
         assert stats(b)["peer_hits"] == 2
 
 
@@ -167,7 +161,7 @@ def test_a_killed_peer_is_a_miss_and_its_restart_is_found_again(tmp_path, transp
         assert stats(b)["peers_up"] == 0
         a.start()  # the same port, a new process (a new NIXL agent); its disk kept
         wait_until(lambda: stats(b)["peers_up"] == 1)
-        check_served(b.url, objs, pool)
+        check_served(b.url, objs)
         assert b.process.poll() is None
 
 

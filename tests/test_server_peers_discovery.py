@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from support.kvtier_server import KVTierServerProcess
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
-from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
+from support.tiers import check_served, make_pool, remote_manager, store_chunks, wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)]
 
@@ -55,17 +55,6 @@ def get(server: KVTierServerProcess, path: str) -> dict:
         return json.load(reply)
 
 
-def check_served(reader_url: str, objs: dict) -> None:
-    reader = remote_manager(reader_url, remote_timeout_ms=3000, server_token=TOKEN)
-    keys = [key(i) for i in objs]
-    try:
-        assert reader.lookup_prefix(keys) == len(keys)
-        got = reader.get_many(keys)
-        assert all(same_bytes(g, objs[i]) for g, i in zip(got, objs, strict=True))
-    finally:
-        reader.close()
-
-
 def peer_urls(server: KVTierServerProcess) -> set[str]:
     return set(get(server, "/health")["tiers"]["peers"])
 
@@ -83,7 +72,7 @@ def test_servers_registered_in_redis_pull_from_each_other_and_leave_when_stopped
             writer = remote_manager(a.url, server_token=TOKEN)
             objs = store_chunks(writer, pool, range(6))
             writer.close()
-            check_served(b.url, objs)
+            check_served(b.url, objs, remote_timeout_ms=3000, server_token=TOKEN)
             values = get(b, "/stats")
             assert values["peer_hits"] == 6 and values["peers_discovered"] == 2
             assert values['peer_up{peer="' + a.url + '"}'] == 1

@@ -88,6 +88,19 @@ def store_chunks(manager: StorageManager, pool: HostMemoryPool, seeds) -> dict[i
     return objs
 
 
+def check_served(reader_url: str, objs: dict[int, MemoryObj], **settings) -> None:
+    """An engine's tiers on ``reader_url`` (``remote_manager(reader_url, **settings)``)
+    find every chunk of ``objs`` (as ``store_chunks`` returns them) and read its bytes."""
+    reader = remote_manager(reader_url, **settings)
+    keys = [key(i) for i in objs]
+    try:
+        assert reader.lookup_prefix(keys) == len(keys)
+        got = reader.get_many(keys)
+        assert all(same_bytes(g, objs[i]) for g, i in zip(got, objs, strict=True))
+    finally:
+        reader.close()
+
+
 def wait_until(predicate, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
