@@ -70,6 +70,16 @@ TARGET = 0.9
 BOTH_WAYS_TARGET = 1.6  # x one direction at a time (issue 30; the H200's bus gave 1.8x)
 REPEAT = 10
 CONFIGS = {"default config": {}, "verify_checksums: true": {"verify_checksums": True}}
+SHAPE_FIELDS = {  # what every row records of the benchmark's cache and prompt
+    "layout": LAYOUT,
+    "block_size": BLOCK_SIZE,
+    "layers": LAYERS,
+    "kv_heads": HEADS,
+    "head_size": HEAD_SIZE,
+    "tokens": TOKENS,
+    "chunks": CHUNKS,
+    "dtype": "bfloat16",
+}
 
 
 def _sync() -> None:
@@ -136,14 +146,7 @@ def _record(record, engine, op: str, seconds: float, copy_seconds: float, direct
         meets_target=value / copy_gbps >= TARGET,
         verify_checksums=engine.config.verify_checksums,
         kernel_backend=resolve_backend(engine.config.kernel_backend, engine.paged_io.paged.device),
-        layout=LAYOUT,
-        block_size=BLOCK_SIZE,
-        layers=LAYERS,
-        kv_heads=HEADS,
-        head_size=HEAD_SIZE,
-        tokens=TOKENS,
-        chunks=CHUNKS,
-        dtype="bfloat16",
+        **SHAPE_FIELDS,
         bytes=NBYTES,
         device=torch.cuda.get_device_name(0),
     )
@@ -281,14 +284,7 @@ def test_engine_store_and_retrieve_at_once(record, paged, slots):
         ratio_to_pinned_both_ways=value / copy_gbps,
         pinned_both_ways="pinned copy_(non_blocking=True), D2H and H2D on two streams at once",
         kernel_backend=resolve_backend(config.kernel_backend, paged.device),
-        layout=LAYOUT,
-        block_size=BLOCK_SIZE,
-        layers=LAYERS,
-        kv_heads=HEADS,
-        head_size=HEAD_SIZE,
-        tokens=TOKENS,
-        chunks=CHUNKS,
-        dtype="bfloat16",
+        **SHAPE_FIELDS,
         bytes=2 * NBYTES,
         device=torch.cuda.get_device_name(0),
     )
