@@ -310,7 +310,8 @@ def warm_numba(ops: Sequence[str], dtype: torch.dtype) -> list[str]:
                 head_size=64, dtype=dtype,
             )  # fmt: skip
             chunk = torch.zeros(paged.chunk_shape(16), dtype=dtype)
-            registry.get(op, "numba", cpu)(paged, torch.arange(16), chunk)
+            # slots across two blocks, not whole ones: a gather of whole blocks is torch's
+            registry.get(op, "numba", cpu)(paged, torch.arange(8, 24), chunk)
             if registry.pick(op, "auto", cpu) == "numba":
                 warmed.append(op)
     if "cachegen" in ops and registry.pick("rans_encode", "auto", cpu) == "numba":

@@ -232,7 +232,10 @@ def test_numba_kernels_are_warmed_for_every_argument_type(dtype) -> None:
     assert warm_numba(("cachegen", "rope_rerotate"), dtype) == ["cachegen", "rope_rerotate"]
     layouts = {sig[0].layout for sig in rope_numba.NUMBA_KERNEL.get().signatures}
     assert {"C", "A"} <= layouts  # a chunk's K plane and a strided view of one
+    from kvtier_kernels.paged.numba_rows import NUMBA_KERNELS
+
     assert warm_numba(("paged_gather", "paged_scatter"), dtype) == ["paged_gather", "paged_scatter"]
+    assert all(kernel.get().signatures for kernel in NUMBA_KERNELS.values())  # both compiled
     assert warm_numba(("flash_nhd",), dtype) == []  # not an op with numba kernels
 
 
