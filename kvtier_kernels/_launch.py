@@ -400,7 +400,8 @@ class NumbaKernel:
     ``numba.prange`` in that module's globals and wraps the function once in
     ``numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")``. The
     ``helpers`` it calls, plain functions of that module, are wrapped in ``numba.njit``
-    and rebound under their names there (once, by whichever kernel gets them first).
+    and rebound under their names there (once, by whichever kernel gets them first), and
+    what ``bindings()`` returns (names to numba objects, e.g. intrinsics) is bound there.
     numba compiles a kernel on its first call with new argument types (seconds) and keeps
     the machine code in its on-disk cache (``__pycache__`` beside the module, else
     ``NUMBA_CACHE_DIR`` or a per-user directory), from which later processes load it in
@@ -425,9 +426,16 @@ class NumbaKernel:
     """
 
     def __init__(
-        self, fn: Callable, helpers: Sequence[Callable] = (), *, op: str, parallel: bool = True
+        self,
+        fn: Callable,
+        helpers: Sequence[Callable] = (),
+        *,
+        op: str,
+        parallel: bool = True,
+        bindings: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.fn, self.helpers, self.op, self.parallel = fn, tuple(helpers), op, parallel
+        self.bindings = bindings
         self._compiled: Any = None
         self._lock = threading.Lock()
 
@@ -444,9 +452,14 @@ class NumbaKernel:
                         numba = import_numba()
                     except Exception as error:  # an ImportError, or a numpy it refuses
                         raise _numba_failed(self.op, "import numba", error) from error
+                    try:
+                        bound = self.bindings() if self.bindings is not None else {}
+                    except Exception as error:  # intrinsics this numba cannot build
+                        raise _numba_failed(self.op, self.fn.__name__, error) from error
 
                     module = self.fn.__globals__
                     module["prange"] = numba.prange
+                    module.update(bound)
                     for helper in self.helpers:
                         if module[helper.__name__] is helper:
                             module[helper.__name__] = numba.njit(**_NUMBA_OPTIONS)(helper)

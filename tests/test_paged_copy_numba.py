@@ -1,13 +1,16 @@
 """The paged copies' numba backend against the torch reference, bit for bit: every layout,
 word widths from 8 bytes down to 1, padding slots, layer subsets, per-layer storages, a
-layer-wise chunk view, the copy split over threads, and the cases it hands to torch."""
+layer-wise chunk view, and the cases it hands to torch; the streaming stores it writes
+with, and the fallback where they cannot be built."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from support.kv import (
@@ -18,7 +21,8 @@ from support.kv import (
     make_slots,
 )
 
-from kvtier_kernels import registry
+from kvtier_kernels import _launch, registry
+from kvtier_kernels._numba_stores import streaming_stores
 from kvtier_kernels.layouts import LAYOUTS, PagedKV
 from kvtier_kernels.paged import gather, gather_reference, numba_rows, scatter, scatter_reference
 
@@ -144,3 +148,50 @@ def test_numba_imported_by_kvtier_leaves_every_namespace_walkable() -> None:
         "assert numba.njit(lambda x: x + 1)(41) == 42  # llvmlite still works\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+def test_streaming_stores_write_every_integer_width(dtype) -> None:
+    numba = pytest.importorskip("numba")
+    intrinsics = streaming_stores()
+    stream_store, store_fence = intrinsics["stream_store"], intrinsics["store_fence"]
+
+    @numba.njit
+    def copy_reversed(dst, src):
+        for i in range(len(src)):
+            stream_store(dst, len(src) - 1 - i, src[i])
+        store_fence()
+
+    info = np.iinfo(dtype)
+    src = np.random.default_rng(3).integers(info.min, info.max, size=67, dtype=dtype)
+    dst = np.zeros_like(src)
+    copy_reversed(dst, src)
+    assert np.array_equal(dst, src[::-1])
+    with pytest.raises(numba.core.errors.TypingError):
+        copy_reversed(dst, src.astype(np.float64))  # a value of another type is refused
+
+
+def test_intrinsics_that_do_not_build_send_the_copy_to_torch(monkeypatch, caplog) -> None:
+    """A numba whose intrinsics cannot be built (another llvmlite) is a numba that failed:
+    one warning, and the copies run the torch backend, bit for bit."""
+    monkeypatch.setattr(_launch, "_numba_failures", {})
+
+    def no_intrinsics() -> dict:
+        raise AttributeError("module 'llvmlite.ir' has no attribute 'Constant'")
+
+    for to_chunk, op in ((True, "paged_gather"), (False, "paged_scatter")):
+        failing = _launch.NumbaKernel(
+            numba_rows.paged_rows_kernel, op=op, parallel=False, bindings=no_intrinsics
+        )
+        monkeypatch.setitem(numba_rows.NUMBA_KERNELS, to_chunk, failing)
+    paged = make_cache("flash_nhd", 2, 64, torch.bfloat16, 16)
+    slots = make_slots(paged.num_slots, TOKENS, pad_every=3, seed=11)
+    with caplog.at_level(logging.WARNING):
+        assert_round_trip_matches_reference(paged, slots, range(3))
+        assert_round_trip_matches_reference(paged, slots, range(3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings  # one per op, not one per call
+    assert all("has no attribute 'Constant'" in w for w in warnings)
+    assert {"paged_gather", "paged_scatter"} == {
+        op for op in ("paged_gather", "paged_scatter") for w in warnings if op in w
+    }
