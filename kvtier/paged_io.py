@@ -21,6 +21,12 @@ ordered against the engine's stream with events:
 
 Off the GPU both calls return at once: the copies are synchronous there.
 
+Threads: a batch (below) belongs to the thread that opened it, so one thread may load
+while another stores (vLLM's loader thread beside the engine's thread: the two
+directions' copies overlap on the bus). ``stores_done`` / ``loads_done`` wait for the
+last batch of their direction that any thread closed, which on its stream comes after
+the caller's own.
+
 Host cost: a copy is one kernel launch through the launch plan the kernels cache per cache
 and chunk geometry (:mod:`kvtier_kernels.paged.plans`), a few microseconds of Python. The
 stream fencing above costs about as much again, so a step that moves several chunks (or,
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -79,7 +86,7 @@ class _Streams:
 
 class _Batch:
     """An open batch of copies in one direction (see :meth:`PagedIO.storing`); a batch
-    entered while one of its direction is open is part of that one."""
+    entered while one of its direction is open in the same thread is part of that one."""
 
     __slots__ = ("direction", "io", "owner", "streams")
 
@@ -140,7 +147,18 @@ class PagedIO:
         token_rows = _token_rows(paged.layer_view(0)) is not None
         self.copy_engine_min_bytes = copy_engine_min_bytes if token_rows else {}
         self._copy_engine = any(v is not None for v in self.copy_engine_min_bytes.values())
-        self._open: str | None = None  # the direction of the batch open, if any
+        self._thread = threading.local()  # .open: the direction of this thread's batch
+
+    @property
+    def _open(self) -> str | None:
+        """The direction of the batch this thread has open, if any. Each thread has its
+        own: a loader thread's loads run beside the engine thread's stores (on a GPU each
+        on its direction's stream; the current stream is per thread too)."""
+        return getattr(self._thread, "open", None)
+
+    @_open.setter
+    def _open(self, direction: str | None) -> None:
+        self._thread.open = direction
 
     @property
     def dtype(self) -> torch.dtype:

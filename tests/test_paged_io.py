@@ -7,6 +7,7 @@ without one."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -275,6 +276,38 @@ def test_a_store_and_a_load_queued_together_run_at_once(monkeypatch):
         ("sync", "load event"),
     ]
     assert not torch.equal(bits(engine.paged_io.paged.tensors[0]), want), "nothing was loaded"
+
+
+def test_a_batch_belongs_to_its_thread():
+    """A loader thread's open load batch leaves the engine thread free to store (vLLM's
+    async loads beside a step's saves); inside one thread, directions still do not mix."""
+    io = make_connector("cpu", "torch")
+    src, dst = torch.arange(48), torch.arange(48) + 320
+    stored = torch.empty(io.chunk_shape(48), dtype=io.dtype)
+    loaded = fill_random_(torch.empty_like(stored), torch.Generator().manual_seed(4))
+    opened, release = threading.Event(), threading.Event()
+
+    def loader() -> None:
+        with io.loading():
+            opened.set()
+            assert release.wait(10)
+            io.to_engine(loaded, dst)
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    try:
+        assert opened.wait(5)
+        io.from_engine(stored, src)  # a store batch of its own, in this thread
+        with io.storing(), pytest.raises(RuntimeError, match="a store batch is open"):
+            io.to_engine(loaded, dst)
+    finally:
+        release.set()
+        thread.join()
+    check = torch.empty_like(stored)
+    io.from_engine(check, dst)
+    assert torch.equal(bits(check), bits(loaded))
+    io.from_engine(check, src)
+    assert torch.equal(bits(check), bits(stored))
 
 
 def test_backend_that_cannot_run_is_refused_at_construction() -> None:

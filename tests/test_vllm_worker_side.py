@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -409,6 +410,44 @@ def test_corrupt_chunk_is_rejected(make_worker, layout, backend, corrupt, mode):
         f"corrupt_chunks_rejected = {snapshot.get('corrupt_chunks_rejected')}, expected 1"
     )
     assert not worker.engine.storage.contains(key), "the corrupt chunk is still stored"
+
+
+@pytest.mark.parametrize(("layout", "backend"), LAYOUT_BACKENDS)
+def test_a_step_saves_while_an_async_load_is_in_flight(make_worker, monkeypatch, layout, backend):
+    """An async load runs beside the engine thread's steps: held at its fetch, it does not
+    hold back the next step's save (each direction on its own stream on a GPU); released,
+    it loads bit for bit."""
+    worker, paged = make_worker(layout, backend, enable_async_loading=True)
+    hashes = chunk_hashes(worker)
+    expected = blocks_kv(paged, SRC)
+    save_prompt(worker, hashes)
+    for layer in range(paged.num_layers):
+        paged.layer_view(layer)[:, DST] = 0
+    fetching, release = threading.Event(), threading.Event()
+    begin_retrieve = worker.engine.begin_retrieve
+
+    def held_fetch(*args, **kwargs):
+        fetching.set()
+        assert release.wait(30), "the test never released the load"
+        return begin_retrieve(*args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "begin_retrieve", held_fetch)
+    spec = LoadSpec("req-b", 0, hashes, NUM_TOKENS, 0, NUM_TOKENS, list(DST), is_async=True)
+    run_step(worker, StepPlan(loads=[spec]))
+    assert fetching.wait(5), "the async load did not start"
+    other = chunk_hashes(worker, 2 * CHUNK, seed=1)
+    save = SaveSpec("req-c", 0, other, 2 * CHUNK, [4, 8, 10, 13])  # blocks of neither
+    step = threading.Thread(target=run_step, args=(worker, StepPlan(saves=[save])))
+    step.start()
+    step.join(10)
+    saved_meanwhile = not step.is_alive()
+    release.set()
+    step.join()
+    assert saved_meanwhile, "the step's save waited for the async load to finish"
+    assert worker.stats.get(Counter.STORED_CHUNKS) == 5
+    wait_finished(worker, "req-b")
+    assert_blocks_hold(paged, DST, expected, f"{layout} blocks of the async load")
+    assert worker.take_load_errors() == set()
 
 
 def test_async_load_that_raises_reports_its_blocks(make_worker):

@@ -103,8 +103,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._async_futures: dict[str, tuple[LoadSpec, Future[set[int]]]] = {}
-        # NOTE: one lock orders the engine's users (forward thread, async loader, lookup
-        # server); the tiers lock internally, this keeps transfers from interleaving.
+        # NOTE: one lock orders the forward thread's steps against the lookup server's
+        # clear and shutdown; an async load runs beside them (see _load_now), the tiers
+        # lock internally.
         self._lock = threading.RLock()
         self._stats = StatsDelta(self.stats.snapshot)
         self._vllm_config: VllmConfig | None = None  # from_vllm: vLLM says backend and tags
@@ -243,18 +244,22 @@ class WorkerSide:
         return failed
 
     def _load_now(self, load: LoadSpec) -> set[int]:
-        """An async load, in the loader thread: fetch, verify, write every layer."""
+        """An async load, in the loader thread: fetch, verify, write every layer.
+
+        NOTE: outside the lock, so that the engine thread's saves (and its sync loads) run
+        meanwhile, each direction on its own stream: the transfer's buffers are its own
+        (pinned until it closes), ``PagedIO``'s batches are per thread, and the tiers
+        lock internally. vLLM writes nothing else into the request's blocks, nor reads
+        them, before ``get_finished`` reports the load (``shutdown`` joins this thread
+        before it closes the engine)."""
         if not load.hashes:
             return set()
-        with self._lock:
-            transfer = self._require_engine().begin_retrieve(
-                self._chunks(load), self._load_slots(load)
-            )
-            failed = self._failed_blocks(load, transfer.end)
-            try:
-                transfer.scatter()
-            finally:
-                transfer.close()
+        transfer = self._require_engine().begin_retrieve(self._chunks(load), self._load_slots(load))
+        failed = self._failed_blocks(load, transfer.end)
+        try:
+            transfer.scatter()
+        finally:
+            transfer.close()
         return self._reported(load, failed)
 
     def start_load(self, plan: StepPlan) -> None:
