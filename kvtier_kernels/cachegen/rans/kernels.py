@@ -118,11 +118,11 @@ def rans_encode_kernel(
         sym = tl.load(symbols + sym_at, mask=in_lane, other=0).to(tl.int64)
         sym_at -= s_sym_pos
         known = in_lane & (sym < alphabet)
-        g = (n - 1 - step) // segment
-        row = lane64 * tables_per_stream + g
+        run = (n - 1 - step) // segment  # coded with the lane's row `run` of freq
+        row = lane64 * tables_per_stream + run
         f = tl.load(freq + row * s_freq_lane + sym * s_freq_sym, mask=known, other=0)
         f = f.to(tl.int64)
-        c = tl.load(scratch + region + g * alphabet + sym, mask=known, other=0).to(tl.int64)
+        c = tl.load(scratch + region + run * alphabet + sym, mask=known, other=0).to(tl.int64)
         flags = flags | (f <= 0).to(tl.int32)
         f = tl.maximum(f, 1)
         emit = state >= (f << 16)
