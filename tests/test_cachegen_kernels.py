@@ -34,8 +34,7 @@ from support.rans_cases import (
 
 from kvtier_kernels import registry
 from kvtier_kernels.cachegen.rans import PROB_SCALE, CodecError
-from kvtier_kernels.cachegen.rans import decode as rans_decode_op
-from kvtier_kernels.cachegen.rans import encode as rans_encode_op
+from kvtier_kernels.cachegen.rans import kernels as rans_kernels
 from kvtier_kernels.cachegen.rans.common import LaunchConfig, launch_config
 from kvtier_kernels.cachegen.rans.decode import (
     rans_decode,
@@ -130,6 +129,41 @@ def test_lanes_not_a_multiple_of_block(lanes: int, n: int, freq_dtype: torch.dty
     assert_stream_equal(words, lengths, ref_words, ref_lengths)
     decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
     np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("lanes", "n", "block"),
+    [(37, 9, 4), (37, 4, 1), (1200, 3, 128)],
+    ids=["10 programs", "37 programs", "1200 lanes"],
+)
+def test_lanes_start_where_the_lanes_before_them_end(lanes: int, n: int, block: int) -> None:
+    """Each program finds where its lanes' streams start from the programs before it: the
+    compaction sums their words (8 * BLOCK programs at a time), the decoder their lanes'
+    lengths (1024 at a time); lanes of many lengths give the reference's bytes back."""
+    symbols, freq = make_lanes(lanes, n, 17, "dense", seed=lanes)
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    assert len(set(ref_lengths.tolist())) > 1
+    sym_t, freq_t = as_tensors(symbols, freq)
+    config = LaunchConfig(block_lanes=block, num_warps=1)
+    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
+@needs_triton
+def test_strided_lengths() -> None:
+    """Lengths with a stride (every other entry of a buffer), int64 and int32, are read
+    through it."""
+    symbols, freq = make_lanes(5, 9, 7, "skewed", seed=3)
+    words, lengths = rans_encode(symbols, freq)
+    words_t, freq_t = torch.from_numpy(words.astype(np.int32)), torch.from_numpy(freq)
+    for dtype in (torch.int64, torch.int32):
+        spaced = torch.zeros(2 * len(lengths), dtype=dtype)
+        spaced[::2] = torch.from_numpy(lengths)
+        decoded = rans_decode_lanes(words_t, spaced[::2], freq_t.long(), 9, "interpret")
+        np.testing.assert_array_equal(decoded.numpy(), symbols)
 
 
 @needs_triton
@@ -406,17 +440,10 @@ def test_import_does_not_import_triton() -> None:
 # compiled kernels: lowering for NVIDIA and AMD targets, no GPU needed
 # ---------------------------------------------------------------------------------------
 
-# (pointer arguments, int arguments)
+# (pointer arguments, int arguments, constexprs besides BLOCK)
 _SIGNATURES = {
     "rans_encode": (
-        {
-            "symbols": "*u8",
-            "freq": "*i32",
-            "cum_lo": "*i32",
-            "scratch": "*i32",
-            "lengths": "*i64",
-            "bad": "*i8",
-        },
+        {"symbols": "*u8", "freq": "*i32", "scratch": "*i32", "summary": "*i64"},
         [
             "s_sym_lane",
             "s_sym_pos",
@@ -428,30 +455,43 @@ _SIGNATURES = {
             "tables_per_stream",
             "segment",
         ],
+        {"PROB_BITS": 16, "RANS_LOW": 1 << 16},
+    ),
+    "rans_compact": (
+        {"scratch": "*i32", "summary": "*i64", "words": "*i32"},
+        ["width", "num_lanes"],
+        {"WORDS": 16, "PROGRAMS": 512},
     ),
     "rans_decode": (
         {
             "words": "*i32",
-            "starts": "*i64",
             "lengths": "*i64",
             "freq": "*i64",
             "cum_hi": "*i32",
             "out": "*u8",
-            "bad": "*i8",
+            "summary": "*i64",
         },
         [
             "s_word",
+            "s_length",
             "s_freq_lane",
             "s_freq_sym",
             "s_out_lane",
             "s_out_pos",
             "num_lanes",
             "n",
+            "alphabet",
             "num_words",
             "tables_per_stream",
             "segment",
         ],
+        {"PROB_BITS": 16, "RANS_LOW": 1 << 16, "PREFIX": 1024},
     ),
+}
+_KERNELS = {
+    "rans_encode": rans_kernels.ENCODE_KERNEL,
+    "rans_compact": rans_kernels.COMPACT_KERNEL,
+    "rans_decode": rans_kernels.DECODE_KERNEL,
 }
 
 
@@ -459,22 +499,26 @@ _SIGNATURES = {
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize(
     ("op", "meta"),
-    [("rans_encode", {}), ("rans_decode", {"LOG2_SEARCH": 0}), ("rans_decode", {"LOG2_SEARCH": 8})],
-    ids=["encode", "decode-A1", "decode-A255"],
+    [
+        ("rans_encode", {}),
+        ("rans_compact", {}),
+        ("rans_decode", {"LOG2_SEARCH": 0}),
+        ("rans_decode", {"LOG2_SEARCH": 8}),
+    ],
+    ids=["encode", "compact", "decode-A1", "decode-A255"],
 )
 @pytest.mark.parametrize("target", GPU_TARGETS)
 def test_kernels_compile_for_gpu_targets(op: str, meta: dict[str, int], target: str) -> None:
     """The kernels lower to cubin / hsaco for NVIDIA and AMD targets (``make gpu-check``),
     with no inline asm and no register spills."""
-    pointers, ints = _SIGNATURES[op]
-    constants = {"PROB_BITS": 16, "RANS_LOW": 1 << 16, "BLOCK": 64, **meta}
+    pointers, ints, constexprs = _SIGNATURES[op]
+    constants = {**constexprs, "BLOCK": 64, **meta}
     signature = {
         **pointers,
         **dict.fromkeys(ints, "i32"),
         **dict.fromkeys(constants, "constexpr"),
     }
-    kernel = {"rans_encode": rans_encode_op, "rans_decode": rans_decode_op}[op].KERNEL
-    compiled = compile_for(kernel.get(interpret=False), signature, constants, target)
+    compiled = compile_for(_KERNELS[op].get(interpret=False), signature, constants, target)
     assert binary(compiled, target)
     assert "inline_asm" not in compiled.asm["ttgir"]
     assert spill_count(compiled, target) in (0, None)

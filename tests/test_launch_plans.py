@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from support.kv import fill_random_
-from support.rans_cases import as_tensors, assert_stream_equal, make_lanes
+from support.rans_cases import DAMAGES, as_tensors, assert_stream_equal, make_lanes, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.paged_io import PagedIO
@@ -383,8 +383,8 @@ def test_a_cached_rans_encode_still_rejects_symbols_without_frequency() -> None:
 
 
 def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
-    """What a cached call queues before its one sync: the cumulative table and the
-    buffers, then the launch; no read-back."""
+    """What a cached call queues before its one sync: its buffers, then the launch (the
+    kernels build the cumulative tables); no read-back."""
     sym_t, freq_t, words, lengths = coded(4, 6, 5, seed=11)
     rans_encode_lanes(sym_t, freq_t, backend=BACKEND)
     rans_decode_lanes(words, lengths, freq_t, 6, backend=BACKEND)
@@ -400,6 +400,87 @@ def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
         assert "_local_scalar_dense" not in ops and "item" not in ops, ops
     assert set(encoding.ops) <= {"cumsum", "sub_", "_to_copy", "empty", "zeros", "zero_"}
     assert set(decoding.ops) <= {"cumsum", "sub_", "full", "slice", "empty", "zeros", "zero_"}
+
+
+def assert_same_outcome_exactly(expected: tuple, got: tuple) -> None:
+    """The same symbols, or the same error type and message, word for word."""
+    assert got[0] == expected[0], f"torch: {expected}, cached plan: {got}"
+    if got[0] == "ok":
+        np.testing.assert_array_equal(got[1], expected[1])
+    else:
+        assert got[1] == expected[1]
+
+
+def _bad_table_and_short_lane(words, lengths, freq, n):
+    freq, lengths = freq.astype(np.int64), lengths.copy()
+    freq[3, 0] += 1
+    lengths[1] = 1
+    return words, lengths, freq, n
+
+
+def _negative_entry(words, lengths, freq, n):
+    freq = freq.astype(np.int64)
+    freq[2, 0] -= 1 << 17  # the row still sums to PROB_SCALE
+    freq[2, 1] += 1 << 17
+    return words, lengths, freq, n
+
+
+def _short_lane_and_mismatch(words, lengths, freq, n):
+    lengths = lengths.copy()
+    lengths[4] = 0
+    return words, lengths, freq, n
+
+
+ERRORS = [
+    *DAMAGES,
+    ("bad table and short lane", _bad_table_and_short_lane),
+    ("negative entry", _negative_entry),
+    ("short lane and length mismatch", _short_lane_and_mismatch),
+]
+
+
+@pytest.mark.parametrize("damage", [d for _, d in ERRORS], ids=[name for name, _ in ERRORS])
+def test_a_cached_rans_decode_raises_what_the_torch_backend_raises(damage) -> None:
+    """A damaged stream decoded twice (the plan built, then served from the cache): both
+    times the torch backend's symbols, or its error word for word, the first check that
+    fails in the torch backend's order (tables, short lanes, lengths' sum, streams)."""
+    symbols, freq = make_lanes(5, 40, 33, "skewed", seed=3)
+    words, lengths = rans_encode(symbols, freq)
+    words, lengths, freq, n = damage(words, lengths, freq, 40)
+    args = (
+        torch.from_numpy(words.astype(np.int32)),
+        torch.from_numpy(lengths.astype(np.int64)),
+        torch.from_numpy(freq.astype(np.int64)),
+        n,
+    )
+    expected = outcome(lambda: rans_decode_lanes(*args, backend="torch"))
+    rans_plans.clear_plans()
+    for _ in range(2):
+        assert_same_outcome_exactly(expected, outcome(lambda: rans_decode_lanes(*args, BACKEND)))
+
+
+@pytest.mark.parametrize("damage", ["table", "negative entry", "symbols", "table and symbols"])
+def test_a_cached_rans_encode_raises_what_the_torch_backend_raises(damage: str) -> None:
+    """Bad tables and symbols without frequency, encoded twice (a plan miss, then a hit):
+    both times the torch backend's error word for word, a bad table first."""
+    symbols, freq = make_lanes(6, 8, 5, "dense", seed=14)  # every symbol has a frequency
+    sym_t, freq_t = as_tensors(symbols, freq)
+    if "table" in damage:
+        freq_t[4, 1] += 1
+    if damage == "negative entry":
+        freq_t[2, 0] -= 1 << 17
+        freq_t[2, 1] += 1 << 17
+    if "symbols" in damage:
+        used = int(sym_t[1, 0])
+        freq_t[1, (used + 1) % 5] += freq_t[1, used]
+        freq_t[1, used] = 0
+        sym_t[3, 2] = 7  # past the alphabet
+    expected = outcome(lambda: rans_encode_lanes(sym_t, freq_t, backend="torch"))
+    assert expected[0] == "ValueError"
+    rans_plans.clear_plans()
+    for _ in range(2):
+        got = outcome(lambda: rans_encode_lanes(sym_t, freq_t, backend=BACKEND))
+        assert_same_outcome_exactly(expected, got)
 
 
 def test_rans_plans_are_keyed_by_tables_per_stream() -> None:

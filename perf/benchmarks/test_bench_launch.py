@@ -33,13 +33,19 @@ runs on the compression benchmark's lanes, in the streams the codec codes them i
 symbols a stream): a 256-token chunk of 32 layers x 8 heads x 128 is 2 x 32 x 1024 = 65536
 lanes of 256 symbols, 4 a stream, 16384 streams of 1024 symbols (``chunk``), and its small
 chunk (``small_kv``: 4 layers x 128 channels x 64 tokens, 1024 lanes of 64 symbols, 16 a
-stream, 64 streams of 1024 symbols), with the default levels' 33-symbol alphabet. Unlike a paged copy, each call does tensor work of its
-own around the launch (the cumulative table from the call's ``freq``, the buffers, the
-checks) and one host sync (the checks read back; the encoder sizes its output by it), so
-two rows each: the whole call against the uncached path, and the part queued before the
-sync (``*_before_sync``: key, plan lookup, table, buffers, launch) against the whole call.
-On the CPU those tensor ops also do their arithmetic (on a GPU they are queued): the rows
-carry ``tensor_ops_per_call``, each a few us of host time on a GPU.
+stream, 64 streams of 1024 symbols), with the default levels' 33-symbol alphabet. Its
+kernels build the call's cumulative tables and check its tables and lengths themselves; a
+call allocates its buffers (one of them a zeroed summary), launches, and reads the
+summary's counts back once (one host sync: the checks must raise before any symbol is
+used, and the encoder sizes its output by them), then an encode allocates its words and
+launches the compaction. So two or three rows each: the whole call against the uncached
+path, the part queued before the sync (``*_before_sync``: key, plan lookup, buffers,
+launch) against the whole call, and for an encode the part after it
+(``rans_encode_after_sync``: the words for the stream's real length, the compaction's
+launch) against the whole call. Under the recorder no kernel runs and the counts read 0,
+so the whole encode row finds no words to compact: the after-sync row times that part.
+The rows carry ``tensor_ops_per_call`` (on a GPU each is a few us of host time; on the CPU
+a zeroed buffer also costs its memset).
 
 Before the first copy (``host_us_before_first_copy`` rows, CPU): a ``CacheEngine.store`` /
 ``retrieve`` of the GPU engine benchmark's prompt (four 256-token chunks, token ids as a
@@ -266,6 +272,12 @@ def rans_calls(case: dict, backend: str) -> dict[str, Callable[[], object]]:
         key = rans_plans.decode_key(backend, words, lengths, freq, n, group)
         return rans_plans.cached_plan(key).enqueue(words, lengths, freq)
 
+    def encode_after_sync() -> object:
+        plan = rans_plans.cached_plan(rans_plans.encode_key(backend, symbols, freq, group))
+        if "encoded" not in case:  # the encoder's buffers, as a call's sync leaves them
+            case["encoded"] = plan.enqueue(symbols, freq)
+        return plan.compact(*case["encoded"], len(words))
+
     return {
         "rans_encode": lambda: rans_encode_lanes(symbols, freq, backend, tables_per_stream=group),
         "rans_decode": lambda: rans_decode_lanes(
@@ -273,7 +285,13 @@ def rans_calls(case: dict, backend: str) -> dict[str, Callable[[], object]]:
         ),
         "rans_encode_before_sync": encode_before_sync,
         "rans_decode_before_sync": decode_before_sync,
+        "rans_encode_after_sync": encode_after_sync,
     }
+
+
+def whole_call(op: str) -> str:
+    """The call a ``*_before_sync`` / ``*_after_sync`` row times part of (else ``op``)."""
+    return op.removesuffix("_before_sync").removesuffix("_after_sync")
 
 
 class TensorOps(TorchDispatchMode):
@@ -294,27 +312,40 @@ def tensor_ops(fn: Callable[[], object]) -> int:
     return ops.count
 
 
-RANS_OPS = ["rans_encode", "rans_encode_before_sync", "rans_decode", "rans_decode_before_sync"]
+RANS_NOTES = {
+    "rans_encode_before_sync": "key, plan lookup, scratch and zeroed summary, launch",
+    "rans_decode_before_sync": "key, plan lookup, table, output and zeroed summary, launch",
+    "rans_encode_after_sync": "the words for the stream's length, the compaction's launch",
+    "whole": "buffers, launch, the summary's counts read back (one sync); under the "
+    "recorder they read 0, so an encode has no words to compact (its after-sync row)",
+}
+RANS_OPS = [
+    "rans_encode",
+    "rans_encode_before_sync",
+    "rans_encode_after_sync",
+    "rans_decode",
+    "rans_decode_before_sync",
+]
 
 
 @pytest.mark.parametrize("shape", list(RANS_SHAPES))
 @pytest.mark.parametrize("op", RANS_OPS)
 def test_rans_host_us_per_call_with_a_recorder_for_the_device(op: str, shape: str, record) -> None:
-    """A whole call against the uncached path, or the part before its sync against the
-    whole call; calls alternate with their baseline's, so that the load of a shared
-    machine weighs on both alike."""
+    """A whole call against the uncached path, or a part of it (before or after its sync)
+    against the whole call; calls alternate with their baseline's, so that the load of a
+    shared machine weighs on both alike."""
     pytest.importorskip("triton")
     case = rans_case(shape, torch.device("cpu"))
     calls = rans_calls(case, "interpret")
-    fn, whole = calls[op], calls[op.removesuffix("_before_sync")]
-    before_sync = op.endswith("_before_sync")
+    fn, whole = calls[op], calls[whole_call(op)]
+    part = op != whole_call(op)
     with record_launches() as recorder:
         whole()  # builds the plan
         value, baseline_value = interleaved_medians(
             fn,
             whole,
             repeat=RANS_ROUNDS[shape],
-            baseline_setup=None if before_sync else rans_plans.clear_plans,
+            baseline_setup=None if part else rans_plans.clear_plans,
         )
         ops = tensor_ops(fn)
         empty = per_call_us(lambda: None)
@@ -325,23 +356,20 @@ def test_rans_host_us_per_call_with_a_recorder_for_the_device(op: str, shape: st
         value=value * 1e6,
         unit="us",
         baseline="the whole call (same run)"
-        if before_sync
+        if part
         else "the same call with no cached plan (rebuilt every call)",
         baseline_value=baseline_value * 1e6,
         empty_python_call_us=empty,
         budget_us=BUDGET_US,
         meets_budget=value * 1e6 <= BUDGET_US,
         tensor_ops_per_call=ops,
-        host_syncs_per_call=0 if before_sync else 1,
+        host_syncs_per_call=0 if part else 1,
         lanes=lanes,
         symbols_per_lane=n,
         lanes_per_stream=case["group"],
         alphabet=RANS_ALPHABET,
         device="cpu (launch recorded, not run)",
-        note="key, plan lookup, cumulative table and buffers, launch"
-        if before_sync
-        else "launch, then the checks read back (one sync) and the encoder's compaction; "
-        "the CPU tensor ops do their arithmetic here",
+        note=RANS_NOTES.get(op, RANS_NOTES["whole"]),
     )
 
 
@@ -447,10 +475,11 @@ def test_gpu_step_fence_of_the_side_streams(record) -> None:
 def test_gpu_rans_host_us_and_wall_vs_kernel(op: str, shape: str, record) -> None:
     """The coder's calls with real launches. A whole call waits for its kernel (the checks
     read back), so its host time is its wall time; ``*_before_sync`` is what the host pays
-    before that wait. The uncached path (plans dropped every call) is timed alongside."""
+    before that wait, ``rans_encode_after_sync`` what an encode pays after it. The uncached
+    path (plans dropped every call) is timed alongside."""
     case = rans_case(shape, torch.device("cuda"))
     calls = rans_calls(case, "triton")
-    whole = calls[op.removesuffix("_before_sync")]
+    whole = calls[whole_call(op)]
     whole()  # builds the plan
     host, wall, kernel = _gpu_times(calls[op])
 
@@ -458,7 +487,7 @@ def test_gpu_rans_host_us_and_wall_vs_kernel(op: str, shape: str, record) -> Non
         rans_plans.clear_plans()
         return whole()
 
-    no_plan = None if op.endswith("_before_sync") else _gpu_times(uncached)[0]
+    no_plan = None if op != whole_call(op) else _gpu_times(uncached)[0]
     lanes, n = RANS_SHAPES[shape]
     record(
         metric="wall_us_per_call",

@@ -4,7 +4,9 @@
 - :mod:`~kvtier_kernels.cachegen.rans.common`: the bitstream, its constants,
   :class:`CodecError`, the table checks and launch parameters both ops share;
 - :mod:`~kvtier_kernels.cachegen.rans.encode` / :mod:`~kvtier_kernels.cachegen.rans.decode`:
-  one op each (references, kernels, launchers, registration).
+  one op each (references, numba kernel, launchers, registration);
+- :mod:`~kvtier_kernels.cachegen.rans.kernels`: the Triton kernels of both ops, and
+  :mod:`~kvtier_kernels.cachegen.rans.plans`: their cached launch plans.
 """
 
 from kvtier_kernels.cachegen.rans.common import PROB_BITS, PROB_SCALE, CodecError

@@ -10,12 +10,13 @@ Bytes moved: the decoder reads each word once, ``log2(A)`` cumulative-table prob
 frequency per symbol, and writes ``lanes * n`` symbol bytes.
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the numpy reference
-:func:`rans_decode` on CPU copies; ``triton`` runs ``rans_decode_kernel`` compiled on
-CUDA/ROCm tensors; ``interpret`` runs it under Triton's interpreter on CPU tensors;
-``numba`` runs ``rans_decode_numba_kernel`` compiled by numba on CPU copies.
+:func:`rans_decode` on CPU copies; ``triton`` runs ``rans_decode_kernel``
+(:mod:`~kvtier_kernels.cachegen.rans.kernels`) compiled on CUDA/ROCm tensors;
+``interpret`` runs it under Triton's interpreter on CPU tensors; ``numba`` runs
+``rans_decode_numba_kernel`` compiled by numba on CPU copies.
 
-Sections: numpy reference (the definition of correct) -> torch reference -> Triton kernel
--> numba kernel -> launchers (public, Triton, numba) -> registration.
+Sections: numpy reference (the definition of correct) -> torch reference -> numba kernel
+-> launchers (public, Triton, numba) -> registration.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier_kernels import registry
-from kvtier_kernels._launch import LazyKernel, NumbaKernel, numba_loader, triton_loader
+from kvtier_kernels._launch import NumbaKernel, numba_loader, triton_loader
 from kvtier_kernels.cachegen.rans.common import (
     PROB_BITS,
     PROB_SCALE,
@@ -42,13 +43,12 @@ from kvtier_kernels.cachegen.rans.common import (
     raise_length_mismatch,
     raise_short_lanes,
 )
+from kvtier_kernels.cachegen.rans.kernels import DECODE_KERNEL
 from kvtier_kernels.cachegen.rans.plans import cached_plan, decode_key, decode_plan, store_plan
 
 __all__ = [
-    "KERNEL",
     "NUMBA_KERNEL",
     "rans_decode",
-    "rans_decode_kernel",
     "rans_decode_lanes",
     "rans_decode_numba",
     "rans_decode_numba_kernel",
@@ -162,97 +162,6 @@ def rans_decode_reference(
         tables_per_stream,
     )
     return torch.from_numpy(symbols).to(words.device)
-
-
-# ---------------------------------------------------------------------------------------
-# Triton kernel
-#
-# Grid: (cdiv(lanes, BLOCK),). Program p decodes lanes p * BLOCK : +BLOCK, one lane per
-# vector element, looping forward over the lane's symbols. State arithmetic is int64;
-# every value stays below 2**32, so int64 gives the reference's uint64 results bit for bit.
-#
-# Symbol lookup is a branch-free binary search over the lane's row of `cum_hi`
-# (cum_hi[a] = freq[0] + ... + freq[a], padded with PROB_SCALE to SEARCH = 2**LOG2_SEARCH
-# entries, the last real entry forced to PROB_SCALE as in the reference): sym ends as the
-# number of entries <= slot, found in LOG2_SEARCH probes. A probe at an index >= A - 1
-# reads PROB_SCALE > slot and is never taken, so sym <= A - 1 whatever the table holds.
-# (A slot -> symbol table would save the probes but take 64 KiB per lane: 16 GiB for the
-# 262144 lanes of a 32-layer, 4096-wide chunk; cum_hi takes at most 1 KiB per lane.)
-# `bad` flags exactly the reference's rejections: a read past the lane's words, unread
-# words, a final state other than RANS_LOW. Lengths are checked after the launch (one host
-# sync), so reads are also kept inside `words` for inconsistent lengths.
-#
-# NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that
-# importing this module never imports triton. Masks combine vector conditions only
-# (Triton 3.9's interpreter rejects `block_mask & scalar`).
-# ---------------------------------------------------------------------------------------
-
-tl: Any = None
-
-
-def rans_decode_kernel(
-    words,  # [num_words] int32/int64 16-bit words
-    starts,  # [lanes] int64: where each lane's stream starts in words
-    lengths,  # [lanes] int64
-    freq,  # [lanes * G, A] int32/int64
-    cum_hi,  # [lanes * G, SEARCH] int32, contiguous: freq[0] + ... + freq[a], padded
-    out,  # [lanes, n] uint8 (out)
-    bad,  # [lanes] int8 (out): 1 = the reference rejects this lane's stream
-    s_word,  # words stride, in elements
-    s_freq_lane,  # freq strides, in elements
-    s_freq_sym,
-    s_out_lane,  # out strides, in elements
-    s_out_pos,
-    num_lanes,
-    n,
-    num_words,
-    tables_per_stream,  # G: lane l's symbol i is decoded with row l * G + i // segment
-    segment,
-    PROB_BITS: tl.constexpr,
-    RANS_LOW: tl.constexpr,
-    LOG2_SEARCH: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_lane = lanes < num_lanes
-    lane64 = lanes.to(tl.int64)
-    start = tl.load(starts + lane64, mask=in_lane, other=0)
-    length = tl.load(lengths + lane64, mask=in_lane, other=2)
-    head = in_lane & (start >= 0) & (start + 1 < num_words)
-    low = tl.load(words + start * s_word, mask=head, other=0).to(tl.int64) & 0xFFFF
-    high = tl.load(words + (start + 1) * s_word, mask=head, other=0).to(tl.int64) & 0xFFFF
-    state = low | (high << 16)
-    read = tl.full([BLOCK], 2, tl.int64)
-    flags = tl.full([BLOCK], 0, tl.int32)
-    out_at = lane64 * s_out_lane
-    for i in range(n):
-        row = lane64 * tables_per_stream + i // segment
-        table = row * (1 << LOG2_SEARCH)
-        slot = state & ((1 << PROB_BITS) - 1)
-        sym = tl.full([BLOCK], 0, tl.int64)
-        for k in tl.static_range(LOG2_SEARCH):
-            step = 1 << (LOG2_SEARCH - 1 - k)
-            probe = tl.load(cum_hi + table + sym + (step - 1), mask=in_lane, other=0)
-            sym = sym + tl.where(probe.to(tl.int64) <= slot, step, 0)
-        tl.store(out + out_at, sym.to(tl.uint8), mask=in_lane)
-        out_at += s_out_pos
-        f = tl.load(freq + row * s_freq_lane + sym * s_freq_sym, mask=in_lane, other=0)
-        f = f.to(tl.int64)
-        c = tl.load(cum_hi + table + sym, mask=in_lane, other=0).to(tl.int64) - f
-        state = f * (state >> PROB_BITS) + slot - c
-        need = state < RANS_LOW
-        flags = flags | (need & (read >= length)).to(tl.int32)
-        at = start + read
-        take = need & (read < length) & (at >= 0) & (at < num_words)
-        word = tl.load(words + at * s_word, mask=take, other=0).to(tl.int64) & 0xFFFF
-        state = tl.where(need, (state << 16) | word, state)
-        read = read + need.to(tl.int64)
-    flags = flags | ((read != length) | (state != RANS_LOW)).to(tl.int32)
-    tl.store(bad + lane64, flags.to(tl.int8), mask=in_lane)
-
-
-KERNEL = LazyKernel(rans_decode_kernel)
-"""The decode kernel, decorated (compiled or interpreted) on first use."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,8 +297,9 @@ def rans_decode_lanes(
     NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
     dtypes, devices and alignment, ``n`` and the backend (validation, launch config, grid,
     the bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`;
-    of ``words`` not its length, which changes from chunk to chunk); a call still builds
-    the cumulative table, allocates its buffers and reads the checks back once.
+    of ``words`` not its length, which changes from chunk to chunk); a call allocates its
+    buffers, launches the decoder and reads its counts back once (the kernel builds the
+    cumulative tables and checks them and the lengths).
     """
     try:
         key = decode_key(backend, words, lengths, freq, n, tables_per_stream)
@@ -402,7 +312,7 @@ def rans_decode_lanes(
         if not (isinstance(impl, functools.partial) and impl.func is rans_decode_triton):
             return impl(words, lengths, freq, n, tables_per_stream)  # a CPU coder: no plan
         interpret = impl.keywords["interpret"]
-        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, KERNEL)
+        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret)
         if key is not None:
             store_plan(key, plan)
     return plan(words, lengths, freq)
@@ -424,8 +334,9 @@ def rans_decode_triton(
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`rans_decode_reference`: one launch and one host sync (the
-    length checks and the bad-lane flags), through the cached plan of these shapes (one
-    per ``config``: :class:`~kvtier_kernels.cachegen.rans.plans.DecodePlan`).
+    counts of bad rows, short lanes and rejected streams and the lengths' excess), through
+    the cached plan of these shapes (one per ``config``:
+    :class:`~kvtier_kernels.cachegen.rans.plans.DecodePlan`).
     ``interpret``/``config`` as for :func:`rans_encode_triton`. Shapes are assumed valid
     (:func:`rans_decode_lanes` checks them).
 
@@ -437,7 +348,7 @@ def rans_decode_triton(
     key = decode_key(("triton", interpret, config), words, lengths, freq, n, tables_per_stream)
     plan = cached_plan(key)
     if plan is None:
-        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, KERNEL, config)
+        plan = decode_plan(words, lengths, freq, n, tables_per_stream, interpret, config)
         store_plan(key, plan)
     return plan(words, lengths, freq)
 
@@ -498,8 +409,10 @@ def rans_decode_numba(
 # ---------------------------------------------------------------------------------------
 
 registry.register("rans_decode", "torch", rans_decode_reference)
-registry.register("rans_decode", "triton", loader=triton_loader(KERNEL, rans_decode_triton, False))
 registry.register(
-    "rans_decode", "interpret", loader=triton_loader(KERNEL, rans_decode_triton, True)
+    "rans_decode", "triton", loader=triton_loader(DECODE_KERNEL, rans_decode_triton, False)
+)
+registry.register(
+    "rans_decode", "interpret", loader=triton_loader(DECODE_KERNEL, rans_decode_triton, True)
 )
 registry.register("rans_decode", "numba", loader=numba_loader([NUMBA_KERNEL], rans_decode_numba))

@@ -9,13 +9,14 @@ cumulative frequency per symbol (cache-resident tables), writes at most ``n + 2`
 words per lane into a scratch buffer and compacts them (read + write of the kept words).
 
 Backends (see :mod:`kvtier_kernels.registry`): ``torch`` runs the numpy reference
-:func:`rans_encode` on CPU copies; ``triton`` runs ``rans_encode_kernel`` compiled on
-CUDA/ROCm tensors; ``interpret`` runs it under Triton's interpreter on CPU tensors;
+:func:`rans_encode` on CPU copies; ``triton`` runs the Triton kernels of
+:mod:`~kvtier_kernels.cachegen.rans.kernels` (the encoder, then the compaction) compiled on
+CUDA/ROCm tensors; ``interpret`` runs them under Triton's interpreter on CPU tensors;
 ``numba`` runs ``rans_encode_numba_kernel`` compiled by numba on CPU copies (one lane per
 loop iteration, the lanes spread over numba's threads).
 
-Sections: numpy reference (the definition of correct) -> torch reference -> Triton kernel
--> numba kernel -> launchers (public, Triton, numba) -> registration.
+Sections: numpy reference (the definition of correct) -> torch reference -> numba kernel
+-> launchers (public, Triton, numba) -> registration.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier_kernels import registry
-from kvtier_kernels._launch import LazyKernel, NumbaKernel, numba_loader, triton_loader
+from kvtier_kernels._launch import NumbaKernel, numba_loader, triton_loader
 from kvtier_kernels.cachegen.rans.common import (
     MAX_ALPHABET,
     PROB_BITS,
@@ -41,13 +42,12 @@ from kvtier_kernels.cachegen.rans.common import (
     raise_bad_table,
     raise_unusable_symbols,
 )
+from kvtier_kernels.cachegen.rans.kernels import ENCODE_KERNEL
 from kvtier_kernels.cachegen.rans.plans import cached_plan, encode_key, encode_plan, store_plan
 
 __all__ = [
-    "KERNEL",
     "NUMBA_KERNEL",
     "rans_encode",
-    "rans_encode_kernel",
     "rans_encode_lanes",
     "rans_encode_numba",
     "rans_encode_numba_kernel",
@@ -137,82 +137,6 @@ def rans_encode_reference(
         torch.from_numpy(words.astype(np.int32)).to(device),
         torch.from_numpy(lengths.astype(np.int64)).to(device),
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Triton kernel
-#
-# Grid: (cdiv(lanes, BLOCK),). Program p codes lanes p * BLOCK : +BLOCK, one lane per
-# vector element, looping over the lane's symbols from the last to the first. State
-# arithmetic is int64 (``f << 16`` reaches 2**32 and ``state // f`` must be exact); every
-# value stays below 2**32, so int64 gives the reference's uint64 results bit for bit.
-#
-# Lane l writes its stream downward into scratch[l, pos : n + 2] (pos starts at n + 2; a
-# renormalization word is stored only when one is emitted) and ends with its final state's
-# low and high words; its length is n + 2 - pos. The launcher compacts the lanes' regions
-# into one stream. `bad` flags a lane that used a symbol outside its row or with frequency
-# 0 (the division then runs on 1, to stay defined).
-#
-# NOTE: `tl` is bound to `triton.language` by `LazyKernel.get()` on first use, so that
-# importing this module never imports triton. Masks combine vector conditions only
-# (Triton 3.9's interpreter rejects `block_mask & scalar`).
-# ---------------------------------------------------------------------------------------
-
-tl: Any = None
-
-
-def rans_encode_kernel(
-    symbols,  # [lanes, n] uint8
-    freq,  # [lanes * G, A] int32/int64
-    cum_lo,  # [lanes * G, A] int32, contiguous: freq[0] + ... + freq[a - 1]
-    scratch,  # [lanes, n + 2] int32, contiguous: each lane's stream at its end
-    lengths,  # [lanes] int64 (out)
-    bad,  # [lanes] int8 (out): 1 = a symbol outside the row or with frequency 0
-    s_sym_lane,  # symbols strides, in elements
-    s_sym_pos,
-    s_freq_lane,  # freq strides, in elements
-    s_freq_sym,
-    num_lanes,
-    n,
-    alphabet,
-    tables_per_stream,  # G: lane l's symbol i is coded with row l * G + i // segment
-    segment,
-    PROB_BITS: tl.constexpr,
-    RANS_LOW: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_lane = lanes < num_lanes
-    lane64 = lanes.to(tl.int64)
-    width = n + 2
-    region = lane64 * width
-    state = tl.full([BLOCK], RANS_LOW, tl.int64)
-    pos = tl.full([BLOCK], 0, tl.int64) + width
-    flags = tl.full([BLOCK], 0, tl.int32)
-    sym_at = lane64 * s_sym_lane + (lane64 * 0 + n - 1) * s_sym_pos  # int64: the last symbol
-    for step in range(n):
-        sym = tl.load(symbols + sym_at, mask=in_lane, other=0).to(tl.int64)
-        sym_at -= s_sym_pos
-        known = in_lane & (sym < alphabet)
-        row = lane64 * tables_per_stream + (n - 1 - step) // segment
-        f = tl.load(freq + row * s_freq_lane + sym * s_freq_sym, mask=known, other=0)
-        f = f.to(tl.int64)
-        c = tl.load(cum_lo + row * alphabet + sym, mask=known, other=0).to(tl.int64)
-        flags = flags | (f <= 0).to(tl.int32)
-        f = tl.maximum(f, 1)
-        emit = state >= (f << 16)
-        tl.store(scratch + region + pos - 1, (state & 0xFFFF).to(tl.int32), mask=in_lane & emit)
-        pos = pos - emit.to(tl.int64)
-        state = tl.where(emit, state >> 16, state)
-        state = ((state // f) << PROB_BITS) + state % f + c
-    tl.store(scratch + region + pos - 2, (state & 0xFFFF).to(tl.int32), mask=in_lane)
-    tl.store(scratch + region + pos - 1, (state >> 16).to(tl.int32), mask=in_lane)
-    tl.store(lengths + lane64, width - pos + 2, mask=in_lane)
-    tl.store(bad + lane64, flags.to(tl.int8), mask=in_lane)
-
-
-KERNEL = LazyKernel(rans_encode_kernel)
-"""The encode kernel, decorated (compiled or interpreted) on first use."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,9 +265,9 @@ def rans_encode_lanes(
 
     NOTE: on the Triton backends, what depends only on the arguments' shapes, strides,
     dtypes, devices and alignment and the backend (validation, launch config, grid, the
-    bound kernel) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`);
-    a call still builds the cumulative table, allocates its buffers and reads the checks
-    back once.
+    bound kernels) is computed once and cached (:mod:`~kvtier_kernels.cachegen.rans.plans`);
+    a call allocates its buffers, launches the encoder, reads its counts back once (the
+    kernel builds the cumulative tables and checks them) and launches the compaction.
     """
     try:
         key = encode_key(backend, symbols, freq, tables_per_stream)
@@ -365,7 +289,7 @@ def rans_encode_lanes(
         if not (isinstance(impl, functools.partial) and impl.func is rans_encode_triton):
             return impl(symbols, freq, tables_per_stream)  # a CPU coder: no launch to plan
         interpret = impl.keywords["interpret"]
-        plan = encode_plan(symbols, freq, tables_per_stream, interpret, KERNEL)
+        plan = encode_plan(symbols, freq, tables_per_stream, interpret)
         if key is not None:
             store_plan(key, plan)
     return plan(symbols, freq)
@@ -384,9 +308,9 @@ def rans_encode_triton(
     interpret: bool | None = None,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`rans_encode_reference`: one launch, then an on-device
-    compaction of the lanes' streams and one host sync (the stream's length and the
-    validity flags), through the cached plan of these shapes (one per ``config``:
+    """Triton version of :func:`rans_encode_reference`: the encoder's launch, one host sync
+    (the stream's length and the counts of bad rows and lanes), then the compaction of
+    the lanes' streams, through the cached plan of these shapes (one per ``config``:
     :class:`~kvtier_kernels.cachegen.rans.plans.EncodePlan`). ``interpret`` picks Triton's
     interpreter (CPU tensors) or the compiled kernel (GPU tensors); None picks by the
     device. ``config`` overrides :func:`launch_config`. Shapes are assumed valid
@@ -400,7 +324,7 @@ def rans_encode_triton(
     key = encode_key(("triton", interpret, config), symbols, freq, tables_per_stream)
     plan = cached_plan(key)
     if plan is None:
-        plan = encode_plan(symbols, freq, tables_per_stream, interpret, KERNEL, config)
+        plan = encode_plan(symbols, freq, tables_per_stream, interpret, config)
         store_plan(key, plan)
     return plan(symbols, freq)
 
@@ -453,8 +377,10 @@ def rans_encode_numba(
 # ---------------------------------------------------------------------------------------
 
 registry.register("rans_encode", "torch", rans_encode_reference)
-registry.register("rans_encode", "triton", loader=triton_loader(KERNEL, rans_encode_triton, False))
 registry.register(
-    "rans_encode", "interpret", loader=triton_loader(KERNEL, rans_encode_triton, True)
+    "rans_encode", "triton", loader=triton_loader(ENCODE_KERNEL, rans_encode_triton, False)
+)
+registry.register(
+    "rans_encode", "interpret", loader=triton_loader(ENCODE_KERNEL, rans_encode_triton, True)
 )
 registry.register("rans_encode", "numba", loader=numba_loader([NUMBA_KERNEL], rans_encode_numba))

@@ -9,23 +9,26 @@ decode's ``words``, which changes with every chunk: only what Triton specializes
 kernel on (a length of 1, a multiple of 16, beyond int32). The kernels' segment length
 ``max(1, n // tables_per_stream)`` follows from ``n`` and ``tables_per_stream``, so the key
 fixes it too. A miss validates the arguments and builds the plan: the launch config, the
-grid, the constexprs and, for Triton, the kernel bound and compiled for those arguments
+grid, the constexprs and, for Triton, the kernels bound and compiled for those arguments
 (:func:`kvtier_kernels._launch.bind`). A hit skips all of that::
 
-    key -> EncodePlan:  cumulative table, scratch, lengths, flags  ->  BoundLaunch
-                        -> checks (one host sync)  ->  compaction of the lanes' streams
-    key -> DecodePlan:  starts, cumulative table, out, flags  ->  BoundLaunch
-                        -> checks (one host sync)
+    key -> EncodePlan:  scratch, zeroed summary  ->  encoder  ->  counts (one host sync)
+                        ->  words  ->  compaction
+    key -> DecodePlan:  cum_hi, out, zeroed summary  ->  decoder  ->  counts (one host sync)
 
-What a call still does is what its data needs. The cumulative tables are built from each
-call's ``freq``, and the buffers are allocated per call (the caching allocator's blocks):
-a buffer kept in the plan would be shared by callers on other threads or streams, and the
-encoder's scratch is still read by the compaction queued after the call returns. Each op
-keeps its one host sync: the table, length and stream checks are read back after the
-launch (a corrupt stream raises :class:`~kvtier_kernels.cachegen.rans.common.CodecError`
-before any symbol is returned), and the encoder needs the stream's total length to size
-its output. :meth:`EncodePlan.enqueue` / :meth:`DecodePlan.enqueue` are the part before
-the sync (the host-cost benchmark times them apart).
+The rest of a call's work runs in the kernels (:mod:`~kvtier_kernels.cachegen.rans.kernels`):
+they build the cumulative tables from the call's ``freq``, check its rows and a decode's
+lengths, and leave a few counts at the head of ``summary``, which the host reads back. Only
+where a count is not zero does the host look further, to raise the error the reference
+raises (the first bad row or lane), in the reference's order. The buffers are allocated
+per call (the caching allocator's blocks): a buffer kept in the plan would be shared by
+callers on other threads or streams, and the encoder's scratch is still read by the
+compaction queued after the call returns. Each op keeps its one host sync: a corrupt
+stream raises :class:`~kvtier_kernels.cachegen.rans.common.CodecError` before any symbol is
+returned, and the encoder needs the stream's total length to size its output.
+:meth:`EncodePlan.enqueue` / :meth:`DecodePlan.enqueue` are the part before the sync and
+:meth:`EncodePlan.compact` the encoder's part after it (the host-cost benchmark times them
+apart).
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from typing import Any
 
 import torch
 
-from kvtier_kernels._launch import BoundLaunch, LazyKernel, bind, check_launch_config
+from kvtier_kernels._launch import (
+    BoundLaunch,
+    LazyKernel,
+    bind,
+    check_launch_config,
+    compiling_only,
+)
 from kvtier_kernels.cachegen.rans.common import (
     PROB_BITS,
-    PROB_SCALE,
     RANS_LOW,
     LaunchConfig,
     bad_table_rows,
@@ -48,6 +56,13 @@ from kvtier_kernels.cachegen.rans.common import (
     raise_length_mismatch,
     raise_short_lanes,
     raise_unusable_symbols,
+)
+from kvtier_kernels.cachegen.rans.kernels import (
+    COMPACT_KERNEL,
+    DECODE_COUNTS,
+    DECODE_KERNEL,
+    ENCODE_COUNTS,
+    ENCODE_KERNEL,
 )
 from kvtier_kernels.plan_cache import PlanCache
 
@@ -120,28 +135,33 @@ def store_plan(key: tuple, plan: Any) -> None:
     _plans.put(key, plan)
 
 
+_DECODE_PREFIX = 1024  # lengths summed at a time by a decode program (its lanes' starts)
+_COMPACT_WORDS = 16  # words a compaction program copies of each lane at a time (32 spill)
+_COMPACT_PROGRAMS = 8  # times BLOCK: earlier programs' words summed at a time by one
+
+
+def _grid(
+    lanes: int, device: torch.device, config: LaunchConfig | None
+) -> tuple[LaunchConfig, tuple[int]]:
+    """The launch config (``config``, else :func:`launch_config`'s) and grid over ``lanes``."""
+    config = launch_config(lanes, device) if config is None else config
+    check_launch_config(config, ("block_lanes",))
+    return config, (-(-lanes // config.block_lanes),)
+
+
 def _bind_kernel(
     kernel: LazyKernel,
-    lanes: int,
+    config: LaunchConfig,
+    grid: tuple[int],
     device: torch.device,
     interpret: bool,
-    config: LaunchConfig | None,
     args: tuple,
     meta: dict[str, Any],
     per_call: int | None,
 ) -> BoundLaunch:
-    """``kernel`` bound over ``lanes`` lanes (grid ``(cdiv(lanes, BLOCK),)``) for ``args``,
-    with the constexprs ``PROB_BITS``, ``RANS_LOW``, ``meta`` and ``BLOCK``."""
-    config = launch_config(lanes, device) if config is None else config
-    check_launch_config(config, ("block_lanes",))
-    grid = (-(-lanes // config.block_lanes),)
-    meta = {
-        "PROB_BITS": PROB_BITS,
-        "RANS_LOW": RANS_LOW,
-        **meta,
-        "BLOCK": config.block_lanes,
-        "num_warps": config.num_warps,
-    }
+    """``kernel`` bound over ``grid`` for ``args``, with the constexprs ``meta`` and
+    ``BLOCK``."""
+    meta = {**meta, "BLOCK": config.block_lanes, "num_warps": config.num_warps}
     if interpret:
         return bind(kernel, True, grid, args, meta, per_call=per_call)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -158,51 +178,58 @@ class EncodePlan:
     """One encode bound to its shapes: ``plan(symbols, freq)`` returns ``(words, lengths)``
     (see the module docstring for what a call does). Built by :func:`encode_plan`."""
 
-    __slots__ = ("device", "lanes", "launch", "width")
+    __slots__ = ("compaction", "device", "lanes", "launch", "summary_size", "width")
 
     def __init__(
-        self, launch: BoundLaunch | None, lanes: int, width: int, device: torch.device
+        self,
+        launch: BoundLaunch | None,
+        compaction: BoundLaunch | None,
+        lanes: int,
+        width: int,
+        summary_size: int,
+        device: torch.device,
     ) -> None:
-        self.launch, self.lanes, self.width, self.device = launch, lanes, width, device
+        self.launch, self.compaction, self.device = launch, compaction, device
+        self.lanes, self.width, self.summary_size = lanes, width, summary_size
 
     def enqueue(
         self, symbols: torch.Tensor, freq: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queue the encode without waiting for it: returns ``(scratch, lengths, bad)``,
-        each lane's stream at the end of its row of ``scratch`` ``[lanes, n + 2]``, its
-        length, and 1 where it used a symbol without frequency (nothing is checked yet)."""
-        device, lanes = self.device, self.lanes
-        cum = freq.cumsum(1, dtype=torch.int64)
-        cum -= freq
-        # [lanes * g, A], contiguous: freq[0] + ... + freq[a - 1]
-        cum_lo = cum.to(torch.int32, memory_format=torch.contiguous_format)
-        scratch = torch.empty((lanes, self.width), dtype=torch.int32, device=device)
-        lengths = torch.zeros(lanes, dtype=torch.int64, device=device)
-        bad = torch.zeros(lanes, dtype=torch.int8, device=device)
-        if self.launch is not None:
-            self.launch(symbols, freq, cum_lo, scratch, lengths, bad)
-        return scratch, lengths, bad
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the encoder without waiting for it: returns ``(scratch, summary)``, each
+        lane's stream at the end of its row of ``scratch`` and the summary the kernel
+        leaves (:mod:`~kvtier_kernels.cachegen.rans.kernels`; nothing is checked yet)."""
+        device = self.device
+        scratch = torch.empty((self.lanes, self.width), dtype=torch.int32, device=device)
+        summary = torch.zeros(self.summary_size, dtype=torch.int64, device=device)
+        self.launch(symbols, freq, scratch, summary)
+        return scratch, summary
+
+    def compact(
+        self, scratch: torch.Tensor, summary: torch.Tensor, total: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the compaction of the lanes' streams, ``total`` words in all, into one
+        without waiting for it: returns ``(words, lengths)``."""
+        words = torch.empty(total, dtype=torch.int32, device=self.device)
+        # total is 0 only where the encoder did not run (launches recorded, or compiled
+        # only: then the compaction's kernel is asked for as well)
+        if total or compiling_only():
+            self.compaction(scratch, summary, words)
+        return words, summary[ENCODE_COUNTS : ENCODE_COUNTS + self.lanes]
 
     def __call__(
         self, symbols: torch.Tensor, freq: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        scratch, lengths, bad = self.enqueue(symbols, freq)
-        bad_rows = bad_table_rows(freq)
-        checks = torch.stack([lengths.sum(), bad_rows.sum(), bad.sum(dtype=torch.int64)])
-        total, bad_row_count, bad_lane_count = checks.tolist()  # the one host sync
-        if bad_row_count:
-            raise_bad_table(bad_rows, freq)
-        if bad_lane_count:
-            raise_unusable_symbols(bad != 0)
-
-        # compact: lane l's word k (k counted over the whole stream) sits at flat scratch
-        # index (l + 1) * width - ends[l] + k.
-        width, device = self.width, self.device
-        shift = torch.arange(width, (self.lanes + 1) * width, width, device=device)
-        shift -= lengths.cumsum(0)
-        index = torch.arange(total, dtype=torch.int64, device=device)
-        index += shift.repeat_interleave(lengths, output_size=total)
-        return scratch.view(-1)[index], lengths
+        if self.launch is None:  # no lanes
+            words = torch.empty(0, dtype=torch.int32, device=self.device)
+            return words, torch.zeros(0, dtype=torch.int64, device=self.device)
+        scratch, summary = self.enqueue(symbols, freq)
+        total, bad_rows, bad_lanes = summary[:ENCODE_COUNTS].tolist()  # the one host sync
+        if bad_rows:
+            raise_bad_table(bad_table_rows(freq), freq)
+        if bad_lanes:
+            flags = summary[ENCODE_COUNTS + self.lanes : ENCODE_COUNTS + 2 * self.lanes]
+            raise_unusable_symbols(flags != 0)
+        return self.compact(scratch, summary, total)
 
 
 def encode_plan(
@@ -210,13 +237,12 @@ def encode_plan(
     freq: torch.Tensor,  # [lanes * g, A] int32/int64
     tables_per_stream: int,  # g
     interpret: bool,
-    kernel: LazyKernel,
     config: LaunchConfig | None = None,
 ) -> EncodePlan:
     """Build the plan of an encode for arguments shaped as these (shapes and dtypes already
     checked): check the placement, pick the launch config (``config``, else
-    :func:`~kvtier_kernels.cachegen.rans.common.launch_config`), the grid, and bind
-    ``kernel``.
+    :func:`~kvtier_kernels.cachegen.rans.common.launch_config`), the grid, and bind the
+    encoder and the compaction (the same grid).
 
     Raises:
         ValueError: tensors this backend cannot reach, or an invalid ``config``.
@@ -224,15 +250,17 @@ def encode_plan(
     device = symbols.device
     check_placement(device, interpret)
     lanes, n = symbols.shape
+    width = tables_per_stream * freq.shape[1] + n + 2  # the lane's tables, then its stream
     if not lanes:
-        return EncodePlan(None, lanes, n + 2, device)
+        return EncodePlan(None, None, lanes, width, 0, device)
+    config, grid = _grid(lanes, device, config)
+    scratch = torch.empty((lanes, width), dtype=torch.int32, device=device)
+    summary = torch.zeros(ENCODE_COUNTS + 2 * lanes + grid[0], dtype=torch.int64, device=device)
     args = (
         symbols,  # [lanes, n] uint8
         freq,  # [lanes * g, A]
-        torch.empty(freq.shape, dtype=torch.int32, device=device),  # cum_lo
-        torch.empty((lanes, n + 2), dtype=torch.int32, device=device),  # scratch
-        torch.empty(lanes, dtype=torch.int64, device=device),  # lengths
-        torch.empty(lanes, dtype=torch.int8, device=device),  # bad
+        scratch,  # [lanes, g * A + n + 2]
+        summary,  # [3 + 2 * lanes + programs]
         *symbols.stride(),
         *freq.stride(),
         lanes,
@@ -241,8 +269,13 @@ def encode_plan(
         tables_per_stream,
         max(1, n // tables_per_stream),  # segment
     )
-    launch = _bind_kernel(kernel, lanes, device, interpret, config, args, {}, per_call=6)
-    return EncodePlan(launch, lanes, n + 2, device)
+    meta = {"PROB_BITS": PROB_BITS, "RANS_LOW": RANS_LOW}
+    launch = _bind_kernel(ENCODE_KERNEL, config, grid, device, interpret, args, meta, 4)
+    words = torch.empty(2 * lanes, dtype=torch.int32, device=device)  # as a call makes it
+    meta = {"WORDS": _COMPACT_WORDS, "PROGRAMS": _COMPACT_PROGRAMS * config.block_lanes}
+    args = (scratch, summary, words, width, lanes)
+    compaction = _bind_kernel(COMPACT_KERNEL, config, grid, device, interpret, args, meta, 3)
+    return EncodePlan(launch, compaction, lanes, width, len(summary), device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,70 +283,75 @@ def encode_plan(
 # ---------------------------------------------------------------------------------------
 
 
+def _check_lengths(lengths: torch.Tensor, freq: torch.Tensor, num_words: int) -> None:
+    """The checks of a decode that launched nothing (no lanes, or no words: then a lane is
+    short or the lengths do not sum to 0), on the host: the tables, then the lengths."""
+    bad_rows = bad_table_rows(freq)
+    if bad_rows.any():
+        raise_bad_table(bad_rows, freq)
+    lengths64 = lengths.to(torch.int64)
+    if (lengths64 < 2).any():
+        raise_short_lanes(lengths64)
+    total = int(lengths64.sum())
+    if total != num_words:
+        raise_length_mismatch(total, num_words)
+
+
 class DecodePlan:
     """One decode bound to its shapes: ``plan(words, lengths, freq)`` returns the symbols
     (see the module docstring for what a call does). Built by :func:`decode_plan`."""
 
-    __slots__ = ("alphabet", "device", "lanes", "launch", "n", "rows", "scalars", "search")
-    __slots__ += ("tables",)
+    __slots__ = ("device", "lanes", "launch", "n", "rows", "scalars", "search", "tables")
 
     def __init__(
         self,
         launch: BoundLaunch | None,
         lanes: int,
         n: int,
-        freq_shape: tuple[int, int],
+        table_shape: tuple[int, int],
         device: torch.device,
         scalars: tuple[int, ...] = (),
         tables: tuple[int, int] = (1, 1),
     ) -> None:
         self.launch, self.lanes, self.n, self.device = launch, lanes, n, device
-        self.rows, self.alphabet = freq_shape
+        self.rows, self.search = table_shape  # of cum_hi
         self.scalars, self.tables = scalars, tables  # the kernel's before / after num_words
-        self.search = 1 << (self.alphabet - 1).bit_length()
 
     def enqueue(
         self, words: torch.Tensor, lengths: torch.Tensor, freq: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queue the decode without waiting for it: returns ``(out, lengths64, bad)``, the
-        symbols ``[lanes, n]``, the lengths as int64 and 1 where a lane's stream is
-        inconsistent (nothing is checked yet; with no words nothing is launched)."""
-        device, lanes, last = self.device, self.lanes, self.alphabet - 1
-        lengths64 = lengths.to(torch.int64)
-        starts = lengths64.cumsum(0)
-        starts -= lengths64  # [lanes]: where each lane's stream starts in words
-        # cum_hi[a] = freq[0] + ... + freq[a], its last real entry and the padding PROB_SCALE
-        shape = (self.rows, self.search)  # [lanes * g, SEARCH]
-        cum_hi = torch.full(shape, PROB_SCALE, dtype=torch.int32, device=device)
-        torch.cumsum(freq[:, :last], 1, dtype=torch.int32, out=cum_hi[:, :last])
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the decoder without waiting for it: returns ``(out, summary)``, the
+        symbols ``[lanes, n]`` and the summary the kernel leaves
+        (:mod:`~kvtier_kernels.cachegen.rans.kernels`; nothing is checked yet). With no
+        words nothing is launched."""
+        device, lanes = self.device, self.lanes
+        cum_hi = torch.empty((self.rows, self.search), dtype=torch.int32, device=device)
         out = torch.empty((lanes, self.n), dtype=torch.uint8, device=device)
-        bad = torch.zeros(lanes, dtype=torch.int8, device=device)
+        summary = torch.zeros(DECODE_COUNTS + lanes, dtype=torch.int64, device=device)
         num_words = words.numel()
         if self.launch is not None and num_words:
             scalars, tables = self.scalars, self.tables
-            self.launch(
-                words, starts, lengths64, freq, cum_hi, out, bad, *scalars, num_words, *tables
-            )
-        return out, lengths64, bad
+            self.launch(words, lengths, freq, cum_hi, out, summary, *scalars, num_words, *tables)
+        return out, summary
 
     def __call__(
         self, words: torch.Tensor, lengths: torch.Tensor, freq: torch.Tensor
     ) -> torch.Tensor:
-        out, lengths64, bad = self.enqueue(words, lengths, freq)
         num_words = words.numel()
-        bad_rows = bad_table_rows(freq)
-        short = lengths64 < 2
-        checks = [bad_rows.sum(), short.sum(), lengths64.sum(), bad.sum(dtype=torch.int64)]
-        bad_row_count, short_count, total, bad_lane_count = torch.stack(checks).tolist()
+        if self.launch is None or not num_words:
+            _check_lengths(lengths, freq, num_words)
+            return torch.empty((self.lanes, self.n), dtype=torch.uint8, device=self.device)
+        out, summary = self.enqueue(words, lengths, freq)
+        bad_rows, short, excess, bad_lanes = summary[:DECODE_COUNTS].tolist()
         # ^ the one host sync
-        if bad_row_count:
-            raise_bad_table(bad_rows, freq)
-        if short_count:
-            raise_short_lanes(lengths64)
-        if total != num_words:
-            raise_length_mismatch(total, num_words)
-        if bad_lane_count:
-            raise_bad_streams(bad != 0)
+        if bad_rows:
+            raise_bad_table(bad_table_rows(freq), freq)
+        if short:
+            raise_short_lanes(lengths.to(torch.int64))
+        if excess:
+            raise_length_mismatch(num_words + excess, num_words)
+        if bad_lanes:
+            raise_bad_streams(summary[DECODE_COUNTS:] != 0)
         return out
 
 
@@ -324,13 +362,12 @@ def decode_plan(
     n: int,
     tables_per_stream: int,  # g
     interpret: bool,
-    kernel: LazyKernel,
     config: LaunchConfig | None = None,
 ) -> DecodePlan:
     """Build the plan of a decode for arguments shaped as these (already validated): check
     the placement, pick the launch config (``config``, else
-    :func:`~kvtier_kernels.cachegen.rans.common.launch_config`), the grid, and bind
-    ``kernel`` (every argument passed per call: the word count changes from call to call).
+    :func:`~kvtier_kernels.cachegen.rans.common.launch_config`), the grid, and bind the
+    decoder (every argument passed per call: the word count changes from call to call).
 
     Raises:
         ValueError: tensors this backend cannot reach, or an invalid ``config``.
@@ -339,24 +376,27 @@ def decode_plan(
     check_placement(device, interpret)
     lanes = len(lengths)
     rows, alphabet = freq.shape
+    log2_search = (alphabet - 1).bit_length()
+    table_shape = (rows, 1 << log2_search)  # cum_hi: [lanes * g, SEARCH]
     if not lanes:
-        return DecodePlan(None, lanes, n, (rows, alphabet), device)
+        return DecodePlan(None, lanes, n, table_shape, device)
+    config, grid = _grid(lanes, device, config)
     out = torch.empty((lanes, n), dtype=torch.uint8, device=device)  # as a call makes it
-    scalars = (words.stride(0), *freq.stride(), *out.stride(), lanes, n)
+    scalars = (words.stride(0), lengths.stride(0), *freq.stride(), *out.stride(), lanes, n)
+    scalars += (alphabet,)
     tables = (tables_per_stream, max(1, n // tables_per_stream))  # G, segment
-    search = 1 << (alphabet - 1).bit_length()
     args = (
         words,  # [num_words]
-        torch.empty(lanes, dtype=torch.int64, device=device),  # starts
-        lengths.to(torch.int64),  # the caller's own when int64 (its alignment is keyed)
+        lengths,  # [lanes]
         freq,  # [lanes * g, A]
-        torch.empty((rows, search), dtype=torch.int32, device=device),  # cum_hi
+        torch.empty(table_shape, dtype=torch.int32, device=device),  # cum_hi
         out,  # [lanes, n] uint8
-        torch.empty(lanes, dtype=torch.int8, device=device),  # bad
+        torch.zeros(DECODE_COUNTS + lanes, dtype=torch.int64, device=device),  # summary
         *scalars,
         words.numel(),
         *tables,
     )
-    meta = {"LOG2_SEARCH": (alphabet - 1).bit_length()}
-    launch = _bind_kernel(kernel, lanes, device, interpret, config, args, meta, None)
-    return DecodePlan(launch, lanes, n, (rows, alphabet), device, scalars, tables)
+    meta = {"PROB_BITS": PROB_BITS, "RANS_LOW": RANS_LOW, "LOG2_SEARCH": log2_search}
+    meta["PREFIX"] = _DECODE_PREFIX
+    launch = _bind_kernel(DECODE_KERNEL, config, grid, device, interpret, args, meta, None)
+    return DecodePlan(launch, lanes, n, table_shape, device, scalars, tables)
