@@ -16,11 +16,13 @@ grouped by the storage they live in (vLLM's layers are views of one buffer: one 
 each group is one numpy view of its whole storage, so the kernel never sees a raw address.
 Slots are range-checked before the kernel runs (the plan's ``TorchCopy``), as for torch.
 
-The kernel reads its source in the order it lies in (a scatter the chunk token by token,
-a gather the cache a block of tokens at a time, head by head) and writes with streaming
-stores (:mod:`kvtier_kernels._numba_stores`): no destination line is read before it is
-written. That doubled a scatter into vLLM's CPU layout (13 to 25-27 GB/s, against 22-24
-for a raw copy, on this project's 2-core machine).
+The kernel reads its source in the order it lies in (a scatter the chunk token by token;
+a gather from head-major blocks, as vLLM's CPU layout's, a block of tokens at a time, head
+by head and plane by plane) and writes with streaming stores
+(:mod:`kvtier_kernels._numba_stores`): no destination line is read before it is written.
+On this project's 2-core machine, against a raw copy of the same 128 MiB timed in
+alternation, a prompt's scatter into vLLM's CPU layout went from 0.55x to 0.90-0.95x
+(20-21 GB/s) and a gather of it from 0.40x to 0.68x.
 
 The kernel is serial (:class:`~kvtier_kernels._launch.NumbaKernel` with
 ``parallel=False``: a serving engine's own thread calls it, and numba's threading layers
@@ -56,52 +58,61 @@ stream_store: Any = None  # bound to the intrinsics of kvtier_kernels._numba_sto
 store_fence: Any = None  # NumbaKernel.get(), so that importing this module never imports numba
 
 
+def move_row(src, src_at, dst, dst_at, words):
+    """``dst[dst_at : dst_at + words] = src[src_at : src_at + words]``, written with
+    streaming stores."""
+    # NOTE: a loop over a slice (indices known non-negative) compiles to vector loads;
+    # indexing the whole array does not
+    row = src[src_at : src_at + words]
+    for w in range(words):
+        stream_store(dst, dst_at + w, row[w])
+
+
 def paged_rows_kernel(
     storage, layer_base, layer_pos, row_offsets, chunk, chunk_strides, heads, row_words,
     to_chunk, start, stop, group,
 ):  # fmt: skip
     """Move the rows of layers ``[start, stop)`` of one storage group (see the module
-    docstring), reading in the order their source lies in and writing with streaming
-    stores: a scatter reads the chunk token by token (for each head the row of every
-    plane), a gather reads the cache ``group`` tokens (a block's worth) at a time, head by
-    head (in vLLM's CPU layout a block's tokens of one head sit next to each other)."""
+    docstring), reading in the order their source lies in: a gather with ``group`` > 0
+    (a cache whose blocks are head-major) reads ``group`` tokens (a block's worth) at a
+    time, head by head and plane by plane, where vLLM's CPU layout keeps them next to each
+    other; otherwise the rows go token by token, for each head the row of every plane."""
     planes = row_offsets.shape[0]
     tokens = row_offsets.shape[1] // heads
     c_plane, c_layer, c_token = chunk_strides[0], chunk_strides[1], chunk_strides[2]
     for g in range(start, stop):
         base, chunk_layer = layer_base[g], layer_pos[g] * c_layer
-        if to_chunk:
+        if to_chunk and group > 0:
             for first in range(0, tokens, group):
                 for h in range(heads):
-                    for t in range(first, min(first + group, tokens)):
-                        if row_offsets[0, t * heads] < 0:  # a negative slot: nothing moved
-                            continue
-                        for p in range(planes):
-                            cache_at = base + row_offsets[p, t * heads + h]
-                            chunk_at = chunk_layer + t * c_token + p * c_plane + h * row_words
-                            # NOTE: a loop over a slice (indices known non-negative) compiles
-                            # to vector loads; indexing the whole array does not
-                            cache_row = storage[cache_at : cache_at + row_words]
-                            for w in range(row_words):
-                                stream_store(chunk, chunk_at + w, cache_row[w])
-        else:
-            for t in range(tokens):
-                if row_offsets[0, t * heads] < 0:
-                    continue
-                chunk_token = chunk_layer + t * c_token
-                for h in range(heads):
                     for p in range(planes):
-                        cache_at = base + row_offsets[p, t * heads + h]
-                        chunk_at = chunk_token + p * c_plane + h * row_words
-                        chunk_row = chunk[chunk_at : chunk_at + row_words]
-                        for w in range(row_words):
-                            stream_store(storage, cache_at + w, chunk_row[w])
+                        for t in range(first, min(first + group, tokens)):
+                            if row_offsets[0, t * heads] >= 0:  # a negative slot: nothing
+                                cache_at = base + row_offsets[p, t * heads + h]
+                                chunk_at = chunk_layer + t * c_token + p * c_plane
+                                move_row(storage, cache_at, chunk, chunk_at + h * row_words,
+                                         row_words)  # fmt: skip
+            continue
+        for t in range(tokens):
+            if row_offsets[0, t * heads] < 0:
+                continue
+            chunk_token = chunk_layer + t * c_token
+            for h in range(heads):
+                for p in range(planes):
+                    cache_at = base + row_offsets[p, t * heads + h]
+                    chunk_at = chunk_token + p * c_plane + h * row_words
+                    if to_chunk:
+                        move_row(storage, cache_at, chunk, chunk_at, row_words)
+                    else:
+                        move_row(chunk, chunk_at, storage, cache_at, row_words)
     store_fence()  # the streaming stores are visible to every thread from here
 
 
 # one per op, so that a failed compile sends that op's ``auto`` to torch (the registry)
 NUMBA_KERNELS = {
-    to_chunk: NumbaKernel(paged_rows_kernel, op=op, parallel=False, bindings=streaming_stores)
+    to_chunk: NumbaKernel(
+        paged_rows_kernel, [move_row], op=op, parallel=False, bindings=streaming_stores
+    )
     for op, to_chunk in (("paged_gather", True), ("paged_scatter", False))
 }
 
@@ -227,10 +238,13 @@ def copy_rows(
     flat = words.as_strided((span,), (1,)).numpy()
     chunk_strides = np.array(words.stride()[:3], dtype=np.int64)
     offsets = _row_offsets(paged, slot_mapping, rows)
+    _, _, s_slot, s_head = rows.strides
+    # a gather reads a head-major block (vLLM's CPU layout, HND) head by head
+    group = paged.block_size if to_chunk and s_head > s_slot else 0
     kernel = NUMBA_KERNELS[to_chunk]
     for storage, bases, positions in rows.groups:
         args = (storage, bases, positions, offsets, flat, chunk_strides, heads, row_words, to_chunk)
-        kernel(*args, 0, len(bases), paged.block_size, work=len(bases))
+        kernel(*args, 0, len(bases), group, work=len(bases))
     return True
 
 
@@ -238,10 +252,11 @@ def numba_backend(torch_impl: Callable, to_chunk: bool) -> Callable:
     """A paged copy's numba backend: :func:`copy_rows` where it applies, else
     ``torch_impl`` (the torch backend, same contract). A gather of whole blocks of
     evenly spaced layers is left to torch's one ``index_select`` of block slices
-    (:func:`~kvtier_kernels.paged.rows.copy_whole_blocks`), which moved a prompt from
-    vLLM's CPU layout at 0.65x a raw copy against 0.41x for this kernel; a scatter
-    always runs here (a prompt's retrieve: torch's ``index_copy_`` of the same slices
-    0.32x, this kernel 0.56x; 2-core machine)."""
+    (:func:`~kvtier_kernels.paged.rows.copy_whole_blocks`): a prompt's store from vLLM's
+    CPU layout ran at 0.62x a raw copy there against 0.53-0.60x with this kernel (the two
+    copies alone: 0.66-0.69x each); a scatter always runs here (a prompt's retrieve:
+    torch's ``index_copy_`` of the same slices 0.32x, this kernel 0.82-0.90x; 2-core
+    machine)."""
 
     @NUMBA_KERNELS[to_chunk].falling_back_to(torch_impl)
     def run(paged: PagedKV, slot_mapping: torch.Tensor, chunk: torch.Tensor, layers=None):
