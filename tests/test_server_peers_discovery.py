@@ -1,8 +1,8 @@
 """``kvtier serve`` processes that find their peers through a real redis-server
-(``--peer-discovery``, no ``--peer``): b pulls what only a holds, a server stopped or
-killed leaves the others' peer lists (at once, or once its key expires), groups keep
-clusters apart, and a Redis down at start-up is one warning, shown by /health, and
-discovery works once it is back."""
+(``--peer-discovery``, no ``--peer``): b pulls what only a holds (over TCP, or with NIXL
+in ``auto``), a server stopped or killed leaves the others' peer lists (at once, or once
+its key expires), groups keep clusters apart, and a Redis down at start-up is one warning,
+shown by /health, and discovery works once it is back."""
 
 from __future__ import annotations
 
@@ -15,9 +15,21 @@ from support.kvtier_server import KVTierServerProcess
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 from support.tiers import check_served, make_pool, remote_manager, store_chunks, wait_until
 
+from kvtier.server.nixl import NixlUnavailable, import_nixl
+
 pytestmark = [pytest.mark.redis, pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)]
 
 TTL_S = 2  # --peer-discovery-ttl: refreshed every 0.67 s
+
+
+def nixl_available() -> bool:
+    try:
+        import_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
+
 TOKEN = "peers-token"
 PASSWORD = "s3cret-pw"
 
@@ -29,7 +41,7 @@ def pool():
     pool.close()
 
 
-def server(discovery: str, *args: str) -> KVTierServerProcess:
+def server(discovery: str, *args: str, transport: str = "tcp") -> KVTierServerProcess:
     """A server that registers in ``discovery`` (the peers' calls bounded by 1 s)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
         config.write("remote_timeout_ms: 1000\nremote_reconnect_max_ms: 200\n")
@@ -41,7 +53,7 @@ def server(discovery: str, *args: str) -> KVTierServerProcess:
         "--peer-discovery-ttl",
         str(TTL_S),
         "--peer-transport",
-        "tcp",
+        transport,
         "--auth-token",
         TOKEN,
         *args,
@@ -130,3 +142,33 @@ def test_a_redis_down_at_start_is_one_warning_and_discovery_works_once_it_is_bac
             wait_until(lambda: peer_urls(y) == {x.url}, timeout=3 * TTL_S + 5)
             assert get(x, "/health")["tiers"]["discovery"]["error"] is None
             assert "peer discovery through" in x.log() and "works again" in x.log()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs nixl (make test installs nixl-cu13)")
+def test_discovered_peers_pull_with_nixl_and_a_peer_that_leaves_takes_its_pool(pool):
+    """Discovery finds a peer as ``--peer`` names one: in ``auto`` its pulls are NIXL
+    READs; a peer that leaves is dropped with its NIXL pool, and one that joins later is
+    pulled with NIXL in turn."""
+    with RedisServer() as redis, server(redis.url, transport="auto") as b:
+
+        def pulls_with_nixl(holder: KVTierServerProcess, chunks: range) -> None:
+            wait_until(lambda: peer_urls(b) == {holder.url}, timeout=3 * TTL_S + 5)
+            before = get(b, "/stats")
+            writer = remote_manager(holder.url, server_token=TOKEN)
+            objs = store_chunks(writer, pool, chunks)
+            writer.close()
+            check_served(b.url, objs, remote_timeout_ms=3000, server_token=TOKEN)
+            values = get(b, "/stats")
+            assert values["peer_hits"] - before.get("peer_hits", 0) == len(chunks), values
+            assert values.get("peer_fallbacks", 0) == 0, values
+            assert values["peer_bytes_nixl"] > before.get("peer_bytes_nixl", 0), values
+            assert get(b, "/health")["tiers"]["peers"][holder.url]["transport"] == "nixl"
+
+        with server(redis.url, transport="auto") as a:
+            pulls_with_nixl(a, range(4))
+            assert a.terminate() == 0
+            wait_until(lambda: peer_urls(b) == set(), timeout=TTL_S + 5)
+            assert "is no longer registered: dropped" in b.log()
+        with server(redis.url, transport="auto") as c:
+            pulls_with_nixl(c, range(4, 8))
+        assert get(b, "/health")["status"] == "ok" and b.process.poll() is None
