@@ -7,10 +7,10 @@ A paged copy writes each byte once and reads none of them back: with ordinary st
 destination cache line is first read from memory (read for ownership), so a copy moves
 three bytes over the memory bus for every two a streaming store moves, and it evicts the
 cache's useful lines besides. ``stream_store`` is an LLVM store carrying ``!nontemporal``:
-on x86-64 a ``movnti`` that writes through the write-combining buffers (a scatter into
-vLLM's CPU layout went from 13 to 27 GB/s on this project's 2-core machine; its raw copy
-runs at 22-24); on a target without such a store LLVM emits an ordinary one, so the result
-is the same bytes everywhere. Streaming stores are weakly ordered, so a kernel that makes
+on x86-64 a ``movnti`` that writes through the write-combining buffers (a prompt's
+scatter into vLLM's CPU layout went from 0.55x to 0.90-0.95x of a raw copy of the same
+bytes on this project's 2-core machine); on a target without such a store LLVM emits an
+ordinary one, so the result is the same bytes everywhere. Streaming stores are weakly ordered, so a kernel that makes
 them ends with ``store_fence()`` (an LLVM ``fence seq_cst``: ``mfence`` on x86-64), after
 which every other thread sees them: the kernel's caller may hand the memory on at once.
 """

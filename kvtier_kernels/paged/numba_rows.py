@@ -30,8 +30,8 @@ must stay out of that thread), and it runs on the caller's thread alone. NOTE: s
 a second Python thread (the kernel releases the GIL) it ran faster alone, but slower in
 an engine: right after a torch op the OpenMP threads of torch (vLLM's CPU forward pass
 uses them) spin-wait on the cores, and the second thread competed with them (retrieve of
-a prompt at 0.47x a raw copy split, 0.56x on one thread, on this project's 2-core
-machine). Where this backend does not apply (a chunk or cache not on the CPU, a chunk
+a prompt at 0.79-0.81x a raw copy split, 0.84x on one thread; a store 0.57-0.59x split;
+this project's 2-core machine). Where this backend does not apply (a chunk or cache not on the CPU, a chunk
 whose rows are not contiguous, head rows that are not contiguous in the cache, no integer
 word both sides allow) the call runs the torch backend.
 """
