@@ -252,7 +252,10 @@ def _in_engine_process(phase: str, *args: Any) -> dict[str, Any]:
     """Run ``_engine_phase`` in a fresh process (spawned: a clean vLLM and kvtier)."""
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        return pool.apply(_engine_phase, (phase, *args))
+        result = pool.apply(_engine_phase, (phase, *args))
+        pool.close()  # the worker exits on its own and releases what it holds (a pool
+        pool.join()  # left by ``with`` is terminated: its semaphores leak)
+    return result
 
 
 def _engine_phase(
