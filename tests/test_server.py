@@ -29,8 +29,9 @@ from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import StoreUnavailable
+from kvtier.storage.node_address import parse_server_url
 from kvtier.storage.node_protocol import Op
-from kvtier.storage.node_store import KVTierStore, parse_server_url
+from kvtier.storage.node_store import KVTierStore
 
 TIMEOUT_MS = 500
 

@@ -28,8 +28,9 @@ from kvtier.server.blobs import open_memory, put_in_memory, read_in_memory
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import StoreUnavailable
+from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_protocol import Op
-from kvtier.storage.node_store import KVTierStore, parse_server_address
+from kvtier.storage.node_store import KVTierStore
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="no writable /dev/shm")
 

@@ -34,8 +34,8 @@ from kvtier.server.discovery import (
     advertised,
     check_group,
 )
+from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
-from kvtier.storage.node_store import parse_server_address
 from kvtier.storage.redis_url import parse_url
 
 PEER_TRANSPORTS = ("auto", "nixl", "tcp")

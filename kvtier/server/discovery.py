@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from kvtier.config import KVTierConfig
 from kvtier.observability.stats import Stats
 from kvtier.storage.blob_store import Buffer, StoreUnavailable
-from kvtier.storage.node_store import parse_server_address
+from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.redis_url import parse_url
 from kvtier.storage.schemes import load_module, redact_url
 

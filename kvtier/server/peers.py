@@ -49,8 +49,9 @@ from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
 from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.health import Health, fault_reason
+from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_protocol import Op
-from kvtier.storage.node_store import KVTierStore, parse_server_address
+from kvtier.storage.node_store import KVTierStore
 from kvtier.storage.serde import CorruptObject, tensor_bytes
 from kvtier.storage.wire import split, verify_payload
 from kvtier.warn import warn_once

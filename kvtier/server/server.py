@@ -1,11 +1,12 @@
 """``KVTierServer``: the asyncio TCP server behind ``kvtier serve``.
 
 One coroutine per client connection reads frames (``protocol``), one at a time, and
-answers each with one reply frame. The blob work runs on a small thread pool
-(``BlobCache`` may touch the disk or a remote), so a slow disk never stalls the event
-loop or the other clients. Blobs cross the socket without copies of the server's own
-(``kvtier.server.sockets``, ``kvtier.server.transfer``): a PUT's blobs are read straight
-into memory-tier buffers, and a GET is sent from the buffers the blobs are kept in.
+answers each with one reply frame. The blob work (``kvtier.server.handlers``) runs on a
+small thread pool (``BlobCache`` may touch the disk or a remote), so a slow disk never
+stalls the event loop or the other clients. Blobs cross the socket without copies of
+the server's own (``kvtier.server.sockets``, ``kvtier.server.transfer``): a PUT's blobs
+are read straight into memory-tier buffers, and a GET is sent from the buffers the blobs
+are kept in.
 
 NOTE: a connection that sends anything the protocol forbids — a bad magic, another
 version, an unknown op, a frame over the size limit, a header that is not a CBOR map, a
@@ -45,20 +46,12 @@ from typing import Any
 
 from kvtier.observability.stats import Stats
 from kvtier.server import shm, sockets
-from kvtier.server.blobs import view_of
 from kvtier.server.cache import BlobCache
+from kvtier.server.handlers import RequestHandlers
 from kvtier.server.leases import Leases
 from kvtier.server.nixl import NixlPlane
 from kvtier.server.shm import ShmRefused
-from kvtier.server.transfer import (
-    Placement,
-    Received,
-    Reply,
-    Session,
-    carries_blobs,
-    let_go,
-    take_data,
-)
+from kvtier.server.transfer import Received, Reply, Session, carries_blobs, let_go
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.node_protocol import Frame, Op, ProtocolError
 
@@ -107,9 +100,7 @@ class KVTierServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_clients = max_clients
         self.max_shm_bytes = max_shm_bytes
-        self.plane = plane
         self.leases = leases
-        self._open_plane = open_plane
         self.clients = 0
         self.shm_clients = 0
         self._in_flight = 0
@@ -119,6 +110,20 @@ class KVTierServer:
         self._listeners: list[socket.socket] = []
         self._accepting: list[asyncio.Task] = []
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvtier-server-io")
+        self._handlers = RequestHandlers(
+            cache,
+            stats,
+            max_frame_bytes=max_frame_bytes,
+            plane=plane,
+            leases=leases,
+            open_plane=open_plane,
+            snapshot=self.snapshot,
+        )
+
+    @property
+    def plane(self) -> NixlPlane | None:
+        """The NIXL plane peers read the memory pool through, once set up (None: none)."""
+        return self._handlers.plane
 
     async def start(self) -> None:
         self._listeners = sockets.listen(self.host, self.port)
@@ -302,8 +307,7 @@ class KVTierServer:
     async def _answer(
         self, sock: socket.socket, frame: Frame, session: Session, blobs: list[Received] | None
     ) -> None:
-        handler = _HANDLERS.get(frame.op)
-        if handler is None:  # a second HELLO
+        if not self._handlers.knows(frame.op):  # a second HELLO
             let_go(blobs)
             await self._fail(sock, frame.request_id, "malformed", f"unexpected {frame.op.name}")
             raise ConnectionError
@@ -314,10 +318,12 @@ class KVTierServer:
         try:
             loop = asyncio.get_running_loop()
             if blobs is None:
-                reply = await loop.run_in_executor(self._pool, handler, self, frame, session)
+                reply = await loop.run_in_executor(
+                    self._pool, self._handlers.answer, frame, session
+                )
             else:
                 reply = await loop.run_in_executor(
-                    self._pool, self._put_received, frame, session, blobs
+                    self._pool, self._handlers.put_received, frame, session, blobs
                 )
         except ProtocolError as exc:
             self.stats.inc("request_errors")
@@ -357,163 +363,6 @@ class KVTierServer:
             await sockets.send_parts(loop, sock, parts)
             await sockets.linger(loop, sock)
 
-    # -- requests (on the thread pool) -------------------------------------------------
-
-    def _ping(self, frame: Frame, session: Session):
-        return Reply({})
-
-    def _exists(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
-        present = self.cache.exists_many(session.namespace, names, peers=not session.peer)
-        return Reply({"present": present})
-
-    def _get(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
-        region = None
-        if "shm" in frame.header:
-            region = shm.region_of(frame.header["shm"], session.segment)
-        lend = frame.header.get("pool") is True and session.segment is not None
-        arena = self.cache.arena if lend and self.leases is not None else None
-        place = Placement(session.segment, region, self.max_frame_bytes, arena)
-        # blobs in memory are lent where they lie or sent from their own buffers, held
-        # until sent; the rest (disk, peers, remote) are read into bytes of their own
-        held = self.cache.hold_many(session.namespace, names)
-        missing = [name for name, obj in zip(names, held, strict=True) if obj is None]
-        fetched = iter(
-            self.cache.read_many(session.namespace, missing, bytes, peers=not session.peer)
-        )
-        found = [
-            place.take(view_of(obj), obj) if obj is not None else take_data(place, next(fetched))
-            for obj in held
-        ]
-        sizes = [size for size, _ in found]
-        hits = sum(s >= 0 for s in sizes)
-        self.stats.inc("get_hits", hits)
-        self.stats.inc("get_misses", len(names) - hits)
-        self.stats.inc("bytes_shm_out", place.shm_bytes)
-        header: dict[str, Any] = {"sizes": sizes}
-        if region is not None:
-            header["shm"] = [offset for _, offset in found]
-        if arena is not None and self.leases is not None:
-            self.leases.expire()  # one past its time (a client stuck mid-copy) lets go here
-            header["pool"], header["lease"] = place.lent_at, 0
-            if place.lent:
-                header["lease"] = self.leases.grant(place.lent)
-                session.leases.add(header["lease"])
-        return Reply(header, place.parts, place.held)
-
-    def _put(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
-        if "pool" in frame.header:
-            return self._put_in_place(frame, session, names)
-        if "shm" in frame.header:
-            sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
-            if frame.payload:
-                raise shm.ShmRefError("a PUT with shm references carries no payload")
-            extents = shm.extents_of(frame.header["shm"], sizes, session.segment)
-            assert session.segment is not None
-            with memoryview(session.segment.mm) as view:
-                blobs = [view[offset : offset + size] for offset, size in extents]
-                try:
-                    stored = self._store(session.namespace, names, blobs)
-                finally:  # no view of the segment may outlive the request: it blocks unmap
-                    for blob in blobs:
-                        blob.release()
-            self.stats.inc("bytes_shm_in", sum(sizes))
-        else:
-            sizes = protocol.sizes_of(frame.header, len(names), len(frame.payload), absent_ok=False)
-            stored = self._store(
-                session.namespace, names, protocol.split_payload(frame.payload, sizes)
-            )
-        return self._stored(len(names), stored)
-
-    def _put_in_place(self, frame: Frame, session: Session, names: list[str]) -> Reply:
-        """A same-host client's PUT into the shared memory tier (``Session.reserve``: the
-        client writes its blobs there itself, then ``Session.commit`` stores them)."""
-        sizes = protocol.sizes_of(frame.header, len(names), None, absent_ok=False)
-        step = frame.header["pool"]
-        if self.cache.arena is None or session.segment is None or frame.payload:
-            raise shm.ShmRefError("a PUT into memory needs shared memory and no payload")
-        if step == "reserve":
-            return Reply({"pool": session.reserve(self.cache, names, sizes)})
-        if step != "commit":
-            raise shm.ShmRefError(f"'pool' must be 'reserve' or 'commit', not {step!r}")
-        count, stored = session.commit(self.cache, names, sizes)
-        self.stats.inc("bytes_shm_in", sum(sizes))
-        return self._stored(count, stored)
-
-    def _put_received(self, frame: Frame, session: Session, blobs: list[Received]):
-        """A PUT whose blobs arrived in memory-tier buffers (``_receivers``): kept as they
-        are, not copied again."""
-        names = protocol.names_of(frame.header)
-        stored = sum(
-            self.cache.put_received(session.namespace, name, blob.obj, blob.view)
-            for name, blob in zip(names, blobs, strict=True)
-        )
-        return self._stored(len(names), stored)
-
-    def _stored(self, count: int, stored: int) -> Reply:
-        self.stats.inc("puts", stored)
-        self.stats.inc("puts_refused", count - stored)
-        return Reply({"stored": stored})
-
-    def _store(self, namespace: str, names: list[str], blobs) -> int:
-        return sum(
-            self.cache.put(namespace, name, blob)
-            for name, blob in zip(names, blobs, strict=True)
-            if blob is not None
-        )
-
-    def _delete(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
-        return Reply({"deleted": self.cache.delete(session.namespace, names)})
-
-    def _clear(self, frame: Frame, session: Session):
-        return Reply({"deleted": self.cache.clear(session.namespace)})
-
-    def _ready_plane(self) -> NixlPlane | None:
-        """The NIXL plane; a server without peers of its own sets it up when a peer first
-        asks for it (its first PEER or LEASE; a fraction of a second, once), not at start."""
-        if self.plane is None and self._open_plane is not None:
-            self.plane, self._open_plane = self._open_plane(), None
-        return self.plane
-
-    def _peer(self, frame: Frame, session: Session):
-        plane = self._ready_plane()
-        if plane is None:
-            return Reply(_NO_NIXL)
-        return Reply(plane.handshake())
-
-    def _lease(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
-        if self._ready_plane() is None or self.leases is None:
-            return Reply(_NO_NIXL)
-        objs = self.cache.lease(session.namespace, names)
-        held = [obj for obj in objs if obj is not None]
-        lease = self.leases.grant(held)
-        self.plane.wake()
-        self.stats.inc("peer_leases")
-        self.stats.inc("peer_leased_blobs", len(held))
-        return Reply(
-            {
-                "lease": lease,
-                "agent": self.plane.name,
-                "epoch": self.plane.epoch,
-                "sizes": [-1 if obj is None else obj.data_nbytes - 1 for obj in objs],
-                "offsets": [-1 if obj is None else obj.offset for obj in objs],
-            }
-        )
-
-    def _release(self, frame: Frame, session: Session):
-        lease = frame.header.get("lease")
-        if type(lease) is not int or self.leases is None:
-            raise ProtocolError("'lease' must be an integer")
-        session.leases.discard(lease)
-        return Reply({"held": self.leases.release(lease)})
-
-    def _stats(self, frame: Frame, session: Session):
-        return Reply(self.snapshot())
-
     def snapshot(self) -> dict[str, float]:
         """Every counter and gauge (thread-safe: the admin API reads it)."""
         return {
@@ -522,19 +371,3 @@ class KVTierServer:
             "clients_connected": self.clients,
             "shm_clients_connected": self.shm_clients,
         }
-
-
-_NO_NIXL = {"nixl": False, "reason": "the peer runs without NIXL"}
-_Handler = Callable[[KVTierServer, Frame, Session], Reply]
-_HANDLERS: dict[Op, _Handler] = {
-    Op.PING: KVTierServer._ping,
-    Op.EXISTS: KVTierServer._exists,
-    Op.GET: KVTierServer._get,
-    Op.PUT: KVTierServer._put,
-    Op.DELETE: KVTierServer._delete,
-    Op.CLEAR: KVTierServer._clear,
-    Op.STATS: KVTierServer._stats,
-    Op.PEER: KVTierServer._peer,
-    Op.LEASE: KVTierServer._lease,
-    Op.RELEASE: KVTierServer._release,
-}

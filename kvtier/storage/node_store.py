@@ -32,14 +32,13 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
-from kvtier.storage.files import advance, byte_views
+from kvtier.storage.node_address import parse_server_address
+from kvtier.storage.node_connection import Connection, recv
 from kvtier.storage.node_protocol import Op, ProtocolError
 from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Arenas, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
@@ -47,107 +46,7 @@ from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
-REUSED_BYTES = DEFAULT_SEGMENT_BYTES  # a connection's reply buffer, kept between replies
 READ_BATCH = 8  # blobs per read while reading the server's memory (``read_batch``)
-_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-@dataclass(frozen=True, slots=True)
-class ServerAddress:
-    """A parsed ``kvtier://host:port[?shm=0|1][&shm_mb=N]``."""
-
-    host: str
-    port: int
-    shm: bool = True
-    shm_bytes: int = DEFAULT_SEGMENT_BYTES
-
-
-def parse_server_address(url: str) -> ServerAddress:
-    """The address and options of ``kvtier://host:port`` or ``lm://host:port``.
-
-    Raises:
-        ValueError: naming ``remote_url`` and the accepted form.
-    """
-    form = (
-        f"remote_url {url!r}: expected kvtier://host:port (or lm://host:port), optionally "
-        "with ?shm=0 (no shared memory) or ?shm_mb=N, e.g. kvtier://127.0.0.1:65432"
-    )
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise ValueError(form) from None
-    options = dict(query)
-    if not host or port is None or parts.path not in ("", "/") or len(options) != len(query):
-        raise ValueError(form)
-    address = ServerAddress(host, port)
-    try:
-        for name, value in options.items():
-            if name == "shm":
-                address = replace(address, shm=_FLAGS[value.lower()])
-            elif name == "shm_mb":
-                size = int(float(value) * 2**20)
-                if not shm.MIN_SEGMENT_BYTES <= size <= 1 << 40:
-                    raise ValueError
-                address = replace(address, shm_bytes=size)
-            else:
-                raise ValueError
-    except (KeyError, ValueError):
-        raise ValueError(form) from None
-    return address
-
-
-def parse_server_url(url: str) -> tuple[str, int]:
-    """``(host, port)`` of ``kvtier://host:port`` or ``lm://host:port`` (see
-    ``parse_server_address``)."""
-    address = parse_server_address(url)
-    return address.host, address.port
-
-
-class _Connection:
-    """One TCP connection that has said HELLO, with its shared-memory segment when the
-    server mapped one, and the server's memory tier when it offered it (``arenas``)."""
-
-    def __init__(self, sock: socket.socket, max_frame: int, arenas: Arenas):
-        self.sock = sock
-        self.max_frame = max_frame
-        self.segment: Segment | None = None
-        self.arena: Segment | None = None
-        self.owed: list[int] = []  # requests sent whose replies are still to be read
-        self._arenas = arenas
-        self._inbox = bytearray()  # reply payloads, reused (see ``receive``)
-
-    def send(self, parts: Sequence[Buffer]) -> None:
-        """Send ``parts`` in order with as few ``sendmsg`` calls as the kernel allows
-        (none of them copied or joined)."""
-        views = byte_views(parts)
-        while views:
-            views = advance(views, self.sock.sendmsg(views[:IOV_MAX]))
-
-    def receive(self, size: int) -> memoryview:
-        """The next ``size`` bytes, in a buffer the connection reuses up to
-        ``REUSED_BYTES`` (so a large reply does not fault in fresh pages each time): valid
-        until the next call."""
-        if size > REUSED_BYTES:
-            buffer = bytearray(size)
-        else:
-            if len(self._inbox) < size:
-                self._inbox = bytearray(size)
-            buffer = self._inbox
-        view = memoryview(buffer)[:size]
-        _recv_into(self.sock, view)
-        return view
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        if self.segment is not None:
-            self.segment.close()
-        if self.arena is not None:
-            self._arenas.release(self.arena)
-            self.arena = None
 
 
 class KVTierStore:
@@ -187,7 +86,7 @@ class KVTierStore:
         self.namespace = namespace
         self._token = token
         self._timeout_s = timeout_s
-        self._idle: list[_Connection] = []
+        self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._ids = itertools.count(1)
@@ -201,10 +100,10 @@ class KVTierStore:
 
     # -- connections -------------------------------------------------------------------
 
-    def _connect(self) -> _Connection:
+    def _connect(self) -> Connection:
         sock = socket.create_connection((self.host, self.port), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES, self._arenas)
+        conn = Connection(sock, protocol.DEFAULT_MAX_FRAME_BYTES, self._arenas)
         hello: dict[str, Any] = {"token": self._token, "namespace": self.namespace}
         if self._peer:
             hello["peer"] = True
@@ -247,7 +146,7 @@ class KVTierStore:
         header."""
         return self._on_connection(op, lambda conn: self._exchange(conn, op, header, parts)[0])
 
-    def _on_connection(self, op: Op, call: Callable[[_Connection], T]) -> T:
+    def _on_connection(self, op: Op, call: Callable[[Connection], T]) -> T:
         """``call(conn)`` on a pooled connection, which goes back to the pool after.
 
         Raises:
@@ -287,7 +186,7 @@ class KVTierStore:
             self._slots.release()
 
     def _exchange(
-        self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
+        self, conn: Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
     ) -> tuple[dict[str, Any], memoryview]:
         """One request and its reply: the reply's header and payload (valid until the
         connection's next exchange)."""
@@ -295,7 +194,7 @@ class KVTierStore:
         return reply, conn.receive(payload_len)
 
     def _ask(
-        self, conn: _Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
+        self, conn: Connection, op: Op, header: dict[str, Any], parts: Sequence[Buffer]
     ) -> tuple[dict[str, Any], int]:
         """Send a request and read its reply's header: that and the length of the payload
         that follows it on the connection (for the caller to read). The replies still
@@ -307,18 +206,18 @@ class KVTierStore:
             conn.receive(self._reply(conn, earlier)[1])
         return self._reply(conn, request_id)
 
-    def _tell(self, conn: _Connection, op: Op, header: dict[str, Any]) -> None:
+    def _tell(self, conn: Connection, op: Op, header: dict[str, Any]) -> None:
         """Send a request without waiting for its reply: the server answers in order, so
         the next request on the connection reads it (``_ask``)."""
         request_id = next(self._ids)
         conn.send(protocol.encode(op, request_id, header, ()))
         conn.owed.append(request_id)
 
-    def _reply(self, conn: _Connection, request_id: int) -> tuple[dict[str, Any], int]:
+    def _reply(self, conn: Connection, request_id: int) -> tuple[dict[str, Any], int]:
         """The header of the reply to ``request_id``, next on the connection, and the
         length of its payload."""
-        prefix = protocol.decode_prefix(_recv(conn.sock, protocol.PREFIX_SIZE), conn.max_frame)
-        reply = protocol.decode_header(_recv(conn.sock, prefix.header_len))
+        prefix = protocol.decode_prefix(recv(conn.sock, protocol.PREFIX_SIZE), conn.max_frame)
+        reply = protocol.decode_header(recv(conn.sock, prefix.header_len))
         if "error" in reply:
             raise ProtocolError(f"the server answered: {reply['error']}")
         if prefix.request_id != request_id or not prefix.flags & protocol.REPLY:
@@ -349,7 +248,7 @@ class KVTierStore:
         return min(limit, self._shm_bytes) if self.shm_active and not self._in_place else limit
 
     def _put_batch(self, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
-        def put(conn: _Connection) -> None:
+        def put(conn: Connection) -> None:
             rest = self._put_in_place(conn, conn.arena, batch) if conn.arena else batch
             if rest:
                 self._put_sent(conn, rest)
@@ -357,7 +256,7 @@ class KVTierStore:
         self._on_connection(Op.PUT, put)
 
     def _put_in_place(
-        self, conn: _Connection, arena: Segment, batch: list[tuple[str, Sequence[Buffer]]]
+        self, conn: Connection, arena: Segment, batch: list[tuple[str, Sequence[Buffer]]]
     ) -> list[tuple[str, Sequence[Buffer]]]:
         """Write the blobs into buffers the server sets aside in its memory tier, then
         commit them; returns those it had no room for."""
@@ -371,7 +270,7 @@ class KVTierStore:
         self._exchange(conn, Op.PUT, {**header, "pool": "commit"}, ())
         return [item for item, offset in zip(batch, offsets, strict=True) if offset < 0]
 
-    def _put_sent(self, conn: _Connection, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
+    def _put_sent(self, conn: Connection, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
         """The blobs through the connection's segment when they fit there, else inline."""
         names = [name for name, _ in batch]
         sizes = [_blob_bytes(parts) for _, parts in batch]
@@ -415,7 +314,7 @@ class KVTierStore:
         return READ_BATCH if self._in_place else 1
 
     def _read(
-        self, conn: _Connection, names: list[str], consume: Callable[[int, memoryview], T]
+        self, conn: Connection, names: list[str], consume: Callable[[int, memoryview], T]
     ) -> list[T | None]:
         header: dict[str, Any] = {"names": names}
         segment, arena = conn.segment, conn.arena
@@ -502,21 +401,6 @@ class KVTierStore:
 
 def _blob_bytes(parts: Sequence[Buffer]) -> int:
     return sum(len(p) for p in parts)
-
-
-def _recv(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    _recv_into(sock, memoryview(buffer))
-    return buffer
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got, size = 0, len(view)
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionResetError("the server closed the connection")
-        got += n
 
 
 def open_store(request: RemoteRequest) -> KVTierStore:

@@ -1,0 +1,66 @@
+"""The address of a ``kvtier serve``: ``kvtier://host:port`` (and LMCache's spelling
+``lm://host:port``, read the same way), with the client's options in the query
+(``?shm=0`` turns the shared-memory offer off, ``?shm_mb=N`` sizes the segment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from urllib.parse import parse_qsl, urlsplit
+
+from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
+
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerAddress:
+    """A parsed ``kvtier://host:port[?shm=0|1][&shm_mb=N]``."""
+
+    host: str
+    port: int
+    shm: bool = True
+    shm_bytes: int = DEFAULT_SEGMENT_BYTES
+
+
+def parse_server_address(url: str) -> ServerAddress:
+    """The address and options of ``kvtier://host:port`` or ``lm://host:port``.
+
+    Raises:
+        ValueError: naming ``remote_url`` and the accepted form.
+    """
+    form = (
+        f"remote_url {url!r}: expected kvtier://host:port (or lm://host:port), optionally "
+        "with ?shm=0 (no shared memory) or ?shm_mb=N, e.g. kvtier://127.0.0.1:65432"
+    )
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise ValueError(form) from None
+    options = dict(query)
+    if not host or port is None or parts.path not in ("", "/") or len(options) != len(query):
+        raise ValueError(form)
+    address = ServerAddress(host, port)
+    try:
+        for name, value in options.items():
+            if name == "shm":
+                address = replace(address, shm=_FLAGS[value.lower()])
+            elif name == "shm_mb":
+                size = int(float(value) * 2**20)
+                if not MIN_SEGMENT_BYTES <= size <= 1 << 40:
+                    raise ValueError
+                address = replace(address, shm_bytes=size)
+            else:
+                raise ValueError
+    except (KeyError, ValueError):
+        raise ValueError(form) from None
+    return address
+
+
+def parse_server_url(url: str) -> tuple[str, int]:
+    """``(host, port)`` of ``kvtier://host:port`` or ``lm://host:port`` (see
+    ``parse_server_address``)."""
+    address = parse_server_address(url)
+    return address.host, address.port
