@@ -10,6 +10,7 @@ path), into which ``pip install`` puts kvtier from this checkout, as a user woul
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -63,6 +64,7 @@ def _run(python: Path, program: str, timeout: float = 300) -> str:
         text=True,
         timeout=timeout,
         cwd=python.parent,  # not the checkout: kvtier must come from the install
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # nor from a path
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
