@@ -13,25 +13,14 @@ import time
 import urllib.request
 
 import pytest
-from support.kvtier_server import KVTierServerProcess
+from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, nixl_installed
 from support.tiers import check_served as served
 from support.tiers import key, make_pool, remote_manager, store_chunks, wait_until
-
-from kvtier.server.nixl import NixlUnavailable, import_nixl
 
 TIMEOUT_MS = 1000  # the servers' remote_timeout_ms, under their readers' (READER_TIMEOUT_MS)
 READER_TIMEOUT_MS = 3000  # a loaded 2-core CI machine: a peer's answer may take a second
 
 
-def nixl_installed() -> bool:
-    try:
-        import_nixl()
-    except NixlUnavailable:
-        return False
-    return True
-
-
-NIXL_MISSING = "NIXL is not installed (pip install --no-deps nixl-cu13 numpy; make test does)"
 TRANSPORTS = [
     "tcp",
     pytest.param("nixl", marks=pytest.mark.skipif(not nixl_installed(), reason=NIXL_MISSING)),

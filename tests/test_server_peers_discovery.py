@@ -11,23 +11,13 @@ import tempfile
 import urllib.request
 
 import pytest
-from support.kvtier_server import KVTierServerProcess
+from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, nixl_installed
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 from support.tiers import check_served, make_pool, remote_manager, store_chunks, wait_until
-
-from kvtier.server.nixl import NixlUnavailable, import_nixl
 
 pytestmark = [pytest.mark.redis, pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)]
 
 TTL_S = 2  # --peer-discovery-ttl: refreshed every 0.67 s
-
-
-def nixl_available() -> bool:
-    try:
-        import_nixl()
-    except NixlUnavailable:
-        return False
-    return True
 
 
 TOKEN = "peers-token"
@@ -144,7 +134,7 @@ def test_a_redis_down_at_start_is_one_warning_and_discovery_works_once_it_is_bac
             assert "peer discovery through" in x.log() and "works again" in x.log()
 
 
-@pytest.mark.skipif(not nixl_available(), reason="needs nixl (make test installs nixl-cu13)")
+@pytest.mark.skipif(not nixl_installed(), reason=NIXL_MISSING)
 def test_discovered_peers_pull_with_nixl_and_a_peer_that_leaves_takes_its_pool(pool):
     """Discovery finds a peer as ``--peer`` names one: in ``auto`` its pulls are NIXL
     READs; a peer that leaves is dropped with its NIXL pool, and one that joins later is

@@ -19,26 +19,16 @@ from __future__ import annotations
 import pytest
 from conftest import BLOCK, CHUNK
 from support.engines import expected_loaded, kv_transfer_config, prompts_of
-from support.kvtier_server import KVTierServerProcess, free_port
+from support.kvtier_server import KVTierServerProcess, free_port, nixl_installed
 from support.models import add_word_tokenizer, make_tiny_llama
 from support.routing import ProxyProcess
 from support.tiers import wait_until
 from support.vllm_openai import VllmServer, post_json
 
-from kvtier.server.nixl import NixlUnavailable, import_nixl
-
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
 HITS = "vllm:external_prefix_cache_hits_total"
-
-
-def nixl_available() -> bool:
-    try:
-        import_nixl()
-    except NixlUnavailable:
-        return False
-    return True
 
 
 class Nodes:
@@ -151,7 +141,7 @@ def test_pd_across_nodes_through_the_proxy(nodes):
 
 
 def test_pulls_are_nixl_reads_once_server_b_may_use_nixl(nodes):
-    if not nixl_available():
+    if not nixl_installed():
         pytest.skip("NIXL is not installed: pulls stay on TCP (the test above)")
     server_b = nodes.server_b
     server_b.kill()

@@ -24,9 +24,22 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvtier.server.nixl import NixlUnavailable, import_nixl
 from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.node_store import KVTierStore
 from support.redis_server import free_port
+
+NIXL_MISSING = "NIXL is not installed (pip install --no-deps nixl-cu13 numpy; make test does)"
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL imports here (its peer transport can run)."""
+    try:
+        import_nixl()
+    except NixlUnavailable:
+        return False
+    return True
+
 
 ROOT = Path(__file__).resolve().parents[2]
 __all__ = ["KVTierServerProcess", "free_port", "serve_command"]
