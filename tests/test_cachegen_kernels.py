@@ -116,19 +116,28 @@ def test_several_lanes_per_stream_match_the_reference(
     assert_same_outcome(expected, got)
 
 
+def assert_round_trip_in_blocks(
+    symbols: np.ndarray, freq: np.ndarray, *, block: int, freq_dtype: torch.dtype = torch.int64
+) -> None:
+    """The interpreted kernels with ``block`` lanes a program: the reference's words and
+    lengths, then the symbols back."""
+    ref_words, ref_lengths = rans_encode(symbols, freq)
+    sym_t, freq_t = as_tensors(symbols, freq, freq_dtype)
+    config = LaunchConfig(block_lanes=block, num_warps=1)
+    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
+    assert_stream_equal(words, lengths, ref_words, ref_lengths)
+    n = symbols.shape[1]
+    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
+    np.testing.assert_array_equal(decoded.numpy(), symbols)
+
+
 @needs_triton
 @pytest.mark.parametrize("freq_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize(("lanes", "n"), [(1, 1), (3, 1), (5, 7), (7, 2), (9, 0), (4, 40)])
 def test_lanes_not_a_multiple_of_block(lanes: int, n: int, freq_dtype: torch.dtype) -> None:
     """BLOCK = 4 lanes: the last program's spare lanes must neither write nor count."""
     symbols, freq = make_lanes(lanes, n, 17, "skewed", seed=lanes * 100 + n)
-    ref_words, ref_lengths = rans_encode(symbols, freq)
-    sym_t, freq_t = as_tensors(symbols, freq, freq_dtype)
-    config = LaunchConfig(block_lanes=4, num_warps=1)
-    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
-    assert_stream_equal(words, lengths, ref_words, ref_lengths)
-    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
-    np.testing.assert_array_equal(decoded.numpy(), symbols)
+    assert_round_trip_in_blocks(symbols, freq, block=4, freq_dtype=freq_dtype)
 
 
 @needs_triton
@@ -142,14 +151,8 @@ def test_lanes_start_where_the_lanes_before_them_end(lanes: int, n: int, block: 
     compaction sums their words (8 * BLOCK programs at a time), the decoder their lanes'
     lengths (1024 at a time); lanes of many lengths give the reference's bytes back."""
     symbols, freq = make_lanes(lanes, n, 17, "dense", seed=lanes)
-    ref_words, ref_lengths = rans_encode(symbols, freq)
-    assert len(set(ref_lengths.tolist())) > 1
-    sym_t, freq_t = as_tensors(symbols, freq)
-    config = LaunchConfig(block_lanes=block, num_warps=1)
-    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
-    assert_stream_equal(words, lengths, ref_words, ref_lengths)
-    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
-    np.testing.assert_array_equal(decoded.numpy(), symbols)
+    assert len(set(rans_encode(symbols, freq)[1].tolist())) > 1
+    assert_round_trip_in_blocks(symbols, freq, block=block)
 
 
 @needs_triton
@@ -196,13 +199,7 @@ def test_property_roundtrip(
     lanes: int, n: int, alphabet: int, distribution: str, block: int, seed: int
 ) -> None:
     symbols, freq = make_lanes(lanes, n, alphabet, distribution, seed)
-    ref_words, ref_lengths = rans_encode(symbols, freq)
-    sym_t, freq_t = as_tensors(symbols, freq)
-    config = LaunchConfig(block_lanes=block, num_warps=1)
-    words, lengths = rans_encode_triton(sym_t, freq_t, interpret=True, config=config)
-    assert_stream_equal(words, lengths, ref_words, ref_lengths)
-    decoded = rans_decode_triton(words, lengths, freq_t, n, interpret=True, config=config)
-    np.testing.assert_array_equal(decoded.numpy(), symbols)
+    assert_round_trip_in_blocks(symbols, freq, block=block)
 
 
 # ---------------------------------------------------------------------------------------
