@@ -261,6 +261,9 @@ def test_status_on_a_refused_connection_says_what_to_check(capsys):
         (["serve", "--port", "0", "--admin-port", "70000"], "--admin-port 70000: expected"),
         (["serve", "--port", "0", "--max-clients", "0"], "--max-clients 0: expected"),
         (["serve", "--port", "0", "--max-frame-mb", "nan"], "--max-frame-mb nan: expected"),
+        (["proxy", "--decode", "http://127.0.0.1:1", "--retry-after-s", "nan"], "must be >= 0"),
+        (["proxy", "--decode", "http://127.0.0.1:1", "--connect-timeout-s", "nan"], "> 0, got"),
+        (["proxy", "--decode", "http://127.0.0.1:1", "--load-weight", "nan"], "--load-weight"),
     ],
 )
 def test_a_bad_flag_value_is_named_without_a_traceback(capsys, argv, message):
