@@ -282,3 +282,11 @@ def test_serve_on_a_port_in_use_names_the_address(capsys):
         assert main(["serve", "--port", str(port), "--max-local-cpu-size", "0.01"]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in err
+
+
+def test_info_reports_the_connector_and_the_kvtier_problems_together(capsys):
+    both_wrong = _transfer({"chunk_sise": 64}, kv_role=None)
+    assert main(["info", "--kv-transfer-config", both_wrong]) == 2
+    err = capsys.readouterr().err
+    assert "(2 problems)" in err and "kv_role is None" in err
+    assert "unknown key 'chunk_sise' in override; did you mean 'chunk_size'?" in err
