@@ -255,6 +255,23 @@ def test_unknown_file_key_suggests_over_lmcache_names_too(tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    "name", ["KVTIER_CHUNK_SIZE", "LMCACHE_CHUNK_SIZE", "kvtier.chunk_size", "lmcache.chunk_size"]
+)
+def test_a_key_spelt_as_a_variable_or_with_a_prefix_suggests_the_key(name: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={name: 16}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, f"unknown key {name!r}", "did you mean 'chunk_size'?"
+    )
+
+
+def test_an_unknown_lmcache_worker_key_suggests_the_lmcache_name() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"lmcache_worker_portz": 1}, env={})
+    assert "did you mean 'lmcache_worker_port" in excinfo.value.problems[0]
+
+
 def test_unknown_key_without_close_match_has_no_suggestion() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"zzzzzz": 1}, env={})
