@@ -27,6 +27,11 @@ from kvtier.observability.stats import Counter
 from kvtier_kernels import PagedKV, get_layout
 from kvtier_kernels.dtypes import bits
 
+CHUNK_SIZE = 256
+# A prompt is whole chunks, and so is its first half (the system prompt B shares with A):
+# every token stored, every token checked.
+TOKENS_MULTIPLE = 2 * CHUNK_SIZE
+
 
 class _BlockAllocator:
     """Hands out engine blocks in order, like a serving engine's free block queue."""
@@ -72,7 +77,17 @@ def run_demo(
     head_size: int = 128,
     block_size: int = 16,
 ) -> int:
-    """Run the walkthrough and print what kvtier did. Returns a process exit code."""
+    """Run the walkthrough and print what kvtier did. Returns a process exit code.
+
+    Raises:
+        ValueError: ``num_tokens`` is not a positive multiple of ``TOKENS_MULTIPLE``.
+    """
+    if num_tokens < 1 or num_tokens % TOKENS_MULTIPLE:
+        raise ValueError(
+            f"the synthetic demo's prompt length must be a multiple of {TOKENS_MULTIPLE} "
+            f"tokens (whole {CHUNK_SIZE}-token chunks, half of them the shared system "
+            f"prompt); got {num_tokens}"
+        )
     t_start = time.perf_counter()
     dtype = torch.bfloat16
     shared = num_tokens // 2
@@ -80,7 +95,7 @@ def run_demo(
     num_blocks = 2 * (-(-num_tokens // block_size)) + 8
     # Room for two prompts' worth of chunks, so step 5 has to evict.
     tier_gb = 2 * num_tokens * bytes_per_token / 2**30
-    config = load_config({"max_local_cpu_size": tier_gb, "chunk_size": 256})
+    config = load_config({"max_local_cpu_size": tier_gb, "chunk_size": CHUNK_SIZE})
 
     buffer = torch.zeros(
         (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size), dtype=dtype

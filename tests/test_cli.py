@@ -247,3 +247,46 @@ def test_status_on_a_refused_connection_says_what_to_check(capsys):
     err = capsys.readouterr().err
     assert "ConnectionRefusedError" in err
     assert "is `kvtier serve` running" in err and "not its --admin-port" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["status", "--server", "127.0.0.1:1", "--timeout", "-1"], "--timeout -1: expected"),
+        (["status", "--server", "127.0.0.1:1", "--timeout", "0"], "--timeout 0: expected"),
+        (["demo", "--synthetic", "--layers", "-1"], "--layers -1: expected an integer >= 1"),
+        (["demo", "--synthetic", "--tokens", "0"], "--tokens 0: expected an integer >= 1"),
+        (["demo", "--synthetic", "--tokens", "300"], "--tokens 300: with --synthetic, a multiple"),
+        (["serve", "--port", "99999"], "--port 99999: expected 0..65535"),
+        (["serve", "--port", "0", "--admin-port", "70000"], "--admin-port 70000: expected"),
+        (["serve", "--port", "0", "--max-clients", "0"], "--max-clients 0: expected"),
+        (["serve", "--port", "0", "--max-frame-mb", "nan"], "--max-frame-mb nan: expected"),
+        (["proxy", "--decode", "http://127.0.0.1:1", "--retry-after-s", "nan"], "must be >= 0"),
+        (["proxy", "--decode", "http://127.0.0.1:1", "--connect-timeout-s", "nan"], "> 0, got"),
+        (["proxy", "--decode", "http://127.0.0.1:1", "--load-weight", "nan"], "--load-weight"),
+    ],
+)
+def test_a_bad_flag_value_is_named_without_a_traceback(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_serve_on_a_port_in_use_names_the_address(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--max-local-cpu-size", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in err
+
+
+def test_info_reports_the_connector_and_the_kvtier_problems_together(capsys):
+    both_wrong = _transfer({"chunk_sise": 64}, kv_role=None)
+    assert main(["info", "--kv-transfer-config", both_wrong]) == 2
+    err = capsys.readouterr().err
+    assert "(2 problems)" in err and "kv_role is None" in err
+    assert "unknown key 'chunk_sise' in override; did you mean 'chunk_size'?" in err

@@ -150,6 +150,10 @@ def test_max_local_cpu_bytes_uses_binary_gigabytes() -> None:
         ("hash_seed", 1.5, "a string", "float"),
         ("model_name", 7, "a non-empty string, or null", "int"),
         ("chunk_size", None, "an integer from 1 to 1048576", "null"),
+        ("server_peers", [], "a string, or null", "list"),
+        ("server_peer_discovery", False, "a string, or null", "bool"),
+        ("blend_special_str", {}, "a string (empty: the default)", "dict"),
+        ("remote_url", 0, "a URL with scheme", "int"),
     ],
 )
 def test_wrong_types_name_key_value_and_allowed(
@@ -251,6 +255,23 @@ def test_unknown_file_key_suggests_over_lmcache_names_too(tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    "name", ["KVTIER_CHUNK_SIZE", "LMCACHE_CHUNK_SIZE", "kvtier.chunk_size", "lmcache.chunk_size"]
+)
+def test_a_key_spelt_as_a_variable_or_with_a_prefix_suggests_the_key(name: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={name: 16}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, f"unknown key {name!r}", "did you mean 'chunk_size'?"
+    )
+
+
+def test_an_unknown_lmcache_worker_key_suggests_the_lmcache_name() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"lmcache_worker_portz": 1}, env={})
+    assert "did you mean 'lmcache_worker_port" in excinfo.value.problems[0]
+
+
 def test_unknown_key_without_close_match_has_no_suggestion() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"zzzzzz": 1}, env={})
@@ -338,6 +359,18 @@ def test_secrets_are_never_shown() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"remote_url": "http://user:hunter2@cache"}, env={})
     assert "hunter2" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "empty"),
+    [("server_token", None), ("server_peers", None), ("blend_special_str", " # # ")],
+)
+def test_only_an_empty_string_stands_for_an_unset_string_key(key: str, empty: object) -> None:
+    assert getattr(load_config(overrides={key: ""}, env={}), key) == empty
+    for value in ([], {}, 0, False):
+        with pytest.raises(ConfigError) as excinfo:
+            load_config(overrides={key: value}, env={})
+        assert_one_problem_mentions(excinfo.value, f"{key}: ", f"(got {type(value).__name__})")
 
 
 def test_summary_names_changed_keys_only() -> None:

@@ -260,3 +260,8 @@ def test_the_connector_key_warms_numba_kernels_in_a_background_thread(caplog) ->
     assert thread is not None and thread.daemon
     thread.join(timeout=120)
     assert "numba kernels of paged_gather, paged_scatter, cachegen ready" in caplog.text
+
+
+def test_an_unknown_op_is_refused_on_any_machine(capsys) -> None:
+    assert main(["precompile", "--ops", "paged_gather,nope", "--device", "cpu"]) == 2
+    assert "--ops: unknown ['nope']; warmable ops: " in capsys.readouterr().err

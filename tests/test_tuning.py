@@ -569,6 +569,24 @@ def test_kvtier_tune_refuses_without_a_gpu(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--layers", "0"], "num_layers"),
+        (["--dtype", "int7"], "int7"),
+        (["--ops", "paged_copy"], "--ops"),
+        (["--repeats", "0"], "--repeats 0"),
+        (["--warmup", "-1"], "--warmup -1"),
+    ],
+)
+def test_kvtier_tune_names_a_bad_argument_on_any_machine(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["tune", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "GPU" not in err, err
+
+
 def test_kvtier_tune_pipeline_on_the_interpreter(
     tuning_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

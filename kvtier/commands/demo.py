@@ -4,6 +4,9 @@ with ``--synthetic``, store → evict → retrieve on a synthetic paged KV cache
 from __future__ import annotations
 
 import argparse
+import sys
+
+from kvtier.config import ConfigError
 
 HELP = "a real vLLM engine: cold prefill vs a kvtier hit (--synthetic: no engine)"
 DESCRIPTION = (
@@ -34,18 +37,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="synthetic: block size")
 
 
+_POSITIVE_FLAGS = ("tokens", "chunk_size", "layers", "kv_heads", "head_size", "block_size")
+
+
 def run(args: argparse.Namespace) -> int:
-    """0 when the demo's checks held, 1 otherwise (or without vLLM)."""
+    """0 when the demo's checks held, 1 otherwise (or without vLLM), 2 on a bad argument."""
+    for dest in _POSITIVE_FLAGS:
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            flag = "--" + dest.replace("_", "-")
+            print(f"kvtier demo: {flag} {value}: expected an integer >= 1", file=sys.stderr)
+            return 2
     if not args.synthetic:
         from kvtier.demo_vllm import run_vllm_demo
 
         return run_vllm_demo(tokens=args.tokens or 4128, chunk_size=args.chunk_size)
-    from kvtier.demo import run_demo
+    from kvtier.demo import TOKENS_MULTIPLE, run_demo
 
-    return run_demo(
-        num_tokens=args.tokens or 4096,
-        num_layers=args.layers,
-        num_kv_heads=args.kv_heads,
-        head_size=args.head_size,
-        block_size=args.block_size,
-    )
+    tokens = args.tokens or 4096
+    if tokens % TOKENS_MULTIPLE:
+        print(
+            f"kvtier demo: --tokens {tokens}: with --synthetic, a multiple of "
+            f"{TOKENS_MULTIPLE} (whole chunks, half of them the shared system prompt)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return run_demo(
+            num_tokens=tokens,
+            num_layers=args.layers,
+            num_kv_heads=args.kv_heads,
+            head_size=args.head_size,
+            block_size=args.block_size,
+        )
+    except ConfigError as error:
+        print(f"kvtier demo: {error}", file=sys.stderr)
+        return 2

@@ -48,11 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
-    """kvtier's part of a vLLM ``--kv-transfer-config`` JSON, checked as vLLM would use it.
+def _extra_config(kv_transfer_config: str | None, problems: list[str]) -> dict[str, object] | None:
+    """kvtier's part of a vLLM ``--kv-transfer-config`` JSON, checked as vLLM would use it:
+    what does not name kvtier's connector is added to ``problems``.
 
     Raises:
-        ConfigError: the JSON does not parse, or does not name kvtier's connector.
+        ConfigError: the JSON does not parse, or is not an object.
     """
     if kv_transfer_config is None:
         return None
@@ -62,7 +63,6 @@ def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
         raise ConfigError([f"--kv-transfer-config is not JSON: {exc}"]) from None
     if not isinstance(transfer, dict):
         raise ConfigError(["--kv-transfer-config must be a JSON object"])
-    problems = []
     if transfer.get("kv_connector") != "KVTierConnector":
         problems.append(
             f"kv_connector is {transfer.get('kv_connector')!r}; kvtier's is 'KVTierConnector'"
@@ -79,8 +79,7 @@ def _extra_config(kv_transfer_config: str | None) -> dict[str, object] | None:
     extra = transfer.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         problems.append("kv_connector_extra_config must be a JSON object")
-    if problems:
-        raise ConfigError(problems)
+        return {}
     return extra
 
 
@@ -105,11 +104,15 @@ def run(args: argparse.Namespace) -> int:
     from kvtier_kernels import registry
 
     try:
-        extra = _extra_config(args.kv_transfer_config)
-        config = load_config(overrides=extra, config_file=args.config)
+        problems: list[str] = []  # the connector's and kvtier's, reported together
+        extra = _extra_config(args.kv_transfer_config, problems)
+        try:
+            config = load_config(overrides=extra, config_file=args.config)
+        except ConfigError as exc:
+            raise ConfigError(problems + exc.problems) from None
         problem = _disk_problem(config.local_disk)
-        if problem is not None:
-            raise ConfigError([problem])
+        if problems or problem is not None:
+            raise ConfigError(problems + ([problem] if problem else []))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

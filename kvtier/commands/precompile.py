@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
             args, chunk_size=config.chunk_size, layout=args.layout or config.kv_layout
         )
         ops = tuple(o.strip() for o in args.ops.split(",") if o.strip()) if args.ops else None
+        unknown = sorted(set(ops or ()) - set(WARMABLE_OPS))
+        if unknown or ops == ():
+            raise ValueError(f"--ops: unknown {unknown}; warmable ops: {', '.join(WARMABLE_OPS)}")
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             device = torch.device("cpu")  # said below: nothing to compile

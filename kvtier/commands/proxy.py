@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import importlib.util
 import logging
+import math
 import sys
 
 from kvtier.proxy.instances import POLICIES, normalize_url
@@ -260,11 +261,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     for flag in ("retry_after_s", "shutdown_grace_s"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
+        if not 0 <= getattr(args, flag) < math.inf:  # nan too
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     for flag in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+        if not 0 < getattr(args, flag) < math.inf:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     routing_flags = args.kv_events or args.remote_group
     if args.policy != "cache_aware" and routing_flags:
         raise ValueError("--kv-events and --remote-group need --policy cache_aware")
@@ -276,8 +277,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.index_blocks < 1:
         raise ValueError("--index-blocks must be >= 1")
     for name, _ in (*WEIGHT_FLAGS, ("load", 0)):
-        if getattr(args, f"{name}_weight" if name == "load" else f"weight_{name}") < 0:
+        weight = getattr(args, f"{name}_weight" if name == "load" else f"weight_{name}")
+        if not 0 <= weight < math.inf:
             flag = "--load-weight" if name == "load" else f"--weight-{name.replace('_', '-')}"
-            raise ValueError(f"{flag} must be >= 0")
+            raise ValueError(f"{flag} must be >= 0, got {weight}")
     url_pairs(args.kv_events, "--kv-events")
     url_pairs(args.remote_group, "--remote-group")

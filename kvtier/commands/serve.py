@@ -205,10 +205,29 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             f"--host {args.host} is not a loopback address: give --auth-token (or "
             "KVTIER_SERVER_TOKEN), the token every client must send"
         )
-    if not 0 <= args.port <= 65535 or args.max_frame_mb <= 0 or args.max_clients < 1:
-        raise ConfigError("--port must be 0..65535, --max-frame-mb > 0, --max-clients >= 1")
-    if args.max_shm_mb <= 0:
-        raise ConfigError("--max-shm-mb must be > 0 (--no-shm turns shared memory off)")
+    problems = [
+        f"{flag} {value:g}: expected {allowed}"
+        for flag, value, ok, allowed in (
+            ("--port", args.port, 0 <= args.port <= 65535, "0..65535 (0: any free port)"),
+            (
+                "--admin-port",
+                args.admin_port,
+                args.admin_port is None or 0 <= args.admin_port <= 65535,
+                "0..65535 (0: any free port)",
+            ),
+            ("--max-frame-mb", args.max_frame_mb, args.max_frame_mb > 0, "MiB > 0"),
+            ("--max-clients", args.max_clients, args.max_clients >= 1, "an integer >= 1"),
+            (
+                "--max-shm-mb",
+                args.max_shm_mb,
+                args.max_shm_mb > 0,
+                "MiB > 0 (--no-shm turns shared memory off)",
+            ),
+        )
+        if not ok
+    ]
+    if problems:
+        raise ConfigError(problems)
     for url in peer_urls(args, config):
         try:
             parse_server_address(url)

@@ -48,9 +48,16 @@ def run(args: argparse.Namespace) -> int:
     address = args.server if "://" in args.server else f"kvtier://{args.server}"
     try:
         host, port = parse_server_url(address)
-        token = args.auth_token or load_config().server_token
-    except (ValueError, ConfigError) as exc:
+    except ValueError as exc:
         print(f"kvtier status: --server {args.server!r}: {exc}", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"kvtier status: --timeout {args.timeout:g}: expected seconds > 0", file=sys.stderr)
+        return 2
+    try:
+        token = args.auth_token or load_config().server_token
+    except ConfigError as exc:
+        print(f"kvtier status: {exc}", file=sys.stderr)
         return 2
     store = KVTierStore(  # one small frame: no shared-memory segment worth making
         host, port, namespace=STATUS_NAMESPACE, token=token, timeout_s=args.timeout, shm=False

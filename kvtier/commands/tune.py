@@ -88,21 +88,28 @@ def run(args: argparse.Namespace) -> int:
     from kvtier_kernels.tuning import lookup as tuning_lookup
     from kvtier_kernels.tuning import sweep as tuning
 
+    try:  # the arguments first: a mistake in them is worth knowing on any machine
+        shape = shape_from_args(args, chunk_size=args.chunk_size, layout=args.layout)
+        ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+        tunable = tuning_files.TUNABLES
+        unknown = sorted(set(ops) - set(tunable))
+        if unknown or not ops:
+            raise ValueError(f"--ops: unknown {unknown or ops}; tunable ops: {', '.join(tunable)}")
+        for flag, value, least in (
+            ("--warmup", args.warmup, 0),
+            ("--repeats", args.repeats, 1),
+            ("--copy-engine-max-mib", args.copy_engine_max_mib, 0),
+        ):
+            if value < least:
+                raise ValueError(f"{flag} {value}: expected an integer >= {least}")
+    except ValueError as error:
+        print(f"kvtier tune: {error}", file=sys.stderr)
+        return 2
     target = _tuning_target(args.device)
     if isinstance(target, str):
         print(f"kvtier tune: {target}", file=sys.stderr)
         return 2
     device, backend, timer = target
-    try:
-        shape = shape_from_args(args, chunk_size=args.chunk_size, layout=args.layout)
-        ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-        tunable = tuning_files.TUNABLES
-        unknown = sorted(set(ops) - set(tunable))
-        if unknown:
-            raise ValueError(f"--ops: unknown {unknown}; tunable ops: {', '.join(tunable)}")
-    except ValueError as error:
-        print(f"kvtier tune: {error}", file=sys.stderr)
-        return 2
     out_dir = args.out or tuning_lookup.user_dirs()[0]
     print(f"kvtier tune on {tuning_files.device_name(device)} ({device}, backend {backend})")
     print(f"shape: {shape.describe()}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvtier.config.keys import KeySpec
+from kvtier.config.keys import KeySpec, empty_as
 
 
 def _number_list_text(default: str) -> Any:
@@ -76,7 +76,7 @@ BLEND: tuple[KeySpec, ...] = (
         " # # ",
         "CacheBlend: the separator text between segments, tokenized with the engine's "
         "tokenizer (without special tokens).",
-        normalize=lambda v: v or " # # ",
+        normalize=empty_as(" # # "),
         allowed="a string (empty: the default)",
         lmcache_names=("blend_special_str",),
     ),

@@ -182,6 +182,13 @@ def coerce(
     return value
 
 
+def empty_as(replacement: Any) -> Callable[[Any], Any]:
+    """A ``KeySpec.normalize``: an empty string becomes ``replacement`` (null, or the
+    key's default); any other value is kept for the type check, so that a list or a
+    ``false`` given for a string key is an error, not an empty string."""
+    return lambda value: replacement if value == "" else value
+
+
 def parse_env_text(kind: type, text: str) -> Any:
     """Parse an environment string to ``kind`` (bool, int, float); None when it does not."""
     text = text.strip()

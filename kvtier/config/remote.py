@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from kvtier.config.keys import KeySpec
+from kvtier.config.keys import KeySpec, empty_as
 
 # Every scheme a remote_url may have, lower case, in the order messages list them.
 # Valkey speaks the Redis protocol: its schemes are aliases of Redis's. lm:// is LMCache's
@@ -129,7 +129,7 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         str,
         None,
         "kvtier serve (--auth-token) and kvtier:// clients: the shared token; never shown.",
-        normalize=lambda v: v or None,
+        normalize=empty_as(None),
         nullable=True,
         secret=True,
     ),
@@ -139,7 +139,7 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         None,
         "kvtier serve (--peer): the other servers it pulls missed chunks from, as "
         "comma-separated kvtier://host:port URLs.",
-        normalize=lambda v: v or None,
+        normalize=empty_as(None),
         nullable=True,
     ),
     KeySpec(
@@ -149,7 +149,7 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         "kvtier serve (--peer-discovery): a Redis/Valkey URL where the servers register "
         "themselves and find each other as peers, or 'remote' for the server's own "
         "Redis/Valkey remote_url; null: no discovery.",
-        normalize=lambda v: v or None,
+        normalize=empty_as(None),
         nullable=True,
         redact=redact_url,
     ),

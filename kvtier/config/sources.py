@@ -162,7 +162,8 @@ def read_mapping(
             problems.append(f"{CONFIG_FILE_KEY!r} cannot be set inside {origin}")
         else:
             known = _known_names(keys, aliases)
-            problems.append(f"unknown key {name!r} in {origin}{suggest(name, known)}")
+            hint = suggest(name, known) or suggest(_bare_name(name), known)
+            problems.append(f"unknown key {name!r} in {origin}{hint}")
     return settings
 
 
@@ -182,6 +183,21 @@ def read_env(env: Mapping[str, str], keys: Mapping[str, KeySpec], problems: list
         value = coerce(keys[key], env[var], origin=label, problems=problems, from_env=True)
         settings[key] = (value, label)
     return settings
+
+
+# Spellings of a key that belong to other inputs: its environment variable, or a prefix.
+_FOREIGN_PREFIXES = (ENV_PREFIX.lower(), "lmcache_", "kvtier.", "lmcache.")
+
+
+def _bare_name(name: str) -> str:
+    """``name`` as a mapping spells a key, for the "did you mean" of an unknown key:
+    ``KVTIER_CHUNK_SIZE``, ``kvtier.chunk_size`` and ``lmcache.chunk_size`` are
+    ``chunk_size``."""
+    lowered = name.lower()
+    for prefix in _FOREIGN_PREFIXES:
+        if lowered.startswith(prefix):
+            return lowered[len(prefix) :]
+    return lowered
 
 
 def _known_names(keys: Mapping[str, KeySpec], aliases: Mapping[str, str]) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvtier.config.keys import KeySpec
+from kvtier.config.keys import KeySpec, empty_as
 from kvtier.config.remote import REMOTE_SCHEMES, is_remote_url, redact_url
 
 
@@ -135,7 +135,7 @@ LOWER_TIERS: tuple[KeySpec, ...] = (
         "(TLS), redis-cluster://host:port[,host:port], valkey:// (and valkeys://, "
         "valkey-cluster://), unix:///path/redis.sock, s3://bucket/prefix, fs:///mnt/shared "
         "(a shared filesystem) or kvtier://host:port (`kvtier serve`; also lm://); null: off.",
-        normalize=lambda v: (v or None) if isinstance(v, str) else v,
+        normalize=empty_as(None),
         check=is_remote_url,
         allowed="a URL with scheme " + ", ".join(REMOTE_SCHEMES) + " (empty: null)",
         nullable=True,

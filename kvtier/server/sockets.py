@@ -36,9 +36,14 @@ def listen(host: str, port: int) -> list[socket.socket]:
     free port, the first address's, for them all), as ``asyncio.start_server`` binds.
 
     Raises:
-        OSError: the address cannot be resolved or bound.
+        OSError: the address cannot be resolved or bound (the message names it).
     """
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as error:
+        raise OSError(error.errno, f"cannot resolve host {host!r}: {error.strerror}") from None
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
@@ -52,9 +57,13 @@ def listen(host: str, port: int) -> list[socket.socket]:
             sock.bind(address)
             sock.listen(BACKLOG)
             sock.setblocking(False)
-    except BaseException:
+    except BaseException as error:
         for sock in sockets:
             sock.close()
+        if isinstance(error, OSError) and not isinstance(error, BlockingIOError):
+            raise OSError(
+                error.errno, f"cannot listen on {host or '*'} port {port}: {error.strerror}"
+            ) from None
         raise
     return sockets
 
