@@ -405,7 +405,7 @@ def test_tuning_dir_goes_first_on_the_kernels_tuning_search_path(tmp_path: Path)
     try:
         CacheEngine(cfg, EngineMetadata("m")).close()
         assert tuning_lookup.search_path() == before  # an engine leaves the process alone
-        use_tuning_dir(cfg.tuning_dir)  # what the vLLM worker and the CLI do
+        use_tuning_dir(cfg.tuning_dir)  # what the vLLM worker does
         path = tuning_lookup.search_path()
         assert path[0] == config_dir
         assert path[-1] == tuning_lookup.PACKAGED_DIR

@@ -24,6 +24,7 @@ from kvtier.config.lmcache import (
     LMCACHE_UNSUPPORTED_KEYS,
     LMCACHE_UNSUPPORTED_PREFIXES,
 )
+from kvtier.config.sources import RESERVED_ENV_VARS
 
 DEFAULT_DOC = Path("docs") / "configuration.md"
 
@@ -41,8 +42,9 @@ def config_reference_markdown() -> str:
     for spec in CONFIG_KEYS.values():
         type_name = spec.kind.__name__ + (" \\| None" if spec.nullable else "")
         lmcache = ", ".join(f"`{n}`" for n in spec.lmcache_names) or "—"
+        env_var = "—" if spec.env_var in RESERVED_ENV_VARS else f"`{spec.env_var}`"
         lines.append(
-            f"| `{spec.name}` | `{spec.env_var}` | {type_name} | {_markdown_value(spec.default)} "
+            f"| `{spec.name}` | {env_var} | {type_name} | {_markdown_value(spec.default)} "
             f"| {spec.describe_allowed()} | {lmcache} | {spec.help} |"
         )
     return "\n".join(lines) + "\n"

@@ -81,7 +81,7 @@ KERNELS: tuple[KeySpec, ...] = (
         "the built-in path (several: `os.pathsep`-separated); null: the built-in path only "
         "(`KVTIER_TUNING_DIR`, read by the kernels themselves, else "
         "`~/.cache/kvtier/tuning`, then packaged defaults). Applied process-wide by the "
-        "vLLM worker and the CLI (`paged_io.use_tuning_dir`), never by a `CacheEngine`.",
+        "vLLM worker (`paged_io.use_tuning_dir`), never by a `CacheEngine`.",
         check=lambda v: v != "",
         allowed="a non-empty string",
         nullable=True,
