@@ -195,7 +195,9 @@ def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool):
     tier.close()
 
 
-@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "empty", "other_key", "garbage"])
+@pytest.mark.parametrize(
+    "damage", ["bit_flip", "truncated", "empty", "other_key", "garbage", "empty_shape"]
+)
 def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, caplog):
     stats = Stats()
     tier = make_tier(tmp_path, stats)
@@ -210,6 +212,13 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, capl
         data = bytearray()
     elif damage == "garbage":
         data = bytearray(os.urandom(len(data)))
+    elif damage == "empty_shape":  # a consistent object of no bytes, with a dimension of 0
+        name = key(1).to_string()
+        empty = wire.encode_header(
+            name, wire.CHUNK_LAYOUT, torch.bfloat16, (2, 0, 16, 64), "naive", {},
+            payload_len=0, checksum=checksum_of(b""),
+        )  # fmt: skip
+        data = bytearray(empty)
     else:
         data = bytearray(tier.path_of(tier.file_name(key(2))).read_bytes())
     path.write_bytes(bytes(data))
