@@ -218,6 +218,16 @@ def test_hanging_remote_costs_at_most_the_timeout(pool):
     tier.close()
 
 
+def test_close_waits_for_the_calls_a_slow_store_still_runs(pool):
+    store = FlakyStore()
+    tier = remote(store, timeout_s=0.2)
+    store.delay = 0.6  # every call outlives the timeout, and ends by itself
+    assert tier.contains_many([key(1)]) == [False]  # given up on; still running
+    tier.close()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kvtier-flaky")]
+    assert left == [], "a thread of the tier outlived close()"
+
+
 def test_a_long_load_gets_the_timeout_per_wave_of_requests(pool):
     store = FlakyStore()
     tier = remote(store, timeout_s=0.3, concurrency=2)
