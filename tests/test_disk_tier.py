@@ -426,6 +426,22 @@ def test_full_disk_skips_stores_and_keeps_serving(tmp_path, pool, caplog):
         tier.close()
 
 
+def test_a_read_only_disk_is_one_warning_and_keeps_serving(tmp_path, pool, caplog):
+    stats = Stats()
+    with small_tmpfs(tmp_path / "small", "1m") as root:
+        tier = make_tier(root, stats)
+        objs = put_all(tier, pool, [0])
+        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+            put_all(tier, pool, range(1, 6))
+        assert counter(stats, TierCounter.DROPPED_ERROR) == 5
+        assert len(caplog.records) == 1, "one warning for the cause, not one per chunk"
+        assert "Read-only file system" in caplog.records[0].message
+        [got] = tier.get_many([key(0)], pool.allocate)
+        assert same_bytes(got, objs[0])
+        tier.close()
+
+
 def test_unusable_directory_names_the_key(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
