@@ -195,7 +195,9 @@ def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool):
     tier.close()
 
 
-@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "empty", "other_key", "garbage"])
+@pytest.mark.parametrize(
+    "damage", ["bit_flip", "truncated", "empty", "other_key", "garbage", "empty_shape"]
+)
 def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, caplog):
     stats = Stats()
     tier = make_tier(tmp_path, stats)
@@ -210,6 +212,13 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, capl
         data = bytearray()
     elif damage == "garbage":
         data = bytearray(os.urandom(len(data)))
+    elif damage == "empty_shape":  # a consistent object of no bytes, with a dimension of 0
+        name = key(1).to_string()
+        empty = wire.encode_header(
+            name, wire.CHUNK_LAYOUT, torch.bfloat16, (2, 0, 16, 64), "naive", {},
+            payload_len=0, checksum=checksum_of(b""),
+        )  # fmt: skip
+        data = bytearray(empty)
     else:
         data = bytearray(tier.path_of(tier.file_name(key(2))).read_bytes())
     path.write_bytes(bytes(data))
@@ -414,6 +423,22 @@ def test_full_disk_skips_stores_and_keeps_serving(tmp_path, pool, caplog):
         assert sum(present) == stored
         got = tier.get_many([key(i) for i, p in enumerate(present) if p], pool.allocate)
         assert all(g is not None for g in got)
+        tier.close()
+
+
+def test_a_read_only_disk_is_one_warning_and_keeps_serving(tmp_path, pool, caplog):
+    stats = Stats()
+    with small_tmpfs(tmp_path / "small", "1m") as root:
+        tier = make_tier(root, stats)
+        objs = put_all(tier, pool, [0])
+        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+            put_all(tier, pool, range(1, 6))
+        assert counter(stats, TierCounter.DROPPED_ERROR) == 5
+        assert len(caplog.records) == 1, "one warning for the cause, not one per chunk"
+        assert "Read-only file system" in caplog.records[0].message
+        [got] = tier.get_many([key(0)], pool.allocate)
+        assert same_bytes(got, objs[0])
         tier.close()
 
 

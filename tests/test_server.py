@@ -116,6 +116,25 @@ def test_killed_server_is_a_miss_and_a_restart_resumes_hits(tmp_path, pool):
         manager.close()
 
 
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_a_server_restarted_while_the_client_idles_is_not_an_outage(tmp_path, pool, shm):
+    disk = str(tmp_path / "disk")
+    with KVTierServerProcess("--local-disk", disk, "--max-local-disk-size", "1") as server:
+        stats = Stats()
+        url = server.url if shm else f"{server.url}?shm=0"
+        manager = remote_manager(url, stats)
+        objs = store_chunks(manager, pool, [1, 2])
+        manager.cpu.clear()
+        server.kill()
+        server.start()  # between two requests: the pooled connections are closed
+        assert manager.lookup_prefix([key(1), key(2)]) == 2
+        got = manager.get_many([key(1), key(2)])
+        assert all(same_bytes(g, objs[i]) for g, i in zip(got, (1, 2), strict=True))
+        assert stats.get(tier_counter("kvtier", TierCounter.ERRORS)) == 0
+        assert manager.lower[0].is_up
+        manager.close()
+
+
 def test_sigterm_stops_cleanly_with_exit_code_0(pool):
     with KVTierServerProcess("--max-local-cpu-size", "0.1") as server:
         manager = remote_manager(server.url)

@@ -57,6 +57,27 @@ def test_a_new_engine_loads_what_a_previous_one_stored_on_disk(tmp_path):
     second.close()
 
 
+@pytest.mark.parametrize("geometry", [{"num_layers": 2}, {"head_size": 16}])
+def test_a_model_of_another_geometry_under_the_same_name_neither_loads_nor_deletes(
+    tmp_path, geometry
+):
+    tokens, src, dst = torch.arange(40), torch.arange(40), torch.arange(100, 140)
+    owner = make_engine(local_disk=str(tmp_path))
+    reference = kv_at(owner, src)
+    owner.store(tokens, slot_mapping=src)
+    assert owner.flush(30)
+    other = make_engine(local_disk=str(tmp_path), seed=1, **geometry)  # one shared directory
+    untouched = kv_at(other, dst)
+    assert other.retrieve(tokens, slot_mapping=dst) == 0
+    assert_kv_equal(other, dst, untouched, "the other model's cache")
+    assert other.stats.get(Counter.CORRUPT_CHUNKS) == 1
+    other.close()
+    owner.storage.cpu.clear()
+    assert owner.retrieve(tokens, slot_mapping=dst) == 40, "its chunks were deleted"
+    assert_kv_equal(owner, dst, reference, "loaded from the shared directory")
+    owner.close()
+
+
 def test_without_a_cpu_tier_the_disk_alone_serves(tmp_path):
     engine = make_engine(local_disk=str(tmp_path), local_cpu=False)
     tokens, src = torch.arange(24), torch.arange(24)
@@ -216,6 +237,16 @@ def test_hanging_remote_costs_at_most_the_timeout(pool):
     store.mode = "ok"
     wait_until(lambda: tier.is_up)
     tier.close()
+
+
+def test_close_waits_for_the_calls_a_slow_store_still_runs(pool):
+    store = FlakyStore()
+    tier = remote(store, timeout_s=0.2)
+    store.delay = 0.6  # every call outlives the timeout, and ends by itself
+    assert tier.contains_many([key(1)]) == [False]  # given up on; still running
+    tier.close()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kvtier-flaky")]
+    assert left == [], "a thread of the tier outlived close()"
 
 
 def test_a_long_load_gets_the_timeout_per_wave_of_requests(pool):

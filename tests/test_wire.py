@@ -183,6 +183,9 @@ def _damaged(pool, how: str) -> tuple[bytes, str]:
         return with_header(key=key(3).to_string()), name
     elif how == "shape":
         return with_header(shape=[2, 3, 16, 32]), name
+    elif how == "empty_shape":  # consistent but for a dimension of 0 (no chunk has one)
+        empty = {"shape": [2, 0, 16, 64], "payload_len": 0, "checksum": checksum_of(b"")}
+        return consistent(cbor2.dumps({**fields, **empty}), b""), name
     elif how == "dtype":
         return with_header(dtype="complex64"), name
     elif how == "codec":
@@ -216,6 +219,7 @@ DAMAGE = [
     "prefix_only",
     "other_key",
     "shape",
+    "empty_shape",
     "dtype",
     "codec",
     "codec_params",
@@ -234,6 +238,15 @@ def test_damage_is_a_corrupt_object_and_frees_its_buffer(pool, how):
     with pytest.raises(CorruptObject):
         wire.decode(blob, name, pool.allocate)
     assert pool.used_bytes() == used, "a rejected object leaked its buffer"
+
+
+@pytest.mark.parametrize("how", ["shape", "empty_shape"])
+def test_a_shape_its_payload_cannot_fill_is_refused_before_a_buffer_is_allocated(pool, how):
+    blob, name = _damaged(pool, how)
+    asked: list[tuple] = []
+    with pytest.raises(CorruptObject):
+        wire.decode(blob, name, lambda shape, dtype: asked.append(shape))
+    assert asked == [], "a buffer was asked for an object that is not a chunk"
 
 
 def test_no_buffer_is_a_plain_none(pool):

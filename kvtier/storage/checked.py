@@ -16,7 +16,9 @@ the object's wire header before it returns a chunk (``wire``), and computes that
 checksum on its writer threads when the chunk was not sealed (docs/reliability.md).
 
 NOTE: a chunk that fails ``accept`` is a miss: it is counted (``corrupt_chunks``),
-logged once, removed from every tier and never handed to the engine.
+logged once and never handed to the engine. One whose bytes changed is removed from every
+tier; one of another shape or dtype (another model's, under the same name) only from the
+CPU tier.
 """
 
 from __future__ import annotations
@@ -84,12 +86,17 @@ class CheckedChunks:
         ``dtype``. One that may not is counted, logged and removed from the tiers; the
         caller still releases its reference."""
         if tuple(obj.shape) != tuple(shape) or obj.dtype != dtype:
+            # NOTE: an intact chunk of another KV geometry under this key: another model
+            # of the same name sharing a store. It leaves this engine's memory only; the
+            # tiers below keep it for the engine it belongs to.
             problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {tuple(shape)} {dtype}"
+            remove = self.storage.cpu.remove
         elif not self.intact(obj):
             problem = "a checksum mismatch (its bytes changed after it was stored)"
+            remove = self.storage.remove
         else:
             return True
         self.storage.stats.inc(Counter.CORRUPT_CHUNKS)
         warn_once(logger, f"stored {self.noun} {key} has {problem}: rejected, treated as a miss")
-        self.storage.remove(key)
+        remove(key)
         return False

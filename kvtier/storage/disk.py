@@ -234,7 +234,7 @@ class FileTier:
             self._reject(file_name, Path(path), exc)
         except OSError as exc:
             self.stats.inc(tier_counter(self.name, TierCounter.ERRORS))
-            warn_once(logger, f"kvtier {self.name} tier: cannot read {path}: {exc}")
+            self._warn_per_cause("read", path, exc, "those chunks are misses")
         return None
 
     def _count_get(self, file_name: str, nbytes: int | None, started: float) -> None:
@@ -312,7 +312,7 @@ class FileTier:
             else:
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_ERROR))
                 path = self.files.path(file_name)
-                warn_once(logger, f"kvtier {self.name} tier: cannot write {path}: {exc}")
+                self._warn_per_cause("write", path, exc, "those stores are skipped")
             return False
         if not written:  # larger than the whole bound
             self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
@@ -329,6 +329,15 @@ class FileTier:
         self.stats.inc(tier_counter(self.name, TierCounter.PUT_SECONDS), elapsed)
         self.stats.observe(tier_counter(self.name, Histogram.TIER_PUT), elapsed)
         return True
+
+    def _warn_per_cause(self, doing: str, path: str, exc: OSError, outcome: str) -> None:
+        """Log a failed file operation once per cause (a read-only or failing disk fails
+        every file alike: one warning, not one per chunk); each file at DEBUG."""
+        cause = exc.strerror or type(exc).__name__
+        warn_once(
+            logger, f"kvtier {self.name} tier: cannot {doing} in {self.root} ({cause}); {outcome}"
+        )
+        logger.debug("kvtier %s tier: cannot %s %s: %s", self.name, doing, path, exc)
 
     def _write_file(self, file_name: str, parts: list[Buffer]) -> bool:
         """Write the file of ``file_name`` whole (``FileStore.write``); False when it is

@@ -8,6 +8,7 @@ into as few ``sendmsg`` calls as the kernel allows, its reads are exact.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 from collections.abc import Sequence
 
@@ -52,6 +53,14 @@ class Connection:
         view = memoryview(buffer)[:size]
         recv_into(self.sock, view)
         return view
+
+    def reusable(self) -> bool:
+        """Whether this idle connection can carry another request: nothing is readable
+        on it, so the server has neither closed it (a restart) nor sent bytes no request
+        asked for. One ``poll`` that does not wait."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return not poller.poll(0)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

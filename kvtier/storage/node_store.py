@@ -133,6 +133,16 @@ class KVTierStore:
                 shm.unlink(offered.name)
         return conn
 
+    def _reusable_idle(self) -> Connection | None:
+        """A pooled connection the server has not closed (those it has, after a restart,
+        are closed here rather than failing the request), or None."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None or conn.reusable():
+                return conn
+            conn.close()
+
     def _drop_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
@@ -159,8 +169,7 @@ class KVTierStore:
             raise StoreUnavailable(f"kvtier server {self.url}: no free connection")
         conn = None
         try:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
+            conn = self._reusable_idle()
             if conn is None:
                 conn = self._connect()
             result = call(conn)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,10 @@ from kvtier.storage.wire import Allocate
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
+
+# beyond twice the timeout: how long close waits for calls a hung store still runs (a
+# call may take the store's connect timeout and then its read timeout)
+CLOSE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,9 @@ class RemoteTier:
         # NOTE: lookups get their own threads: queued behind a long load (or prefetch) on
         # the I/O threads they would time out and mark a healthy remote down.
         self._meta = ThreadPoolExecutor(2, thread_name_prefix=f"kvtier-{self.name}-meta")
+        # calls on either pool not yet settled, abandoned ones included (waited for at close)
+        self._running: set[Future] = set()
+        self._running_lock = threading.Lock()
         self._writes = WriteQueue(
             self.name,
             self._write_batch,
@@ -151,7 +159,7 @@ class RemoteTier:
         """Ping the store once, waiting at most ``timeout_s``: one that does not answer is
         reported now, in one line, and is down (misses, dropped stores) until it answers,
         rather than discovered at the first store. Returns whether it answered."""
-        future = self._meta.submit(self.store.ping)
+        future = self._submit(self._meta, self.store.ping)
         try:
             future.result(timeout=self.timeout_s)
         except Exception as exc:
@@ -171,7 +179,19 @@ class RemoteTier:
         """
         if not self.is_up:
             raise _Down
-        return self._wait(self._meta.submit(fn, *args), self.timeout_s, what)
+        return self._wait(self._submit(self._meta, fn, *args), self.timeout_s, what)
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+        """``fn(*args)`` on ``pool``, tracked until it settles (``close`` waits for it)."""
+        future = pool.submit(fn, *args)
+        with self._running_lock:
+            self._running.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future: Future) -> None:
+        with self._running_lock:
+            self._running.discard(future)
 
     def _wait(self, future: Future, timeout: float, what: str) -> Any:
         """``future``'s result within ``timeout``; a failure or timeout marks the tier
@@ -214,10 +234,10 @@ class RemoteTier:
             # decoded on the I/O threads, straight from the store's buffer
             size = max(self.store.read_batch, 1)
             groups = [list(keys[i : i + size]) for i in range(0, len(keys), size)]
-            futures = [self._io.submit(self._read_group, g, allocate) for g in groups]
+            futures = [self._submit(self._io, self._read_group, g, allocate) for g in groups]
         else:
             groups = [[k] for k in keys]
-            futures = [self._io.submit(self.store.get_many, [k.to_string()]) for k in keys]
+            futures = [self._submit(self._io, self.store.get_many, [k.to_string()]) for k in keys]
         waves = -(-len(futures) // self._concurrency)
         deadline = time.monotonic() + self.timeout_s * waves
         out: list[MemoryObj | None] = []
@@ -263,7 +283,8 @@ class RemoteTier:
                 logger,
                 f"kvtier {self.name} tier: object {name} is corrupt ({exc}): deleted, a miss",
             )
-            self._io.submit(self._delete_quietly, [name])
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: deleted another time
+                self._submit(self._io, self._delete_quietly, [name])
             return None
 
     def _delete_quietly(self, names: list[str]) -> None:
@@ -336,11 +357,28 @@ class RemoteTier:
         return self._writes.pending
 
     def close(self) -> None:
+        """Finish queued writes (bounded), then stop every thread of the tier. A call the
+        engine gave up on (timed out) may still be running on a hung store: the store's
+        own socket timeouts end it, and close waits for that (bounded) so that no thread
+        of the tier outlives it."""
         self._writes.close(timeout=max(10 * self.timeout_s, 10.0))
         self.health.close()
         self._io.shutdown(wait=False, cancel_futures=True)
         self._meta.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+        with self._running_lock:
+            running = list(self._running)
+        _, stuck = wait(running, timeout=2 * self.timeout_s + CLOSE_GRACE_S)
+        if stuck:
+            logger.warning(
+                "kvtier %s tier: %d calls to %s still running at close",
+                self.name,
+                len(stuck),
+                self.describe,
+            )
+            return
+        self._io.shutdown(wait=True)
+        self._meta.shutdown(wait=True)
 
 
 def _release_late(future: Future) -> None:

@@ -279,7 +279,7 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
     if not (
         isinstance(shape, list)
         and 1 <= len(shape) <= 8
-        and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)
+        and all(isinstance(d, int) and 0 < d < 1 << 40 for d in shape)
     ):
         raise CorruptObject(f"bad shape {shape!r}")
     if not isinstance(codec, str) or not isinstance(params, dict):
@@ -290,7 +290,13 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
         raise CorruptObject(f"bad payload length {payload_len!r}")
     if not isinstance(checksum, int):
         raise CorruptObject("bad checksum field")
-    return Header(key, layout, DTYPES[dtype], tuple(shape), codec, params, payload_len, checksum)
+    header = Header(key, layout, DTYPES[dtype], tuple(shape), codec, params, payload_len, checksum)
+    # NOTE: checked before a reader allocates a buffer of the header's shape, which
+    # could evict the CPU tier's chunks to make room for an object that is not one
+    if codec == NaiveSerde.name and payload_len != header.tensor_nbytes:
+        need = header.tensor_nbytes
+        raise CorruptObject(f"naive payload of {payload_len} bytes, the shape needs {need}")
+    return header
 
 
 def verify_payload(header: Header, *payload: Buffer) -> None:
