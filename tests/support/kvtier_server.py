@@ -80,7 +80,11 @@ class KVTierServerProcess:
         # a file, not a pipe: a chatty server must never block on a full pipe
         self._dir = tempfile.TemporaryDirectory(prefix="kvtier-serve-")
         self._log = Path(self._dir.name) / "serve.log"
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # a server that started but never answered
+            raise
         atexit.register(self.close)
 
     @property
