@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+NULL_BLOCK_ID = 0  # vLLM's null block: the placeholder for blocks a request does not hold
+
 
 @dataclass(slots=True)
 class RequestTracker:
@@ -379,12 +381,32 @@ class SchedulerSide:
         if tracker.load is not None and not tracker.load.is_async:
             self._send_load(tracker, plan)
 
-    @staticmethod
-    def _send_load(tracker: RequestTracker, plan: StepPlan) -> None:
+    def _send_load(self, tracker: RequestTracker, plan: StepPlan) -> None:
         """Move the tracker's planned load into ``plan``, into its current blocks."""
-        tracker.load.block_ids = list(tracker.block_ids)
-        plan.loads.append(tracker.load)
+        load = tracker.load
         tracker.load = None
+        load.block_ids = list(tracker.block_ids)
+        self._skip_null_blocks(load)
+        plan.loads.append(load)
+
+    def _skip_null_blocks(self, load: LoadSpec) -> None:
+        """Start the load after its leading null blocks.
+
+        vLLM gives a sliding-window request's blocks before its window as its null block
+        (``NULL_BLOCK_ID``), one placeholder every such request shares: nothing is
+        written there, and chunks that lie wholly before the window are not fetched."""
+        null = 0
+        while null < len(load.block_ids) and load.block_ids[null] == NULL_BLOCK_ID:
+            null += 1
+        start = max(load.start, null * self.block_size)
+        if start == load.start:
+            return
+        if start >= load.end:  # sent empty: an async load still reports finished
+            load.hashes, load.end, load.chunks_end = [], load.start, load.start
+            return
+        first = start // self.chunk_size
+        load.hashes = load.hashes[first - load.first_chunk :]
+        load.first_chunk, load.start = first, start
 
     def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
         if not self.can_save:
