@@ -101,6 +101,8 @@ class SchedulerSide:
             the prompt's last whole block.
         partial_chunks: store and look up a prompt's partial last chunk (default:
             ``save_unfull_chunk``).
+        max_model_len: vLLM's longest sequence (None: unknown); a ``chunk_size`` longer
+            than it is warned about, as no whole chunk ever fills.
         extensions: optional features, called from each hook.
     """
 
@@ -114,6 +116,7 @@ class SchedulerSide:
         block_size: int = 1,
         whole_blocks: bool = False,
         partial_chunks: bool | None = None,
+        max_model_len: int | None = None,
         extensions: Sequence[SchedulerExtension] = (),
     ):
         self.config = config
@@ -134,6 +137,14 @@ class SchedulerSide:
             raise ValueError(
                 f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
                 f"{block_size}: this engine's KV layout can only be copied in whole blocks"
+            )
+        if max_model_len is not None and config.chunk_size > max_model_len and not partial:
+            logger.warning(
+                "kvtier: chunk_size=%d is longer than vLLM's max_model_len=%d: no sequence "
+                "fills a chunk, so kvtier stores and loads nothing (lower chunk_size, or set "
+                "save_unfull_chunk)",
+                config.chunk_size,
+                max_model_len,
             )
         if self.save_partial and whole_blocks:
             logger.info(
@@ -178,6 +189,7 @@ class SchedulerSide:
             block_size=vllm_config.cache_config.block_size,
             whole_blocks=not facts.token_major_layout(config),
             partial_chunks=facts.stores_partial_chunks(config, transfer.kv_role),
+            max_model_len=vllm_config.model_config.max_model_len,
             extensions=scheduler_extensions(config, vllm_config, client),
         )
         side._clients.append(client)

@@ -1,11 +1,17 @@
-"""The vLLM connector's scheduler side with a sliding-window model: vLLM gives a request's
-blocks before its window as the null block (``NULL_BLOCK_ID``), one placeholder every
-such request shares, so a load never writes there and skips the chunks wholly before it.
+"""The vLLM connector's scheduler side on model shapes and engine limits beyond the main
+scheduler tests (``test_vllm_scheduler_side.py``).
+
+A sliding-window model: vLLM gives a request's blocks before its window as the null block
+(``NULL_BLOCK_ID``), one placeholder every such request shares, so a load never writes
+there and skips the chunks wholly before it::
 
     token  0     64    128   192   256  300       (chunk_size 64, block_size 16)
            | c0  | c1  | c2  | c3  |...|
            |0 0 0 0 0 0 0 0 0|  own blocks ...    nine null blocks: tokens [0, 144)
                               ^ the load starts here, at chunk c2
+
+A ``chunk_size`` longer than vLLM's ``max_model_len`` never fills: kvtier says so at
+start-up.
 """
 
 from __future__ import annotations
@@ -88,4 +94,22 @@ def test_blocks_without_null_blocks_load_every_hit_token():
     hashes, load = plan_hit(0, enable_async_loading=False)
     assert (load.start, load.end, load.first_chunk, load.hashes) == (0, 256, 0, hashes), (
         f"load covers [{load.start}, {load.end}) from chunk {load.first_chunk}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("chunk_size", "save_unfull_chunk", "warned"),
+    [(4096, False, True), (2048, False, False), (4096, True, False)],
+)
+def test_a_chunk_longer_than_max_model_len_is_warned_about(
+    caplog, chunk_size, save_unfull_chunk, warned
+):
+    config = load_config({"chunk_size": chunk_size, "save_unfull_chunk": save_unfull_chunk}, env={})
+    with caplog.at_level("WARNING", logger="kvtier"):
+        SchedulerSide(config, lambda hashes: 0, block_size=32, max_model_len=2048)
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    said = any("chunk_size=4096" in m and "max_model_len=2048" in m for m in messages)
+    assert said == warned, (
+        f"chunk_size={chunk_size}, save_unfull_chunk={save_unfull_chunk}, max_model_len=2048: "
+        f"warnings {messages}"
     )
