@@ -26,12 +26,11 @@ import kvtier.machine
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
 from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan, slot_mapping
-from kvtier.integration.vllm.facts import detect_paged_kv
 from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.integration.vllm.worker import WorkerSide
 from kvtier.observability.stats import Counter
-from kvtier_kernels import LayoutError, PagedKV
+from kvtier_kernels import PagedKV
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 16
@@ -655,90 +654,9 @@ def test_worker_without_endpoint_serves_nothing(make_worker):
     worker.shutdown()
 
 
-# -- detect_paged_kv -----------------------------------------------------------------
-
-
-def caches_dict(layout: str) -> dict[str, torch.Tensor]:
-    paged = PagedKV.empty(
-        layout,
-        num_layers=2,
-        num_blocks=4,
-        block_size=BLOCK,
-        num_heads=HEADS,
-        head_size=HEAD,
-        dtype=torch.float16,
-    )
-    return dict(zip(layer_names(2), paged.tensors, strict=True))
-
-
-@pytest.mark.parametrize(
-    ("layout", "backend", "expected"),
-    [
-        ("vllm_cpu", "CPU_ATTN", "vllm_cpu"),
-        ("vllm_nhd", "FLASH_ATTN", "vllm_nhd"),
-        ("vllm_hnd", "FLASH_ATTN", "vllm_hnd"),
-        ("vllm_nhd", "TRITON_ATTN", "vllm_nhd"),
-        ("vllm_hnd", "ROCM_ATTN", "vllm_hnd"),
-    ],
-)
-def test_detect_paged_kv(layout, backend, expected):
-    kv_caches = caches_dict(layout)
-    paged = detect_paged_kv(kv_caches, backend)
-    assert paged.layout.name == expected, f"{backend} over {layout}: detected {paged.layout.name}"
-    shape = (paged.num_layers, paged.num_blocks, paged.block_size, paged.num_heads, paged.head_size)
-    assert shape == (2, 4, BLOCK, HEADS, HEAD), f"{backend} over {layout}: dims {shape}"
-    for layer, tensor in enumerate(kv_caches.values()):
-        view = paged.layer_view(layer)
-        assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr(), (
-            f"layer {layer}: the canonical view does not share the engine tensor's storage"
-        )
-
-
-@pytest.mark.parametrize("backend", ["FLASHINFER", "XFORMERS", None])
-def test_detect_paged_kv_unknown_backend_names_it_and_kv_layout(backend):
-    with pytest.raises(LayoutError) as info:
-        detect_paged_kv(caches_dict("vllm_hnd"), backend)
-    message = str(info.value)
-    assert repr(backend) in message and "kv_layout" in message, (
-        f"error for backend {backend!r} does not name it and kv_layout: {message}"
-    )
-
-
-@pytest.mark.parametrize(
-    ("layout", "backend", "forced"),
-    [
-        ("vllm_nhd", "FLASH_ATTN", "vllm_hnd"),
-        ("vllm_hnd", "MYSTERY_ATTN", "vllm_hnd"),
-        ("flash_nhd", None, "flash_nhd"),
-        ("vllm_cpu", "FLASH_ATTN", "vllm_cpu"),
-    ],
-)
-def test_forced_layout_overrides_detection(layout, backend, forced):
-    paged = detect_paged_kv(caches_dict(layout), backend, forced)
-    assert paged.layout.name == forced, f"forced {forced}, got {paged.layout.name}"
-
-
 def test_forced_layout_from_config(make_worker):
     worker, _ = make_worker("vllm_hnd", "MYSTERY_ATTN", kv_layout="vllm_hnd")
     assert worker.engine.paged_io.paged.layout.name == "vllm_hnd"
-
-
-@pytest.mark.parametrize(
-    ("layout", "backend", "forced", "message"),
-    [
-        ("flash_nhd", "FLASH_ATTN", None, "kv_layout"),  # a 5-D tensor is not [NB, H, BS, 2D]
-        ("vllm_nhd", "CPU_ATTN", None, "contiguous"),
-        ("flash_nhd", "FLASH_ATTN", "vllm_hnd", "does not fit layout 'vllm_hnd'"),
-    ],
-)
-def test_detect_paged_kv_rejects_misfits(layout, backend, forced, message):
-    with pytest.raises(LayoutError, match=message):
-        detect_paged_kv(caches_dict(layout), backend, forced)
-
-
-def test_detect_paged_kv_needs_a_tensor():
-    with pytest.raises(LayoutError, match="no KV cache tensors"):
-        detect_paged_kv({}, "FLASH_ATTN")
 
 
 # -- slot_mapping --------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 from kvtier.chunker import MultiModalSpan, RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
+from kvtier_kernels.dtypes import dtype_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,17 +100,26 @@ def token_major_layout(config: KVTierConfig) -> bool:
     return not current_platform.is_cpu()
 
 
-def layout_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, str], ...]:
-    """Key tags for chunks whose bytes depend on more than model and dtype: the CPU
-    backend tiles blocks per instruction set, so its chunks carry that ISA."""
-    if backend != "CPU_ATTN":
-        return ()
-    isa = cpu_attn_isa(vllm_config)
-    if isa is None:
-        import platform
+def key_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, str], ...]:
+    """Key tags for chunks whose bytes depend on more than model and KV tensor dtype.
 
-        isa = f"unknown-{platform.machine()}"
-    return (("cpu_attn_isa", isa),)
+    The CPU backend tiles blocks per instruction set, so its chunks carry that ISA. A
+    quantized KV cache (``kv_cache_dtype`` fp8, fp8_e5m2, ...) is a uint8 tensor whatever
+    its format, so its chunks carry the format, and the model dtype whose values it
+    quantized."""
+    tags = []
+    if backend == "CPU_ATTN":
+        isa = cpu_attn_isa(vllm_config)
+        if isa is None:
+            import platform
+
+            isa = f"unknown-{platform.machine()}"
+        tags.append(("cpu_attn_isa", isa))
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", None) or "auto")
+    if cache_dtype != "auto":
+        model_dtype = dtype_name(vllm_config.model_config.dtype)
+        tags += [("kv_cache_dtype", cache_dtype), ("model_dtype", model_dtype)]
+    return tuple(tags)
 
 
 def cpu_attn_isa(vllm_config: VllmConfig) -> str | None:
@@ -147,6 +157,8 @@ def attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor
 # vLLM attention backend -> how its per-layer tensor [NB, H, BS, 2 * D] holds K and V.
 _HALVES_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA")
 _CPU_BACKENDS = ("CPU_ATTN",)
+# MLA backends whose per-layer tensor [NB, 1, BS, D] holds one latent row per token.
+_MLA_BACKENDS = ("CPU_MLA",)
 
 
 def detect_paged_kv(
@@ -176,17 +188,23 @@ def detect_paged_kv(
         name = forced_layout
     elif backend in _CPU_BACKENDS:
         name = "vllm_cpu"
+    elif backend in _MLA_BACKENDS:
+        name = "mla"
     elif backend in _HALVES_BACKENDS and first.dim() == 4:
         # [NB, H, BS, 2D] view; NHD storage (LBNHC) has heads inside tokens.
         name = "vllm_nhd" if first.stride(1) < first.stride(2) else "vllm_hnd"
     else:
         raise LayoutError(
             f"kvtier cannot read the KV cache of {described}: supported backends are "
-            f"{', '.join(_CPU_BACKENDS + _HALVES_BACKENDS)}; set kv_layout to one of "
+            f"{', '.join(_CPU_BACKENDS + _HALVES_BACKENDS + _MLA_BACKENDS)}; set kv_layout "
+            f"to one of "
             f"{', '.join(LAYOUTS)} if you know the layout"
         )
     if name == "vllm_cpu" and not first.is_contiguous():
         raise LayoutError(f"vllm_cpu layout needs contiguous per-layer tensors; got {described}")
+    if name == "mla" and first.dim() == 4 and first.shape[1] == 1:
+        # vLLM hands MLA's latent cache out as [NB, H=1, BS, D]: the same rows as [NB, BS, D].
+        tensors = [tensor.select(1, 0) for tensor in tensors]
     try:
         return PagedKV(name, tensors)
     except LayoutError as error:

@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+NULL_BLOCK_ID = 0  # vLLM's null block: the placeholder for blocks a request does not hold
+
 
 @dataclass(slots=True)
 class RequestTracker:
@@ -99,6 +101,8 @@ class SchedulerSide:
             the prompt's last whole block.
         partial_chunks: store and look up a prompt's partial last chunk (default:
             ``save_unfull_chunk``).
+        max_model_len: vLLM's longest sequence (None: unknown); a ``chunk_size`` longer
+            than it is warned about, as no whole chunk ever fills.
         extensions: optional features, called from each hook.
     """
 
@@ -112,6 +116,7 @@ class SchedulerSide:
         block_size: int = 1,
         whole_blocks: bool = False,
         partial_chunks: bool | None = None,
+        max_model_len: int | None = None,
         extensions: Sequence[SchedulerExtension] = (),
     ):
         self.config = config
@@ -132,6 +137,14 @@ class SchedulerSide:
             raise ValueError(
                 f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
                 f"{block_size}: this engine's KV layout can only be copied in whole blocks"
+            )
+        if max_model_len is not None and config.chunk_size > max_model_len and not partial:
+            logger.warning(
+                "kvtier: chunk_size=%d is longer than vLLM's max_model_len=%d: no sequence "
+                "fills a chunk, so kvtier stores and loads nothing (lower chunk_size, or set "
+                "save_unfull_chunk)",
+                config.chunk_size,
+                max_model_len,
             )
         if self.save_partial and whole_blocks:
             logger.info(
@@ -176,6 +189,7 @@ class SchedulerSide:
             block_size=vllm_config.cache_config.block_size,
             whole_blocks=not facts.token_major_layout(config),
             partial_chunks=facts.stores_partial_chunks(config, transfer.kv_role),
+            max_model_len=vllm_config.model_config.max_model_len,
             extensions=scheduler_extensions(config, vllm_config, client),
         )
         side._clients.append(client)
@@ -379,12 +393,32 @@ class SchedulerSide:
         if tracker.load is not None and not tracker.load.is_async:
             self._send_load(tracker, plan)
 
-    @staticmethod
-    def _send_load(tracker: RequestTracker, plan: StepPlan) -> None:
+    def _send_load(self, tracker: RequestTracker, plan: StepPlan) -> None:
         """Move the tracker's planned load into ``plan``, into its current blocks."""
-        tracker.load.block_ids = list(tracker.block_ids)
-        plan.loads.append(tracker.load)
+        load = tracker.load
         tracker.load = None
+        load.block_ids = list(tracker.block_ids)
+        self._skip_null_blocks(load)
+        plan.loads.append(load)
+
+    def _skip_null_blocks(self, load: LoadSpec) -> None:
+        """Start the load after its leading null blocks.
+
+        vLLM gives a sliding-window request's blocks before its window as its null block
+        (``NULL_BLOCK_ID``), one placeholder every such request shares: nothing is
+        written there, and chunks that lie wholly before the window are not fetched."""
+        null = 0
+        while null < len(load.block_ids) and load.block_ids[null] == NULL_BLOCK_ID:
+            null += 1
+        start = max(load.start, null * self.block_size)
+        if start == load.start:
+            return
+        if start >= load.end:  # sent empty: an async load still reports finished
+            load.hashes, load.end, load.chunks_end = [], load.start, load.start
+            return
+        first = start // self.chunk_size
+        load.hashes = load.hashes[first - load.first_chunk :]
+        load.first_chunk, load.start = first, start
 
     def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
         if not self.can_save:

@@ -141,11 +141,12 @@ class WorkerSide:
 
         ``backend``: vLLM's attention backend (from_vllm: asked of vLLM). ``tags`` join
         every key (from_vllm: e.g. the CPU backend's instruction set, which decides how
-        bytes sit inside a block), so chunks from incompatible engines never mix.
+        bytes sit inside a block, or a quantized cache's format), so chunks from
+        incompatible engines never mix.
         """
         if self._vllm_config is not None:
             backend = facts.attention_backend(self._vllm_config, kv_caches)
-            tags = facts.layout_tags(self._vllm_config, backend)
+            tags = facts.key_tags(self._vllm_config, backend)
         paged = facts.detect_paged_kv(kv_caches, backend, self.config.kv_layout)
         if tags:
             self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
