@@ -12,7 +12,8 @@ import torch
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.integration.vllm.facts import detect_paged_kv, key_tags
-from kvtier_kernels import LayoutError, PagedKV
+from kvtier_kernels import LayoutError, PagedKV, gather, scatter
+from kvtier_kernels.dtypes import bits, fill_random_bits_
 
 BLOCK = 4
 HEADS = 2
@@ -129,6 +130,183 @@ def test_mla_latent_rows_handed_out_as_one_head(backend, forced):
         )
 
 
+# -- vLLM's GPU MLA caches -------------------------------------------------------------
+# vLLM 0.32 allocates one int8 buffer and views it per layer as [B, H, N, C], C in bytes,
+# then as the cache dtype (vllm/v1/kv_cache_interface.py: compute_layout_strides,
+# create_kv_cache_views; vllm/v1/core/kv_cache_utils.py: get_kv_cache_config_from_groups).
+# An MLA layer has H = 1 and C = one token's latent row (576 values; fp8: 576 bytes).
+
+LBNHC = (0, 1, 3, 2, 4)  # vLLM's default layout (KVCacheLayout.LBNHC)
+BLHNC = (1, 0, 2, 3, 4)  # block-outermost: a block holds every layer's page (DeepSeek-V4)
+
+
+def vllm_layout_strides(shape, order, fixed=(None,) * 5, padded_page=None):
+    """``compute_layout_strides``: byte strides of the logical ``[L, B, H, N, C]``."""
+    page_grid_end = max(order.index(0), order.index(1)) + 1
+    strides = [0] * 5
+    current = 1
+    for physical, dim in reversed(tuple(enumerate(order))):
+        if padded_page is not None and physical == page_grid_end - 1:
+            current = max(current, padded_page)
+        strides[dim] = fixed[dim] or current
+        current = strides[dim] * shape[dim]
+    return tuple(strides)
+
+
+def vllm_mla_buffer(
+    order,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    row_bytes: int,
+    dtype: torch.dtype,
+    padded_page: int | None = None,
+    other_pages: int = 0,
+    kernel_block_size: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The raw int8 buffer and the per-layer tensors vLLM hands a connector for an MLA
+    cache: ``padded_page`` is ``page_size_padded``, ``other_pages`` the bytes of other
+    cache groups' pages in a block-outermost block, ``kernel_block_size`` the backend's
+    smaller kernel blocks (FlashMLA 64, CUTLASS MLA 128)."""
+    shape = (num_layers, num_blocks, 1, block_size, row_bytes)
+    block_stride = None
+    if order[0] == 1:  # block-outermost: interleaved_block_stride = bytes_per_block
+        block_stride = num_layers * block_size * row_bytes + other_pages
+    elif padded_page is not None:
+        block_stride = padded_page
+    layer_stride, block_stride, *_ = vllm_layout_strides(
+        shape, order, (None, block_stride, None, None, None), padded_page
+    )
+    raw = torch.zeros(max(layer_stride * num_layers, block_stride * num_blocks), dtype=torch.int8)
+    bs, ratio = block_size, 1
+    if kernel_block_size is not None:
+        ratio = block_size // kernel_block_size
+        bs, block_stride = kernel_block_size, block_stride // ratio
+    logical = (num_layers, num_blocks * ratio, 1, bs, row_bytes)
+    strides = vllm_layout_strides(
+        logical, order, (layer_stride, block_stride, None, None, None), padded_page
+    )
+    view_5d = torch.as_strided(raw, size=logical, stride=strides, storage_offset=0)
+    return raw, [view_5d[layer].view(dtype) for layer in range(num_layers)]
+
+
+# (backend, layout, kv cache dtype's tensor dtype, row bytes, padded page, other groups'
+# bytes per block, kernel block size); manager blocks of 16 tokens (FlashMLA: 128).
+GPU_MLA_CASES = {
+    "TRITON_MLA bf16": ("TRITON_MLA", LBNHC, torch.bfloat16, 1152, None, 0, None),
+    "FLASH_ATTN_MLA fp16": ("FLASH_ATTN_MLA", LBNHC, torch.float16, 1152, None, 0, None),
+    "FLASHINFER_MLA fp8": ("FLASHINFER_MLA", LBNHC, torch.uint8, 576, None, 0, None),
+    "ROCM_AITER_MLA fp8_e5m2": ("ROCM_AITER_MLA", LBNHC, torch.uint8, 576, None, 0, None),
+    # int8_per_token_head: 576 values, then the fp32 scale pair (MLACommonBackend.customize_spec)
+    "TRITON_MLA int8 per token": ("TRITON_MLA", LBNHC, torch.int8, 584, None, 0, None),
+    "CUTLASS_MLA page_size_padded": (
+        "CUTLASS_MLA",
+        LBNHC,
+        torch.bfloat16,
+        1152,
+        16 * 1152 + 512,
+        0,
+        None,
+    ),
+    "AITER_TRITON_MLA block-outermost": (
+        "AITER_TRITON_MLA",
+        BLHNC,
+        torch.bfloat16,
+        1152,
+        None,
+        4096,
+        None,
+    ),
+    "FLASHMLA kernel blocks": ("FLASHMLA", LBNHC, torch.bfloat16, 1152, None, 0, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_MLA_CASES))
+def test_vllm_gpu_mla_caches_round_trip_bit_for_bit(case):
+    backend, order, dtype, row_bytes, padded, other, kernel_bs = GPU_MLA_CASES[case]
+    block_size = 128 if kernel_bs else 16
+    width = row_bytes // torch.empty((), dtype=dtype).element_size()
+    geometry = dict(
+        num_layers=3,
+        num_blocks=5,
+        block_size=block_size,
+        row_bytes=row_bytes,
+        dtype=dtype,
+        padded_page=padded,
+        other_pages=other,
+        kernel_block_size=kernel_bs,
+    )
+    src_raw, src_layers = vllm_mla_buffer(order, **geometry)
+    fill_random_bits_(src_raw, torch.Generator().manual_seed(1))
+    kv_caches = dict(zip(layer_names(3), src_layers, strict=True))
+    paged = detect_paged_kv(kv_caches, backend, block_size=block_size)
+    dims = (paged.num_layers, paged.num_blocks, paged.block_size, paged.num_heads, paged.head_size)
+    assert (paged.layout.name, dims) == ("mla", (3, 5, block_size, 1, width)), (
+        f"{case}: detected {paged.layout.name} {dims}"
+    )
+
+    slots = torch.randperm(paged.num_slots, generator=torch.Generator().manual_seed(0))
+    chunk = torch.empty(paged.chunk_shape(len(slots)), dtype=dtype)
+    gather(paged, slots, chunk, backend="torch")
+    kernel_bs = kernel_bs or block_size
+    for token, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        kernel_block = block * (block_size // kernel_bs) + offset // kernel_bs
+        for layer, tensor in enumerate(src_layers):
+            # where vLLM's kernels read the row: [kernel block, head 0, slot in it]
+            row = tensor[kernel_block, 0, offset % kernel_bs]
+            assert torch.equal(bits(chunk[0, layer, token]), bits(row)), (
+                f"{case}: layer {layer}, slot {slot} (block {block}, offset {offset}): the "
+                "gathered row is not the one vLLM's kernels read"
+            )
+
+    dst_raw, dst_layers = vllm_mla_buffer(order, **geometry)
+    dst_raw.fill_(0x55)
+    scatter(
+        detect_paged_kv(
+            dict(zip(layer_names(3), dst_layers, strict=True)), backend, None, block_size
+        ),
+        slots,
+        chunk,
+        backend="torch",
+    )
+    rows_raw, rows_layers = vllm_mla_buffer(order, **geometry)
+    for tensor in rows_layers:
+        tensor.view(torch.uint8).fill_(1)
+    rows = rows_raw.bool()
+    assert torch.equal(dst_raw[rows], src_raw[rows]), f"{case}: scattered rows differ"
+    assert bool((dst_raw[~rows] == 0x55).all()), (
+        f"{case}: scatter wrote {int((dst_raw[~rows] != 0x55).sum())} bytes outside the rows "
+        "(page padding, other layers' or groups' pages)"
+    )
+
+
+SPARSE_MLA_BACKENDS = ["FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE", "ROCM_AITER_MLA_SPARSE"]
+
+
+@pytest.mark.parametrize("backend", SPARSE_MLA_BACKENDS)
+@pytest.mark.parametrize("forced", [None, "mla"])
+def test_sparse_mla_is_refused_naming_backend_shape_and_kv_layout(backend, forced):
+    """Sparse MLA keeps indexer keys in caches kvtier does not store (fp8_ds_mla rows:
+    656 bytes), so even a forced ``kv_layout`` is refused."""
+    _, layers = vllm_mla_buffer(
+        LBNHC, num_layers=2, num_blocks=3, block_size=64, row_bytes=656, dtype=torch.uint8
+    )
+    with pytest.raises(LayoutError) as info:
+        detect_paged_kv(dict(zip(layer_names(2), layers, strict=True)), backend, forced)
+    message = str(info.value)
+    for part in (repr(backend), "(3, 1, 64, 656)", "kv_layout", "indexer"):
+        assert part in message, f"{backend}: the refusal does not name {part}: {message}"
+
+
+def test_kernel_blocks_kvtier_cannot_join_are_refused():
+    """vLLM's scheduler addresses blocks of ``block_size`` tokens; a tensor of smaller
+    blocks that kvtier cannot join back would put tokens in the wrong slots."""
+    with pytest.raises(LayoutError, match="blocks of 4 tokens, vLLM's scheduler blocks of 8"):
+        detect_paged_kv(caches_dict("vllm_hnd"), "FLASH_ATTN", block_size=2 * BLOCK)
+
+
 # -- key_tags ------------------------------------------------------------------------
 
 
@@ -164,3 +342,12 @@ def test_an_unquantized_kv_cache_is_keyed_by_its_dtype_alone():
     assert key_tags(vllm_config("auto"), "FLASH_ATTN") == ()
     (isa,) = key_tags(vllm_config("auto"), "CPU_ATTN")
     assert isa[0] == "cpu_attn_isa", f"CPU backend tags {isa}"
+
+
+def test_mla_fp8_formats_never_share_keys():
+    """A dense MLA fp8 cache (576 bytes a token) and DeepSeek's fp8_ds_mla (656: values,
+    scales, rope in bf16) are both uint8 tensors: their key tags keep them apart."""
+    tags = {
+        dtype: key_tags(vllm_config(dtype), "FLASHMLA") for dtype in ("auto", "fp8", "fp8_ds_mla")
+    }
+    assert len(set(tags.values())) == len(tags), f"MLA caches share key tags {tags}"

@@ -149,6 +149,11 @@ def attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor
         logger.warning("kvtier: could not ask vLLM for the attention backend", exc_info=True)
         return None
     names = {backend.get_name() for backend in backends}
+    if names & set(_SPARSE_MLA_BACKENDS):
+        raise LayoutError(
+            f"kvtier cannot store the KV cache of attention backends {sorted(names)}: "
+            f"{_SPARSE_MLA_REASON}; setting kv_layout does not change that"
+        )
     if len(names) != 1:
         raise ValueError(f"kvtier needs one attention backend for every layer; got {sorted(names)}")
     return names.pop()
@@ -157,12 +162,49 @@ def attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor
 # vLLM attention backend -> how its per-layer tensor [NB, H, BS, 2 * D] holds K and V.
 _HALVES_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA")
 _CPU_BACKENDS = ("CPU_ATTN",)
-# MLA backends whose per-layer tensor [NB, 1, BS, D] holds one latent row per token.
-_MLA_BACKENDS = ("CPU_MLA",)
+# MLA backends whose per-layer tensor [NB, 1, BS, D] holds one latent row per token: D
+# elements of the KV cache dtype (kv_lora_rank + rope dims; a quantized cache's row is its
+# bytes, with per-token scales inline where the format has them).
+_MLA_BACKENDS = (
+    "CPU_MLA",
+    "AMX_MLA",
+    "TRITON_MLA",
+    "FLASHMLA",
+    "FLASH_ATTN_MLA",
+    "FLASHINFER_MLA",
+    "CUTLASS_MLA",
+    "TOKENSPEED_MLA",
+    "ROCM_AITER_MLA",
+    "AITER_TRITON_MLA",
+)
+# Sparse MLA backends, and the indexer caches that always come with them.
+_SPARSE_MLA_BACKENDS = (
+    "FLASHMLA_SPARSE",
+    "FLASH_ATTN_MLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_SM90",
+    "FLASHINFER_MLA_SPARSE_SM120",
+    "ROCM_AITER_MLA_SPARSE",
+    "XPU_MLA_SPARSE",
+    "DEEPSEEK_V32_INDEXER",
+    "DEEPSEEK_V4_INDEXER",
+    "DEEPSEEK_V41_INDEXER",
+    "DEEPSEEK_V41_SPARSE_INDEXER",
+    "DEEPSEEK_V41_ROCM_MXFP4_INDEXER",
+    "DEEPSEEK_SPARSE_SWA",
+)
+_SPARSE_MLA_REASON = (
+    "sparse MLA (DeepSeek-V3.2/V4, GLM-5) picks the tokens it attends to with an indexer "
+    "whose keys sit in caches of their own, which kvtier does not store; a prefix loaded "
+    "without them would attend to the wrong tokens"
+)
 
 
 def detect_paged_kv(
-    kv_caches: dict[str, torch.Tensor], backend: str | None, forced_layout: str | None = None
+    kv_caches: dict[str, torch.Tensor],
+    backend: str | None,
+    forced_layout: str | None = None,
+    block_size: int | None = None,
 ) -> PagedKV:
     """Describe vLLM's KV tensors as a ``PagedKV``.
 
@@ -171,10 +213,16 @@ def detect_paged_kv(
         backend: vLLM's attention backend name (``AttentionBackend.get_name()``).
         forced_layout: a layout name from ``kvtier_kernels.LAYOUTS`` that overrides
             detection (``kv_layout`` in the config).
+        block_size: tokens in the blocks vLLM's scheduler hands out
+            (``cache_config.block_size``); None: the tensors' own. Where the backend's
+            kernels take smaller blocks, vLLM splits each of its blocks into kernel
+            blocks and hands out a tensor of those; an MLA cache's are joined back.
 
     Raises:
-        LayoutError: a backend or tensor shape kvtier does not know how to read; the
-            message names the backend, the shape and strides, and the ``kv_layout`` key.
+        LayoutError: a backend or tensor shape kvtier does not know how to read, a sparse
+            MLA backend, or blocks of another size than ``block_size`` that cannot be
+            joined; the message names the backend, the shape and strides, and the
+            ``kv_layout`` key.
     """
     tensors = list(kv_caches.values())
     if not tensors:
@@ -184,6 +232,11 @@ def detect_paged_kv(
         f"attention backend {backend!r}, per-layer tensor shape {tuple(first.shape)} "
         f"strides {first.stride()} dtype {first.dtype}"
     )
+    if backend in _SPARSE_MLA_BACKENDS:
+        raise LayoutError(
+            f"kvtier cannot store the KV cache of {described}: {_SPARSE_MLA_REASON}; "
+            "setting kv_layout does not change that"
+        )
     if forced_layout is not None:
         name = forced_layout
     elif backend in _CPU_BACKENDS:
@@ -205,10 +258,40 @@ def detect_paged_kv(
     if name == "mla" and first.dim() == 4 and first.shape[1] == 1:
         # vLLM hands MLA's latent cache out as [NB, H=1, BS, D]: the same rows as [NB, BS, D].
         tensors = [tensor.select(1, 0) for tensor in tensors]
+    if name == "mla" and block_size is not None and tensors[0].dim() == 3:
+        tensors = [join_kernel_blocks(tensor, block_size) for tensor in tensors]
     try:
-        return PagedKV(name, tensors)
+        paged = PagedKV(name, tensors)
     except LayoutError as error:
         raise LayoutError(f"{described} does not fit layout {name!r}: {error}") from None
+    if block_size is not None and paged.block_size != block_size:
+        raise LayoutError(
+            f"{described} read as layout {name!r} has blocks of {paged.block_size} tokens, "
+            f"vLLM's scheduler blocks of {block_size}: its kernels split each block, in a "
+            "way kvtier cannot join back; set block_size to the kernel's, or kv_layout if "
+            "the layout is another"
+        )
+    return paged
+
+
+def join_kernel_blocks(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[NB * r, BS / r, D]`` kernel blocks -> ``[NB, BS, D]``, the scheduler's blocks.
+
+    vLLM splits a block into ``r`` kernel blocks only where its pages sit densely one
+    after another (``create_kv_cache_views``), so a block's kernel blocks are one run of
+    rows. A tensor that is not so is returned as it is.
+    """
+    num_kernel_blocks, kernel_block_size, width = tensor.shape
+    if kernel_block_size >= block_size or block_size % kernel_block_size:
+        return tensor
+    ratio = block_size // kernel_block_size
+    if num_kernel_blocks % ratio or tensor.stride(0) != kernel_block_size * tensor.stride(1):
+        return tensor
+    return tensor.as_strided(
+        (num_kernel_blocks // ratio, block_size, width),
+        (tensor.stride(0) * ratio, tensor.stride(1), tensor.stride(2)),
+        tensor.storage_offset(),
+    )
 
 
 def host_kv_cache_bytes(kv_caches: dict[str, torch.Tensor]) -> int:

@@ -144,10 +144,12 @@ class WorkerSide:
         bytes sit inside a block, or a quantized cache's format), so chunks from
         incompatible engines never mix.
         """
+        block_size = None
         if self._vllm_config is not None:
             backend = facts.attention_backend(self._vllm_config, kv_caches)
             tags = facts.key_tags(self._vllm_config, backend)
-        paged = facts.detect_paged_kv(kv_caches, backend, self.config.kv_layout)
+            block_size = self._vllm_config.cache_config.block_size
+        paged = facts.detect_paged_kv(kv_caches, backend, self.config.kv_layout, block_size)
         if tags:
             self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
