@@ -164,15 +164,17 @@ def vllm_mla_buffer(
     padded_page: int | None = None,
     other_pages: int = 0,
     kernel_block_size: int | None = None,
+    num_heads: int = 1,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The raw int8 buffer and the per-layer tensors vLLM hands a connector for an MLA
-    cache: ``padded_page`` is ``page_size_padded``, ``other_pages`` the bytes of other
-    cache groups' pages in a block-outermost block, ``kernel_block_size`` the backend's
-    smaller kernel blocks (FlashMLA 64, CUTLASS MLA 128)."""
-    shape = (num_layers, num_blocks, 1, block_size, row_bytes)
+    cache (``num_heads`` 1; more: an attention cache, ``row_bytes`` a head's K and V):
+    ``padded_page`` is ``page_size_padded``, ``other_pages`` the bytes of other cache
+    groups' pages in a block-outermost block, ``kernel_block_size`` the backend's smaller
+    kernel blocks (FlashMLA 64, CUTLASS MLA 128)."""
+    shape = (num_layers, num_blocks, num_heads, block_size, row_bytes)
     block_stride = None
     if order[0] == 1:  # block-outermost: interleaved_block_stride = bytes_per_block
-        block_stride = num_layers * block_size * row_bytes + other_pages
+        block_stride = num_layers * num_heads * block_size * row_bytes + other_pages
     elif padded_page is not None:
         block_stride = padded_page
     layer_stride, block_stride, *_ = vllm_layout_strides(
@@ -183,7 +185,7 @@ def vllm_mla_buffer(
     if kernel_block_size is not None:
         ratio = block_size // kernel_block_size
         bs, block_stride = kernel_block_size, block_stride // ratio
-    logical = (num_layers, num_blocks * ratio, 1, bs, row_bytes)
+    logical = (num_layers, num_blocks * ratio, num_heads, bs, row_bytes)
     strides = vllm_layout_strides(
         logical, order, (layer_stride, block_stride, None, None, None), padded_page
     )
@@ -298,6 +300,50 @@ def test_sparse_mla_is_refused_naming_backend_shape_and_kv_layout(backend, force
     message = str(info.value)
     for part in (repr(backend), "(3, 1, 64, 656)", "kv_layout", "indexer"):
         assert part in message, f"{backend}: the refusal does not name {part}: {message}"
+
+
+LBHNC = (0, 1, 2, 3, 4)  # HND storage: a kernel block's tokens are not one run
+
+
+@pytest.mark.parametrize("order", [LBNHC, LBHNC], ids=["nhd", "hnd"])
+def test_flash_attn_kernel_blocks_are_joined_where_they_are_one_run(order):
+    """FlashAttention on some GPUs takes fixed kernel blocks (FA4 at head size 256, fp8
+    on sm90): vLLM splits each of its blocks into kernel blocks. In NHD storage a block's
+    kernel blocks are one run of token rows and are read as the scheduler's blocks, bit
+    for bit where vLLM's kernels read them; in HND storage they are not, and are refused."""
+    block_size, kernel_bs, heads, head = 32, 16, 2, 8
+    dtype = torch.bfloat16
+    row_bytes = 2 * head * dtype.itemsize
+    geometry = dict(num_layers=2, num_blocks=3, block_size=block_size, row_bytes=row_bytes)
+    raw, layers = vllm_mla_buffer(
+        order, **geometry, dtype=dtype, kernel_block_size=kernel_bs, num_heads=heads
+    )
+    kv_caches = dict(zip(layer_names(2), layers, strict=True))
+    if order == LBHNC:
+        with pytest.raises(LayoutError, match="blocks of 16 tokens, vLLM's scheduler blocks of 32"):
+            detect_paged_kv(kv_caches, "FLASH_ATTN", block_size=block_size)
+        return
+    fill_random_bits_(raw, torch.Generator().manual_seed(2))
+    paged = detect_paged_kv(kv_caches, "FLASH_ATTN", block_size=block_size)
+    dims = (paged.num_blocks, paged.block_size, paged.num_heads, paged.head_size)
+    assert (paged.layout.name, dims) == ("vllm_nhd", (3, block_size, heads, head)), (
+        f"detected {paged.layout.name} {dims}"
+    )
+    slots = torch.randperm(paged.num_slots, generator=torch.Generator().manual_seed(0))
+    chunk = torch.empty(paged.chunk_shape(len(slots)), dtype=dtype)
+    gather(paged, slots, chunk, backend="torch")
+    for token, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        kernel_block = block * (block_size // kernel_bs) + offset // kernel_bs
+        for layer, tensor in enumerate(layers):
+            # FlashAttention's [kernel block, head, slot in it, K then V]
+            rows = tensor[kernel_block, :, offset % kernel_bs]
+            for plane in range(2):
+                expected = rows[:, plane * head : (plane + 1) * head].reshape(-1)
+                assert torch.equal(bits(chunk[plane, layer, token]), bits(expected)), (
+                    f"layer {layer}, plane {plane}, slot {slot}: the gathered row is not "
+                    "the one vLLM's kernels read"
+                )
 
 
 def test_kernel_blocks_kvtier_cannot_join_are_refused():

@@ -258,8 +258,9 @@ def detect_paged_kv(
     if name == "mla" and first.dim() == 4 and first.shape[1] == 1:
         # vLLM hands MLA's latent cache out as [NB, H=1, BS, D]: the same rows as [NB, BS, D].
         tensors = [tensor.select(1, 0) for tensor in tensors]
-    if name == "mla" and block_size is not None and tensors[0].dim() == 3:
-        tensors = [join_kernel_blocks(tensor, block_size) for tensor in tensors]
+    token_dim = _KERNEL_BLOCK_TOKEN_DIMS.get((name, tensors[0].dim()))
+    if block_size is not None and token_dim is not None:
+        tensors = [join_kernel_blocks(tensor, block_size, token_dim) for tensor in tensors]
     try:
         paged = PagedKV(name, tensors)
     except LayoutError as error:
@@ -274,24 +275,30 @@ def detect_paged_kv(
     return paged
 
 
-def join_kernel_blocks(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[NB * r, BS / r, D]`` kernel blocks -> ``[NB, BS, D]``, the scheduler's blocks.
+# (layout, dims) -> the token dim of a tensor whose kernel blocks may be joined back:
+# MLA's [NB, BS, D], FlashAttention's [NB, H, BS, 2D]. The CPU layout's blocks are never
+# split (its K and V rows run per block and head).
+_KERNEL_BLOCK_TOKEN_DIMS = {("mla", 3): 1, ("vllm_nhd", 4): 2, ("vllm_hnd", 4): 2}
 
-    vLLM splits a block into ``r`` kernel blocks only where its pages sit densely one
-    after another (``create_kv_cache_views``), so a block's kernel blocks are one run of
-    rows. A tensor that is not so is returned as it is.
+
+def join_kernel_blocks(tensor: torch.Tensor, block_size: int, token_dim: int) -> torch.Tensor:
+    """Kernel blocks of ``BS / r`` tokens (dim 0, tokens in ``token_dim``) -> the
+    scheduler's blocks of ``block_size``, as one strided view.
+
+    vLLM splits a block into ``r`` kernel blocks where the backend's kernels take smaller
+    blocks (``create_kv_cache_views``): where a block's kernel blocks are one run of token
+    rows (MLA; FlashAttention's NHD storage, heads inside tokens), they are joined. A
+    tensor that is not so is returned as it is, and ``detect_paged_kv`` refuses it.
     """
-    num_kernel_blocks, kernel_block_size, width = tensor.shape
+    shape, strides = list(tensor.shape), list(tensor.stride())
+    kernel_block_size = shape[token_dim]
     if kernel_block_size >= block_size or block_size % kernel_block_size:
         return tensor
     ratio = block_size // kernel_block_size
-    if num_kernel_blocks % ratio or tensor.stride(0) != kernel_block_size * tensor.stride(1):
+    if shape[0] % ratio or strides[0] != kernel_block_size * strides[token_dim]:
         return tensor
-    return tensor.as_strided(
-        (num_kernel_blocks // ratio, block_size, width),
-        (tensor.stride(0) * ratio, tensor.stride(1), tensor.stride(2)),
-        tensor.storage_offset(),
-    )
+    shape[0], shape[token_dim], strides[0] = shape[0] // ratio, block_size, strides[0] * ratio
+    return tensor.as_strided(shape, strides, tensor.storage_offset())
 
 
 def host_kv_cache_bytes(kv_caches: dict[str, torch.Tensor]) -> int:
