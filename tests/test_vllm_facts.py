@@ -397,3 +397,17 @@ def test_mla_fp8_formats_never_share_keys():
         dtype: key_tags(vllm_config(dtype), "FLASHMLA") for dtype in ("auto", "fp8", "fp8_ds_mla")
     }
     assert len(set(tags.values())) == len(tags), f"MLA caches share key tags {tags}"
+
+
+def test_fp8_caches_of_nvidia_and_mi300_never_share_keys(monkeypatch):
+    """``fp8`` is e4m3fn on NVIDIA and e4m3fnuz on AMD MI300 (vLLM's
+    ``current_platform.fp8_dtype()``): the same name, other bytes for the same values, so
+    engines of both sharing one store must not load each other's chunks."""
+    from vllm.platforms import current_platform
+
+    tags = {}
+    for encoding in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        monkeypatch.setattr(current_platform, "fp8_dtype", lambda e=encoding: e)
+        tags[encoding] = key_tags(vllm_config("fp8"), "FLASH_ATTN")
+    assert tags[torch.float8_e4m3fn] != tags[torch.float8_e4m3fnuz], f"same tags: {tags}"
+    assert ("fp8_dtype", "float8_e4m3fnuz") in tags[torch.float8_e4m3fnuz], tags

@@ -105,8 +105,8 @@ def key_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, s
 
     The CPU backend tiles blocks per instruction set, so its chunks carry that ISA. A
     quantized KV cache (``kv_cache_dtype`` fp8, fp8_e5m2, ...) is a uint8 tensor whatever
-    its format, so its chunks carry the format, and the model dtype whose values it
-    quantized."""
+    its format, so its chunks carry the format, the model dtype whose values it quantized
+    and, for fp8, the platform's fp8 encoding."""
     tags = []
     if backend == "CPU_ATTN":
         isa = cpu_attn_isa(vllm_config)
@@ -119,7 +119,21 @@ def key_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, s
     if cache_dtype != "auto":
         model_dtype = dtype_name(vllm_config.model_config.dtype)
         tags += [("kv_cache_dtype", cache_dtype), ("model_dtype", model_dtype)]
+    if cache_dtype.startswith("fp8"):
+        # the same name is another encoding on MI300 (e4m3fnuz) than on NVIDIA (e4m3fn)
+        tags.append(("fp8_dtype", platform_fp8_dtype()))
     return tuple(tags)
+
+
+def platform_fp8_dtype() -> str:
+    """The fp8 encoding vLLM's kernels use on this machine (``float8_e4m3fn``, or
+    ``float8_e4m3fnuz`` on AMD MI300), by vLLM's ``current_platform.fp8_dtype()``."""
+    try:
+        from vllm.platforms import current_platform
+
+        return dtype_name(current_platform.fp8_dtype())
+    except Exception:  # a vLLM without it: the encoding every other platform uses
+        return "float8_e4m3fn"
 
 
 def cpu_attn_isa(vllm_config: VllmConfig) -> str | None:
