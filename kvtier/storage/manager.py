@@ -269,13 +269,15 @@ class StorageManager:
 
     # -- management ------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[CacheKey]) -> list[CacheKey]:
-        """Pin what the CPU tier holds among ``keys``; returns the keys pinned."""
-        return [key for key in keys if self.cpu.pin(key)]
+    def pin(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
+        """Pin what the CPU tier holds among ``keys``; returns the objects pinned, for
+        ``unpin`` (a key may name another object by then)."""
+        pinned = (self.cpu.pin(key) for key in keys)
+        return [obj for obj in pinned if obj is not None]
 
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        for key in keys:
-            self.cpu.unpin(key)
+    def unpin(self, objs: Sequence[MemoryObj]) -> None:
+        for obj in objs:
+            obj.unpin()
 
     def remove(self, key: CacheKey) -> bool:
         """Forget ``key`` in every tier."""
