@@ -152,6 +152,8 @@ class StoreTransfer:
                     result.stored_chunks += 1
                     result.stored_tokens += chunk.num_tokens
                     result.stored_bytes += obj.data_nbytes
+                elif self.checked.storage.contains(chunk.key):
+                    result.skipped_existing += 1  # another store put it there since staging
         finally:
             self._release()
         result.seconds = self._busy + time.perf_counter() - started

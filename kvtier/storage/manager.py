@@ -152,8 +152,15 @@ class StorageManager:
 
     def put(self, key: CacheKey, obj: MemoryObj) -> bool:
         """Store ``obj`` under ``key`` in every enabled tier (lower tiers asynchronously).
-        The caller keeps its own reference. Returns whether any tier took it."""
-        took = self.cpu.put(key, obj) if self.retain_in_cpu else False
+        The caller keeps its own reference. Returns whether any tier took it.
+
+        NOTE: a key the CPU tier already holds is not written again anywhere: whoever
+        stored it first (another thread storing the same prompt) queued its lower-tier
+        writes, so this put takes nothing and returns False.
+        """
+        if self.retain_in_cpu and not self.cpu.put(key, obj):
+            return False
+        took = self.retain_in_cpu
         for tier in self.lower:
             took = tier.submit_put(key, obj) or took
         return took
