@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.chunker import Chunk, PromptChunks
-from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Counter, Histogram
 from kvtier.paged_io import PagedIO
@@ -93,7 +92,7 @@ class StoreTransfer:
         self._busy = 0.0
         self._gathered = gather_now
         self._staged: list[tuple[Chunk, MemoryObj, torch.Tensor]] = []
-        self._pinned_existing: list[CacheKey] = []
+        self._pinned_existing: list[MemoryObj] = []
         started = time.perf_counter()
         try:
             with paged_io.storing() if gather_now else contextlib.nullcontext():
@@ -153,6 +152,8 @@ class StoreTransfer:
                     result.stored_chunks += 1
                     result.stored_tokens += chunk.num_tokens
                     result.stored_bytes += obj.data_nbytes
+                elif self.checked.storage.contains(chunk.key):
+                    result.skipped_existing += 1  # another store put it there since staging
         finally:
             self._release()
         result.seconds = self._busy + time.perf_counter() - started

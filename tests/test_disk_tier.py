@@ -17,7 +17,7 @@ import pytest
 import torch
 from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
 
-from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.server.blobs import disk_name, open_disk, read_from_disk, write_to_disk
 from kvtier.storage import files, wire
 from kvtier.storage.disk import FileTier
@@ -66,6 +66,23 @@ def test_round_trip_and_lookup(tmp_path, pool):
     assert counter(stats, TierCounter.GET_BYTES) == 5 * objs[0].data_nbytes
     assert len(chunk_files(tmp_path)) == 5
     assert not list(tmp_path.rglob("*.tmp"))
+    tier.close()
+
+
+def test_a_batched_get_is_one_latency_observation(tmp_path, pool):
+    """Like every tier, the disk times a batched get as a whole (its chunks are read in
+    parallel): one histogram observation per batch, hits and misses counted per chunk."""
+    stats = Stats()
+    tier = make_tier(tmp_path, stats)
+    put_all(tier, pool, range(3))
+    for obj in tier.get_many([key(i) for i in range(4)], pool.allocate):
+        if obj is not None:
+            obj.ref_down()
+    assert tier.get_many([key(9)], pool.allocate) == [None]
+    latency = stats.histograms()[tier_counter("disk", Histogram.TIER_GET)]
+    assert latency["count"] == 2
+    assert latency["sum"] == counter(stats, TierCounter.GET_SECONDS)
+    assert (counter(stats, TierCounter.GET_HITS), counter(stats, TierCounter.GET_MISSES)) == (3, 2)
     tier.close()
 
 

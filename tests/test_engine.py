@@ -306,3 +306,19 @@ def test_a_copy_that_fails_mid_transfer_leaves_nothing_held(monkeypatch, directi
     monkeypatch.setattr(io, name, real)
     engine.store(tokens, slot_mapping=torch.arange(32))
     assert engine.retrieve(tokens, slot_mapping=torch.arange(100, 132)) == 32
+
+
+def test_a_store_releases_the_chunks_it_pinned_even_when_their_keys_were_stored_again():
+    """A store pins the chunks already held until it commits; if another thread clears
+    the tier and stores the same prompt meanwhile, the commit unpins its own objects
+    (not the new ones under the same keys) and every byte returns to the pool."""
+    engine = make_engine()
+    tokens, slots = torch.arange(16), torch.arange(16)
+    engine.store(tokens, slot_mapping=slots)
+    transfer = engine.begin_store(engine.chunker.chunks(tokens), slots)  # pins both chunks
+    engine.clear()
+    engine.store(tokens, slot_mapping=slots)
+    transfer.commit()
+    assert engine.storage.gauges()["cpu_pinned_chunks"] == 0
+    engine.clear()
+    assert engine.storage.cpu.pool.used_bytes() == 0

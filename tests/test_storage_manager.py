@@ -142,6 +142,25 @@ def test_store_of_a_chunk_already_on_disk_rewrites_nothing(tmp_path):
     second.close()
 
 
+def test_two_stores_of_the_same_prompt_at_once_count_it_stored_once(tmp_path):
+    """Two threads stage the same new chunks before either commits (both see them
+    missing): the second commit finds them held, so they count as skipped, not as
+    stored twice, and are not queued to the disk again."""
+    engine = make_engine(local_disk=str(tmp_path))
+    tokens, slots = torch.arange(16), torch.arange(16)
+    chunks = engine.chunker.chunks(tokens)
+    first, second = engine.begin_store(chunks, slots), engine.begin_store(chunks, slots)
+    for transfer in (first, second):
+        transfer.gather()
+    assert (first.commit().stored_chunks, first.result.skipped_existing) == (2, 0)
+    assert (second.commit().stored_chunks, second.result.skipped_existing) == (0, 2)
+    assert engine.storage.flush(30)
+    assert engine.stats.get(Counter.STORED_CHUNKS) == 2
+    assert engine.stats.get(Counter.STORE_SKIPPED_EXISTING) == 2
+    assert engine.stats.get(tier_counter("disk", TierCounter.PUT_CHUNKS)) == 2
+    engine.close()
+
+
 def test_clear_empties_every_tier(tmp_path):
     engine = make_engine(local_disk=str(tmp_path))
     engine.store(torch.arange(16), slot_mapping=torch.arange(16))

@@ -145,6 +145,16 @@ def test_scheduler_hooks_reach_every_extension() -> None:
     assert side.counters()["recorder_calls"] == len(recorder.calls)
 
 
+def test_scheduler_counts_each_lookup_it_asks_of_the_ranks() -> None:
+    config = load_config({"chunk_size": CHUNK}, env={})
+    side = SchedulerSide(config, lambda hashes: 1, block_size=BLOCK)
+    side.get_num_new_matched_tokens(request("a", list(range(20))), 0)
+    side.get_num_new_matched_tokens(request("b", list(range(50, 70))), 0)
+    counters = side.counters()
+    assert (counters["lookup_requests"], counters["lookup_tokens"]) == (2, 40)
+    assert counters["lookup_hit_tokens"] == 2 * CHUNK
+
+
 def test_worker_runs_extension_specs_around_the_forward_pass() -> None:
     config = load_config(
         {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "kernel_backend": "torch"}, env={}

@@ -647,6 +647,12 @@ def test_metrics_rpc_leaves_the_schedulers_lookup_counters_out(served):
     assert lookups == set(), f"a worker rank exported {sorted(lookups)}"
 
 
+def test_metrics_rpc_leaves_the_lookup_request_count_to_the_scheduler(served):
+    _, _, client, _ = served
+    (metrics,) = client.call_all("metrics")
+    assert Counter.LOOKUP_REQUESTS not in metrics["counters"]
+
+
 def test_worker_without_endpoint_serves_nothing(make_worker):
     worker, _ = make_worker(endpoint=None)
     assert worker._server is None

@@ -180,16 +180,18 @@ class LocalCPUTier:
             self._drop(key)
             return True
 
-    def pin(self, key: Hashable) -> bool:
-        """Protect ``key`` from eviction until ``unpin``. False if not stored."""
+    def pin(self, key: Hashable) -> MemoryObj | None:
+        """Protect the object under ``key`` from eviction; returns it (None if not
+        stored). The caller unpins that object (``MemoryObj.unpin``): by then the key may
+        name another one (removed or cleared, then stored again)."""
         with self._lock:
             obj = self._objects.get(key)
-            if obj is None:
-                return False
-            obj.pin()
-            return True
+            if obj is not None:
+                obj.pin()
+            return obj
 
     def unpin(self, key: Hashable) -> None:
+        """Undo a ``pin`` of the object stored under ``key`` now."""
         with self._lock:
             obj = self._objects.get(key)
             if obj is not None:

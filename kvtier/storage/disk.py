@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -175,10 +175,10 @@ class FileTier:
         return present
 
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
-        return self._map(lambda key: self._read(key, allocate), keys)
+        with self._batched_get(keys):
+            return self._map(lambda key: self._read(key, allocate), keys)
 
     def _read(self, key: CacheKey, allocate: Allocate) -> MemoryObj | None:
-        started = time.perf_counter()
         file_name = self.file_name(key)
         obj = self._attempt(
             file_name,
@@ -186,7 +186,7 @@ class FileTier:
                 path, key.to_string(), allocate, self.serde, o_direct=self.files.o_direct
             ),
         )
-        self._count_get(file_name, None if obj is None else obj.data_nbytes, started)
+        self._count_get(file_name, None if obj is None else obj.data_nbytes)
         return obj
 
     def get_into(self, items: Sequence[tuple[CacheKey, ChunkBuffers]]) -> list[DirectRead]:
@@ -198,10 +198,10 @@ class FileTier:
         them). OTHER_FORMAT: nothing was read; the chunk is stored in another layout or
         codec, which ``get_many`` decodes. A fault is a miss (counted), never raised.
         """
-        return self._map(lambda item: self._read_into(*item), items)
+        with self._batched_get(items):
+            return self._map(lambda item: self._read_into(*item), items)
 
     def _read_into(self, key: CacheKey, chunk: ChunkBuffers) -> DirectRead:
-        started = time.perf_counter()
         file_name = self.file_name(key)
         done = self._attempt(
             file_name,
@@ -211,7 +211,7 @@ class FileTier:
         )
         if done is False:
             return DirectRead.OTHER_FORMAT
-        self._count_get(file_name, chunk.nbytes if done else None, started)
+        self._count_get(file_name, chunk.nbytes if done else None)
         return DirectRead.LOADED if done else DirectRead.MISSING
 
     def _map(self, fn: Callable[[T], object], items: Sequence[T]) -> list:
@@ -237,17 +237,28 @@ class FileTier:
             self._warn_per_cause("read", path, exc, "those chunks are misses")
         return None
 
-    def _count_get(self, file_name: str, nbytes: int | None, started: float) -> None:
-        """Count one read: a hit of ``nbytes`` (a use, for eviction order), or a miss."""
+    @contextlib.contextmanager
+    def _batched_get(self, items: Sequence[object]) -> Iterator[None]:
+        """Time one batched read of ``items`` (its chunks are read in parallel): one
+        latency observation per batch, as every tier counts its gets."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if items:
+                elapsed = time.perf_counter() - started
+                self.stats.inc(tier_counter(self.name, TierCounter.GET_SECONDS), elapsed)
+                self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
+
+    def _count_get(self, file_name: str, nbytes: int | None) -> None:
+        """Count one chunk read: a hit of ``nbytes`` (a use, for eviction order), or a
+        miss."""
         if nbytes is None:
             self.stats.inc(tier_counter(self.name, TierCounter.GET_MISSES))
             return
         self.files.touch(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.GET_HITS))
         self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), nbytes)
-        elapsed = time.perf_counter() - started
-        self.stats.inc(tier_counter(self.name, TierCounter.GET_SECONDS), elapsed)
-        self.stats.observe(tier_counter(self.name, Histogram.TIER_GET), elapsed)
 
     def _reject(self, file_name: str, path: Path, exc: CorruptObject) -> None:
         self.stats.inc(tier_counter(self.name, TierCounter.CORRUPT))

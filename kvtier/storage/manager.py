@@ -152,8 +152,15 @@ class StorageManager:
 
     def put(self, key: CacheKey, obj: MemoryObj) -> bool:
         """Store ``obj`` under ``key`` in every enabled tier (lower tiers asynchronously).
-        The caller keeps its own reference. Returns whether any tier took it."""
-        took = self.cpu.put(key, obj) if self.retain_in_cpu else False
+        The caller keeps its own reference. Returns whether any tier took it.
+
+        NOTE: a key the CPU tier already holds is not written again anywhere: whoever
+        stored it first (another thread storing the same prompt) queued its lower-tier
+        writes, so this put takes nothing and returns False.
+        """
+        if self.retain_in_cpu and not self.cpu.put(key, obj):
+            return False
+        took = self.retain_in_cpu
         for tier in self.lower:
             took = tier.submit_put(key, obj) or took
         return took
@@ -269,13 +276,15 @@ class StorageManager:
 
     # -- management ------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[CacheKey]) -> list[CacheKey]:
-        """Pin what the CPU tier holds among ``keys``; returns the keys pinned."""
-        return [key for key in keys if self.cpu.pin(key)]
+    def pin(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
+        """Pin what the CPU tier holds among ``keys``; returns the objects pinned, for
+        ``unpin`` (a key may name another object by then)."""
+        pinned = (self.cpu.pin(key) for key in keys)
+        return [obj for obj in pinned if obj is not None]
 
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        for key in keys:
-            self.cpu.unpin(key)
+    def unpin(self, objs: Sequence[MemoryObj]) -> None:
+        for obj in objs:
+            obj.unpin()
 
     def remove(self, key: CacheKey) -> bool:
         """Forget ``key`` in every tier."""

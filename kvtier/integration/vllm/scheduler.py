@@ -157,6 +157,7 @@ class SchedulerSide:
         # req_id -> (vllm_cached, load_end, tokens kvtier holds) from the last lookup
         self._hits: dict[str, tuple[int, int, int]] = {}
         self._cancelled_async: list[LoadSpec] = []
+        self.lookup_requests = 0
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
         self.pd_waits = 0  # lookups answered "ask again later" (pd_wait_ms)
@@ -287,6 +288,7 @@ class SchedulerSide:
         if self.pd_wait_s and self._wait_for_producer(request.request_id, hits < len(hashes)):
             return None, False
         hit_tokens = self._bounds(0, hashes[:hits], held_end)
+        self.lookup_requests += 1
         self.lookup_tokens += num_tokens
         self.lookup_hit_tokens += hit_tokens
         if hits:
@@ -484,6 +486,7 @@ class SchedulerSide:
     def counters(self) -> dict[str, float]:
         """This process's own counters: lookups (once for all ranks) and the extensions'."""
         counters: dict[str, float] = {
+            "lookup_requests": self.lookup_requests,
             "lookup_tokens": self.lookup_tokens,
             "lookup_hit_tokens": self.lookup_hit_tokens,
             "pd_waits": self.pd_waits,

@@ -190,7 +190,11 @@ class WorkerSide:
                     "stats": lambda args: self.stats.snapshot(),
                     # lookups are counted once for all ranks, by the scheduler
                     "metrics": lambda args: self._require_engine().metrics(
-                        omit=(Counter.LOOKUP_TOKENS, Counter.LOOKUP_HIT_TOKENS)
+                        omit=(
+                            Counter.LOOKUP_REQUESTS,
+                            Counter.LOOKUP_TOKENS,
+                            Counter.LOOKUP_HIT_TOKENS,
+                        )
                     ),
                     **{
                         op: h
