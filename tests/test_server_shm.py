@@ -223,6 +223,19 @@ def test_a_byte_changed_in_the_servers_memory_is_a_miss(server, pool):
     reader.close()
 
 
+def test_the_servers_memory_can_be_written_but_never_resized(server):
+    """A same-host client may write the memory tier's file, never shrink it: a mapping
+    past the file's end kills the server, and every client mapping it, with SIGBUS."""
+    raw = client(server, "sealed")
+    raw.put_many([("kept", [b"still here"])])
+    with open(server_arena(server.process.pid), "r+b") as f:
+        for size in (0, os.fstat(f.fileno()).st_size + mmap.PAGESIZE):
+            with pytest.raises(PermissionError):
+                os.ftruncate(f.fileno(), size)
+    assert raw.get_many(["kept"]) == [b"still here"]
+    raw.close()
+
+
 def test_a_memory_tier_the_client_cannot_map_leaves_it_on_its_segment(server, monkeypatch):
     """As for a client in another pid namespace: ``/proc/<pid>/fd/<fd>`` is not the file."""
     offers, attach = [], shm.attach_arena

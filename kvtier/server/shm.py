@@ -14,6 +14,7 @@ lease that expired, another client's stray write) is a miss, never wrong bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -166,7 +167,9 @@ class SharedArena:
     segment the server mapped) opens through ``/proc/<pid>/fd/<fd>`` and maps.
 
     The file has no name in any directory: it goes when the server exits and no client
-    maps it any more.
+    maps it any more. NOTE: it is sealed against shrinking and growing: a client opens it
+    writable, and one that truncated it would kill every process mapping it (the server
+    first) with SIGBUS at its next access past the new end.
 
     Raises:
         PoolTooLarge: ``size`` is more than the machine's available memory.
@@ -177,9 +180,11 @@ class SharedArena:
         self.name = f"kvtier-pool-{secrets.token_hex(16)}"
         assert ARENA_PATTERN.fullmatch(self.name)
         self.size = size
-        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, size)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
             self._mm = mmap.mmap(self._fd, size)
         except BaseException:
             os.close(self._fd)
