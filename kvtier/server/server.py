@@ -25,11 +25,11 @@ Memory is bounded whatever clients do: the blob tiers by their sizes, and what i
 flight by ``max_clients`` frames of at most ``max_frame_bytes`` each.
 
 Same host: a client may offer a shared-memory segment in its HELLO (``shm``); once the
-server has mapped it, that connection's PUT and GET frames may carry ``(offset, size)``
+server has opened it, that connection's PUT and GET frames may carry ``(offset, size)``
 references into the segment instead of payload bytes, and the server copies between
 the segment and its memory tier directly. A reference outside the segment (or on a
 connection without one) is an error reply, counted under ``rejects_bad_shm_ref``; the
-segment is unmapped when its connection ends. See ``kvtier.server.shm``.
+segment is closed when its connection ends. See ``kvtier.server.shm``.
 
 Peers: a HELLO with ``peer: true`` comes from another server (``kvtier.server.peers``):
 its EXISTS and GET are answered from this server's memory and disk only, and it may ask
