@@ -4,9 +4,13 @@ stopped with SIGTERM, fed malformed frames, and watched through its admin API.""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 import struct
 import subprocess
+import threading
+import time
 
 import cbor2
 import pytest
@@ -26,6 +30,8 @@ from support.tiers import (
 
 from kvtier.config import load_config
 from kvtier.observability.stats import Stats, TierCounter, tier_counter
+from kvtier.server.cache import BlobCache
+from kvtier.server.server import KVTierServer
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import StoreUnavailable
@@ -222,8 +228,20 @@ def error_of(reply: bytes) -> str:
         (frame(Op.HELLO, ["not", "a", "map"]), "not a CBOR map"),
         (frame(Op.PING, {}), "unauthenticated"),
         (frame(Op.HELLO, {"namespace": "a/b"}), "unauthenticated"),
+        (frame(Op.HELLO, {"namespace": "x"}, b"payload"), "no payload"),
+        (frame(Op.PUT, {"names": ["a"], "sizes": [3]}, b"abc"), "starts with a HELLO"),
     ],
-    ids=["http", "version", "op", "oversized", "header", "no-hello", "namespace"],
+    ids=[
+        "http",
+        "version",
+        "op",
+        "oversized",
+        "header",
+        "no-hello",
+        "namespace",
+        "hello-payload",
+        "put-before-hello",
+    ],
 )
 def test_bad_frames_are_rejected_and_the_server_keeps_serving(server, data, reason):
     before = server.admin("/stats")[1].get("rejects", 0)
@@ -267,6 +285,72 @@ def test_fuzzed_frames_never_hurt_the_server(server, garbage, cut, authed):
     data = (HELLO if authed else b"") + good[:cut] + garbage
     raw_exchange(server.port, data)
     server.client().ping()
+
+
+class InProcessServer:
+    """A ``KVTierServer`` on an event loop of its own in this process, for bounds too
+    slow to reach in a subprocess (``frame_timeout_s``)."""
+
+    def __init__(self, **options):
+        config = load_config({"max_local_cpu_size": 0.004}, env={})
+        self.cache = BlobCache(config, Stats())
+        self.server = KVTierServer(
+            self.cache, self.cache.stats, host="127.0.0.1", port=0, token=None, **options
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        self.port = self.server.port
+
+    def client(self) -> KVTierStore:
+        return KVTierStore("127.0.0.1", self.port, namespace="in-process", timeout_s=2.0)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(1.0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.cache.close(0)
+
+
+def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
+    holder = InProcessServer(max_clients=3, frame_timeout_s=0.5)
+    try:
+        silent = socket.create_connection(("127.0.0.1", holder.port))  # never says HELLO
+        stalled = socket.create_connection(("127.0.0.1", holder.port))
+        stalled.sendall(HELLO + frame(Op.PING, {})[:10])  # half a frame, then nothing
+        idle = holder.client()
+        idle.ping()  # then nothing: a pooled connection may idle as long as it likes
+        wait_until(lambda: holder.server.clients == 3)
+        late = holder.client()
+        with pytest.raises(StoreUnavailable):
+            late.ping()  # every slot held
+        wait_until(lambda: holder.server.stats.get("rejects_timeout") == 2, timeout=5)
+        late.ping()
+        time.sleep(0.6)
+        idle.ping()
+        assert holder.server.stats.get("rejects_timeout") == 2
+        for sock in (silent, stalled):
+            sock.close()
+        for client in (idle, late):
+            client.close()
+    finally:
+        holder.close()
+
+
+def test_a_reason_to_reject_is_logged_once_and_counted_every_time(caplog):
+    holder = InProcessServer()
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.server"):
+            for _ in range(5):
+                raw_exchange(holder.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                raw_exchange(holder.port, frame(Op.HELLO, {"namespace": "a/b"}))
+        assert holder.server.stats.get("rejects_malformed") == 5
+        assert holder.server.stats.get("rejects_unauthenticated") == 5
+        logged = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+        assert len(logged) == 2 and "bad magic" in logged[0] and "namespace" in logged[1]
+    finally:
+        holder.close()
 
 
 # -- bounds, admin API, remote behind --------------------------------------------------

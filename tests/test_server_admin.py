@@ -195,6 +195,19 @@ def test_a_body_over_the_limit_is_refused_unread(server):
     assert lookup(server, {"model": MODEL, "tokens": TOKENS})[0] == 200
 
 
+def test_a_body_nested_too_deep_to_parse_is_400(server):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    conn = http.client.HTTPConnection("127.0.0.1", server.admin_port, timeout=10)
+    try:
+        conn.request("POST", "/lookup", body=deep)
+        response = conn.getresponse()
+        status, reply = response.status, json.loads(response.read())
+    finally:
+        conn.close()
+    assert status == 400 and "nested too deeply" in reply["error"]
+    assert lookup(server, {"model": MODEL, "tokens": TOKENS})[0] == 200
+
+
 def test_the_hooks_run_off_the_event_loop():
     """A clear or a lookup may wait on the disk or the remote: never on the loop that
     also serves the cache port."""

@@ -63,9 +63,16 @@ def segments_in_dev_shm() -> set[str]:
 
 
 def mapped_segments(pid: int) -> list[str]:
-    """The kvtier segments process ``pid`` has mapped (deleted names included)."""
+    """The kvtier segments process ``pid`` holds (deleted names included): mapped (a
+    client), or open (the server, which never maps one)."""
     maps = Path(f"/proc/{pid}/maps").read_text()
-    return [line for line in maps.splitlines() if f"/{shm.NAME_PREFIX}" in line]
+    held = [line for line in maps.splitlines() if f"/{shm.NAME_PREFIX}" in line]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith(os.path.join(shm.SHM_DIR, shm.NAME_PREFIX)):
+                held.append(link)
+    return held
 
 
 def mapped_arenas(pid: int) -> list[str]:
@@ -221,6 +228,46 @@ def test_a_byte_changed_in_the_servers_memory_is_a_miss(server, pool):
     raw.close()
     writer.close()
     reader.close()
+
+
+def test_a_segment_its_client_truncates_is_an_error_reply_not_a_dead_server(server):
+    """The client owns its segment's file and may truncate it after the server opened
+    it: a server that mapped it would die of SIGBUS at its next copy."""
+    segment, offer = shm.create_segment(SEGMENT)
+    path = os.path.join(shm.SHM_DIR, offer.name)
+    fd = os.open(path, os.O_RDWR)
+    before = stats(server).get("rejects_bad_shm_ref", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(frame(Op.HELLO, {"namespace": "truncated", "shm": offer.as_header()}))
+            assert read_reply(sock)["shm"] is True
+            os.ftruncate(fd, 0)
+            sock.sendall(frame(Op.PUT, {"names": ["a"], "sizes": [4096], "shm": [8192]}))
+            assert "truncated" in read_reply(sock)["error"]
+            sock.sendall(frame(Op.PUT, {"names": ["b"], "sizes": [3]}, b"abc"))
+            assert read_reply(sock) == {"stored": 1}
+            sock.sendall(frame(Op.GET, {"names": ["b"], "shm": [4096, 4096]}))
+            assert read_reply(sock)["sizes"] == [3]  # written past the end: the file grows
+    finally:
+        os.close(fd)
+        segment.close()
+    assert stats(server)["rejects_bad_shm_ref"] == before + 1
+    other = client(server, "truncated")
+    assert other.get_many(["a", "b"]) == [None, b"abc"]
+    other.close()
+
+
+def test_the_servers_memory_can_be_written_but_never_resized(server):
+    """A same-host client may write the memory tier's file, never shrink it: a mapping
+    past the file's end kills the server, and every client mapping it, with SIGBUS."""
+    raw = client(server, "sealed")
+    raw.put_many([("kept", [b"still here"])])
+    with open(server_arena(server.process.pid), "r+b") as f:
+        for size in (0, os.fstat(f.fileno()).st_size + mmap.PAGESIZE):
+            with pytest.raises(PermissionError):
+                os.ftruncate(f.fileno(), size)
+    assert raw.get_many(["kept"]) == [b"still here"]
+    raw.close()
 
 
 def test_a_memory_tier_the_client_cannot_map_leaves_it_on_its_segment(server, monkeypatch):

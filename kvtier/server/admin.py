@@ -174,7 +174,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     """The JSON object sent ({} when there is no body).
 
     Raises:
-        ValueError: too long, not JSON, or not an object.
+        ValueError: too long, not JSON (or nested too deeply to parse), or not an object.
     """
     too_long = f"the body must be at most {MAX_BODY_BYTES} bytes"
     if (request.content_length or 0) > MAX_BODY_BYTES:
@@ -189,6 +189,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError:
         raise ValueError("the body is not JSON") from None
+    except RecursionError:  # "[[[[...": the parser recurses once per level
+        raise ValueError("the body is JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body

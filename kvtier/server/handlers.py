@@ -22,7 +22,7 @@ from kvtier.server.blobs import view_of
 from kvtier.server.cache import BlobCache
 from kvtier.server.leases import Leases
 from kvtier.server.nixl import NixlPlane
-from kvtier.server.transfer import Placement, Received, Reply, Session, take_data
+from kvtier.server.transfer import Placement, Received, Reply, Session, let_go, take_data
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.node_protocol import Frame, Op, ProtocolError
 
@@ -126,19 +126,17 @@ class RequestHandlers:
                 raise shm.ShmRefError("a PUT with shm references carries no payload")
             extents = shm.extents_of(frame.header["shm"], sizes, session.segment)
             assert session.segment is not None
-            with memoryview(session.segment.mm) as view:
-                blobs = [view[offset : offset + size] for offset, size in extents]
-                try:
-                    stored = self._store(session.namespace, names, blobs)
-                finally:  # no view of the segment may outlive the request: it blocks unmap
-                    for blob in blobs:
-                        blob.release()
+            blobs = [Received.allocate(self.cache, size) for size in sizes]
+            try:
+                for blob, (offset, _) in zip(blobs, extents, strict=True):
+                    session.segment.read_into(offset, blob.view)
+                reply = self.put_received(frame, session, blobs)
+            finally:
+                let_go(blobs)
             self.stats.inc("bytes_shm_in", sum(sizes))
-        else:
-            sizes = protocol.sizes_of(frame.header, len(names), len(frame.payload), absent_ok=False)
-            stored = self._store(
-                session.namespace, names, protocol.split_payload(frame.payload, sizes)
-            )
+            return reply
+        sizes = protocol.sizes_of(frame.header, len(names), len(frame.payload), absent_ok=False)
+        stored = self._store(session.namespace, names, protocol.split_payload(frame.payload, sizes))
         return self._stored(len(names), stored)
 
     def _put_in_place(self, frame: Frame, session: Session, names: list[str]) -> Reply:

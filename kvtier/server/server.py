@@ -11,8 +11,13 @@ are kept in.
 NOTE: a connection that sends anything the protocol forbids — a bad magic, another
 version, an unknown op, a frame over the size limit, a header that is not a CBOR map, a
 wrong token, a request before HELLO — gets one error reply and is closed: the stream
-cannot be trusted past that point. It is counted under ``rejects`` and never touches
-another connection. A request whose frame is well formed but whose fields are wrong
+cannot be trusted past that point. It is counted under ``rejects`` (each reason logged
+once, not per connection) and never touches another connection. Nothing is allocated
+for a connection before its HELLO but that frame (at most ``MAX_HELLO_HEADER_BYTES``, no
+payload), which must arrive within ``frame_timeout_s`` of connecting; after it, a
+connection may idle between frames as long as it likes, but a frame once begun must
+arrive whole within ``frame_timeout_s``. So a client that stalls holds its slot among
+``max_clients`` for a bounded time unless it has said a valid HELLO. A request whose frame is well formed but whose fields are wrong
 (names that are not strings, sizes that do not add up) is an error reply on a
 connection that stays open.
 
@@ -20,11 +25,11 @@ Memory is bounded whatever clients do: the blob tiers by their sizes, and what i
 flight by ``max_clients`` frames of at most ``max_frame_bytes`` each.
 
 Same host: a client may offer a shared-memory segment in its HELLO (``shm``); once the
-server has mapped it, that connection's PUT and GET frames may carry ``(offset, size)``
+server has opened it, that connection's PUT and GET frames may carry ``(offset, size)``
 references into the segment instead of payload bytes, and the server copies between
 the segment and its memory tier directly. A reference outside the segment (or on a
 connection without one) is an error reply, counted under ``rejects_bad_shm_ref``; the
-segment is unmapped when its connection ends. See ``kvtier.server.shm``.
+segment is closed when its connection ends. See ``kvtier.server.shm``.
 
 Peers: a HELLO with ``peer: true`` comes from another server (``kvtier.server.peers``):
 its EXISTS and GET are answered from this server's memory and disk only, and it may ask
@@ -57,7 +62,12 @@ from kvtier.storage.node_protocol import Frame, Op, ProtocolError
 
 logger = logging.getLogger(__name__)
 
-FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame may take to arrive
+FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame (or a HELLO) may take to arrive
+MAX_HELLO_HEADER_BYTES = 64 << 10  # a token, a namespace and a shared-memory offer
+
+
+class NotAHello(ProtocolError):
+    """A connection's first frame is not a HELLO of the size one can have."""
 
 
 class KVTierServer:
@@ -69,6 +79,8 @@ class KVTierServer:
         token: the token every client must send in HELLO, or None for none.
         max_frame_bytes: the largest payload accepted in a frame (and sent in a reply).
         max_clients: connections held at once; more are closed at once (counted).
+        frame_timeout_s: the most a frame may take to arrive once begun, and a new
+            connection to send its HELLO.
         max_shm_bytes: the largest shared-memory segment a client may offer; 0 turns the
             same-host path off (every client stays on TCP).
         plane: the NIXL plane peers read the memory pool through (None: no NIXL).
@@ -87,6 +99,7 @@ class KVTierServer:
         token: str | None,
         max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         max_clients: int = 256,
+        frame_timeout_s: float = FRAME_READ_TIMEOUT_S,
         max_shm_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         plane: NixlPlane | None = None,
         leases: Leases | None = None,
@@ -99,6 +112,8 @@ class KVTierServer:
         self._token = token.encode() if token else None
         self.max_frame_bytes = max_frame_bytes
         self.max_clients = max_clients
+        self.frame_timeout_s = frame_timeout_s
+        self._logged: set[str] = set()  # the reasons of rejects logged already
         self.max_shm_bytes = max_shm_bytes
         self.leases = leases
         self.clients = 0
@@ -189,13 +204,17 @@ class KVTierServer:
                 except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11
                     self._reject("timeout", "a frame took too long to arrive")
                     return
+                except NotAHello as exc:
+                    await self._fail(sock, 0, "unauthenticated", str(exc))
+                    return
                 except ProtocolError as exc:
                     await self._fail(sock, 0, "malformed", str(exc))
                     return
                 if session is None:
-                    namespace = self._hello(frame)
-                    if namespace is None:
-                        await self._fail(sock, frame.request_id, "unauthenticated", "bad HELLO")
+                    try:
+                        namespace = self._hello(frame)
+                    except NotAHello as exc:
+                        await self._fail(sock, frame.request_id, "unauthenticated", str(exc))
                         return
                     session = Session(namespace, peer=frame.header.get("peer") is True)
                     reply = {"max_frame": self.max_frame_bytes, "version": protocol.VERSION}
@@ -216,21 +235,48 @@ class KVTierServer:
     ) -> tuple[Frame, list[Received] | None]:
         """The next frame. An inline PUT's blobs go straight into memory-tier buffers (the
         returned ``Received``, which the caller stores or releases); any other payload
-        into one buffer of its own."""
+        into one buffer of its own.
+
+        An authenticated connection waits for a frame's first bytes as long as it likes;
+        from there (from connecting, for the HELLO) the frame has ``frame_timeout_s``.
+
+        Raises:
+            NotAHello: the first frame is not a HELLO, or too large for one.
+        """
         loop = asyncio.get_running_loop()
         head = bytearray(protocol.PREFIX_SIZE)
-        await sockets.recv_exactly(loop, sock, memoryview(head))
-        prefix = protocol.decode_prefix(head, self.max_frame_bytes)
-        # the rest of the frame within FRAME_READ_TIMEOUT_S (wait_for: Python 3.10 too)
+        rest = memoryview(head)
+        if session is not None:
+            got = await loop.sock_recv_into(sock, rest)
+            if got == 0:
+                raise asyncio.IncompleteReadError(b"", protocol.PREFIX_SIZE)
+            rest = rest[got:]
+        # wait_for: Python 3.10 has no asyncio.timeout
         frame, blobs = await asyncio.wait_for(
-            self._read_rest(loop, sock, session, prefix), FRAME_READ_TIMEOUT_S
+            self._read_rest(loop, sock, session, head, rest), self.frame_timeout_s
         )
-        self.stats.inc("bytes_in", protocol.PREFIX_SIZE + prefix.header_len + prefix.payload_len)
         return frame, blobs
 
     async def _read_rest(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, session, prefix
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        session: Session | None,
+        head: bytearray,
+        rest: memoryview,
     ) -> tuple[Frame, list[Received] | None]:
+        await sockets.recv_exactly(loop, sock, rest)
+        prefix = protocol.decode_prefix(head, self.max_frame_bytes)
+        if session is None and (
+            prefix.op != Op.HELLO
+            or prefix.payload_len
+            or prefix.header_len > MAX_HELLO_HEADER_BYTES
+        ):
+            raise NotAHello(
+                f"bad HELLO: a connection starts with a HELLO of at most "
+                f"{MAX_HELLO_HEADER_BYTES} header bytes and no payload, not "
+                f"{prefix.op.name} of {prefix.header_len} + {prefix.payload_len} bytes"
+            )
         raw = bytearray(prefix.header_len)
         await sockets.recv_exactly(loop, sock, memoryview(raw))
         frame = Frame(prefix.op, prefix.request_id, protocol.decode_header(raw))
@@ -246,6 +292,7 @@ class KVTierServer:
         except BaseException:
             let_go(blobs)
             raise
+        self.stats.inc("bytes_in", protocol.PREFIX_SIZE + prefix.header_len + prefix.payload_len)
         return frame, blobs
 
     def _receivers(
@@ -263,19 +310,24 @@ class KVTierServer:
             return None
         return [Received.allocate(self.cache, size) for size in sizes]
 
-    def _hello(self, frame: Frame) -> str | None:
-        """The namespace a HELLO declares, or None (counted) when it is not a valid HELLO
-        with the right token."""
-        if frame.op != Op.HELLO:
-            return None
+    def _hello(self, frame: Frame) -> str:
+        """The namespace a valid HELLO with the right token declares.
+
+        Raises:
+            NotAHello: not one (the message says why, never what the token should be).
+        """
         token = frame.header.get("token")
         if self._token is not None and not (
             isinstance(token, str) and hmac.compare_digest(token.encode(), self._token)
         ):
-            logger.warning("kvtier server: a client sent a wrong token; connection closed")
-            return None
+            raise NotAHello("bad HELLO: a wrong or missing token")
         namespace = frame.header.get("namespace")
-        return namespace if protocol.valid_namespace(namespace) else None
+        if not protocol.valid_namespace(namespace):
+            raise NotAHello(
+                f"bad HELLO: 'namespace' must be 1 to {protocol.MAX_NAMESPACE_CHARS} "
+                "characters without '/' or NUL"
+            )
+        return namespace
 
     async def _attach(self, session: Session, offer: object) -> dict[str, Any]:
         """Map the segment a HELLO offers; the HELLO reply's ``shm`` fields. A refusal
@@ -349,9 +401,19 @@ class KVTierServer:
         await sockets.send_parts(asyncio.get_running_loop(), sock, parts)
 
     def _reject(self, reason: str, detail: str) -> None:
+        """Count a rejected frame or connection; log the first of each ``reason`` (a
+        client that repeats it must not flood the log: the counter says how often)."""
         self.stats.inc("rejects")
         self.stats.inc(f"rejects_{reason}")
-        logger.info("kvtier server: rejected a frame (%s): %s", reason, detail)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning(
+                "kvtier server: rejected a frame (%s): %s (more of these are counted in "
+                "rejects_%s, not logged)",
+                reason,
+                detail,
+                reason,
+            )
 
     async def _fail(self, sock: socket.socket, request_id: int, reason: str, detail: str) -> None:
         """Count a rejected frame, answer it with an error and let the caller close."""

@@ -1,9 +1,12 @@
 """The server's side of the same-host path (the segment and the client's side:
-``kvtier.storage.node_shm``): a HELLO's offer checked, the client's segment mapped, the
+``kvtier.storage.node_shm``): a HELLO's offer checked, the client's segment opened, the
 references that PUT and GET frames make into it checked, and the memory tier kept in a
 memfd (``SharedArena``) that such clients map.
 
-NOTE: nothing in a segment is trusted: the server copies a PUT's bytes out before
+NOTE: nothing in a segment is trusted: the server never maps it, but reads and writes
+it through its descriptor (``SegmentFile``), since its client may truncate the file at
+any time and a mapping past the file's end kills the process that touches it (SIGBUS);
+a read there comes back short, an error reply. The server copies a PUT's bytes out before
 storing them (a blob is a wire-format object whose checksum its reader verifies), and
 every reference is checked against the segment's bounds before it is used. Nor is the
 memory tier, once clients map it: they write their PUTs' blobs into it themselves, and a
@@ -14,6 +17,7 @@ lease that expired, another client's stray write) is a miss, never wrong bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -24,6 +28,7 @@ import torch
 
 from kvtier.machine import check_host_memory
 from kvtier.memory import MemoryObj
+from kvtier.storage.blob_store import Buffer
 from kvtier.storage.node_protocol import ProtocolError
 from kvtier.storage.node_shm import (
     ARENA_PATTERN,
@@ -31,7 +36,6 @@ from kvtier.storage.node_shm import (
     NAME_PATTERN,
     NONCE_BYTES,
     SHM_DIR,
-    Segment,
     ShmOffer,
     unlink,
 )
@@ -66,8 +70,49 @@ class ShmRefused(Exception):
     is the reason (a counter suffix first: ``too_large: ...``)."""
 
 
-def attach_segment(offer: ShmOffer, max_bytes: int) -> Segment:
-    """Map the client's segment (the server's side) and unlink its name.
+class SegmentFile:
+    """A client's segment as the server holds it: the open file, read with ``pread`` and
+    written with ``pwrite`` at the offsets that frames name (checked against ``size``
+    first), never mapped."""
+
+    def __init__(self, name: str, fd: int, size: int):
+        self.name = name
+        self.size = size
+        self._fd = fd
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset``.
+
+        Raises:
+            ShmRefError: the file ends first (its client truncated it).
+        """
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise ShmRefError(f"the segment ends before {offset + len(view)} (truncated)")
+            done += n
+
+    def write(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at ``offset``."""
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+    def __repr__(self) -> str:
+        return f"SegmentFile({self.name!r}, {self.size} bytes)"
+
+
+def attach_segment(offer: ShmOffer, max_bytes: int) -> SegmentFile:
+    """Open the client's segment (the server's side) and unlink its name.
 
     Raises:
         ShmRefused: larger than ``max_bytes``, absent (another host), not a regular file of
@@ -84,22 +129,24 @@ def attach_segment(offer: ShmOffer, max_bytes: int) -> Segment:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size != offer.size:
             raise ShmRefused("mismatch: not a regular file of the offered size")
-        mm = mmap.mmap(fd, offer.size)
+        if os.pread(fd, NONCE_BYTES, 0) != offer.nonce:
+            raise ShmRefused("mismatch: the nonce differs (another host's segment?)")
     except OSError as exc:
-        raise ShmRefused(f"unreachable: {exc.strerror or exc}") from None
-    finally:
         os.close(fd)
-    if mm[:NONCE_BYTES] != offer.nonce:
-        mm.close()
-        raise ShmRefused("mismatch: the nonce differs (another host's segment?)")
+        raise ShmRefused(f"unreachable: {exc.strerror or exc}") from None
+    except BaseException:
+        os.close(fd)
+        raise
     unlink(offer.name)
-    return Segment(offer.name, mm)
+    return SegmentFile(offer.name, fd, offer.size)
 
 
 # -- references in request and reply headers --------------------------------------------
 
 
-def extents_of(value: object, sizes: list[int], segment: Segment | None) -> list[tuple[int, int]]:
+def extents_of(
+    value: object, sizes: list[int], segment: SegmentFile | None
+) -> list[tuple[int, int]]:
     """A PUT's ``shm`` field: one offset per blob, each ``[offset, offset + size)`` inside
     the connection's segment.
 
@@ -122,7 +169,7 @@ def extents_of(value: object, sizes: list[int], segment: Segment | None) -> list
     return out
 
 
-def region_of(value: object, segment: Segment | None) -> tuple[int, int]:
+def region_of(value: object, segment: SegmentFile | None) -> tuple[int, int]:
     """A GET's ``shm`` field: ``[offset, capacity]``, the part of the segment the reply's
     blobs may fill.
 
@@ -166,7 +213,9 @@ class SharedArena:
     segment the server mapped) opens through ``/proc/<pid>/fd/<fd>`` and maps.
 
     The file has no name in any directory: it goes when the server exits and no client
-    maps it any more.
+    maps it any more. NOTE: it is sealed against shrinking and growing: a client opens it
+    writable, and one that truncated it would kill every process mapping it (the server
+    first) with SIGBUS at its next access past the new end.
 
     Raises:
         PoolTooLarge: ``size`` is more than the machine's available memory.
@@ -177,9 +226,11 @@ class SharedArena:
         self.name = f"kvtier-pool-{secrets.token_hex(16)}"
         assert ARENA_PATTERN.fullmatch(self.name)
         self.size = size
-        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, size)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
             self._mm = mmap.mmap(self._fd, size)
         except BaseException:
             os.close(self._fd)

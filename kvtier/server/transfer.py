@@ -17,10 +17,9 @@ from kvtier.memory import MemoryObj
 from kvtier.server.blobs import view_of
 from kvtier.server.cache import BlobCache
 from kvtier.server.leases import Leases
-from kvtier.server.shm import SharedArena, ShmRefError
+from kvtier.server.shm import SegmentFile, SharedArena, ShmRefError
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.node_protocol import Frame, Op
-from kvtier.storage.node_shm import Segment
 
 
 @dataclass(slots=True)
@@ -40,7 +39,7 @@ class Session:
     PUT there (both let go of when it ends)."""
 
     namespace: str
-    segment: Segment | None = None
+    segment: SegmentFile | None = None
     peer: bool = False  # another server: never passed on to this server's peers
     leases: set[int] = field(default_factory=set)
     reserved: Reservation | None = None
@@ -157,7 +156,7 @@ class Placement:
 
     def __init__(
         self,
-        segment: Segment | None,
+        segment: SegmentFile | None,
         region: tuple[int, int] | None,
         room: int,
         arena: SharedArena | None = None,
@@ -190,7 +189,7 @@ class Placement:
             return size, -1
         if self._segment is not None and self._next + size <= self._end:
             offset = self._next
-            self._segment.mm[offset : offset + size] = blob
+            self._segment.write(offset, blob)
             self._next += size
             self.shm_bytes += size
             placed = size, offset

@@ -10,15 +10,18 @@ Life of a segment (one per client connection)::
             write a random 16-byte nonce at offset 0, map it
             HELLO {shm: {name, size, nonce}}  ───▶  server: open the name (O_NOFOLLOW),
                                                      check it is a regular file of that
-                                                     size holding that nonce, map it,
-                                                     unlink the name
+                                                     size holding that nonce, keep it
+                                                     open (never mapped), unlink the name
             ◀─── HELLO reply {shm: true}  (or false + shm_error: the client goes on TCP)
     client: unlink the name (if the server did not), keep the mapping
-    either side closes its mapping when the connection ends
+    either side closes its end when the connection ends
 
 NOTE: once HELLO is answered the segment has no name left in ``/dev/shm``: the memory
-belongs to the two mappings only and the kernel frees it when both are closed, even if
-either process is killed. The nonce proves that the server mapped the very segment the
+belongs to the client's mapping and the server's descriptor only and the kernel frees it
+when both are closed, even if either process is killed. The server reads and writes it
+with ``pread``/``pwrite`` (``kvtier.server.shm.SegmentFile``): the client could truncate
+the file under a mapping, which would kill the server with SIGBUS at its next copy. The
+nonce proves that the server opened the very segment the
 client created, so a server on another host (whose ``/dev/shm`` has no such file, or an
 unrelated one) refuses and the client falls back to TCP. Only the short window between
 the client's create and the HELLO reply can leave a name behind (a client killed there).
