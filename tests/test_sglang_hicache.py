@@ -94,6 +94,36 @@ def test_pages_stored_from_one_layout_load_into_another(tmp_path, kind):
     writer.close()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tiers", ["cpu", "disk"])
+def test_dcp_ranks_store_their_share_of_logical_pages(tmp_path, layout, tiers):
+    """Under decode context parallelism SGLang's host indices run a logical page
+    (``logical_page_size``) to a page, of which each DCP rank's pool holds its share:
+    each page loads bit-exact, each DCP rank has its own pages, and the same DCP rank
+    of another DCP group shares them (MLA)."""
+    extra = disk(tmp_path, local_cpu=False) if tiers == "disk" else {}
+    rank0 = mla_pool(layout, page_size=8, dcp_size=2, dcp_rank=0)
+    rank1 = mla_pool(layout, page_size=8, dcp_size=2, dcp_rank=1)
+    randomize(rank1, seed=1)
+    backend0 = make_backend(rank0, extra, tp_rank=0, tp_size=4)
+    backend1 = make_backend(rank1, extra, tp_rank=1, tp_size=4)
+    assert backend0.batch_set_v1(KEYS[:3], page_indices(rank0, [1, 2, 3])) == [True] * 3
+    assert backend1.batch_exists(KEYS[:3]) == 0  # rank 1 holds the other half of each page
+    assert backend0.batch_get_v1(KEYS[:3], page_indices(rank0, [9, 10, 11])) == [True] * 3
+    assert_pages_equal(rank0, [1, 2, 3], rank0, [9, 10, 11])
+    if tiers == "disk":
+        rank2 = mla_pool(layout, page_size=8, dcp_size=2, dcp_rank=0)
+        randomize(rank2, seed=2)
+        backend2 = make_backend(rank2, extra, tp_rank=2, tp_size=4)
+        assert backend2.batch_get_v1(KEYS[:3], page_indices(rank2, [4, 5, 6])) == [True] * 3
+        assert_pages_equal(rank0, [1, 2, 3], rank2, [4, 5, 6])
+        backend2.close()
+    counters = backend0.metrics()["counters"]
+    assert counters["retrieve_hit_tokens"] == 3 * 8 and counters["stored_tokens"] == 3 * 8
+    backend0.close()
+    backend1.close()
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_generic_path_round_trip_and_mixes_with_v1(cpu_only, kind, layout):

@@ -93,7 +93,10 @@ class PageFormat:
     Attributes:
         layout: the host pool's layout (``layer_first``, ``page_first``, …).
         is_mla: an MLA pool (one latent plane) rather than MHA (K and V planes).
-        page_size: tokens per page.
+        page_size: tokens per page as SGLang's controller counts them: its host indices
+            run ``page_size`` to a page. Under decode context parallelism (DCP) that is
+            the pool's ``logical_page_size``; each rank's pool holds ``page_size /
+            dcp_size`` of those tokens (its data page).
         dtype: the pool's dtype.
         shape: the stored chunk's shape: canonical ``[K, L, P, W]``, or ``[numel]`` for
             a flat page.
@@ -130,7 +133,8 @@ class PageFormat:
             shape: tuple[int, ...] = (data_page.numel(),)
         else:
             shape = tuple(_canonical_view(pool.layout, is_mla, data_page).shape)
-        return cls(pool.layout, is_mla, pool.page_size, pool.dtype, shape, data_page.shape)
+        page_size = getattr(pool, "logical_page_size", pool.page_size)
+        return cls(pool.layout, is_mla, page_size, pool.dtype, shape, data_page.shape)
 
     def page(self, pool: HostPool, index: int) -> torch.Tensor:
         """The page starting at host slot ``index`` in the stored layout: a view into the
