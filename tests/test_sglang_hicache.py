@@ -317,6 +317,52 @@ def test_v2_pool_transfers_and_hit_policies(cpu_only):
     backend.close()
 
 
+def test_an_mla_models_sidecar_pools_written_by_one_rank_serve_every_rank(tmp_path):
+    """An MLA model's indexer pool is backed up by the writer rank only, as its KV is
+    (SGLang's ``should_backup``): another rank finds both; Mamba states stay per rank."""
+    kv = mla_pool("page_first")
+    indexer = mha_pool("page_first_direct", layers=1, heads=1, head_dim=16)
+    mamba = mha_pool("page_first_direct", layers=1, heads=1, head_dim=8)
+    backends = [make_backend(kv, disk(tmp_path), tp_rank=r, tp_size=2) for r in (0, 1)]
+    for backend in backends:
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    written = backends[0].batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [1, 2]), keys=KEYS[:2]),
+            PoolTransfer(
+                name=PoolName.INDEXER, host_indices=page_indices(indexer, [1, 2]), keys=KEYS[:2]
+            ),
+            PoolTransfer(
+                name=PoolName.MAMBA, host_indices=page_indices(mamba, [2]), keys=KEYS[1:2]
+            ),
+        ]
+    )
+    assert all(all(ok) for ok in written.values())
+    reader = backends[1]
+    needs = PoolTransfer(name=PoolName.INDEXER, keys=KEYS[:2], hit_policy=PoolHitPolicy.ALL_PAGES)
+    result = reader.batch_exists_v2(KEYS[:2], [needs])
+    assert result.kv_hit_pages == 2 and result.extra_pool_hit_pages[PoolName.INDEXER] == 2
+    loaded = reader.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [5, 6]), keys=KEYS[:2]),
+            PoolTransfer(
+                name=PoolName.INDEXER, host_indices=page_indices(indexer, [5, 6]), keys=KEYS[:2]
+            ),
+        ]
+    )
+    assert loaded == {PoolName.KV: [True, True], PoolName.INDEXER: [True, True]}
+    assert_pages_equal(kv, [1, 2], kv, [5, 6])
+    assert_pages_equal(indexer, [1, 2], indexer, [5, 6])
+    state = PoolTransfer(
+        name=PoolName.MAMBA, keys=KEYS[1:2], hit_policy=PoolHitPolicy.TRAILING_PAGES
+    )
+    assert reader.batch_exists_v2(KEYS[:2], [state]).kv_hit_pages == 0  # rank 1's own states
+    assert backends[0].batch_exists_v2(KEYS[:2], [state]).kv_hit_pages == 2
+    for backend in backends:
+        backend.close()
+
+
 def test_stats_and_metrics_keep_kvtiers_names(cpu_only):
     pool = mla_pool("page_first")
     backend = make_backend(pool, cpu_only)

@@ -65,6 +65,12 @@ SGLANG_EXTRA_KEYS = frozenset(
 )
 
 
+# The pools an MLA model's TP ranks each hold their own shard of; SGLang's cache
+# controller has every rank back them up (HybridCacheController.should_backup), and only
+# the writer rank the others.
+RANK_SHARDED_MLA_POOLS = frozenset({"mamba"})
+
+
 class HostPool(Protocol):
     """What kvtier uses of an SGLang ``HostKVCache``."""
 
@@ -231,9 +237,11 @@ class PageKeys:
 
     The namespace: the model, the KV dtype, the page size, the engine (``sglang``), the
     salt (``key_salt``), the pipeline / context-parallel shard, and the tensor-parallel
-    rank for what each rank holds its own shard of (MHA KV, and every v2 pool such as
-    Mamba states). MLA KV is replicated across TP ranks: SGLang lets one rank write it
-    and every rank read it, so its key has no rank (as in SGLang's own file backend).
+    rank for what each rank holds its own shard of: in an MHA model every pool, in an
+    MLA model only Mamba states. The rest of an MLA model's pools (its KV, indexer,
+    SWA, draft pools) are replicated across TP ranks: SGLang lets one rank write them
+    and every rank read them, so their keys have no rank (as in SGLang's own file
+    backend).
 
     NOTE: two deployments that share a tier read each other's pages only when every part
     of the namespace agrees; a different ``key_salt`` always separates them.
@@ -255,7 +263,7 @@ class PageKeys:
             tags.append(("pool", pool))
         if not fmt.canonical:
             tags.append(("format", f"flat-{fmt.layout}"))
-        per_rank = pool != "kv" or not self.is_mla
+        per_rank = not self.is_mla or pool in RANK_SHARDED_MLA_POOLS
         return CacheKey(
             self.model_name,
             self.tp_size if per_rank else 1,
