@@ -162,6 +162,21 @@ def test_batch_exists_counts_leading_pages(cpu_only):
     backend.close()
 
 
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk", "disk"])
+def test_a_page_twice_in_one_batch_is_stored_once_and_reported_stored(tmp_path, tiers):
+    """SGLang's backup counts a batch as written only if every page reports True."""
+    extra = {"cpu": {}, "cpu+disk": disk(tmp_path), "disk": disk(tmp_path, local_cpu=False)}
+    pool = mha_pool("page_first")
+    backend = make_backend(pool, extra[tiers])
+    keys = [KEYS[0], KEYS[1], KEYS[0]]
+    assert backend.batch_set_v1(keys, page_indices(pool, [1, 2, 1])) == [True] * 3
+    assert backend.metrics()["counters"]["stored_chunks"] == 2
+    assert backend.batch_get_v1(keys, page_indices(pool, [5, 6, 7])) == [True] * 3
+    assert_pages_equal(pool, [1, 2, 1], pool, [5, 6, 7])
+    assert backend.batch_set(keys, [pool.get_data_page(p * pool.page_size) for p in (3, 4, 3)])
+    backend.close()
+
+
 def _page_files(root: Path) -> list[Path]:
     return sorted(root.rglob("*.kvt"))
 
