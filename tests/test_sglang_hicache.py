@@ -94,6 +94,36 @@ def test_pages_stored_from_one_layout_load_into_another(tmp_path, kind):
     writer.close()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tiers", ["cpu", "disk"])
+def test_dcp_ranks_store_their_share_of_logical_pages(tmp_path, layout, tiers):
+    """Under decode context parallelism SGLang's host indices run a logical page
+    (``logical_page_size``) to a page, of which each DCP rank's pool holds its share:
+    each page loads bit-exact, each DCP rank has its own pages, and the same DCP rank
+    of another DCP group shares them (MLA)."""
+    extra = disk(tmp_path, local_cpu=False) if tiers == "disk" else {}
+    rank0 = mla_pool(layout, page_size=8, dcp_size=2, dcp_rank=0)
+    rank1 = mla_pool(layout, page_size=8, dcp_size=2, dcp_rank=1)
+    randomize(rank1, seed=1)
+    backend0 = make_backend(rank0, extra, tp_rank=0, tp_size=4)
+    backend1 = make_backend(rank1, extra, tp_rank=1, tp_size=4)
+    assert backend0.batch_set_v1(KEYS[:3], page_indices(rank0, [1, 2, 3])) == [True] * 3
+    assert backend1.batch_exists(KEYS[:3]) == 0  # rank 1 holds the other half of each page
+    assert backend0.batch_get_v1(KEYS[:3], page_indices(rank0, [9, 10, 11])) == [True] * 3
+    assert_pages_equal(rank0, [1, 2, 3], rank0, [9, 10, 11])
+    if tiers == "disk":
+        rank2 = mla_pool(layout, page_size=8, dcp_size=2, dcp_rank=0)
+        randomize(rank2, seed=2)
+        backend2 = make_backend(rank2, extra, tp_rank=2, tp_size=4)
+        assert backend2.batch_get_v1(KEYS[:3], page_indices(rank2, [4, 5, 6])) == [True] * 3
+        assert_pages_equal(rank0, [1, 2, 3], rank2, [4, 5, 6])
+        backend2.close()
+    counters = backend0.metrics()["counters"]
+    assert counters["retrieve_hit_tokens"] == 3 * 8 and counters["stored_tokens"] == 3 * 8
+    backend0.close()
+    backend1.close()
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_generic_path_round_trip_and_mixes_with_v1(cpu_only, kind, layout):
@@ -129,6 +159,21 @@ def test_batch_exists_counts_leading_pages(cpu_only):
     assert backend.exists(KEYS[3]) and not backend.exists(KEYS[2])
     counters = backend.metrics()["counters"]
     assert counters["lookup_requests"] == 6 and counters["lookup_hit_tokens"] == 5 * pool.page_size
+    backend.close()
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+disk", "disk"])
+def test_a_page_twice_in_one_batch_is_stored_once_and_reported_stored(tmp_path, tiers):
+    """SGLang's backup counts a batch as written only if every page reports True."""
+    extra = {"cpu": {}, "cpu+disk": disk(tmp_path), "disk": disk(tmp_path, local_cpu=False)}
+    pool = mha_pool("page_first")
+    backend = make_backend(pool, extra[tiers])
+    keys = [KEYS[0], KEYS[1], KEYS[0]]
+    assert backend.batch_set_v1(keys, page_indices(pool, [1, 2, 1])) == [True] * 3
+    assert backend.metrics()["counters"]["stored_chunks"] == 2
+    assert backend.batch_get_v1(keys, page_indices(pool, [5, 6, 7])) == [True] * 3
+    assert_pages_equal(pool, [1, 2, 1], pool, [5, 6, 7])
+    assert backend.batch_set(keys, [pool.get_data_page(p * pool.page_size) for p in (3, 4, 3)])
     backend.close()
 
 
@@ -285,6 +330,52 @@ def test_v2_pool_transfers_and_hit_policies(cpu_only):
     assert_pages_equal(kv, [1, 2], kv, [7, 8])
     assert_pages_equal(swa, [2], swa, [9])
     backend.close()
+
+
+def test_an_mla_models_sidecar_pools_written_by_one_rank_serve_every_rank(tmp_path):
+    """An MLA model's indexer pool is backed up by the writer rank only, as its KV is
+    (SGLang's ``should_backup``): another rank finds both; Mamba states stay per rank."""
+    kv = mla_pool("page_first")
+    indexer = mha_pool("page_first_direct", layers=1, heads=1, head_dim=16)
+    mamba = mha_pool("page_first_direct", layers=1, heads=1, head_dim=8)
+    backends = [make_backend(kv, disk(tmp_path), tp_rank=r, tp_size=2) for r in (0, 1)]
+    for backend in backends:
+        backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    written = backends[0].batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [1, 2]), keys=KEYS[:2]),
+            PoolTransfer(
+                name=PoolName.INDEXER, host_indices=page_indices(indexer, [1, 2]), keys=KEYS[:2]
+            ),
+            PoolTransfer(
+                name=PoolName.MAMBA, host_indices=page_indices(mamba, [2]), keys=KEYS[1:2]
+            ),
+        ]
+    )
+    assert all(all(ok) for ok in written.values())
+    reader = backends[1]
+    needs = PoolTransfer(name=PoolName.INDEXER, keys=KEYS[:2], hit_policy=PoolHitPolicy.ALL_PAGES)
+    result = reader.batch_exists_v2(KEYS[:2], [needs])
+    assert result.kv_hit_pages == 2 and result.extra_pool_hit_pages[PoolName.INDEXER] == 2
+    loaded = reader.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [5, 6]), keys=KEYS[:2]),
+            PoolTransfer(
+                name=PoolName.INDEXER, host_indices=page_indices(indexer, [5, 6]), keys=KEYS[:2]
+            ),
+        ]
+    )
+    assert loaded == {PoolName.KV: [True, True], PoolName.INDEXER: [True, True]}
+    assert_pages_equal(kv, [1, 2], kv, [5, 6])
+    assert_pages_equal(indexer, [1, 2], indexer, [5, 6])
+    state = PoolTransfer(
+        name=PoolName.MAMBA, keys=KEYS[1:2], hit_policy=PoolHitPolicy.TRAILING_PAGES
+    )
+    assert reader.batch_exists_v2(KEYS[:2], [state]).kv_hit_pages == 0  # rank 1's own states
+    assert backends[0].batch_exists_v2(KEYS[:2], [state]).kv_hit_pages == 2
+    for backend in backends:
+        backend.close()
 
 
 def test_stats_and_metrics_keep_kvtiers_names(cpu_only):

@@ -65,6 +65,16 @@ def test_mla_kv_is_shared_by_ranks_but_extra_pools_are_not():
     assert rank0.key(PAGE, MLA, pool="mamba") != rank1.key(PAGE, MLA, pool="mamba")
 
 
+@pytest.mark.parametrize("pool", ["indexer", "swa", "draft"])
+def test_an_mla_models_other_pools_are_shared_by_ranks(pool):
+    """SGLang has only the writer rank of an MLA model back up pools other than Mamba
+    states: every rank reads that rank's pages. An MHA model's ranks keep theirs apart."""
+    rank0, rank1 = PageKeys("m", 0, 4, is_mla=True), PageKeys("m", 1, 4, is_mla=True)
+    assert rank0.key(PAGE, FLAT, pool=pool) == rank1.key(PAGE, FLAT, pool=pool)
+    mha0, mha1 = PageKeys("m", 0, 4, is_mla=False), PageKeys("m", 1, 4, is_mla=False)
+    assert mha0.key(PAGE, FLAT, pool=pool) != mha1.key(PAGE, FLAT, pool=pool)
+
+
 def test_page_hash_of_keys_that_are_not_hex():
     assert page_hash("00ff") == b"\x00\xff"
     assert page_hash("not-hex") == b"not-hex"

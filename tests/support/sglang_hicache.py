@@ -88,9 +88,13 @@ def mla_pool(
     page_size: int = 4,
     device_tokens: int = 64,
     dtype: torch.dtype = torch.bfloat16,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
 ) -> MLATokenToKVPoolHost:
     """SGLang's MLA host pool (latent width ``kv_lora_rank + rope_dim``: 576 as in
-    DeepSeek), filled with random bits."""
+    DeepSeek), filled with random bits. With ``dcp_size`` > 1 (decode context
+    parallelism) ``page_size`` is the logical page SGLang's controller indexes; the
+    pool holds ``page_size / dcp_size`` tokens of each page, this rank's share."""
     width = kv_lora_rank + rope_dim
     rows = tuple(torch.zeros(device_tokens, 1, width, dtype=dtype) for _ in range(layers))
     info = MLABufferInfo(
@@ -98,7 +102,7 @@ def mla_pool(
         data_ptrs=_ptrs(rows),
         layer_indices=tuple(range(layers)),
         device_layer_num=layers,
-        page_size=page_size,
+        page_size=page_size // dcp_size,
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=rope_dim,
         kv_cache_dim=width,
@@ -113,6 +117,8 @@ def mla_pool(
         layout,
         pin_memory=False,
         device="cpu",
+        dcp_size=dcp_size,
+        dcp_rank=dcp_rank,
         device_capacity_tokens=device_tokens,
         start_layer=0,
         end_layer=layers,
@@ -127,9 +133,17 @@ def randomize(pool, seed: int) -> None:
 
 
 def storage_config(
-    extra: dict, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, model="org/model"
+    extra: dict,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    model="org/model",
+    dcp_size: int = 1,
+    logical_page_size: int | None = None,
 ) -> HiCacheStorageConfig:
-    """What SGLang's cache controller passes a storage backend (``_generate_storage_config``)."""
+    """What SGLang's cache controller passes a storage backend (``_generate_storage_config``);
+    with ``dcp_size`` > 1 the DCP rank is the TP rank's place in its DCP group."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -142,6 +156,9 @@ def storage_config(
         is_page_first_layout=False,
         model_name=model,
         extra_config={**BACKEND_KEYS, **extra},
+        dcp_size=dcp_size,
+        dcp_rank=tp_rank % dcp_size,
+        logical_page_size=logical_page_size if dcp_size > 1 else None,
     )
 
 
@@ -149,6 +166,8 @@ def make_backend(pool, extra: dict, **config) -> HiCacheStorage:
     """The backend as SGLang's cache controller attaches it (dynamic factory, then the
     host pool registered)."""
     mla = isinstance(pool, MLATokenToKVPoolHost)
+    if pool.dcp_size > 1:
+        config = {"dcp_size": pool.dcp_size, "logical_page_size": pool.logical_page_size, **config}
     backend = StorageBackendFactory.create_backend(
         "dynamic", storage_config(dict(extra), mla=mla, **config), pool
     )
@@ -157,16 +176,17 @@ def make_backend(pool, extra: dict, **config) -> HiCacheStorage:
 
 
 def page_indices(pool, pages) -> torch.Tensor:
-    """Host indices of whole pages (as the controller passes them: every token's slot)."""
-    size = pool.page_size
+    """Host indices of whole pages (as the controller passes them: every token's slot, of
+    a logical page under DCP)."""
+    size = pool.logical_page_size
     return torch.cat([torch.arange(p * size, (p + 1) * size) for p in pages])
 
 
 def assert_pages_equal(pool_a, pages_a, pool_b, pages_b) -> None:
     """Bit-exact equality of host pages, naming the first page that differs."""
     for pa, pb in zip(pages_a, pages_b, strict=True):
-        a = pool_a.get_data_page(pa * pool_a.page_size, flat=False)
-        b = pool_b.get_data_page(pb * pool_b.page_size, flat=False)
+        a = pool_a.get_data_page(pa * pool_a.logical_page_size, flat=False)
+        b = pool_b.get_data_page(pb * pool_b.logical_page_size, flat=False)
         if pool_a.layout != pool_b.layout:
             a, b = canonical(pool_a, a), canonical(pool_b, b)
         assert torch.equal(bits(a), bits(b)), f"host page {pb} differs from source page {pa}"

@@ -147,12 +147,15 @@ class PageStore:
     ) -> Moved:
         """Store each page not yet held: ``read(i)`` (the page in the chunk layout) copied
         into a chunk buffer (staged), or written straight from ``buffers(i)`` (direct).
-        Returns once the lower tiers have written them."""
+        A page whose key comes twice in the batch is stored once. Returns once the lower
+        tiers have written them."""
         started = time.perf_counter()
         keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
         stored = self.storage.contains_many(keys)
         skipped_existing = sum(stored)
-        staged = [i for i, held in enumerate(stored) if not held]
+        first = {key: i for i, key in reversed(list(enumerate(keys)))}  # each key's first page
+        todo = [i for i, held in enumerate(stored) if not held and first[keys[i]] == i]
+        staged = todo
         disk, direct = self._direct(fmt, buffers, staged)
         if disk is not None and direct:
             written = disk.put_buffers([(keys[i], chunk) for i, chunk in direct.items()])
@@ -160,7 +163,8 @@ class PageStore:
                 stored[i] = ok
             staged = [i for i in staged if i not in direct]
         no_memory = self._store_staged(fmt, keys, staged, read, stored)
-        new = sum(stored) - skipped_existing
+        new = sum(stored[i] for i in todo)
+        stored = [stored[first[key]] for key in keys]
         seconds = time.perf_counter() - started
         s = self.stats
         s.inc(Counter.STORE_REQUESTS)
@@ -192,7 +196,9 @@ class PageStore:
                 continue
             try:
                 obj.tensor.copy_(read(i))
-                stored[i] = self.checked.put(keys[i], obj)
+                # NOTE: a put that takes nothing finds the key already held (another
+                # thread stored it meanwhile): held, so stored.
+                stored[i] = self.checked.put(keys[i], obj) or self.storage.contains(keys[i])
             finally:
                 obj.ref_down()
         if any(stored[i] for i in todo) and not self.storage.flush(FLUSH_TIMEOUT_S):

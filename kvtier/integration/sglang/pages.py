@@ -65,6 +65,12 @@ SGLANG_EXTRA_KEYS = frozenset(
 )
 
 
+# The pools an MLA model's TP ranks each hold their own shard of; SGLang's cache
+# controller has every rank back them up (HybridCacheController.should_backup), and only
+# the writer rank the others.
+RANK_SHARDED_MLA_POOLS = frozenset({"mamba"})
+
+
 class HostPool(Protocol):
     """What kvtier uses of an SGLang ``HostKVCache``."""
 
@@ -93,7 +99,10 @@ class PageFormat:
     Attributes:
         layout: the host pool's layout (``layer_first``, ``page_first``, …).
         is_mla: an MLA pool (one latent plane) rather than MHA (K and V planes).
-        page_size: tokens per page.
+        page_size: tokens per page as SGLang's controller counts them: its host indices
+            run ``page_size`` to a page. Under decode context parallelism (DCP) that is
+            the pool's ``logical_page_size``; each rank's pool holds ``page_size /
+            dcp_size`` of those tokens (its data page).
         dtype: the pool's dtype.
         shape: the stored chunk's shape: canonical ``[K, L, P, W]``, or ``[numel]`` for
             a flat page.
@@ -130,7 +139,8 @@ class PageFormat:
             shape: tuple[int, ...] = (data_page.numel(),)
         else:
             shape = tuple(_canonical_view(pool.layout, is_mla, data_page).shape)
-        return cls(pool.layout, is_mla, pool.page_size, pool.dtype, shape, data_page.shape)
+        page_size = getattr(pool, "logical_page_size", pool.page_size)
+        return cls(pool.layout, is_mla, page_size, pool.dtype, shape, data_page.shape)
 
     def page(self, pool: HostPool, index: int) -> torch.Tensor:
         """The page starting at host slot ``index`` in the stored layout: a view into the
@@ -227,9 +237,11 @@ class PageKeys:
 
     The namespace: the model, the KV dtype, the page size, the engine (``sglang``), the
     salt (``key_salt``), the pipeline / context-parallel shard, and the tensor-parallel
-    rank for what each rank holds its own shard of (MHA KV, and every v2 pool such as
-    Mamba states). MLA KV is replicated across TP ranks: SGLang lets one rank write it
-    and every rank read it, so its key has no rank (as in SGLang's own file backend).
+    rank for what each rank holds its own shard of: in an MHA model every pool, in an
+    MLA model only Mamba states. The rest of an MLA model's pools (its KV, indexer,
+    SWA, draft pools) are replicated across TP ranks: SGLang lets one rank write them
+    and every rank read them, so their keys have no rank (as in SGLang's own file
+    backend).
 
     NOTE: two deployments that share a tier read each other's pages only when every part
     of the namespace agrees; a different ``key_salt`` always separates them.
@@ -251,7 +263,7 @@ class PageKeys:
             tags.append(("pool", pool))
         if not fmt.canonical:
             tags.append(("format", f"flat-{fmt.layout}"))
-        per_rank = pool != "kv" or not self.is_mla
+        per_rank = not self.is_mla or pool in RANK_SHARDED_MLA_POOLS
         return CacheKey(
             self.model_name,
             self.tp_size if per_rank else 1,

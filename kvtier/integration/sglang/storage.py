@@ -198,8 +198,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         each page stored (or already held). Returns once the lower tiers have it."""
         return self._store_pages(KV, keys, host_indices)
 
-    def _starts(self, pool: HostPool, n: int, host_indices: torch.Tensor | None) -> list[int]:
-        size = pool.page_size
+    @staticmethod
+    def _starts(fmt: PageFormat, n: int, host_indices: torch.Tensor | None) -> list[int]:
+        """The host slot of each of ``n`` pages: every ``fmt.page_size``-th index."""
+        size = fmt.page_size
         if host_indices is None or host_indices.numel() < n * size:
             got = 0 if host_indices is None else host_indices.numel()
             raise ValueError(f"{n} pages need {n * size} host indices, got {got}")
@@ -207,7 +209,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def _load_pages(self, pool_name: str, keys: Sequence[str], host_indices) -> list[bool]:
         pool, fmt = self._pool(pool_name)
-        starts = self._starts(pool, len(keys), host_indices)
+        starts = self._starts(fmt, len(keys), host_indices)
 
         def write(i: int, data: torch.Tensor) -> None:
             if fmt.canonical:
@@ -219,7 +221,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def _store_pages(self, pool_name: str, keys: Sequence[str], host_indices) -> list[bool]:
         pool, fmt = self._pool(pool_name)
-        starts = self._starts(pool, len(keys), host_indices)
+        starts = self._starts(fmt, len(keys), host_indices)
         return self._store(
             pool_name,
             fmt,
