@@ -33,7 +33,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.proxy.instances import Instance, Pool
-from kvtier.proxy.prompts import TokenCache, tokenize_body
+from kvtier.proxy.prompts import TokenCache, are_token_ids, tokenize_body
 from kvtier.routing.block_hashes import VLLM_HASH_ALGOS, RequestKeys, VllmBlockHasher
 from kvtier.routing.events import BlockStored, State, Subscriber, parse_endpoint
 from kvtier.routing.index import DEFAULT_MAX_BLOCKS, BlockIndex
@@ -306,7 +306,8 @@ class CacheAwareRouter:
             decision = Decision({n: Match() for n in names})
         else:
             model = body.get("model")
-            lora = (model, self.lora_paths[model]) if model in self.lora_paths else None
+            known = isinstance(model, str) and model in self.lora_paths
+            lora = (model, self.lora_paths[model]) if known else None
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             keys = self.hasher.block_keys(tokens, block_size, RequestKeys(salt, lora))
             usable = [n for n in names if self.stream_state(n) == State.CONNECTED]
@@ -365,7 +366,7 @@ class CacheAwareRouter:
             logger.debug("/tokenize on %s failed: %r", instance.url, exc)
             return None
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list):
+        if not isinstance(tokens, list) or not are_token_ids(tokens):
             return None
         return self.tokens.put(key, tokens)
 
