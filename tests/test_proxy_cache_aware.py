@@ -221,6 +221,8 @@ def test_a_down_instance_and_a_disconnected_stream_are_skipped(engines, proxy):
     a.http.stop()
     assert post(server.url, "/v1/completions", completion(SYSTEM + "Q"))[0] == 200
     assert len(b.completions()) == 1
+    assert metric(server.url, "kvtier_proxy_route_seconds_count") == 1, "one per request"
+    assert metric(server.url, "kvtier_proxy_route_matched_blocks_count") == 1
     health = get_json(server.url, "/health")
     row = next(r for r in health["decode"] if r["url"] == a.url)
     assert row["up"] is False and row["kv_events"]["blocks"] == SYSTEM_BLOCKS, "entries kept"

@@ -70,7 +70,8 @@ class Decision:
     tokens: int = 0
     blocks: int = 0
     block_size: int = 0
-    routed: bool = False  # the first pick was counted in the metrics
+    routed: bool = False  # the first pick was made and counted in the metrics
+    seconds: float = 0.0  # hashing and index walk; observed with the first pick's time
 
     def predicted_tokens(self, url: str) -> int:
         """The prompt tokens the engine should find cached on ``url``: its matched
@@ -313,7 +314,7 @@ class CacheAwareRouter:
             usable = [n for n in names if self.stream_state(n) == State.CONNECTED]
             matches = self.scorer.matches(keys, names, usable)
             decision = Decision(matches, len(tokens), len(keys), block_size)
-        self.route_seconds.observe(time.perf_counter() - started)
+        decision.seconds = time.perf_counter() - started
         return decision
 
     def pick(self, pool: Pool, decision: Decision, exclude: list[Instance]) -> Instance | None:
@@ -331,13 +332,13 @@ class CacheAwareRouter:
 
         chosen = self.scored.pick(exclude=exclude, score=score)
         if chosen is not None:
-            match = matches.get(chosen.url) or Match()
             self.decisions.labels(chosen.url, chosen.role).inc()
-            if not decision.routed:
-                decision.routed = True
-                self.matched_blocks.observe(match.blocks)
+        if not decision.routed:  # one observation per request, not per retry
+            decision.routed = True
+            if chosen is not None:
+                self.matched_blocks.observe((matches.get(chosen.url) or Match()).blocks)
                 self.predicted_cached.inc(decision.predicted_tokens(chosen.url))
-        self.route_seconds.observe(time.perf_counter() - started)
+            self.route_seconds.observe(decision.seconds + time.perf_counter() - started)
         return chosen
 
     # -- token ids -------------------------------------------------------------------
