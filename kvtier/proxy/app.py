@@ -37,7 +37,6 @@ Failures (NOTE: the decode instance always gets the request unless none is up):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -50,6 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.proxy.counters import CONTENT_TYPE, ProxyMetrics, SkipReason
+from kvtier.proxy.health_probe import HealthProbe
 from kvtier.proxy.instances import Instance, Pool
 from kvtier.proxy.messages import (
     EVENT_STREAM,
@@ -126,7 +126,6 @@ class Proxy:
                 self.metrics.registry,
             )
         self.session: aiohttp.ClientSession | None = None
-        self._probe: asyncio.Task | None = None
         self._prefill_timeout = aiohttp.ClientTimeout(
             total=settings.prefill_timeout_s, sock_connect=settings.connect_timeout_s
         )
@@ -136,6 +135,9 @@ class Proxy:
             sock_read=settings.decode_timeout_s,
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
+        self._health_probe = HealthProbe(
+            [self.prefill, self.decode], settings.retry_after_s, self._probe_timeout
+        )
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -151,17 +153,14 @@ class Proxy:
     async def _start(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
-        self._probe = asyncio.create_task(self._probe_loop())
+        self._health_probe.start(self.session)
         if self.routing is not None:
             self.routing.start()
 
     async def _stop(self, app: web.Application) -> None:
         if self.routing is not None:
             await self.routing.stop()
-        if self._probe is not None:
-            self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
+        await self._health_probe.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -474,41 +473,6 @@ class Proxy:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    # -- health probe --------------------------------------------------------------
-
-    async def _probe_loop(self) -> None:
-        """Every ``min(retry_after_s, 1 s)``, GET ``/health`` of each down instance whose
-        retry delay has passed: 200 brings it back up, anything else keeps it down."""
-        interval = max(min(self.settings.retry_after_s, 1.0), 0.05)
-        while True:
-            await asyncio.sleep(interval)
-            due = [
-                (pool, instance)
-                for pool in (self.prefill, self.decode)
-                for instance in pool.down()
-                if instance.eligible(pool.clock())
-            ]
-            if due:
-                await asyncio.gather(*(self._probe_one(pool, i) for pool, i in due))
-
-    async def _probe_one(self, pool: Pool, instance: Instance) -> None:
-        try:
-            async with self.session.get(
-                instance.url + "/health", timeout=self._probe_timeout
-            ) as response:
-                await response.read()
-                healthy = response.status == 200
-                error = f"health probe: HTTP {response.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            healthy, error = False, f"health probe: {describe_error(exc)}"
-        if not instance.is_down:
-            return  # a request brought it back meanwhile
-        if healthy:
-            pool.mark_up(instance)
-            logger.info("%s instance %s is back up", pool.role, instance.url)
-        else:
-            pool.mark_down(instance, error, count=False)
 
 
 async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> int:
