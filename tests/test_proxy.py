@@ -313,8 +313,11 @@ def test_down_decode_is_skipped_and_none_up_answers_503(engines, proxy):
         status, _, body = post(server.url, "/v1/completions", COMPLETION)
         assert status == 200 and json.loads(body)["model"] == "live"
     live.stop()
-    status, _, body = post(server.url, "/v1/completions", COMPLETION)
+    status, headers, body = post(server.url, "/v1/completions", COMPLETION)
     assert status == 503 and json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+    assert 59 <= int(headers["Retry-After"]) <= 60, "when an instance is tried again"
+    status, headers, _ = request(server.url, "GET", "/v1/models")
+    assert status == 503 and 1 <= int(headers["Retry-After"]) <= 60
     assert request(server.url, "GET", "/health")[0] == 503
 
 

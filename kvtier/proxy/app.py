@@ -29,9 +29,9 @@ Failures (NOTE: the decode instance always gets the request unless none is up):
   alone: the decode instance computes the prompt itself (counted in
   ``kvtier_proxy_prefill_skipped_total``).
 - decode: a connection error marks the instance down and tries the next one; with none
-  left the proxy answers 503. A 5xx marks it down and is passed to the client as it is
-  (not retried: the request may be what failed). A timeout answers 504, or ends a stream
-  that already started.
+  left the proxy answers 503 with ``Retry-After``. A 5xx marks it down and is passed to
+  the client as it is (not retried: the request may be what failed). A timeout answers
+  504, or ends a stream that already started.
 """
 
 from __future__ import annotations
@@ -333,7 +333,8 @@ class Proxy:
                     self.routing.answered(self.decode, instance, decision, cached)
                 return response, instance.url, time.perf_counter() - leg_started
         message = "no decode instance is up" if not tried else "every decode instance failed"
-        return error_response(503, message, "ServiceUnavailableError", request_id), "none", 0.0
+        unavailable = self._unavailable(message, request_id)
+        return unavailable, "none", 0.0
 
     async def _relay(
         self,
@@ -447,9 +448,13 @@ class Proxy:
                     return web.Response(status=upstream.status, body=body, headers=passed)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._instance_failed(self.decode, instance, exc, request_id)
-        return error_response(
-            503, "no decode instance is up", "ServiceUnavailableError", request_id
-        )
+        return self._unavailable("no decode instance is up", request_id)
+
+    def _unavailable(self, message: str, request_id: str) -> web.Response:
+        """503: no decode instance to send to; ``Retry-After``: when one may be retried."""
+        retry_after_s = self.decode.next_retry_s()
+        kind = "ServiceUnavailableError"
+        return error_response(503, message, kind, request_id, retry_after_s=retry_after_s)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while a decode instance is up ("ok", or "degraded" when an instance is

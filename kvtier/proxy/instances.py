@@ -153,6 +153,11 @@ class Pool:
     def down(self) -> list[Instance]:
         return [i for i in self.instances if i.is_down]
 
+    def next_retry_s(self) -> float:
+        """Seconds until an instance may be tried again: 0 when one is up or due."""
+        now = self.clock()
+        return min((max(0.0, i.down_until - now) for i in self.instances), default=0.0)
+
     def up_count(self) -> int:
         return sum(not i.is_down for i in self.instances)
 
