@@ -73,6 +73,7 @@ logger = logging.getLogger("kvtier.proxy")
 KEEPALIVE_S = 4.0
 MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 MiB
 USAGE_TAIL_BYTES = 16 << 10  # the end of a stream kept to read its usage chunk
+CLIENT_GONE_STATUS = "499"  # requests_total's status of a request its client left
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +186,25 @@ class Proxy:
                 400, "the request body is not a JSON object", "BadRequestError", request_id
             )
         headers = self._leg_headers(request, request_id)
-        decision = None
-        if self.routing is not None:
-            timeout = self._probe_timeout
-            decision = await self.routing.decide(self.session, endpoint, body, headers, timeout)
-        prefilled_on, prefill_s = await self._prefill(endpoint, body, headers, request_id, decision)
-        response, decoded_on, decode_s = await self._decode(
-            request, raw, headers, request_id, decision
-        )
+        try:
+            decision = None
+            if self.routing is not None:
+                timeout = self._probe_timeout
+                decision = await self.routing.decide(self.session, endpoint, body, headers, timeout)
+            prefilled_on, prefill_s = await self._prefill(
+                endpoint, body, headers, request_id, decision
+            )
+            response, decoded_on, decode_s = await self._decode(
+                request, raw, headers, request_id, decision
+            )
+        except asyncio.CancelledError:
+            # NOTE: ``serve`` cancels the handler of a client that went away; the legs'
+            # connections close with it, which makes vLLM abort the request.
+            self.metrics.requests.labels(endpoint, CLIENT_GONE_STATUS).inc()
+            logger.info(
+                "%s %s: the client went away; the request is abandoned", request_id, endpoint
+            )
+            raise
         total_s = time.perf_counter() - started
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         self.metrics.overhead_seconds.observe(max(0.0, total_s - prefill_s - decode_s))
@@ -408,17 +420,17 @@ class Proxy:
         """
         request_id = headers[REQUEST_ID_HEADER]
         response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
         tail = b""
         try:
+            await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
                 if keep_tail:
                     tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
             await response.write_eof()
         except ConnectionResetError:
-            # The client went away (perhaps right after the last event, before the
-            # stream's end); leaving ``upstream`` unread closes its connection, which
+            # The client went away (before the answer's headers, or perhaps right after
+            # the last event, before the stream's end); leaving ``upstream`` unread closes its connection, which
             # makes vLLM abort the generation.
             logger.info("%s client disconnected before the end of the stream", request_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -488,7 +500,13 @@ async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> 
         OSError: the address cannot be bound.
     """
     # No access log: the proxy logs one line per request itself, with its request id.
-    runner = await start_app(proxy.build_app(), host, port, shutdown_timeout_s=shutdown_grace_s)
+    runner = await start_app(
+        proxy.build_app(),
+        host,
+        port,
+        shutdown_timeout_s=shutdown_grace_s,
+        handler_cancellation=True,  # a client gone: its requests to the instances close
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
