@@ -485,6 +485,9 @@ def test_command_refuses_bad_flags_and_names_the_extra_without_aiohttp(capsys, m
     assert "--decode" in capsys.readouterr().err
     assert main(["proxy", "--decode", "ftp://x:1"]) == 2
     assert "http or https" in capsys.readouterr().err
+    for url in ("http://x:1/v1", "http://x:1?k=1", "x:1/#f"):  # /v1/v1/completions: 404s
+        assert main(["proxy", "--decode", url]) == 2
+        assert "the server's address alone" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert main(["proxy", "--decode", "http://127.0.0.1:1"]) == 2
     assert "pip install 'kvtier[proxy]'" in capsys.readouterr().err
