@@ -35,6 +35,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPLETION = {"model": "m", "prompt": "hello there", "max_tokens": 50, "min_tokens": 5}
+GONE = {"endpoint": "/v1/completions", "status": "499"}  # the client went away
+OK = {"endpoint": "/v1/completions", "status": "200"}
 CHAT = {
     "model": "m",
     "messages": [{"role": "user", "content": "hi"}],
@@ -246,6 +248,45 @@ def test_client_leaving_right_after_done_is_logged_as_one_request(engines, proxy
     assert "decode=" in line and " 200 " in line
 
 
+def test_client_leaving_before_the_answer_closes_the_legs_in_flight(engines):
+    """Served as ``kvtier proxy`` serves (a handler is cancelled when its client goes),
+    a client that leaves while a leg waits for its answer closes that leg's request, so
+    the engine aborts it, and the decode leg is not sent."""
+    prefill, decode = engines("prefill", delay_s=0.6), engines("decode", delay_s=0.6)
+    settings = ProxySettings(prefill=(prefill.url,), decode=(decode.url,))
+    proxy = Proxy(settings)
+    server = AppThread(proxy.build_app(), handler_cancellation=True).start()
+    try:
+        for leg in (prefill, decode):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.request("POST", "/v1/completions", json.dumps(COMPLETION))
+            wait_until(lambda leg=leg: leg.in_flight == 1)
+            conn.close()
+            wait_until(lambda leg=leg: leg.abandoned_answers == 1)
+            if leg is prefill:
+                assert decode.received == [], "no decode leg for a client gone"
+                prefill.behaviour.delay_s = 0.0
+        wait_until(lambda: proxy.decode.instances[0].in_flight == 0)
+        assert proxy.prefill.instances[0].failures == proxy.decode.instances[0].failures == 0
+        assert metric(server.url, "kvtier_proxy_requests_total", **GONE) == 2
+    finally:
+        server.close()
+
+
+def test_client_leaving_before_the_streams_headers_is_no_server_error(engines, proxy, caplog):
+    decode = engines("decode", delay_s=0.5, chunks=50, chunk_delay_s=0.05)
+    server = proxy([], [decode])
+    caplog.set_level(logging.INFO)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps({**COMPLETION, "stream": True}))
+    wait_until(lambda: decode.in_flight == 1)
+    conn.close()
+    wait_until(lambda: decode.abandoned_streams == 1)
+    wait_until(lambda: server.proxy.decode.instances[0].in_flight == 0)
+    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+    assert metric(server.url, "kvtier_proxy_requests_total", **OK) == 1
+
+
 # -- failures ------------------------------------------------------------------------
 
 
@@ -313,8 +354,11 @@ def test_down_decode_is_skipped_and_none_up_answers_503(engines, proxy):
         status, _, body = post(server.url, "/v1/completions", COMPLETION)
         assert status == 200 and json.loads(body)["model"] == "live"
     live.stop()
-    status, _, body = post(server.url, "/v1/completions", COMPLETION)
+    status, headers, body = post(server.url, "/v1/completions", COMPLETION)
     assert status == 503 and json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+    assert 59 <= int(headers["Retry-After"]) <= 60, "when an instance is tried again"
+    status, headers, _ = request(server.url, "GET", "/v1/models")
+    assert status == 503 and 1 <= int(headers["Retry-After"]) <= 60
     assert request(server.url, "GET", "/health")[0] == 503
 
 
@@ -420,6 +464,13 @@ def test_kvtier_proxy_command_serves_until_sigterm(engines):
         status, _, body = post(url, "/v1/completions", {**COMPLETION, "stream": True}, headers)
         assert status == 200 and body == b"".join(decode.events("cli-1"))
         assert prefill.received[0].body["max_tokens"] == 1
+        decode.behaviour.delay_s = 0.5  # a client leaving closes the decode leg's request
+        port = int(url.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps(COMPLETION))
+        wait_until(lambda: decode.in_flight == 1)
+        conn.close()
+        wait_until(lambda: decode.abandoned_answers == 1)
         process.send_signal(signal.SIGTERM)
         assert process.wait(10) == 0
         log = "".join(lines) + process.stderr.read()
@@ -434,6 +485,9 @@ def test_command_refuses_bad_flags_and_names_the_extra_without_aiohttp(capsys, m
     assert "--decode" in capsys.readouterr().err
     assert main(["proxy", "--decode", "ftp://x:1"]) == 2
     assert "http or https" in capsys.readouterr().err
+    for url in ("http://x:1/v1", "http://x:1?k=1", "x:1/#f"):  # /v1/v1/completions: 404s
+        assert main(["proxy", "--decode", url]) == 2
+        assert "the server's address alone" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert main(["proxy", "--decode", "http://127.0.0.1:1"]) == 2
     assert "pip install 'kvtier[proxy]'" in capsys.readouterr().err

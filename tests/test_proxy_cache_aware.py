@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 BLOCK = 4
 SYSTEM = "You are a helpful assistant. " * 4  # 116 bytes: 29 blocks of 4 "tokens"
 SYSTEM_BLOCKS = 29
+CHAT = "/v1/chat/completions"
 
 
 def completion(prompt: str, **extra) -> dict:
@@ -148,6 +149,29 @@ def test_requests_go_where_their_prefix_is_cached(engines, proxy):
     assert len(prompts) + len(a.http.received) == 3 + 0, "the second time from the cache"
 
 
+def test_requests_the_engine_will_refuse_are_passed_on_unscored(engines, proxy):
+    """Fields the engine validates (token ids out of range, a model that is no string, a
+    chat_template_kwargs that is no object) make the request unscorable, not a 500 from
+    the proxy: the engine gives the verdict."""
+    a, b = engines("a"), engines("b")
+    server = proxy([a, b])
+    publish_and_wait(server, b, SYSTEM)
+    ids = list(SYSTEM.encode())
+    chat = {"messages": [{"role": "user", "content": SYSTEM}], "reasoning_effort": "low"}
+    for path, body in [
+        ("/v1/completions", completion([*ids[:-1], 1 << 70])),
+        ("/v1/completions", completion([*ids[:-1], -1])),
+        ("/v1/completions", {**completion(ids), "model": ["m"]}),
+        ("/v1/completions", {**completion(SYSTEM), "model": {"name": "m"}}),
+        ("/v1/chat/completions", {**chat, "model": "m", "chat_template_kwargs": "x"}),
+        ("/v1/chat/completions", {**chat, "model": ["m"], "chat_template_kwargs": [1]}),
+    ]:
+        status, _, answer = post(server.url, path, body)
+        assert status == 200, (body, answer)
+    assert len(a.completions()) + len(b.completions()) == 4
+    assert metric(server.url, "kvtier_proxy_requests_total", endpoint=CHAT, status="200") == 2
+
+
 def test_a_better_medium_wins_and_a_salt_separates(engines, proxy):
     a, b = engines("a"), engines("b")
     server = proxy([a, b])
@@ -197,6 +221,8 @@ def test_a_down_instance_and_a_disconnected_stream_are_skipped(engines, proxy):
     a.http.stop()
     assert post(server.url, "/v1/completions", completion(SYSTEM + "Q"))[0] == 200
     assert len(b.completions()) == 1
+    assert metric(server.url, "kvtier_proxy_route_seconds_count") == 1, "one per request"
+    assert metric(server.url, "kvtier_proxy_route_matched_blocks_count") == 1
     health = get_json(server.url, "/health")
     row = next(r for r in health["decode"] if r["url"] == a.url)
     assert row["up"] is False and row["kv_events"]["blocks"] == SYSTEM_BLOCKS, "entries kept"

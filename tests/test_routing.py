@@ -304,9 +304,16 @@ def test_a_subscriber_started_late_asks_for_the_history_and_a_restart_drops_entr
 def test_endpoint_specs():
     assert parse_endpoint("tcp://h:1") == ("tcp://h:1", None)
     assert parse_endpoint("tcp://h:1;replay=tcp://h:2") == ("tcp://h:1", "tcp://h:2")
+    assert parse_endpoint("ipc:///tmp/events") == ("ipc:///tmp/events", None)
     for bad in ("h:1", "tcp://h:1;foo=1", "tcp://h:1;replay="):
         with pytest.raises(ValueError):
             parse_endpoint(bad)
+    # what ZMQ cannot connect to is refused here, not by a subscriber that dies later
+    for bad in ("tcp://h", "tcp://*:5557", "tcp://h:port", "tcp://h:0", "udp://h:1"):
+        with pytest.raises(ValueError, match="not an endpoint to connect to"):
+            parse_endpoint(bad)
+    with pytest.raises(ValueError, match="'tcp://h'"):
+        parse_endpoint("tcp://h:1;replay=tcp://h")
 
 
 def test_a_restarted_publishers_later_batches_are_applied_without_a_replay():

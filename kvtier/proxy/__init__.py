@@ -12,5 +12,6 @@ runs.
     messages     the prefill leg's body, headers passed on, OpenAI-style errors
     prompts      a request's /tokenize body, the token cache, cached tokens of an answer
     cache_aware  the cache_aware policy: KV event subscribers, index, per-request score
+    health_probe the GET /health probe that brings a down instance back up
     app          the aiohttp server and the two legs of a request
 """

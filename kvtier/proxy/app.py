@@ -29,15 +29,14 @@ Failures (NOTE: the decode instance always gets the request unless none is up):
   alone: the decode instance computes the prompt itself (counted in
   ``kvtier_proxy_prefill_skipped_total``).
 - decode: a connection error marks the instance down and tries the next one; with none
-  left the proxy answers 503. A 5xx marks it down and is passed to the client as it is
-  (not retried: the request may be what failed). A timeout answers 504, or ends a stream
-  that already started.
+  left the proxy answers 503 with ``Retry-After``. A 5xx marks it down and is passed to
+  the client as it is (not retried: the request may be what failed). A timeout answers
+  504, or ends a stream that already started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -50,6 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.proxy.counters import CONTENT_TYPE, ProxyMetrics, SkipReason
+from kvtier.proxy.health_probe import HealthProbe
 from kvtier.proxy.instances import Instance, Pool
 from kvtier.proxy.messages import (
     EVENT_STREAM,
@@ -73,6 +73,7 @@ logger = logging.getLogger("kvtier.proxy")
 KEEPALIVE_S = 4.0
 MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 MiB
 USAGE_TAIL_BYTES = 16 << 10  # the end of a stream kept to read its usage chunk
+CLIENT_GONE_STATUS = "499"  # requests_total's status of a request its client left
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,6 @@ class Proxy:
                 self.metrics.registry,
             )
         self.session: aiohttp.ClientSession | None = None
-        self._probe: asyncio.Task | None = None
         self._prefill_timeout = aiohttp.ClientTimeout(
             total=settings.prefill_timeout_s, sock_connect=settings.connect_timeout_s
         )
@@ -136,6 +136,9 @@ class Proxy:
             sock_read=settings.decode_timeout_s,
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
+        self._health_probe = HealthProbe(
+            [self.prefill, self.decode], settings.retry_after_s, self._probe_timeout
+        )
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -151,17 +154,14 @@ class Proxy:
     async def _start(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",))
-        self._probe = asyncio.create_task(self._probe_loop())
+        self._health_probe.start(self.session)
         if self.routing is not None:
             self.routing.start()
 
     async def _stop(self, app: web.Application) -> None:
         if self.routing is not None:
             await self.routing.stop()
-        if self._probe is not None:
-            self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
+        await self._health_probe.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -186,14 +186,25 @@ class Proxy:
                 400, "the request body is not a JSON object", "BadRequestError", request_id
             )
         headers = self._leg_headers(request, request_id)
-        decision = None
-        if self.routing is not None:
-            timeout = self._probe_timeout
-            decision = await self.routing.decide(self.session, endpoint, body, headers, timeout)
-        prefilled_on, prefill_s = await self._prefill(endpoint, body, headers, request_id, decision)
-        response, decoded_on, decode_s = await self._decode(
-            request, raw, headers, request_id, decision
-        )
+        try:
+            decision = None
+            if self.routing is not None:
+                timeout = self._probe_timeout
+                decision = await self.routing.decide(self.session, endpoint, body, headers, timeout)
+            prefilled_on, prefill_s = await self._prefill(
+                endpoint, body, headers, request_id, decision
+            )
+            response, decoded_on, decode_s = await self._decode(
+                request, raw, headers, request_id, decision
+            )
+        except asyncio.CancelledError:
+            # NOTE: ``serve`` cancels the handler of a client that went away; the legs'
+            # connections close with it, which makes vLLM abort the request.
+            self.metrics.requests.labels(endpoint, CLIENT_GONE_STATUS).inc()
+            logger.info(
+                "%s %s: the client went away; the request is abandoned", request_id, endpoint
+            )
+            raise
         total_s = time.perf_counter() - started
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         self.metrics.overhead_seconds.observe(max(0.0, total_s - prefill_s - decode_s))
@@ -334,7 +345,8 @@ class Proxy:
                     self.routing.answered(self.decode, instance, decision, cached)
                 return response, instance.url, time.perf_counter() - leg_started
         message = "no decode instance is up" if not tried else "every decode instance failed"
-        return error_response(503, message, "ServiceUnavailableError", request_id), "none", 0.0
+        unavailable = self._unavailable(message, request_id)
+        return unavailable, "none", 0.0
 
     async def _relay(
         self,
@@ -408,17 +420,17 @@ class Proxy:
         """
         request_id = headers[REQUEST_ID_HEADER]
         response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
         tail = b""
         try:
+            await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
                 if keep_tail:
                     tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
             await response.write_eof()
         except ConnectionResetError:
-            # The client went away (perhaps right after the last event, before the
-            # stream's end); leaving ``upstream`` unread closes its connection, which
+            # The client went away (before the answer's headers, or perhaps right after
+            # the last event, before the stream's end); leaving ``upstream`` unread closes its connection, which
             # makes vLLM abort the generation.
             logger.info("%s client disconnected before the end of the stream", request_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -448,9 +460,13 @@ class Proxy:
                     return web.Response(status=upstream.status, body=body, headers=passed)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._instance_failed(self.decode, instance, exc, request_id)
-        return error_response(
-            503, "no decode instance is up", "ServiceUnavailableError", request_id
-        )
+        return self._unavailable("no decode instance is up", request_id)
+
+    def _unavailable(self, message: str, request_id: str) -> web.Response:
+        """503: no decode instance to send to; ``Retry-After``: when one may be retried."""
+        retry_after_s = self.decode.next_retry_s()
+        kind = "ServiceUnavailableError"
+        return error_response(503, message, kind, request_id, retry_after_s=retry_after_s)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while a decode instance is up ("ok", or "degraded" when an instance is
@@ -475,41 +491,6 @@ class Proxy:
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    # -- health probe --------------------------------------------------------------
-
-    async def _probe_loop(self) -> None:
-        """Every ``min(retry_after_s, 1 s)``, GET ``/health`` of each down instance whose
-        retry delay has passed: 200 brings it back up, anything else keeps it down."""
-        interval = max(min(self.settings.retry_after_s, 1.0), 0.05)
-        while True:
-            await asyncio.sleep(interval)
-            due = [
-                (pool, instance)
-                for pool in (self.prefill, self.decode)
-                for instance in pool.down()
-                if instance.eligible(pool.clock())
-            ]
-            if due:
-                await asyncio.gather(*(self._probe_one(pool, i) for pool, i in due))
-
-    async def _probe_one(self, pool: Pool, instance: Instance) -> None:
-        try:
-            async with self.session.get(
-                instance.url + "/health", timeout=self._probe_timeout
-            ) as response:
-                await response.read()
-                healthy = response.status == 200
-                error = f"health probe: HTTP {response.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            healthy, error = False, f"health probe: {describe_error(exc)}"
-        if not instance.is_down:
-            return  # a request brought it back meanwhile
-        if healthy:
-            pool.mark_up(instance)
-            logger.info("%s instance %s is back up", pool.role, instance.url)
-        else:
-            pool.mark_down(instance, error, count=False)
-
 
 async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> int:
     """Serve ``proxy`` on ``host:port`` until SIGTERM or SIGINT, then let the requests in
@@ -519,7 +500,13 @@ async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> 
         OSError: the address cannot be bound.
     """
     # No access log: the proxy logs one line per request itself, with its request id.
-    runner = await start_app(proxy.build_app(), host, port, shutdown_timeout_s=shutdown_grace_s)
+    runner = await start_app(
+        proxy.build_app(),
+        host,
+        port,
+        shutdown_timeout_s=shutdown_grace_s,
+        handler_cancellation=True,  # a client gone: its requests to the instances close
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

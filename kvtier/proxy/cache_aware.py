@@ -33,7 +33,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.proxy.instances import Instance, Pool
-from kvtier.proxy.prompts import TokenCache, tokenize_body
+from kvtier.proxy.prompts import TokenCache, are_token_ids, tokenize_body
 from kvtier.routing.block_hashes import VLLM_HASH_ALGOS, RequestKeys, VllmBlockHasher
 from kvtier.routing.events import BlockStored, State, Subscriber, parse_endpoint
 from kvtier.routing.index import DEFAULT_MAX_BLOCKS, BlockIndex
@@ -70,7 +70,8 @@ class Decision:
     tokens: int = 0
     blocks: int = 0
     block_size: int = 0
-    routed: bool = False  # the first pick was counted in the metrics
+    routed: bool = False  # the first pick was made and counted in the metrics
+    seconds: float = 0.0  # hashing and index walk; observed with the first pick's time
 
     def predicted_tokens(self, url: str) -> int:
         """The prompt tokens the engine should find cached on ``url``: its matched
@@ -306,13 +307,14 @@ class CacheAwareRouter:
             decision = Decision({n: Match() for n in names})
         else:
             model = body.get("model")
-            lora = (model, self.lora_paths[model]) if model in self.lora_paths else None
+            known = isinstance(model, str) and model in self.lora_paths
+            lora = (model, self.lora_paths[model]) if known else None
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             keys = self.hasher.block_keys(tokens, block_size, RequestKeys(salt, lora))
             usable = [n for n in names if self.stream_state(n) == State.CONNECTED]
             matches = self.scorer.matches(keys, names, usable)
             decision = Decision(matches, len(tokens), len(keys), block_size)
-        self.route_seconds.observe(time.perf_counter() - started)
+        decision.seconds = time.perf_counter() - started
         return decision
 
     def pick(self, pool: Pool, decision: Decision, exclude: list[Instance]) -> Instance | None:
@@ -330,13 +332,13 @@ class CacheAwareRouter:
 
         chosen = self.scored.pick(exclude=exclude, score=score)
         if chosen is not None:
-            match = matches.get(chosen.url) or Match()
             self.decisions.labels(chosen.url, chosen.role).inc()
-            if not decision.routed:
-                decision.routed = True
-                self.matched_blocks.observe(match.blocks)
+        if not decision.routed:  # one observation per request, not per retry
+            decision.routed = True
+            if chosen is not None:
+                self.matched_blocks.observe((matches.get(chosen.url) or Match()).blocks)
                 self.predicted_cached.inc(decision.predicted_tokens(chosen.url))
-        self.route_seconds.observe(time.perf_counter() - started)
+            self.route_seconds.observe(decision.seconds + time.perf_counter() - started)
         return chosen
 
     # -- token ids -------------------------------------------------------------------
@@ -365,7 +367,7 @@ class CacheAwareRouter:
             logger.debug("/tokenize on %s failed: %r", instance.url, exc)
             return None
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list):
+        if not isinstance(tokens, list) or not are_token_ids(tokens):
             return None
         return self.tokens.put(key, tokens)
 

@@ -153,6 +153,11 @@ class Pool:
     def down(self) -> list[Instance]:
         return [i for i in self.instances if i.is_down]
 
+    def next_retry_s(self) -> float:
+        """Seconds until an instance may be tried again: 0 when one is up or due."""
+        now = self.clock()
+        return min((max(0.0, i.down_until - now) for i in self.instances), default=0.0)
+
     def up_count(self) -> int:
         return sum(not i.is_down for i in self.instances)
 
@@ -165,8 +170,9 @@ def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` → ``http://host:port``.
 
     Raises:
-        ValueError: an empty URL, a scheme other than http/https, no host, or a port that
-            is not a number.
+        ValueError: an empty URL, a scheme other than http/https, no host, a port that
+            is not a number, or a path, query or fragment (the proxy appends
+            ``/v1/completions``, ``/health``, ... to the server's address).
     """
     url = url.strip().rstrip("/")
     if not url:
@@ -183,4 +189,9 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"instance URL {url!r}: the port must be a number 0..65535") from None
     if not parts.hostname:
         raise ValueError(f"instance URL {url!r}: no host")
+    if parts.path or parts.query or parts.fragment:
+        raise ValueError(
+            f"instance URL {url!r}: give the server's address alone, http://host:port "
+            "(the proxy adds /v1/completions, /health, ...)"
+        )
     return url

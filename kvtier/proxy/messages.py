@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import aiohttp
 from aiohttp import web
@@ -47,8 +48,14 @@ def error_body(status: int, message: str, kind: str) -> bytes:
     return json.dumps({"error": error}).encode()
 
 
-def error_response(status: int, message: str, kind: str, request_id: str = "") -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+def error_response(
+    status: int, message: str, kind: str, request_id: str = "", retry_after_s: float | None = None
+) -> web.Response:
+    """An OpenAI-style error answer; ``retry_after_s``: a ``Retry-After`` header (whole
+    seconds, at least 1)."""
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     body = error_body(status, message, kind)
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 

@@ -48,7 +48,7 @@ def tokenize_body(path: str, body: dict) -> dict | list[int] | None:
                 out[name] = body[name]
         effort = body.get("reasoning_effort")
         kwargs = body.get("chat_template_kwargs") or {}
-        if effort is not None and "enable_thinking" not in kwargs:
+        if effort is not None and isinstance(kwargs, dict) and "enable_thinking" not in kwargs:
             out["chat_template_kwargs"] = {**kwargs, "enable_thinking": effort != "none"}
         return out
     if body.get("prompt_embeds") is not None:
@@ -57,7 +57,7 @@ def tokenize_body(path: str, body: dict) -> dict | list[int] | None:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: scored by its first prompt
     if isinstance(prompt, list):
-        return prompt if all(isinstance(t, int) for t in prompt) else None
+        return prompt if are_token_ids(prompt) else None
     if not isinstance(prompt, str):
         return None
     return {
@@ -65,6 +65,12 @@ def tokenize_body(path: str, body: dict) -> dict | list[int] | None:
         "prompt": prompt,
         "add_special_tokens": body.get("add_special_tokens", True),
     }
+
+
+def are_token_ids(values: list) -> bool:
+    """Whether every value can be a token id (a prompt the engine will refuse is scored
+    on nothing)."""
+    return all(type(v) is int and 0 <= v < 1 << 63 for v in values)
 
 
 def _text_only(message: Any) -> bool:

@@ -99,7 +99,8 @@ def parse_endpoint(spec: str) -> tuple[str, str | None]:
     """``tcp://host:port`` or ``tcp://host:port;replay=tcp://host:port`` -> (pub, replay).
 
     Raises:
-        ValueError: an empty endpoint or an unknown option.
+        ValueError: an empty endpoint, an unknown option, or an endpoint ZMQ cannot
+            connect to (not ``tcp://host:port`` or ``ipc://path``; a wildcard host).
     """
     pub, *options = (part.strip() for part in spec.split(";"))
     replay = None
@@ -108,9 +109,25 @@ def parse_endpoint(spec: str) -> tuple[str, str | None]:
         if name != "replay" or not value:
             raise ValueError(f"{spec!r}: the only option is ';replay=tcp://host:port'")
         replay = value
-    if "://" not in pub:
-        raise ValueError(f"{spec!r}: a ZMQ endpoint such as tcp://host:5557")
+    for endpoint in (pub, replay):
+        if endpoint is not None and not _connectable(endpoint):
+            raise ValueError(
+                f"{spec!r}: {endpoint!r} is not an endpoint to connect to; a ZMQ endpoint "
+                "such as tcp://host:5557 (the engine's host as the proxy reaches it, not *)"
+            )
     return pub, replay
+
+
+def _connectable(endpoint: str) -> bool:
+    """Whether ZMQ can connect a socket to ``endpoint``: ``tcp://host:port`` (a named
+    host, not the ``*`` an engine binds) or ``ipc://path``."""
+    scheme, sep, address = endpoint.partition("://")
+    if not sep or not address:
+        return False
+    if scheme == "ipc":
+        return True
+    host, _, port = address.rpartition(":")
+    return scheme == "tcp" and host not in ("", "*") and port.isdigit() and 0 < int(port) < 65536
 
 
 class State:

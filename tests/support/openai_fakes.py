@@ -25,11 +25,14 @@ from aiohttp import web
 
 
 class AppThread:
-    """An aiohttp application served on ``127.0.0.1`` from an event loop in a thread."""
+    """An aiohttp application served on ``127.0.0.1`` from an event loop in a thread;
+    ``handler_cancellation``: a handler is cancelled when its client disconnects (as
+    ``kvtier proxy`` serves)."""
 
-    def __init__(self, app: web.Application, port: int = 0):
+    def __init__(self, app: web.Application, port: int = 0, handler_cancellation: bool = False):
         self.app = app
         self.port = port
+        self.handler_cancellation = handler_cancellation
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -45,7 +48,12 @@ class AppThread:
 
     def start(self) -> AppThread:
         async def start():
-            self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=0.5)
+            self._runner = web.AppRunner(
+                self.app,
+                access_log=None,
+                shutdown_timeout=0.5,
+                handler_cancellation=self.handler_cancellation,
+            )
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
             await site.start()
@@ -100,6 +108,7 @@ class FakeOpenAI:
     in_flight: int = 0
     health_checks: int = 0
     abandoned_streams: int = 0  # streams whose reader went away before the end
+    abandoned_answers: int = 0  # answers whose client went away during ``delay_s``
 
     def __post_init__(self) -> None:
         app = web.Application()
@@ -156,6 +165,8 @@ class FakeOpenAI:
         request_id = request.headers.get("X-Request-Id", "none")
         if behaviour.delay_s:
             await asyncio.sleep(behaviour.delay_s)
+            if request.transport is None or request.transport.is_closing():
+                self.abandoned_answers += 1
         if behaviour.status != 200:
             error = {"message": f"{self.name} says no", "type": "BadRequestError"}
             return web.json_response({"error": error}, status=behaviour.status)
