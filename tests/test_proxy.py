@@ -488,6 +488,18 @@ def test_command_refuses_bad_flags_and_names_the_extra_without_aiohttp(capsys, m
     for url in ("http://x:1/v1", "http://x:1?k=1", "x:1/#f"):  # /v1/v1/completions: 404s
         assert main(["proxy", "--decode", url]) == 2
         assert "the server's address alone" in capsys.readouterr().err
+    assert main(["proxy", "--decode", "http://user:secret@x:1"]) == 2
+    err = capsys.readouterr().err
+    assert "user or password" in err, err
+    assert main(["proxy", "--decode", "http://a b:1"]) == 2
+    assert "space" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert main(["proxy", "--decode", "http://127.0.0.1:1"]) == 2
     assert "pip install 'kvtier[proxy]'" in capsys.readouterr().err
+
+
+def test_an_upper_case_scheme_is_the_same_instance():
+    from kvtier.proxy.instances import normalize_url
+
+    assert normalize_url("HTTP://Host:8000/") == "http://Host:8000"
+    assert normalize_url("HTTPS://h:1") == "https://h:1"

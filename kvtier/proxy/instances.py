@@ -170,19 +170,29 @@ def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` → ``http://host:port``.
 
     Raises:
-        ValueError: an empty URL, a scheme other than http/https, no host, a port that
-            is not a number, or a path, query or fragment (the proxy appends
-            ``/v1/completions``, ``/health``, ... to the server's address).
+        ValueError: an empty URL, a scheme other than http/https, a user or password
+            (never shown back), no host, a space in the address, a port that is not a
+            number, or a path, query or fragment (the proxy appends ``/v1/completions``,
+            ``/health``, ... to the server's address).
     """
     url = url.strip().rstrip("/")
     if not url:
         raise ValueError("an instance URL is empty")
     if "://" not in url:
         url = f"http://{url}"
-    scheme = url.split("://", 1)[0]
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()  # HTTP://host is http://host
     if scheme not in ("http", "https"):
         raise ValueError(f"instance URL {url!r}: the scheme must be http or https")
+    url = f"{scheme}://{rest}"
     parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            "an instance URL carries a user or password: the proxy shows its instances' "
+            "URLs in /health and in metric labels; give http://host:port alone"
+        )
+    if any(c.isspace() for c in parts.netloc):
+        raise ValueError(f"instance URL {url!r}: the address holds a space")
     try:
         parts.port  # noqa: B018 - parsing the port is the check
     except ValueError:
