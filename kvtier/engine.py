@@ -83,6 +83,7 @@ class CacheEngine:
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.paged_io: PagedIO | None = None
         self.chunker: Chunker | None = None
+        self._closed = False
         if metadata.kv_dtype is not None:
             self._make_chunker(metadata.kv_dtype)
         if paged is not None:
@@ -117,6 +118,8 @@ class CacheEngine:
             self._make_chunker(kv_dtype)
 
     def _require_chunker(self) -> Chunker:
+        if self._closed:
+            raise RuntimeError("CacheEngine is closed: build a new one to store or load")
         if self.chunker is None:
             raise RuntimeError(
                 "CacheEngine does not know the KV dtype: give metadata.kv_dtype or bind(paged)"
@@ -304,5 +307,7 @@ class CacheEngine:
         self.storage.clear()
 
     def close(self) -> None:
-        """Release every stored chunk and the memory pool."""
+        """Release every stored chunk and the memory pool. A store, load or lookup after
+        it raises ``RuntimeError``."""
+        self._closed = True
         self.storage.close()

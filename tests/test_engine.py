@@ -215,6 +215,22 @@ def test_errors_name_the_problem():
         )
 
 
+def test_a_closed_engine_says_so():
+    engine = make_engine()
+    tokens, slots = torch.arange(16), torch.arange(16)
+    engine.store(tokens, slot_mapping=slots)
+    engine.close()
+    for call in (
+        lambda: engine.store(tokens, slot_mapping=slots),
+        lambda: engine.retrieve(tokens, slot_mapping=slots),
+        lambda: engine.lookup(tokens),
+        lambda: engine.lookup_hashes([b"h"]),
+    ):
+        with pytest.raises(RuntimeError, match="CacheEngine is closed"):
+            call()
+    engine.close()  # again: nothing more to release
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     num_tokens=st.integers(0, 60),
