@@ -30,7 +30,9 @@ _TIER_WHATS = {*_TIER_COUNTERS, Histogram.TIER_GET, Histogram.TIER_PUT}
 _DERIVED = ("store_gbps", "load_gbps", "retrieve_hit_ratio")
 
 HELP = {
-    Counter.STORE_REQUESTS: "Store operations (one per request step with chunks to save, stored or already held).",
+    Counter.STORE_REQUESTS: (
+        "Store operations (one per request step with chunks to save, stored or already held)."
+    ),
     Counter.STORED_CHUNKS: "Chunks stored (new to the CPU tier or queued for a lower tier).",
     Counter.STORED_TOKENS: "Tokens in the chunks stored.",
     Counter.STORED_BYTES: "Bytes of KV stored.",
@@ -47,7 +49,9 @@ HELP = {
     Counter.LOOKUP_HIT_TOKENS: "Tokens found by lookups.",
     Counter.CORRUPT_CHUNKS: "Stored chunks refused (checksum, header, shape): misses.",
     Counter.EVICTIONS: "Chunks evicted from the CPU tier.",
-    Counter.ALLOC_FAILURES: "CPU pool allocations that failed: no room after evicting, or larger than the pool.",
+    Counter.ALLOC_FAILURES: (
+        "CPU pool allocations that failed: no room after evicting, or larger than the pool."
+    ),
     Counter.PREFETCHED_CHUNKS: "Chunks fetched from a lower tier into memory at lookup time.",
     Counter.WRITEBACK_CHUNKS: "Lower-tier hits copied into the CPU tier.",
     TierCounter.PUT_CHUNKS: "Objects written to the tier.",

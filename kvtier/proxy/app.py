@@ -430,8 +430,8 @@ class Proxy:
             await response.write_eof()
         except ConnectionResetError:
             # The client went away (before the answer's headers, or perhaps right after
-            # the last event, before the stream's end); leaving ``upstream`` unread closes its connection, which
-            # makes vLLM abort the generation.
+            # the last event, before the stream's end); leaving ``upstream`` unread
+            # closes its connection, which makes vLLM abort the generation.
             logger.info("%s client disconnected before the end of the stream", request_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._instance_failed(self.decode, instance, exc, request_id)

@@ -17,9 +17,9 @@ for a connection before its HELLO but that frame (at most ``MAX_HELLO_HEADER_BYT
 payload), which must arrive within ``frame_timeout_s`` of connecting; after it, a
 connection may idle between frames as long as it likes, but a frame once begun must
 arrive whole within ``frame_timeout_s``. So a client that stalls holds its slot among
-``max_clients`` for a bounded time unless it has said a valid HELLO. A request whose frame is well formed but whose fields are wrong
-(names that are not strings, sizes that do not add up) is an error reply on a
-connection that stays open.
+``max_clients`` for a bounded time unless it has said a valid HELLO. A request whose
+frame is well formed but whose fields are wrong (names that are not strings, sizes that
+do not add up) is an error reply on a connection that stays open.
 
 Memory is bounded whatever clients do: the blob tiers by their sizes, and what is in
 flight by ``max_clients`` frames of at most ``max_frame_bytes`` each.
