@@ -12,6 +12,8 @@ engine-agnostic: the vLLM integration calls it with token ids and slot mappings.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ from kvtier_kernels import PagedKV
 from kvtier_kernels.dtypes import dtype_name
 
 Mask = torch.Tensor | np.ndarray | Sequence[bool] | None
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,23 @@ class CacheEngine:
         self.paged_io = PagedIO(paged, self.config.kernel_backend)
         if self.chunker is None:
             self._make_chunker(kv_dtype)
+        self._warn_if_no_chunk_fits()
+
+    def _warn_if_no_chunk_fits(self) -> None:
+        """One warning when the CPU pool, which stages every chunk (``local_cpu: false``
+        too), is smaller than one whole chunk of the bound cache: nothing is ever stored
+        or loaded then (each try is counted as an allocation failure)."""
+        assert self.paged_io is not None
+        shape = self.paged_io.chunk_shape(self.config.chunk_size)
+        chunk_bytes = math.prod(shape) * self.paged_io.dtype.itemsize
+        if chunk_bytes > self.storage.cpu.pool.capacity:
+            logger.warning(
+                "kvtier: max_local_cpu_size=%g GB (%d bytes) is smaller than one chunk of "
+                "this KV cache (%d bytes): no chunk can be stored or loaded; raise it",
+                self.config.max_local_cpu_size,
+                self.storage.cpu.pool.capacity,
+                chunk_bytes,
+            )
 
     def _require_chunker(self) -> Chunker:
         if self._closed:

@@ -128,6 +128,8 @@ def test_config_and_error_pickle() -> None:
 def test_max_local_cpu_bytes_uses_binary_gigabytes() -> None:
     assert KVTierConfig(max_local_cpu_size=0.5).max_local_cpu_bytes == 2**29
     assert KVTierConfig(max_local_cpu_size=2).max_local_cpu_bytes == 2 * 2**30
+    # a valid size under one byte is a one-byte pool (no chunk fits), never zero bytes
+    assert KVTierConfig(max_local_cpu_size=1e-12).max_local_cpu_bytes == 1
 
 
 # --------------------------------------------------------------------------------------

@@ -295,6 +295,22 @@ def test_files_of_another_writer_are_adopted(tmp_path, pool):
     writer.close()
 
 
+def test_files_of_another_writer_are_adopted_within_the_bound(tmp_path, pool):
+    """Each process bounds the files it knows: adopting another writer's file evicts in
+    policy order as a write does, and a file this lookup evicted is absent in its answer."""
+    stats = Stats()
+    reader = make_tier(tmp_path, stats, capacity_bytes=int(2.5 * CHUNK_FILE_BYTES))
+    writer = make_tier(tmp_path)
+    put_all(reader, pool, [0])
+    put_all(writer, pool, [1, 2, 3])
+    assert reader.contains_many([key(0), key(1), key(2), key(3)]) == [False, False, True, True]
+    assert len(reader) == 2 and reader.used_bytes <= reader.capacity_bytes
+    assert counter(stats, TierCounter.EVICTIONS) == 2
+    assert reader.contains_many([key(0), key(1)]) == [False, False]  # evicted: deleted
+    reader.close()
+    writer.close()
+
+
 WRITER = textwrap.dedent(
     """
     import sys

@@ -180,6 +180,23 @@ def test_exhausted_memory_skips_store_and_keeps_prefix():
     assert engine.stats.get(Counter.EVICTIONS) == 2
 
 
+@pytest.mark.parametrize("chunks_held", [0, 1])
+def test_a_cpu_pool_smaller_than_a_chunk_starts_warns_and_skips_stores(caplog, chunks_held):
+    """max_local_cpu_size is any size > 0: a pool that rounds to less than a byte, or holds
+    less than one chunk, is not an error; a store is skipped and counted, once warned."""
+    chunk_bytes = 2 * 3 * 8 * 16 * 2
+    size = chunk_bytes / 2**30 if chunks_held else 1e-12
+    with caplog.at_level("WARNING", logger="kvtier.engine"):
+        engine = make_engine(max_local_cpu_size=size)
+    warned = "is smaller than one chunk of this KV cache (1536 bytes)" in caplog.text
+    assert warned is not bool(chunks_held), caplog.text
+    result = engine.store(torch.arange(16), slot_mapping=torch.arange(16))
+    assert (result.stored_chunks, result.skipped_no_memory) == (chunks_held, 2 - chunks_held)
+    assert engine.lookup(torch.arange(16)) == 8 * chunks_held
+    assert engine.stats.get(Counter.ALLOC_FAILURES) == 1
+    engine.close()
+
+
 def test_extras_and_model_separate_caches():
     engine = make_engine()
     tokens, src = torch.arange(16), torch.arange(16)

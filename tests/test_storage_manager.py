@@ -112,6 +112,25 @@ def test_prefix_spans_tiers_and_lower_hits_are_written_back(tmp_path):
     engine.close()
 
 
+def test_a_lookup_counts_memory_chunks_past_one_only_a_lower_tier_holds(tmp_path):
+    """The CPU tier first, then the lower tiers for every chunk still missing: chunk 1
+    only on disk, chunk 2 only in memory (its disk copy gone) is a 3-chunk hit, as the
+    load that follows reads."""
+    engine = make_engine(local_disk=str(tmp_path))
+    tokens, src = torch.arange(24), torch.arange(24)
+    reference = kv_at(engine, src)
+    engine.store(tokens, slot_mapping=src)
+    assert engine.storage.flush(30)
+    keys = engine.chunk_keys(tokens)
+    engine.storage.cpu.remove(keys[1])
+    engine.storage.lower[0].remove(keys[2])
+    assert engine.lookup(tokens) == 24
+    dst = torch.arange(200, 224)
+    assert engine.retrieve(tokens, slot_mapping=dst) == 24
+    assert_kv_equal(engine, dst, reference, "memory, disk, memory")
+    engine.close()
+
+
 def test_lookup_prefetches_lower_tier_chunks_into_memory(tmp_path):
     first = make_engine(local_disk=str(tmp_path))
     tokens = torch.arange(32)

@@ -126,8 +126,9 @@ class KVTierConfig:
 
     @property
     def max_local_cpu_bytes(self) -> int:
-        """``max_local_cpu_size`` in bytes (GB = 2**30 bytes)."""
-        return round(self.max_local_cpu_size * GiB)
+        """``max_local_cpu_size`` in bytes (GB = 2**30 bytes), at least one: a size under a
+        byte is a pool that no chunk fits (stores are skipped and counted), not an error."""
+        return max(1, round(self.max_local_cpu_size * GiB))
 
     def to_dict(self) -> dict[str, Any]:
         """Every key and its value as a plain JSON-able dict.

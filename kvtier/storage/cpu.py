@@ -8,9 +8,9 @@ the allocation fits or nothing more can go. A request larger than the whole pool
 refused at once, evicting nothing.
 
 NOTE: an object is evictable only while the tier holds the sole reference and it is not
-pinned. A reader holds a reference (``get`` returns one) and a writer pins; neither can
-lose its object underneath it, and an entry promised to a load (pinned after a lookup)
-is still there when the load comes. This is the rule for every user: evicting an object
+pinned. A reader holds a reference (``get`` returns one) and a writer pins (a store
+pins its prompt's stored prefix too); neither can lose its object underneath it. A
+lookup pins nothing. This is the rule for every user: evicting an object
 in use would free nothing until the use ends (the memory stays the user's), so it would
 only lose a hit and push out more objects for the same room. It never makes a writer
 wait either: ``allocate`` evicts what is idle and, when that is not enough, fails at

@@ -12,7 +12,8 @@ order), rebuilt at start-up from the files present, oldest first, and evicts in 
 order to stay within the bound; a file larger than the whole bound is refused. The index
 answers for the names it knows without a filesystem call; a name it does not know is
 looked up on the filesystem and, when found (another process wrote it into the
-directory), adopted. An unbounded store has no index: the directory is the index.
+directory), adopted within the bound (evicting as a write does). An unbounded store has
+no index: the directory is the index.
 
 NOTE: a file appears only complete (``files.write_whole``: a temp file renamed over its
 name), so a reader sees a whole file or none; ``clear`` deletes only whole files and
@@ -123,6 +124,10 @@ class FileStore:
         for the names it knows, from the filesystem (one ``os.stat`` each, the file then
         adopted) for the others.
 
+        An adopted file counts toward the bound as a written one does: files are evicted
+        in policy order to make room for it (a name this call evicts is absent in its
+        answer), and one larger than the whole bound is not indexed.
+
         NOTE: a file deleted behind the index's back is a hit here and a miss at the read
         (``forget`` it then).
         """
@@ -136,6 +141,7 @@ class FileStore:
                         present[i] = True
                     else:
                         unknown.append(i)
+        evicted: set[str] = set()
         for i in unknown:
             try:
                 size = os.stat(self.path(names[i])).st_size
@@ -144,7 +150,13 @@ class FileStore:
             present[i] = True
             if self.bounded:
                 with self._lock:
-                    self._index.add(names[i], size)
+                    victims = self._index.reserve(names[i], size) or []
+                    self._evict(victims)
+                evicted.update(victims)
+        if evicted:
+            present = [
+                there and name not in evicted for there, name in zip(present, names, strict=True)
+            ]
         return present
 
     def touch(self, name: str) -> None:

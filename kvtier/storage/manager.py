@@ -174,14 +174,16 @@ class StorageManager:
     def lookup_prefix(self, keys: Sequence[CacheKey], *, prefetch: bool = False) -> int:
         """How many of ``keys``, from the first, some tier holds.
 
-        One batched call per lower tier for the keys the CPU tier lacks. With
-        ``prefetch``, the lower-tier part of the run starts moving into the CPU tier.
+        One batched call per lower tier for the keys the CPU tier lacks (past the CPU
+        tier's own run too: a chunk only a lower tier holds may be followed by ones only
+        memory holds). With ``prefetch``, the lower-tier part of the run starts moving
+        into the CPU tier.
         """
         in_cpu = self.cpu.prefix_length(keys)
         rest = list(keys[in_cpu:])
         if not rest or not self.lower:
             return in_cpu
-        present = self._held_below(rest, [False] * len(rest))
+        present = self._held_below(rest, [self.cpu.contains(k) for k in rest])
         run = next((i for i, p in enumerate(present) if not p), len(present))
         if prefetch and run:
             self._prefetch(rest[:run])
