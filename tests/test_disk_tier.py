@@ -174,6 +174,18 @@ def test_capacity_evicts_in_lru_order(tmp_path, pool):
     tier.close()
 
 
+def test_a_chunk_stored_again_is_a_use_for_eviction_order(tmp_path, pool):
+    """A prefill engine that never loads stores its hot prefix again and again: each
+    store is a use, so the prefix outlives chunks stored once since."""
+    tier = make_tier(tmp_path, capacity_bytes=int(3.5 * CHUNK_FILE_BYTES))
+    for seed in range(3):
+        put_all(tier, pool, [seed])
+    put_all(tier, pool, [0])  # stored again: 0 becomes the most recently used
+    put_all(tier, pool, [3])
+    assert tier.contains_many([key(i) for i in range(4)]) == [True, False, True, True]
+    tier.close()
+
+
 def test_a_chunk_written_again_is_indexed_at_its_new_size(tmp_path, pool):
     """A file deleted behind the index's back and written again, now larger: the index
     holds the new file's size (``SizedIndex`` replaces an entry), so ``used_bytes``

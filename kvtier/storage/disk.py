@@ -311,7 +311,10 @@ class FileTier:
         started = time.perf_counter()
         file_name = self.file_name(key)
         if os.path.exists(self.files.path(file_name)):
-            return True  # already stored (by us or by another process sharing the tree)
+            # already stored (by us or by another process sharing the tree); stored again
+            # is a use, for eviction order (a producer that never loads keeps hot prefixes)
+            self.files.touch(file_name)
+            return True
         parts = encode()
         size = sum(len(p) for p in parts)
         try:
