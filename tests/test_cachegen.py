@@ -8,7 +8,7 @@ import cbor2
 import numpy as np
 import pytest
 import torch
-from support.samples import assert_within_bound, synthetic_kv, tiny_model_kv
+from support.samples import OUT_ROUNDING, assert_within_bound, synthetic_kv, tiny_model_kv
 
 from kvtier_kernels.cachegen import (
     MODELS,
@@ -115,6 +115,25 @@ def test_input_dtypes_and_odd_shapes(dtype):
     assert (out[1, 2, 5] == 0).all()
     single = synthetic_kv(layers=1, tokens=1, hidden=1).to(dtype)
     assert_within_bound(single, roundtrip(single)[2], roundtrip(single)[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_subnormal_values_within_the_bound_and_its_absolute_terms(dtype, out_dtype):
+    """Tokens at the bottom of a dtype's range: float32 steps below its normal range cost
+    at most 2^-143, and rounding to a dtype whose subnormals hold x^ at most u times its
+    smallest normal m, on top of the relative bound (docs/compression.md)."""
+    gen = torch.Generator().manual_seed(5)
+    tiny = float(torch.finfo(dtype).smallest_normal)
+    magnitudes = torch.tensor([4 * tiny, tiny / 8, 1e-40, 1e-44, 1e-6]).to(dtype).float()
+    chunk = (torch.randn(2, 1, 5, 64, generator=gen) * magnitudes[:, None]).to(dtype)
+    out = roundtrip(chunk, out_dtype, k_levels=[127], v_levels=[8])[2]
+    x = chunk.float()
+    scale = x.abs().amax(-1, keepdim=True)
+    levels = torch.tensor([127.0, 8.0])[:, None, None, None]
+    u, m = OUT_ROUNDING[out_dtype], float(torch.finfo(out_dtype).smallest_normal)
+    bound = scale * (1 / (2 * levels) + 2.0**-20 + u) + 2.0**-143 + u * m
+    assert bool(((out.float() - x).abs() <= bound).all())
 
 
 @pytest.mark.parametrize(("tokens", "count_bytes"), [(255, 1), (256, 1), (257, 2)])

@@ -235,6 +235,25 @@ def test_property_backends_write_and_read_the_same_bytes(
     assert_within_bound(chunk, outs["torch"], reference[1])
 
 
+@pytest.mark.parametrize(
+    ("layers", "tokens", "heads", "head_size"),
+    [(1, 7, 3, 80), (5, 2, 1, 96), (1, 1, 3, 80), (1, 16, 3, 32), (2, 3, 1, 256)],
+)
+def test_model_widths_give_the_same_bytes_on_every_backend(layers, tokens, heads, head_size):
+    """Widths of real models (head sizes 80, 96, 256; three KV heads): lane counts with an
+    odd factor, so a stream holds fewer lanes than the power of two that would fit."""
+    chunk = synthetic_kv(layers=layers, tokens=tokens, hidden=heads * head_size, seed=tokens)
+    backends = [*CPU_BACKENDS, *(["interpret"] if has_triton and tokens == 1 else [])]
+    reference = encode_chunk(chunk, backend="torch")
+    outs = {}
+    for backend in backends:
+        assert encode_chunk(chunk, backend=backend) == reference, backend
+        outs[backend] = torch.empty(chunk.shape, dtype=chunk.dtype)
+        decode_chunk(*reference, outs[backend], backend=backend)
+        assert torch.equal(outs[backend], outs["torch"]), backend
+    assert_within_bound(chunk, outs["torch"], reference[1])
+
+
 @pytest.mark.skipif(not has_triton, reason="needs triton")
 @settings(max_examples=8, deadline=None)
 @given(

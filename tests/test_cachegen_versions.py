@@ -2,9 +2,10 @@
 backend, to exactly what their own decoder returned.
 
 ``tests/fixtures/cachegen_v2.json`` holds version-2 objects written by the encoder before
-version 3 (commit 6a32166), ``tests/fixtures/cachegen_v4.json`` version-4 objects written by
-the encoder before version 5 (commit e44f604): the chunk, the payload and params, and the
-sha256 of what that decoder returned (float32 bytes; bfloat16 bits).
+version 3 (commit 6a32166), ``tests/fixtures/cachegen_v3.json`` version-3 objects written by
+the encoder before version 4 (commit 0811488), ``tests/fixtures/cachegen_v4.json`` version-4
+objects written by the encoder before version 5 (commit e44f604): the chunk, the payload and
+params, and the sha256 of what that decoder returned (float32 bytes; bfloat16 bits).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvtier_kernels.cachegen import CodecError, decode_chunk, params_checksum
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = json.loads((FIXTURES / "cachegen_v2.json").read_text())["cases"]
+V3_CASES = json.loads((FIXTURES / "cachegen_v3.json").read_text())["cases"]
 V4_CASES = json.loads((FIXTURES / "cachegen_v4.json").read_text())["cases"]
 BACKENDS = [
     "torch",
@@ -66,6 +68,13 @@ def decodes_as_before(case: dict, backend: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
 def test_version_2_objects_decode_as_before(case: dict, backend: str) -> None:
     assert case["params"]["version"] == 2
+    decodes_as_before(case, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", V3_CASES, ids=[case["name"] for case in V3_CASES])
+def test_version_3_objects_decode_as_before(case: dict, backend: str) -> None:
+    assert case["params"]["version"] == 3 and case["params"]["length_bytes"] == 1
     decodes_as_before(case, backend)
 
 

@@ -351,6 +351,32 @@ def test_a_chunk_cachegen_cannot_take_is_stored_raw(pool):
     assert same_bytes(back, obj)
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype", "why"),
+    [
+        ((1, 2, 16, 32), torch.bfloat16, "plane"),  # MLA: one plane
+        ((2, 2, 16, 32), torch.float8_e4m3fn, "dtype"),
+        ((2, 2, 16, 32), torch.uint8, "dtype"),
+    ],
+)
+def test_chunks_cachegen_cannot_code_are_stored_as_they_are_and_said_once(pool, shape, dtype, why):
+    """An MLA chunk or an fp8/int cache goes naive, bit for bit; the reason is the same
+    words for every chunk of the cache, whatever its token count (save_unfull_chunk), so
+    it is logged once."""
+    serde = make_serde("cachegen")
+    reasons = set()
+    for tokens, seed in ((16, 11), (5, 12), (9, 13)):
+        obj = fill(pool, seed, shape=(*shape[:2], tokens, shape[3]), dtype=dtype)
+        with pytest.raises(ValueError) as refused:
+            serde.encode(obj.tensor)
+        reasons.add(str(refused.value))
+        name = key(seed).to_string()
+        blob = blob_of(wire.encode(name, obj.tensor, serde))
+        assert _header_of(blob, name).codec == "naive"
+        assert same_bytes(wire.decode(blob, name, pool.allocate), obj)
+    assert len(reasons) == 1 and why in reasons.pop()
+
+
 def test_damaged_cachegen_payload_is_a_corrupt_object(pool):
     obj = _kv_like(pool, 2)
     name = key(4).to_string()

@@ -187,7 +187,8 @@ CODEC: tuple[KeySpec, ...] = (
         "auto",
         "cachegen: where chunks are encoded and decoded: auto (the GPU when torch sees "
         "one and triton is installed: the Triton rANS coder, same bytes as the CPU), "
-        "cpu (the reference codec), or cuda.",
+        "cpu (numba kernels where numba is installed, else the numpy reference: the same "
+        "bytes), or cuda.",
         choices=("auto", "cpu", "cuda"),
     ),
 )

@@ -7,11 +7,13 @@ configured serde, any other with that codec's defaults). The serdes:
 
 - ``naive``: the tensor's bytes as they are (lossless, zero-copy on the way out).
 - ``cachegen``: CacheGen-style quantization + rANS (lossy, bounded error per element; see
-  ``kvtier_kernels/cachegen.py``, docs/compression.md). On a GPU its rANS coder is a
-  Triton kernel; on the CPU the reference codec runs it (tens of MB/s).
+  ``kvtier_kernels/cachegen/``, docs/compression.md). On a GPU its rANS coder is a
+  Triton kernel; on the CPU numba kernels where numba is installed, else the numpy
+  reference.
 
-A chunk a codec cannot take (``ValueError`` from ``encode``, e.g. non-finite values for
-``cachegen``) is written with ``naive`` instead: the header always names the codec used.
+A chunk a codec cannot take (``ValueError`` from ``encode``: for ``cachegen`` non-finite
+values, an MLA chunk, a dtype other than bf16/fp16/fp32) is written with ``naive``
+instead: the header always names the codec used.
 """
 
 from __future__ import annotations
@@ -140,7 +142,12 @@ class CachegenSerde:
         from kvtier.config.tiers import parse_levels
         from kvtier_kernels.cachegen import encode_chunk
 
-        layers = tensor.shape[1] if tensor.dim() == 4 else 1
+        if tensor.dim() != 4 or tensor.shape[0] != 2:  # the same words for every chunk size
+            raise ValueError(
+                "cachegen codes chunks of a K and a V plane, [2, layers, tokens, width]; "
+                f"this cache's have {tensor.shape[0]} plane(s) (MLA): they are stored as they are"
+            )
+        layers = tensor.shape[1]
         k_levels = parse_levels(self.k_levels, layers, "cachegen_k_levels")
         v_levels = parse_levels(self.v_levels, layers, "cachegen_v_levels")
         with self._stream():
