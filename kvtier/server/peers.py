@@ -297,13 +297,21 @@ class Peers:
     def _pull_tcp(
         self, peer: Peer, namespace: str, names: list[str], deadline: float
     ) -> dict[str, MemoryObj]:
+        taken: list[MemoryObj] = []
+
         def take(blob: memoryview) -> MemoryObj | None:
             obj = self._allocate(len(blob))
             if obj is not None:
+                taken.append(obj)
                 tensor_bytes(obj.tensor)[: len(blob)] = blob
             return obj
 
-        found = self._store(peer, namespace).read_many(names, take)
+        try:
+            found = self._store(peer, namespace).read_many(names, take)
+        except BaseException:  # the peer went away mid-reply: let go of what arrived
+            for obj in taken:
+                obj.ref_down()
+            raise
         out = self._verified(peer, {n: o for n, o in zip(names, found, strict=True) if o})
         self.stats.inc("peer_bytes_tcp", sum(obj.data_nbytes - 1 for obj in out.values()))
         return out
