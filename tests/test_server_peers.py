@@ -15,7 +15,7 @@ import urllib.request
 
 import cbor2
 import pytest
-from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, nixl_installed
+from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, free_port, nixl_installed
 from support.tiers import check_served as served
 from support.tiers import key, make_pool, remote_manager, store_chunks, wait_until
 
@@ -43,9 +43,14 @@ def pool():
 
 
 def server(
-    *args: str, peers=(), transport: str = "tcp", token: str | None = None
+    *args: str,
+    peers=(),
+    transport: str = "tcp",
+    token: str | None = None,
+    port: int | None = None,
 ) -> KVTierServerProcess:
-    """A server with peers ``peers``, whose calls to them are bounded by ``TIMEOUT_MS``."""
+    """A server with peers ``peers`` (on ``port``: a free one by default), whose calls to
+    them are bounded by ``TIMEOUT_MS``."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
         config.write(f"remote_timeout_ms: {TIMEOUT_MS}\nremote_reconnect_max_ms: 200\n")
     flags = [f"--peer={p.url}" for p in peers]
@@ -58,6 +63,7 @@ def server(
         transport,
         admin=True,
         token=token,
+        port=port,
     )
 
 
@@ -141,6 +147,26 @@ def test_three_servers_find_a_chunk_on_whichever_peer_holds_it(pool):
             writer.close()
         check_served(b.url, objs)
         assert stats(b)["peer_hits"] == 2
+
+
+def test_a_peer_answers_from_its_memory_and_disk_alone_so_no_request_loops():
+    """b writes through to a (its remote) and a and b are each other's peers: a miss at a
+    asks b once, b answers it from its memory and disk without asking its remote (a),
+    so it never comes back to a: one request at each, no peer timed out."""
+    port_b = free_port()
+    url_b = f"kvtier://127.0.0.1:{port_b}"
+    with (
+        server("--peer", url_b) as a,
+        server("--remote-url", a.url, peers=[a], port=port_b) as b,
+    ):
+        client = a.client()
+        assert client.get_many(["chunk-3"]) == [None]
+        assert client.exists_many(["chunk-4"]) == [False]
+        client.close()
+        values_a, values_b = stats(a), stats(b)
+        assert values_a["requests_get"] == values_b["requests_get"] == 1
+        assert values_a["requests_exists"] == values_b["requests_exists"] == 1
+        assert values_a.get("peer_errors", 0) == 0 and values_a["peers_up"] == 1
 
 
 # -- faults ----------------------------------------------------------------------------
