@@ -1,6 +1,7 @@
 """NIXL pulls between two servers in one process, where the holder can be driven: its
 blobs evicted and overwritten while a peer reads them one-sidedly (a miss, never wrong
-bytes), its leases expiring under the read, its pool registered again."""
+bytes), its leases expiring under the read, its pool registered again, its READs failing
+(pulled over TCP instead)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,22 @@ def test_a_lease_lost_before_its_release_is_a_miss_never_the_bytes_read():
         close(peers)
     finally:
         holder.close()
+
+
+def test_a_read_that_fails_from_a_peer_that_answers_falls_back_to_tcp(holder):
+    """READs that fail while the peer answers (UCX cannot reach it, say): the pull goes
+    over TCP (counted, one warning) and so do the next ones, never a miss each time."""
+    for i in range(2):
+        assert holder.cache.put(NS, NAME.format(i), blob(i))
+    peers, stats = puller(holder)
+    assert peers.plane is not None
+    peers.plane.read = lambda remote, extents, deadline: "failed"
+    assert pulled_bytes(peers, [NAME.format(0)]) == {NAME.format(0): blob(0)}
+    assert pulled_bytes(peers, [NAME.format(1)]) == {NAME.format(1): blob(1)}
+    assert stats.get("peer_nixl_failed") == 1 and stats.get("peer_fallbacks") == 1
+    assert stats.get("peer_bytes_tcp") == 2 * len(blob(0)) and stats.get("peer_handshakes") == 1
+    assert peers.status()[holder.url]["transport"] == "tcp" and len(holder.leases) == 0
+    close(peers)
 
 
 @pytest.mark.parametrize("ttl_s", [5.0, 0.0])

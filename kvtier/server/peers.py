@@ -19,8 +19,8 @@ Each peer has the remote tiers' health policy (``kvtier.storage.health``): a pee
 fails or times out is down, and skipped (a miss at once), until a background ping
 answers. A peer refusing the token never answers the ping. With NIXL (``--peer-transport
 auto|nixl``) the bytes move with one-sided READs under a lease (``kvtier.server.nixl``,
-``kvtier.server.leases``); a peer without NIXL, or whose handshake fails, is pulled over
-TCP, with one warning saying why.
+``kvtier.server.leases``); a peer without NIXL, or whose handshake or READs fail while it
+answers, is pulled over TCP, with one warning saying why.
 
 The peers are the static ones (``--peer``) and, with discovery
 (``kvtier.server.discovery``), the servers found registered in the same group:
@@ -358,6 +358,8 @@ class Peers:
             if status != "done":
                 plane.forget(peer.remote)
                 peer.remote = None
+                if held and time.monotonic() < deadline:  # the peer answers; its READs fail
+                    return self._fall_back(peer, namespace, names, deadline, "a READ failed")
             return {}
         out = self._verified(peer, objs)
         self.stats.inc("peer_bytes_nixl", sum(obj.data_nbytes - 1 for obj in out.values()))
