@@ -148,6 +148,25 @@ def test_a_read_that_fails_from_a_peer_that_answers_falls_back_to_tcp(holder):
     close(peers)
 
 
+def test_a_pull_reads_with_the_pool_it_handshook_though_another_forgets_it(holder):
+    """The peer's pool forgotten by another thread while a pull sets up its READ (another
+    pull's READ failed, the peer reconnected): this pull reads with the pool it loaded,
+    leaving no buffer behind and its peer up."""
+    assert holder.cache.put(NS, NAME.format(0), blob(0))
+    peers, stats = puller(holder)
+    allocate = peers._allocate
+
+    def allocate_meanwhile_forgotten(size: int):
+        peers.peers[0].remote = None
+        return allocate(size)
+
+    peers._allocate = allocate_meanwhile_forgotten
+    assert pulled_bytes(peers, [NAME.format(0)]) == {NAME.format(0): blob(0)}
+    assert stats.get("peer_errors") == 0 and peers.peers[0].is_up
+    assert peers.memory.pool.used_bytes() == 0 and len(holder.leases) == 0
+    close(peers)
+
+
 @pytest.mark.parametrize("ttl_s", [5.0, 0.0])
 def test_eviction_and_overwrites_racing_the_reads_give_misses_or_the_right_bytes(ttl_s):
     holder = Holder(ttl_s=ttl_s, memory_gb=0.001)  # 1 MB: about 15 blobs

@@ -329,12 +329,13 @@ class Peers:
         objs: dict[str, MemoryObj] = {}
         try:
             sizes, offsets = _leased(reply, len(names))
-            if peer.remote is None or (peer.remote.agent, peer.remote.epoch) != (
+            remote = peer.remote  # this pull's, whatever another pull makes of the peer's
+            if remote is None or (remote.agent, remote.epoch) != (
                 reply.get("agent"),
                 reply.get("epoch"),
             ):
                 try:
-                    peer.remote = plane.add_peer(store.call(Op.PEER, {}), peer.remote)
+                    remote = peer.remote = plane.add_peer(store.call(Op.PEER, {}), remote)
                 except NixlUnavailable as exc:
                     return self._fall_back(peer, namespace, names, deadline, str(exc))
                 self.stats.inc("peer_handshakes")
@@ -344,7 +345,11 @@ class Peers:
                 if obj is not None:
                     objs[name] = obj
                     extents.append(Extent(offset, obj.offset, size))
-            status = plane.read(peer.remote, extents, deadline) if extents else "done"
+            status = plane.read(remote, extents, deadline) if extents else "done"
+        except BaseException:
+            for obj in objs.values():
+                obj.ref_down()
+            raise
         finally:
             held = self._release(store, lease)
         if status == "stuck":
@@ -356,7 +361,7 @@ class Peers:
             for obj in objs.values():
                 obj.ref_down()
             if status != "done":
-                plane.forget(peer.remote)
+                plane.forget(remote)
                 peer.remote = None
                 if held and time.monotonic() < deadline:  # the peer answers; its READs fail
                     return self._fall_back(peer, namespace, names, deadline, "a READ failed")
