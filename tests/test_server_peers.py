@@ -169,6 +169,14 @@ def test_a_peer_answers_from_its_memory_and_disk_alone_so_no_request_loops():
         assert values_a.get("peer_errors", 0) == 0 and values_a["peers_up"] == 1
 
 
+def test_a_list_of_peers_shared_by_every_server_leaves_each_server_out_of_its_own():
+    ports = free_port(), free_port()
+    flags = [f"--peer=kvtier://127.0.0.1:{port}" for port in ports]
+    with server(*flags, port=ports[0]) as a, server(*flags, port=ports[1]) as b:
+        assert set(health(a)["tiers"]["peers"]) == {b.url}
+        assert set(health(b)["tiers"]["peers"]) == {a.url}
+
+
 # -- faults ----------------------------------------------------------------------------
 
 
