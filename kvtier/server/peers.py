@@ -8,7 +8,8 @@ chunks it misses (``kvtier serve --peer kvtier://HOST:PORT``).
                                └── verified, kept ◀───┘
 
 A server talks to a peer as a client that says ``peer: true`` in its HELLO, so the peer
-answers from its own memory and disk and never asks its own peers in turn (no loops).
+answers from its own memory and disk, never asking its own peers or its remote in turn
+(no loops, and a remote the servers share is asked once per miss).
 Per batch of names a lookup is one EXISTS to every peer that is up, in parallel, and a
 pull is one LEASE (NIXL) or one GET (TCP) per peer until every name is found, all bounded
 by ``remote_timeout_ms``. A pulled blob is verified as every object crossing a process
