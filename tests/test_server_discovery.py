@@ -187,6 +187,16 @@ def test_with_the_store_down_the_members_stay_one_warning_and_the_next_refresh_w
     assert registry.closed
 
 
+def test_a_store_restarted_empty_drops_no_one_before_the_others_register_again():
+    registry, seen = FakeRegistry(A, B), []
+    found = discovery(registry, seen)
+    assert found.refresh() and seen[-1] == frozenset({A, B})
+    registry.keys = {B: B.encode()}  # restarted: only B registered again so far
+    assert found.refresh() and seen[-1] == frozenset({A, B}), "A kept until it can register"
+    assert found.refresh() and seen[-1] == frozenset({B}), "A never came back: dropped"
+    found.close()
+
+
 def test_the_thread_refreshes_every_third_of_the_ttl_and_close_deregisters():
     registry, seen = FakeRegistry(A), []
     found = Discovery(

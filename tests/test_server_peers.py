@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import tempfile
 import threading
 import time
 import urllib.request
 
+import cbor2
 import pytest
-from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, nixl_installed
+from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, free_port, nixl_installed
 from support.tiers import check_served as served
 from support.tiers import key, make_pool, remote_manager, store_chunks, wait_until
+
+from kvtier.observability.stats import Stats
+from kvtier.server.peers import Peers
+from kvtier.storage import node_protocol as protocol
+from kvtier.storage.cpu import LocalCPUTier
+from kvtier.storage.node_connection import recv
 
 TIMEOUT_MS = 1000  # the servers' remote_timeout_ms, under their readers' (READER_TIMEOUT_MS)
 READER_TIMEOUT_MS = 3000  # a loaded 2-core CI machine: a peer's answer may take a second
@@ -35,9 +43,14 @@ def pool():
 
 
 def server(
-    *args: str, peers=(), transport: str = "tcp", token: str | None = None
+    *args: str,
+    peers=(),
+    transport: str = "tcp",
+    token: str | None = None,
+    port: int | None = None,
 ) -> KVTierServerProcess:
-    """A server with peers ``peers``, whose calls to them are bounded by ``TIMEOUT_MS``."""
+    """A server with peers ``peers`` (on ``port``: a free one by default), whose calls to
+    them are bounded by ``TIMEOUT_MS``."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
         config.write(f"remote_timeout_ms: {TIMEOUT_MS}\nremote_reconnect_max_ms: 200\n")
     flags = [f"--peer={p.url}" for p in peers]
@@ -50,6 +63,7 @@ def server(
         transport,
         admin=True,
         token=token,
+        port=port,
     )
 
 
@@ -135,6 +149,34 @@ def test_three_servers_find_a_chunk_on_whichever_peer_holds_it(pool):
         assert stats(b)["peer_hits"] == 2
 
 
+def test_a_peer_answers_from_its_memory_and_disk_alone_so_no_request_loops():
+    """b writes through to a (its remote) and a and b are each other's peers: a miss at a
+    asks b once, b answers it from its memory and disk without asking its remote (a),
+    so it never comes back to a: one request at each, no peer timed out."""
+    port_b = free_port()
+    url_b = f"kvtier://127.0.0.1:{port_b}"
+    with (
+        server("--peer", url_b) as a,
+        server("--remote-url", a.url, peers=[a], port=port_b) as b,
+    ):
+        client = a.client()
+        assert client.get_many(["chunk-3"]) == [None]
+        assert client.exists_many(["chunk-4"]) == [False]
+        client.close()
+        values_a, values_b = stats(a), stats(b)
+        assert values_a["requests_get"] == values_b["requests_get"] == 1
+        assert values_a["requests_exists"] == values_b["requests_exists"] == 1
+        assert values_a.get("peer_errors", 0) == 0 and values_a["peers_up"] == 1
+
+
+def test_a_list_of_peers_shared_by_every_server_leaves_each_server_out_of_its_own():
+    ports = free_port(), free_port()
+    flags = [f"--peer=kvtier://127.0.0.1:{port}" for port in ports]
+    with server(*flags, port=ports[0]) as a, server(*flags, port=ports[1]) as b:
+        assert set(health(a)["tiers"]["peers"]) == {b.url}
+        assert set(health(b)["tiers"]["peers"]) == {a.url}
+
+
 # -- faults ----------------------------------------------------------------------------
 
 
@@ -173,6 +215,48 @@ def test_a_peer_killed_mid_pull_is_a_miss_in_time(pool):
         reader.close()
         assert b.process.poll() is None
         assert stats(b)["peers_up"] == 0
+
+
+def test_a_peer_gone_mid_reply_is_a_miss_and_takes_no_buffer_along():
+    """A peer whose GET reply stops after two of its four blobs: a miss, and the buffers
+    the two took in the puller's memory go back to its pool."""
+    size = 64 << 10
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:  # HELLO, then a GET reply cut off in its third blob
+        conn, _ = listener.accept()
+        with conn:
+            for header, sent in (
+                ({"max_frame": 1 << 20}, 0),
+                ({"sizes": [size] * 4}, 2 * size + 9),
+            ):
+                prefix = protocol.decode_prefix(bytes(recv(conn, protocol.PREFIX_SIZE)), 1 << 20)
+                recv(conn, prefix.header_len + prefix.payload_len)
+                head = cbor2.dumps(header)
+                total = sum(header.get("sizes", []))
+                reply = protocol.encode_prefix(
+                    prefix.op, prefix.request_id, len(head), total, protocol.REPLY
+                )
+                conn.sendall(reply + head + bytes(sent))
+
+    peer = threading.Thread(target=answer)
+    peer.start()
+    memory = LocalCPUTier(8 << 20, "LRU", alignment=64, pin_memory=False)
+    stats = Stats()
+    url = f"kvtier://127.0.0.1:{listener.getsockname()[1]}"
+    peers = Peers(
+        [url], memory=memory, stats=stats, token=None, timeout_s=2.0, reconnect_max_s=0.2,
+        plane=None,
+    )  # fmt: skip
+    try:
+        assert peers.pull("ns", [f"blob-{i}" for i in range(4)]) == {}
+        assert stats.get("peer_errors") == 1 and stats.get("peer_misses") == 4
+        assert memory.pool.used_bytes() == 0, "the blobs that arrived were let go"
+    finally:
+        peer.join(5)
+        listener.close()
+        peers.close()
+        memory.close()
 
 
 def test_a_stopped_peer_is_a_miss_within_the_timeout(pool):

@@ -1,6 +1,7 @@
 """NIXL pulls between two servers in one process, where the holder can be driven: its
 blobs evicted and overwritten while a peer reads them one-sidedly (a miss, never wrong
-bytes), its leases expiring under the read, its pool registered again."""
+bytes), its leases expiring under the read, its pool registered again, its READs failing
+(pulled over TCP instead)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,41 @@ def test_a_lease_lost_before_its_release_is_a_miss_never_the_bytes_read():
         close(peers)
     finally:
         holder.close()
+
+
+def test_a_read_that_fails_from_a_peer_that_answers_falls_back_to_tcp(holder):
+    """READs that fail while the peer answers (UCX cannot reach it, say): the pull goes
+    over TCP (counted, one warning) and so do the next ones, never a miss each time."""
+    for i in range(2):
+        assert holder.cache.put(NS, NAME.format(i), blob(i))
+    peers, stats = puller(holder)
+    assert peers.plane is not None
+    peers.plane.read = lambda remote, extents, deadline: "failed"
+    assert pulled_bytes(peers, [NAME.format(0)]) == {NAME.format(0): blob(0)}
+    assert pulled_bytes(peers, [NAME.format(1)]) == {NAME.format(1): blob(1)}
+    assert stats.get("peer_nixl_failed") == 1 and stats.get("peer_fallbacks") == 1
+    assert stats.get("peer_bytes_tcp") == 2 * len(blob(0)) and stats.get("peer_handshakes") == 1
+    assert peers.status()[holder.url]["transport"] == "tcp" and len(holder.leases) == 0
+    close(peers)
+
+
+def test_a_pull_reads_with_the_pool_it_handshook_though_another_forgets_it(holder):
+    """The peer's pool forgotten by another thread while a pull sets up its READ (another
+    pull's READ failed, the peer reconnected): this pull reads with the pool it loaded,
+    leaving no buffer behind and its peer up."""
+    assert holder.cache.put(NS, NAME.format(0), blob(0))
+    peers, stats = puller(holder)
+    allocate = peers._allocate
+
+    def allocate_meanwhile_forgotten(size: int):
+        peers.peers[0].remote = None
+        return allocate(size)
+
+    peers._allocate = allocate_meanwhile_forgotten
+    assert pulled_bytes(peers, [NAME.format(0)]) == {NAME.format(0): blob(0)}
+    assert stats.get("peer_errors") == 0 and peers.peers[0].is_up
+    assert peers.memory.pool.used_bytes() == 0 and len(holder.leases) == 0
+    close(peers)
 
 
 @pytest.mark.parametrize("ttl_s", [5.0, 0.0])

@@ -272,8 +272,11 @@ class BlobCache:
     """The server's tiers. Thread-safe; every call is synchronous (the server runs them
     off its event loop).
 
-    Reads go memory → disk → peers (``peers``, set by whoever assembles the server, and
-    asked only where a call says so: never for another server's requests) → remote.
+    Reads go memory → disk → peers (``peers``, set by whoever assembles the server) →
+    remote; the peers and the remote are asked only where a call says so: another
+    server's requests are answered from memory and disk alone (a peer asking its remote
+    on a peer's behalf would double every remote lookup, and loop through a remote that
+    is a server peering back).
 
     ``shared_memory``: keep the memory tier in a ``SharedArena`` (``arena``), which
     same-host clients read blobs from.
@@ -304,9 +307,10 @@ class BlobCache:
         return lines
 
     def exists_many(
-        self, namespace: str, names: Sequence[str], *, peers: bool = True
+        self, namespace: str, names: Sequence[str], *, peers: bool = True, remote: bool = True
     ) -> list[bool]:
-        """Which of ``names`` some tier holds (asking the peers too with ``peers``)."""
+        """Which of ``names`` some tier holds (asking the peers too with ``peers``, the
+        remote with ``remote``)."""
         present = [self.memory.contains((namespace, n)) for n in names]
         missing = [i for i, there in enumerate(present) if not there]
         if missing and self.disk is not None:
@@ -319,13 +323,13 @@ class BlobCache:
             for i, there in zip(missing, found, strict=True):
                 present[i] = there
             missing = [i for i, there in enumerate(present) if not there]
-        if missing and self.remote is not None:
+        if missing and remote and self.remote is not None:
             found = self.remote.exists_many(namespace, [names[i] for i in missing])
             for i, there in zip(missing, found, strict=True):
                 present[i] = there
         return present
 
-    def get(self, namespace: str, name: str) -> bytes | None:
+    def get(self, namespace: str, name: str, *, remote: bool = True) -> bytes | None:
         blob_id: BlobId = (namespace, name)
         data = read_in_memory(self.memory, blob_id, bytes)
         if data is not None:
@@ -335,7 +339,7 @@ class BlobCache:
             if data is not None:
                 put_in_memory(self.memory, blob_id, data)
                 return data
-        if self.remote is not None:
+        if remote and self.remote is not None:
             data = self.remote.get(namespace, name)
             if data is not None:
                 put_in_memory(self.memory, blob_id, data)
@@ -343,13 +347,21 @@ class BlobCache:
                     write_to_disk(self.disk, blob_id, data)
         return data
 
-    def read(self, namespace: str, name: str, consume: Callable[[memoryview], T]) -> T | None:
-        """``consume(view of the blob)``, None when no tier has it. From memory the view
-        is of the tier's own buffer (no copy; valid only during the call)."""
+    def read(
+        self,
+        namespace: str,
+        name: str,
+        consume: Callable[[memoryview], T],
+        *,
+        remote: bool = True,
+    ) -> T | None:
+        """``consume(view of the blob)``, None when no tier has it (the remote asked only
+        with ``remote``). From memory the view is of the tier's own buffer (no copy;
+        valid only during the call)."""
         found = read_in_memory(self.memory, (namespace, name), consume)
         if found is not None:
             return found
-        data = self.get(namespace, name)
+        data = self.get(namespace, name, remote=remote)
         return None if data is None else consume(memoryview(data))
 
     def read_many(
@@ -359,9 +371,10 @@ class BlobCache:
         consume: Callable[[memoryview], T],
         *,
         peers: bool = True,
+        remote: bool = True,
     ) -> list[T | None]:
         """``read`` of each name, the names no local tier holds pulled from the peers in
-        one batch first (with ``peers``)."""
+        one batch first (with ``peers``), then asked of the remote (with ``remote``)."""
         out: list[T | None] = [read_in_memory(self.memory, (namespace, n), consume) for n in names]
         missing = [n for n, got in zip(names, out, strict=True) if got is None]
         if missing and self.disk is not None:
@@ -380,7 +393,7 @@ class BlobCache:
                 if obj is not None:
                     out[i] = consume(view_of(obj))
                 else:
-                    out[i] = self.read(namespace, name, consume)
+                    out[i] = self.read(namespace, name, consume, remote=remote)
         finally:
             for obj in pulled.values():
                 obj.ref_down()

@@ -7,13 +7,14 @@ Redis/Valkey, an existing engine, keeps the membership.
     kvtier-peers:<group>:kvtier://10.0.0.1:65432    value: the same address
     kvtier-peers:<group>:kvtier://10.0.0.2:65432    each key expires after ttl_s
 
-One daemon thread per server does every call: each ``ttl_s / 3`` it SETs its key with the
-TTL, SCANs the group's keys (MATCH, never KEYS) and hands the others' addresses to
+One daemon thread per server does every call: each ``ttl_s / 3`` it SCANs the group's
+keys (MATCH, never KEYS), SETs its own with the TTL and hands the others' addresses to
 ``on_members`` (``Peers.update``, which merges them with the static ``--peer``s). A
 server that stops cleanly deletes its key; one that dies drops out of every list once its
 key expires. With Redis unreachable the peers known stay as they are, one warning is
-logged, and the next refresh tries again; no request ever waits on discovery (the calls
-run on the thread, each bounded by the store's socket timeout).
+logged, and the next refresh tries again; a Redis restarted empty drops no one (the
+others register again at their next refresh). No request ever waits on discovery (the
+calls run on the thread, each bounded by the store's socket timeout).
 
 Discovery shares addresses only: peers still talk to each other with the servers'
 ``--auth-token``.
@@ -193,10 +194,14 @@ class Discovery:
 
     def refresh(self) -> bool:
         """Register this server again and hand the others' addresses on; False (and the
-        members as they were) when the store cannot be reached."""
+        members as they were) when the store cannot be reached.
+
+        A store without this server's key (restarted empty, flushed, or out of reach
+        until the key expired) lost the others' too, who register again at their next
+        refresh: no one known is dropped before that (one refresh later)."""
         try:
-            self.registry.put_many([(self.advertise, [self.advertise.encode()])])
             names = self.registry.names()
+            self.registry.put_many([(self.advertise, [self.advertise.encode()])])
         except StoreUnavailable as exc:
             self.stats.inc("discovery_errors")
             with self._lock:
@@ -212,6 +217,8 @@ class Discovery:
             return False
         members = frozenset(n for n in names if n != self.advertise)
         with self._lock:
+            if self.advertise not in names:  # the others are kept until they register again
+                members |= self._members
             back, self._error, self._registered = self._error is not None, None, True
             self._members, self._last_refresh = members, time.monotonic()
         if back:

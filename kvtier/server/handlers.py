@@ -78,7 +78,8 @@ class RequestHandlers:
 
     def _exists(self, frame: Frame, session: Session):
         names = protocol.names_of(frame.header)
-        present = self.cache.exists_many(session.namespace, names, peers=not session.peer)
+        others = not session.peer  # a peer's request: this server's memory and disk only
+        present = self.cache.exists_many(session.namespace, names, peers=others, remote=others)
         return Reply({"present": present})
 
     def _get(self, frame: Frame, session: Session):
@@ -93,8 +94,9 @@ class RequestHandlers:
         # until sent; the rest (disk, peers, remote) are read into bytes of their own
         held = self.cache.hold_many(session.namespace, names)
         missing = [name for name, obj in zip(names, held, strict=True) if obj is None]
+        others = not session.peer  # a peer's request: this server's memory and disk only
         fetched = iter(
-            self.cache.read_many(session.namespace, missing, bytes, peers=not session.peer)
+            self.cache.read_many(session.namespace, missing, bytes, peers=others, remote=others)
         )
         found = [
             place.take(view_of(obj), obj) if obj is not None else take_data(place, next(fetched))

@@ -8,7 +8,8 @@ chunks it misses (``kvtier serve --peer kvtier://HOST:PORT``).
                                └── verified, kept ◀───┘
 
 A server talks to a peer as a client that says ``peer: true`` in its HELLO, so the peer
-answers from its own memory and disk and never asks its own peers in turn (no loops).
+answers from its own memory and disk, never asking its own peers or its remote in turn
+(no loops, and a remote the servers share is asked once per miss).
 Per batch of names a lookup is one EXISTS to every peer that is up, in parallel, and a
 pull is one LEASE (NIXL) or one GET (TCP) per peer until every name is found, all bounded
 by ``remote_timeout_ms``. A pulled blob is verified as every object crossing a process
@@ -19,8 +20,8 @@ Each peer has the remote tiers' health policy (``kvtier.storage.health``): a pee
 fails or times out is down, and skipped (a miss at once), until a background ping
 answers. A peer refusing the token never answers the ping. With NIXL (``--peer-transport
 auto|nixl``) the bytes move with one-sided READs under a lease (``kvtier.server.nixl``,
-``kvtier.server.leases``); a peer without NIXL, or whose handshake fails, is pulled over
-TCP, with one warning saying why.
+``kvtier.server.leases``); a peer without NIXL, or whose handshake or READs fail while it
+answers, is pulled over TCP, with one warning saying why.
 
 The peers are the static ones (``--peer``) and, with discovery
 (``kvtier.server.discovery``), the servers found registered in the same group:
@@ -297,13 +298,21 @@ class Peers:
     def _pull_tcp(
         self, peer: Peer, namespace: str, names: list[str], deadline: float
     ) -> dict[str, MemoryObj]:
+        taken: list[MemoryObj] = []
+
         def take(blob: memoryview) -> MemoryObj | None:
             obj = self._allocate(len(blob))
             if obj is not None:
+                taken.append(obj)
                 tensor_bytes(obj.tensor)[: len(blob)] = blob
             return obj
 
-        found = self._store(peer, namespace).read_many(names, take)
+        try:
+            found = self._store(peer, namespace).read_many(names, take)
+        except BaseException:  # the peer went away mid-reply: let go of what arrived
+            for obj in taken:
+                obj.ref_down()
+            raise
         out = self._verified(peer, {n: o for n, o in zip(names, found, strict=True) if o})
         self.stats.inc("peer_bytes_tcp", sum(obj.data_nbytes - 1 for obj in out.values()))
         return out
@@ -321,12 +330,13 @@ class Peers:
         objs: dict[str, MemoryObj] = {}
         try:
             sizes, offsets = _leased(reply, len(names))
-            if peer.remote is None or (peer.remote.agent, peer.remote.epoch) != (
+            remote = peer.remote  # this pull's, whatever another pull makes of the peer's
+            if remote is None or (remote.agent, remote.epoch) != (
                 reply.get("agent"),
                 reply.get("epoch"),
             ):
                 try:
-                    peer.remote = plane.add_peer(store.call(Op.PEER, {}), peer.remote)
+                    remote = peer.remote = plane.add_peer(store.call(Op.PEER, {}), remote)
                 except NixlUnavailable as exc:
                     return self._fall_back(peer, namespace, names, deadline, str(exc))
                 self.stats.inc("peer_handshakes")
@@ -336,7 +346,11 @@ class Peers:
                 if obj is not None:
                     objs[name] = obj
                     extents.append(Extent(offset, obj.offset, size))
-            status = plane.read(peer.remote, extents, deadline) if extents else "done"
+            status = plane.read(remote, extents, deadline) if extents else "done"
+        except BaseException:
+            for obj in objs.values():
+                obj.ref_down()
+            raise
         finally:
             held = self._release(store, lease)
         if status == "stuck":
@@ -348,8 +362,10 @@ class Peers:
             for obj in objs.values():
                 obj.ref_down()
             if status != "done":
-                plane.forget(peer.remote)
+                plane.forget(remote)
                 peer.remote = None
+                if held and time.monotonic() < deadline:  # the peer answers; its READs fail
+                    return self._fall_back(peer, namespace, names, deadline, "a READ failed")
             return {}
         out = self._verified(peer, objs)
         self.stats.inc("peer_bytes_nixl", sum(obj.data_nbytes - 1 for obj in out.values()))

@@ -132,7 +132,7 @@ async def serve(
             reconnect_max_s=config.remote_reconnect_max_ms / 1000,
             plane=plane,
             keep=peers.keep,
-            self_url=advertised(host, port, peers.advertise) if registry and port else None,
+            self_url=_own_url(host, port, peers.advertise),
         )
     server = KVTierServer(
         cache,
@@ -218,6 +218,18 @@ def _close(
     if plane is not None:
         plane.close()
     cache.close(timeout)
+
+
+def _own_url(host: str, port: int, advertise: str | None) -> str | None:
+    """This server's own address as its peers name it (a list of peers shared by every
+    node names it too: never its own peer), or None where it is not known before the
+    server starts (port 0, or a bind to every address with no ``advertise``)."""
+    if not port:
+        return None
+    try:
+        return advertised(host, port, advertise)
+    except ValueError:
+        return None
 
 
 def _lookup(cache: BlobCache, config: KVTierConfig, peers: bool, request: dict) -> dict[str, int]:
