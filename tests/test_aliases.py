@@ -5,6 +5,9 @@ Python API."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -30,3 +33,25 @@ def test_both_connector_module_paths_give_the_connector(path: str) -> None:
     from kvtier.integration.vllm.connector import KVTierConnector
 
     assert importlib.import_module(path).KVTierConnector is KVTierConnector
+
+
+@pytest.mark.parametrize("path", ["kvtier.integration.vllm", "kvtier.integration.vllm.connector"])
+def test_without_vllm_the_connector_says_it_needs_vllm(path: str) -> None:
+    """A bare ``pip install kvtier`` has neither vLLM nor the pyzmq it brings: the error
+    names vLLM, not pyzmq."""
+    program = f"""
+        import sys
+        sys.modules["vllm"] = sys.modules["zmq"] = None  # neither is installed
+        try:
+            from {path} import KVTierConnector
+        except ImportError as error:
+            print(error)
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(program)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "kvtier's vLLM connector needs vLLM" in out, out

@@ -26,12 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.config import KVTierConfig, load_config
-from kvtier.integration.vllm.common import StepPlan
-from kvtier.integration.vllm.extensions import check_extensions
-from kvtier.integration.vllm.scheduler import SchedulerSide
-from kvtier.integration.vllm.worker import WorkerSide
-
+# vLLM before kvtier's connector sides, whose RPC needs pyzmq: without vLLM (and so without
+# the pyzmq it brings) the error names vLLM.
 try:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -52,6 +48,12 @@ if "kv_cache_config" not in inspect.signature(KVConnectorBase_V1.__init__).param
         f"{getattr(vllm, '__version__', '?')} has a KVConnectorBase_V1 without the "
         "(vllm_config, role, kv_cache_config) constructor"
     )
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.integration.vllm.common import StepPlan
+from kvtier.integration.vllm.extensions import check_extensions
+from kvtier.integration.vllm.scheduler import SchedulerSide
+from kvtier.integration.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
