@@ -59,7 +59,7 @@ def import_nixl() -> tuple[Any, Any]:
         except ImportError:
             continue
         return mod.nixl_agent, mod.nixl_agent_config
-    raise NixlUnavailable("no NIXL package is installed (pip install kvtier[nixl])")
+    raise NixlUnavailable("no NIXL package is installed (pip install 'kvtier[nixl]')")
 
 
 @dataclass(frozen=True, slots=True)
