@@ -52,13 +52,18 @@ def layer_names(num_layers: int = NUM_LAYERS) -> list[str]:
 
 
 def make_cache(
-    layout: str, *, dtype=torch.bfloat16, head_size: int = HEAD, seed: int = 0
+    layout: str,
+    *,
+    dtype=torch.bfloat16,
+    head_size: int = HEAD,
+    block_size: int = BLOCK,
+    seed: int = 0,
 ) -> PagedKV:
     paged = PagedKV.empty(
         layout,
         num_layers=NUM_LAYERS,
         num_blocks=NUM_BLOCKS,
-        block_size=BLOCK,
+        block_size=block_size,
         num_heads=HEADS,
         head_size=head_size,
         dtype=dtype,
@@ -81,6 +86,7 @@ def make_worker() -> Iterator:
         endpoint: str | None = None,
         dtype=torch.bfloat16,
         head_size: int = HEAD,
+        block_size: int = BLOCK,
         **overrides,
     ) -> tuple[WorkerSide, PagedKV]:
         config = load_config(
@@ -92,7 +98,7 @@ def make_worker() -> Iterator:
             },
             env={},
         )
-        paged = make_cache(layout, dtype=dtype, head_size=head_size)
+        paged = make_cache(layout, dtype=dtype, head_size=head_size, block_size=block_size)
         worker = WorkerSide(config, EngineMetadata("test-model"), endpoint)
         made.append(worker)
         worker.register_kv_caches(dict(zip(layer_names(), paged.tensors, strict=True)), backend)
@@ -698,3 +704,22 @@ def test_a_pool_that_does_not_fit_beside_vllms_kv_cache_names_both(make_worker, 
         r"0\.0 GiB .*--kv-cache-memory-bytes and max_local_cpu_size\)$",
     ):
         make_worker("vllm_cpu", "CPU_ATTN")
+
+
+@pytest.mark.parametrize(("layout", "backend"), LAYOUT_BACKENDS)
+def test_engines_of_other_block_sizes_share_chunks_only_in_token_major_layouts(
+    make_worker, layout, backend
+):
+    """A producer with 32-token blocks and a consumer with 64-token blocks (disaggregated
+    prefill): the CPU layout's chunks are whole blocks whose bytes interleave their tokens,
+    so the consumer would load another KV than the producer stored; they must miss."""
+    keys = {
+        block_size: make_worker(layout, backend, block_size=block_size)[
+            0
+        ].engine.chunker.key_template
+        for block_size in (BLOCK, 2 * BLOCK)
+    }
+    if (layout, backend) in TOKEN_MAJOR:
+        assert keys[BLOCK] == keys[2 * BLOCK], f"{layout}: block sizes split the chunks"
+    else:
+        assert keys[BLOCK] != keys[2 * BLOCK], f"{layout}: block sizes share chunk keys"
