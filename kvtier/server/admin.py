@@ -56,6 +56,7 @@ _COUNTER_PREFIXES = (
     "peer_",
     "discovery_refreshes",
     "discovery_errors",
+    "shm_attached",
 )
 
 
