@@ -3,6 +3,7 @@ byte and token counts, per-tier counters, histograms and gauges, scraped over HT
 
 from __future__ import annotations
 
+import http.client
 import socket
 import urllib.request
 
@@ -132,3 +133,28 @@ def test_a_taken_port_is_a_clear_error():
         port = sock.getsockname()[1]
         with pytest.raises(OSError, match="metrics_port"):
             MetricsServer("127.0.0.1", port, list)
+
+
+def test_only_metrics_is_served_and_head_answers_its_headers():
+    server = MetricsServer("127.0.0.1", 0, lambda: [export(Stats(), rank="0")])
+
+    def ask(method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        try:
+            conn.request(method, path)
+            reply = conn.getresponse()
+            return reply.status, dict(reply.getheaders()), reply.read()
+        finally:
+            conn.close()
+
+    try:
+        status, headers, body = ask("GET", "/metrics")
+        assert status == 200 and b"kvtier_stored_bytes_total" in body
+        status, head_headers, head_body = ask("HEAD", "/metrics")
+        assert status == 200 and head_body == b""
+        assert head_headers["Content-Type"] == headers["Content-Type"]
+        assert int(head_headers["Content-Length"]) == len(body)
+        for path in ("/", "/metric", "/metrics/x", "/favicon.ico"):
+            assert ask("GET", path)[0] == 404, path
+    finally:
+        server.close()

@@ -204,6 +204,7 @@ class MetricsServer:
             raise OSError(
                 exc.errno, f"metrics_port {port} on {host} cannot be served: {exc.strerror}"
             ) from None
+        self._server.set_app(_metrics_path_only(self._server.get_app()))
         self.host = host
         self.port = self._server.server_port
         logger.info("kvtier metrics at http://%s:%d/metrics", host, self.port)
@@ -212,6 +213,26 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def _metrics_path_only(metrics: Callable) -> Callable:
+    """prometheus_client's WSGI application on ``/metrics`` alone (404 elsewhere, as the
+    admin API and the proxy answer), answering HEAD with GET's headers and no body."""
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"404: Not Found (kvtier serves /metrics)\n"]
+        if environ["REQUEST_METHOD"] == "HEAD":
+            answered = []
+            get = {**environ, "REQUEST_METHOD": "GET"}
+            body = b"".join(metrics(get, lambda *status_headers: answered.append(status_headers)))
+            status, headers = answered[0][:2]
+            start_response(status, [*headers, ("Content-Length", str(len(body)))])
+            return []
+        return metrics(environ, start_response)
+
+    return app
 
 
 class MetricsSource(Protocol):
