@@ -135,6 +135,12 @@ def test_a_taken_port_is_a_clear_error():
             MetricsServer("127.0.0.1", port, list)
 
 
+def test_a_port_past_65535_is_a_clear_error():
+    """``metrics_port`` 65535 on data-parallel engine 1 asks for 65536."""
+    with pytest.raises(OSError, match="metrics_port 65536"):
+        MetricsServer("127.0.0.1", 65536, list)
+
+
 def test_only_metrics_is_served_and_head_answers_its_headers():
     server = MetricsServer("127.0.0.1", 0, lambda: [export(Stats(), rank="0")])
 

@@ -15,6 +15,7 @@ sample carries a ``rank`` label. See docs/observability.md for the full list.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
@@ -196,6 +197,10 @@ class MetricsServer:
     def __init__(self, host: str, port: int, sources: Callable[[], Sequence[dict]]):
         from prometheus_client import CollectorRegistry, start_http_server
 
+        if not 0 <= port <= 65535:  # metrics_port + a data-parallel rank can pass 65535
+            raise OSError(
+                errno.EINVAL, f"metrics_port {port} on {host} cannot be served: not a port"
+            )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KVTierCollector(sources))
         try:
