@@ -164,3 +164,24 @@ def test_only_metrics_is_served_and_head_answers_its_headers():
             assert ask("GET", path)[0] == 404, path
     finally:
         server.close()
+
+
+def test_every_family_has_its_own_help():
+    """The engine's ``evictions`` and the tiers' share a counter name, not a HELP."""
+    stats = Stats()
+    for name in ("disk_get_hits", "disk_evictions", "store_skipped_load_failed_chunks"):
+        stats.inc(name)
+    stats.observe("disk_get_latency_seconds", 0.01)
+    gauges = {"cpu_chunks": 1.0, "cpu_pool_used_bytes": 1.0, "disk_up": 1.0}
+    source = export(stats, gauges=gauges, tiers=["disk"], rank="0")
+    server = MetricsServer("127.0.0.1", 0, lambda: [source])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as reply:
+            text = reply.read().decode()
+    finally:
+        server.close()
+    helps = {f.name: f.documentation for f in text_string_to_metric_families(text)}
+    assert helps["kvtier_evictions"] == "Chunks evicted from the CPU tier."
+    assert helps["kvtier_tier_evictions"].startswith("Objects evicted from the tier")
+    for name, documentation in helps.items():
+        assert documentation != name.replace("_", " "), name
