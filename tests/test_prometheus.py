@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import socket
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +186,26 @@ def test_every_family_has_its_own_help():
     assert helps["kvtier_tier_evictions"].startswith("Objects evicted from the tier")
     for name, documentation in helps.items():
         assert documentation != name.replace("_", " "), name
+
+
+def test_every_series_exported_is_in_docs_observability_md(tmp_path):
+    """An engine with a disk tier, and a vLLM scheduler's own counters (rank
+    ``scheduler``): each family scraped is a metric name the docs list."""
+    from test_vllm_scheduler_side import HeldHashes, make_side
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    engine = make_engine(local_disk=str(tmp_path))
+    engine.store(torch.arange(16), slot_mapping=torch.arange(16))
+    assert engine.retrieve(torch.arange(16), slot_mapping=torch.arange(16, 32)) == 16
+    assert engine.storage.flush(30)
+    scheduler = {"labels": {"rank": "scheduler"}, "counters": make_side(HeldHashes()).counters()}
+    server = MetricsServer("127.0.0.1", 0, lambda: [engine.metrics(), scheduler])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as reply:
+            text = reply.read().decode()
+    finally:
+        server.close()
+        engine.close()
+    for family in text_string_to_metric_families(text):
+        suffix = "_total" if family.type == "counter" else ""
+        assert f"`{family.name}{suffix}" in docs, family.name
