@@ -256,6 +256,9 @@ def test_metrics_are_typed_as_docs_server_md_names_them():
         "rejects_bad_magic",
         "remote_puts_dropped",
         "shm_attached",
+        "shm_refused",
+        "shm_refused_too_large",
+        "request_errors",
         "peer_pulls",
         "discovery_refreshes",
     ]

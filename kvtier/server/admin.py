@@ -57,6 +57,7 @@ _COUNTER_PREFIXES = (
     "discovery_refreshes",
     "discovery_errors",
     "shm_attached",
+    "shm_refused",
 )
 
 
