@@ -280,6 +280,16 @@ def test_metrics_are_typed_as_docs_server_md_names_them():
         assert types[f"kvtier_server_{name.partition('{')[0]}"] == "gauge", name
 
 
+def test_a_fresh_servers_counters_are_exported_at_0(server):
+    from kvtier.server.server import COUNTERS
+
+    status, text = server.admin("/metrics")
+    assert status == 200
+    for name in ("rejects", "request_errors", "puts_refused", "get_misses"):
+        assert name in COUNTERS
+        assert f"kvtier_server_{name}_total 0.0" in text, name
+
+
 def kvtier_status(*args):
     return subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "status", *args],
