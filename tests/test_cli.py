@@ -249,11 +249,18 @@ def test_status_on_a_refused_connection_says_what_to_check(capsys):
     assert "is `kvtier serve` running" in err and "not its --admin-port" in err
 
 
+def test_status_writes_an_ipv6_server_in_brackets(capsys):
+    port = free_port()
+    assert main(["status", "--server", f"[::1]:{port}", "--timeout", "1"]) == 2
+    assert f"listening on [::1]:{port}?" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["status", "--server", "127.0.0.1:1", "--timeout", "-1"], "--timeout -1: expected"),
         (["status", "--server", "127.0.0.1:1", "--timeout", "0"], "--timeout 0: expected"),
+        (["status", "--server", "127.0.0.1:1", "--timeout", "inf"], "--timeout inf: expected"),
         (["demo", "--synthetic", "--layers", "-1"], "--layers -1: expected an integer >= 1"),
         (["demo", "--synthetic", "--tokens", "0"], "--tokens 0: expected an integer >= 1"),
         (["demo", "--synthetic", "--tokens", "300"], "--tokens 300: with --synthetic, a multiple"),

@@ -3,8 +3,10 @@ byte and token counts, per-tier counters, histograms and gauges, scraped over HT
 
 from __future__ import annotations
 
+import http.client
 import socket
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +134,78 @@ def test_a_taken_port_is_a_clear_error():
         port = sock.getsockname()[1]
         with pytest.raises(OSError, match="metrics_port"):
             MetricsServer("127.0.0.1", port, list)
+
+
+def test_a_port_past_65535_is_a_clear_error():
+    """``metrics_port`` 65535 on data-parallel engine 1 asks for 65536."""
+    with pytest.raises(OSError, match="metrics_port 65536"):
+        MetricsServer("127.0.0.1", 65536, list)
+
+
+def test_only_metrics_is_served_and_head_answers_its_headers():
+    server = MetricsServer("127.0.0.1", 0, lambda: [export(Stats(), rank="0")])
+
+    def ask(method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        try:
+            conn.request(method, path)
+            reply = conn.getresponse()
+            return reply.status, dict(reply.getheaders()), reply.read()
+        finally:
+            conn.close()
+
+    try:
+        status, headers, body = ask("GET", "/metrics")
+        assert status == 200 and b"kvtier_stored_bytes_total" in body
+        status, head_headers, head_body = ask("HEAD", "/metrics")
+        assert status == 200 and head_body == b""
+        assert head_headers["Content-Type"] == headers["Content-Type"]
+        assert int(head_headers["Content-Length"]) == len(body)
+        for path in ("/", "/metric", "/metrics/x", "/favicon.ico"):
+            assert ask("GET", path)[0] == 404, path
+    finally:
+        server.close()
+
+
+def test_every_family_has_its_own_help():
+    """The engine's ``evictions`` and the tiers' share a counter name, not a HELP."""
+    stats = Stats()
+    for name in ("disk_get_hits", "disk_evictions", "store_skipped_load_failed_chunks"):
+        stats.inc(name)
+    stats.observe("disk_get_latency_seconds", 0.01)
+    gauges = {"cpu_chunks": 1.0, "cpu_pool_used_bytes": 1.0, "disk_up": 1.0}
+    source = export(stats, gauges=gauges, tiers=["disk"], rank="0")
+    server = MetricsServer("127.0.0.1", 0, lambda: [source])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as reply:
+            text = reply.read().decode()
+    finally:
+        server.close()
+    helps = {f.name: f.documentation for f in text_string_to_metric_families(text)}
+    assert helps["kvtier_evictions"] == "Chunks evicted from the CPU tier."
+    assert helps["kvtier_tier_evictions"].startswith("Objects evicted from the tier")
+    for name, documentation in helps.items():
+        assert documentation != name.replace("_", " "), name
+
+
+def test_every_series_exported_is_in_docs_observability_md(tmp_path):
+    """An engine with a disk tier, and a vLLM scheduler's own counters (rank
+    ``scheduler``): each family scraped is a metric name the docs list."""
+    from test_vllm_scheduler_side import HeldHashes, make_side
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    engine = make_engine(local_disk=str(tmp_path))
+    engine.store(torch.arange(16), slot_mapping=torch.arange(16))
+    assert engine.retrieve(torch.arange(16), slot_mapping=torch.arange(16, 32)) == 16
+    assert engine.storage.flush(30)
+    scheduler = {"labels": {"rank": "scheduler"}, "counters": make_side(HeldHashes()).counters()}
+    server = MetricsServer("127.0.0.1", 0, lambda: [engine.metrics(), scheduler])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as reply:
+            text = reply.read().decode()
+    finally:
+        server.close()
+        engine.close()
+    for family in text_string_to_metric_families(text):
+        suffix = "_total" if family.type == "counter" else ""
+        assert f"`{family.name}{suffix}" in docs, family.name

@@ -427,6 +427,27 @@ def test_models_health_and_metrics(engines, proxy):
     assert 0 < overhead < 0.05
 
 
+def test_metrics_are_the_documented_series_and_no_others(engines, proxy):
+    """docs/proxy.md's table, each family once, with no ``*_created`` series beside."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = proxy([engines("prefill")], [engines("decode")])
+    post(server.url, "/v1/completions", COMPLETION)
+    text = request(server.url, "GET", "/metrics")[2].decode()
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    legs = ("prefill", "decode_first_byte", "decode", "overhead")
+    assert families == {
+        "kvtier_proxy_requests": "counter",
+        "kvtier_proxy_prefill_skipped": "counter",
+        "kvtier_proxy_instance_up": "gauge",
+        "kvtier_proxy_instance_in_flight": "gauge",
+        "kvtier_proxy_instance_requests": "counter",
+        "kvtier_proxy_instance_failures": "counter",
+        **{f"kvtier_proxy_{leg}_seconds": "histogram" for leg in legs},
+    }
+    assert "_created" not in text
+
+
 def test_api_key_is_required_and_passed_on(engines, proxy):
     prefill, decode = engines("prefill"), engines("decode")
     server = proxy([prefill], [decode], api_key="sk-1")

@@ -239,6 +239,57 @@ def test_the_hooks_run_off_the_event_loop():
     assert ran_on and loop_thread not in ran_on
 
 
+def test_metrics_are_typed_as_docs_server_md_names_them():
+    """Counters get ``_total`` and TYPE counter, gauges keep their name; the text parses."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.server.admin import prometheus_text
+
+    counters = [
+        "requests",
+        "requests_get",
+        "bytes_in",
+        "bytes_shm_in",
+        "connections",
+        "get_hits",
+        "puts_refused",
+        "rejects_bad_magic",
+        "remote_puts_dropped",
+        "shm_attached",
+        "shm_refused",
+        "shm_refused_too_large",
+        "request_errors",
+        "peer_pulls",
+        "discovery_refreshes",
+    ]
+    gauges = [
+        "clients_connected",
+        "shm_clients_connected",
+        "memory_blobs",
+        "memory_bytes_capacity",
+        "remote_up",
+        "peers_up",
+        'peer_up{peer="kvtier://a:1"}',
+    ]
+    text = prometheus_text({name: 1.0 for name in counters + gauges})
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for name in counters:
+        assert types[f"kvtier_server_{name}"] == "counter", name
+        assert f"kvtier_server_{name}_total 1.0" in text
+    for name in gauges:
+        assert types[f"kvtier_server_{name.partition('{')[0]}"] == "gauge", name
+
+
+def test_a_fresh_servers_counters_are_exported_at_0(server):
+    from kvtier.server.server import COUNTERS
+
+    status, text = server.admin("/metrics")
+    assert status == 200
+    for name in ("rejects", "request_errors", "puts_refused", "get_misses"):
+        assert name in COUNTERS
+        assert f"kvtier_server_{name}_total 0.0" in text, name
+
+
 def kvtier_status(*args):
     return subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "status", *args],

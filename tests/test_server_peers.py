@@ -285,3 +285,27 @@ def test_a_peer_refusing_the_token_is_a_miss(pool):
         reader.close()
         assert "peer kvtier://127.0.0.1" in b.log() and "unauthenticated" in b.log()
         assert b.process.poll() is None
+
+
+def test_a_found_peer_whose_address_needs_escaping_keeps_metrics_parseable():
+    """Discovery takes any ``kvtier://host:port`` a server registered; its ``peer_up``
+    label must not break the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.server.admin import prometheus_text
+
+    memory = LocalCPUTier(1 << 20, "LRU", alignment=64, pin_memory=False)
+    peers = Peers(
+        [], memory=memory, stats=Stats(), token=None, timeout_s=0.5, reconnect_max_s=0.2,
+        plane=None,
+    )  # fmt: skip
+    try:
+        peers.update(['kvtier://a"b\\c:1'])
+        text = prometheus_text(peers.gauges())
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        assert [s.labels for s in samples if s.name == "kvtier_server_peer_up"] == [
+            {"peer": 'kvtier://a"b\\c:1'}
+        ]
+    finally:
+        peers.close()
+        memory.close()

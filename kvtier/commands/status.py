@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtier status: --server {args.server!r}: {exc}", file=sys.stderr)
         return 2
-    if not args.timeout > 0:
+    if not 0 < args.timeout < math.inf:  # nan too
         print(f"kvtier status: --timeout {args.timeout:g}: expected seconds > 0", file=sys.stderr)
         return 2
     try:
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvtier status: {exc}", file=sys.stderr)
         return 2
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
     store = KVTierStore(  # one small frame: no shared-memory segment worth making
         host, port, namespace=STATUS_NAMESPACE, token=token, timeout_s=args.timeout, shm=False
     )
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         values = store.stats()
     except StoreUnavailable as exc:
         print(f"kvtier status: {exc}", file=sys.stderr)
-        print(f"  {_what_to_check(str(exc), f'{host}:{port}')}", file=sys.stderr)
+        print(f"  {_what_to_check(str(exc), shown)}", file=sys.stderr)
         return 2
     finally:
         store.close()
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(values, indent=1, sort_keys=True))
     else:
-        print(render(f"{host}:{port}", values))
+        print(render(shown, values))
     return 0 if healthy else 1
 
 

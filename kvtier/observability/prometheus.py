@@ -15,6 +15,7 @@ sample carries a ``rank`` label. See docs/observability.md for the full list.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
@@ -29,6 +30,8 @@ _TIER_COUNTERS = [v for k, v in vars(TierCounter).items() if not k.startswith("_
 _TIER_WHATS = {*_TIER_COUNTERS, Histogram.TIER_GET, Histogram.TIER_PUT}
 _DERIVED = ("store_gbps", "load_gbps", "retrieve_hit_ratio")
 
+# Engine counters and histograms, and the scheduler's; the tiers' are in TIER_HELP (both
+# have an "evictions").
 HELP = {
     Counter.STORE_REQUESTS: (
         "Store operations (one per request step with chunks to save, stored or already held)."
@@ -39,6 +42,9 @@ HELP = {
     Counter.STORE_SECONDS: "Time spent storing (gather + commit), measured.",
     Counter.STORE_SKIPPED_EXISTING: "Chunks not stored because they were already held.",
     Counter.STORE_SKIPPED_NO_MEMORY: "Chunks not stored because the CPU pool was full.",
+    "store_skipped_load_failed_chunks": (
+        "Chunks not stored: computed in a step where a block they attend to failed to load."
+    ),
     Counter.RETRIEVE_REQUESTS: "Load operations.",
     Counter.REQUESTED_TOKENS: "Tokens asked for by loads.",
     Counter.HIT_TOKENS: "Tokens loaded into the engine.",
@@ -54,6 +60,20 @@ HELP = {
     ),
     Counter.PREFETCHED_CHUNKS: "Chunks fetched from a lower tier into memory at lookup time.",
     Counter.WRITEBACK_CHUNKS: "Lower-tier hits copied into the CPU tier.",
+    "pd_waits": "Lookups of kv_consumer requests told to look again later (pd_wait_ms).",
+    Counter.KV_EVENTS_DROPPED: (
+        "Tier records (worker ranks) or KV events (scheduler) dropped by a full buffer."
+    ),
+    Counter.KV_EVENTS_BLOCKS_STORED: "vLLM blocks announced by kvtier's BlockStored events.",
+    Counter.KV_EVENTS_BLOCKS_REMOVED: "vLLM blocks withdrawn by kvtier's BlockRemoved events.",
+    Counter.KV_EVENTS_UNANNOUNCED: (
+        "Chunks every rank held that could not be announced: their payload was unknown."
+    ),
+    Histogram.STORE: "Seconds per store operation.",
+    Histogram.LOAD: "Seconds per load operation.",
+}
+# The tiers' series (``kvtier_tier_<what>{tier=...}``): counters, histograms and gauges.
+TIER_HELP = {
     TierCounter.PUT_CHUNKS: "Objects written to the tier.",
     TierCounter.PUT_BYTES: "Bytes written to the tier (headers included).",
     TierCounter.PUT_RAW_BYTES: "KV bytes of the objects written, before the codec "
@@ -73,10 +93,16 @@ HELP = {
     TierCounter.RECONNECTS: "Times the tier came back after being down.",
     TierCounter.EVICTIONS: "Objects evicted from the tier to stay under its size.",
     TierCounter.CORRUPT: "Objects refused by the wire-format checks.",
-    Histogram.STORE: "Seconds per store operation.",
-    Histogram.LOAD: "Seconds per load operation.",
     Histogram.TIER_GET: "Seconds per batched get from the tier.",
     Histogram.TIER_PUT: "Seconds per batch of writes to the tier.",
+    "hit_ratio": "Chunk reads served / asked of the tier.",
+    "chunks": "Chunks held in memory.",
+    "pinned_chunks": "Chunks being read or written now.",
+    "pool_used_bytes": "Bytes of the CPU pool in use.",
+    "pool_capacity_bytes": "Bytes of the CPU pool.",
+    "used_bytes": "Bytes of chunk files the tier holds.",
+    "up": "1 while the tier answers, 0 while it is down.",
+    "pending_writes": "Writes queued or in flight.",
 }
 
 
@@ -132,11 +158,12 @@ class KVTierCollector:
         gauges: dict[str, GaugeMetricFamily] = {}
         histograms: dict[str, HistogramMetricFamily] = {}
 
-        def family(table, cls, name, help_key, tier):
+        def family(table, cls, name, tier):
             labels = ["rank", "tier"] if tier else ["rank"]
             full = f"kvtier_tier_{name}" if tier else f"kvtier_{name}"
             if full not in table:
-                table[full] = cls(full, HELP.get(help_key, full.replace("_", " ")), labels=labels)
+                text = (TIER_HELP if tier else HELP).get(name, full.replace("_", " "))
+                table[full] = cls(full, text, labels=labels)
             return table[full]
 
         for source in self._sources():
@@ -145,19 +172,19 @@ class KVTierCollector:
             for name, value in sorted(source.get("counters", {}).items()):
                 tier, what = _split_tier(name)
                 labels = [rank, tier] if tier else [rank]
-                family(counters, CounterMetricFamily, what, what, tier).add_metric(labels, value)
+                family(counters, CounterMetricFamily, what, tier).add_metric(labels, value)
                 if tier and what in (TierCounter.GET_HITS, TierCounter.GET_MISSES):
                     pair = hits_misses.setdefault(tier, [0.0, 0.0])
                     pair[what == TierCounter.GET_MISSES] += value
             for tier, (hits, misses) in hits_misses.items():
                 if hits + misses:
-                    family(gauges, GaugeMetricFamily, "hit_ratio", "", tier).add_metric(
+                    family(gauges, GaugeMetricFamily, "hit_ratio", tier).add_metric(
                         [rank, tier], hits / (hits + misses)
                     )
             for name, value in sorted(source.get("gauges", {}).items()):
                 tier, what = _gauge_tier(name)
                 labels = [rank, tier] if tier else [rank]
-                family(gauges, GaugeMetricFamily, what, what, tier).add_metric(labels, value)
+                family(gauges, GaugeMetricFamily, what, tier).add_metric(labels, value)
             for name, hist in sorted(source.get("histograms", {}).items()):
                 tier, what = _split_tier(name)
                 labels = [rank, tier] if tier else [rank]
@@ -166,7 +193,7 @@ class KVTierCollector:
                     cumulative += count
                     buckets.append((str(bound), cumulative))
                 buckets.append(("+Inf", hist["count"]))
-                family(histograms, HistogramMetricFamily, what, what, tier).add_metric(
+                family(histograms, HistogramMetricFamily, what, tier).add_metric(
                     labels, buckets, hist["sum"]
                 )
         yield from counters.values()
@@ -196,6 +223,10 @@ class MetricsServer:
     def __init__(self, host: str, port: int, sources: Callable[[], Sequence[dict]]):
         from prometheus_client import CollectorRegistry, start_http_server
 
+        if not 0 <= port <= 65535:  # metrics_port + a data-parallel rank can pass 65535
+            raise OSError(
+                errno.EINVAL, f"metrics_port {port} on {host} cannot be served: not a port"
+            )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KVTierCollector(sources))
         try:
@@ -204,6 +235,7 @@ class MetricsServer:
             raise OSError(
                 exc.errno, f"metrics_port {port} on {host} cannot be served: {exc.strerror}"
             ) from None
+        self._server.set_app(_metrics_path_only(self._server.get_app()))
         self.host = host
         self.port = self._server.server_port
         logger.info("kvtier metrics at http://%s:%d/metrics", host, self.port)
@@ -212,6 +244,26 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def _metrics_path_only(metrics: Callable) -> Callable:
+    """prometheus_client's WSGI application on ``/metrics`` alone (404 elsewhere, as the
+    admin API and the proxy answer), answering HEAD with GET's headers and no body."""
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"404: Not Found (kvtier serves /metrics)\n"]
+        if environ["REQUEST_METHOD"] == "HEAD":
+            answered = []
+            get = {**environ, "REQUEST_METHOD": "GET"}
+            body = b"".join(metrics(get, lambda *status_headers: answered.append(status_headers)))
+            status, headers = answered[0][:2]
+            start_response(status, [*headers, ("Content-Length", str(len(body)))])
+            return []
+        return metrics(environ, start_response)
+
+    return app
 
 
 class MetricsSource(Protocol):

@@ -127,5 +127,19 @@ class ProxyMetrics:
         self.registry.register(_PoolCollector(pools))
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every series."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every series (without the ``*_created``
+        timestamps prometheus_client adds to counters and histograms: they are not
+        kvtier's series)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """``registry``'s families without their ``*_created`` samples."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self) -> Iterable:
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family

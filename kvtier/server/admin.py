@@ -56,6 +56,8 @@ _COUNTER_PREFIXES = (
     "peer_",
     "discovery_refreshes",
     "discovery_errors",
+    "shm_attached",
+    "shm_refused",
 )
 
 

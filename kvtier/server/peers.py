@@ -422,8 +422,9 @@ class Peers:
             "peers_configured": len(peers),
             "peers_up": sum(p.is_up for p in peers),
         }
-        for p in peers:
-            out[f'peer_up{{peer="{p.url}"}}'] = int(p.is_up)
+        for p in peers:  # a label value escaped as Prometheus text wants it
+            label = p.url.replace("\\", "\\\\").replace('"', '\\"')
+            out[f'peer_up{{peer="{label}"}}'] = int(p.is_up)
         if self.discovery is not None:
             out["peers_discovered"] = sum(not p.static for p in peers)
             out |= self.discovery.gauges()

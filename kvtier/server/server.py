@@ -64,6 +64,20 @@ logger = logging.getLogger(__name__)
 
 FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame (or a HELLO) may take to arrive
 MAX_HELLO_HEADER_BYTES = 64 << 10  # a token, a namespace and a shared-memory offer
+# The counters of requests, bytes, gets and puts (docs/server.md): exported from the start,
+# at 0 until something happens.
+COUNTERS = (
+    "connections",
+    "requests",
+    "request_errors",
+    "rejects",
+    "bytes_in",
+    "bytes_out",
+    "get_hits",
+    "get_misses",
+    "puts",
+    "puts_refused",
+)
 
 
 class NotAHello(ProtocolError):
@@ -428,6 +442,7 @@ class KVTierServer:
     def snapshot(self) -> dict[str, float]:
         """Every counter and gauge (thread-safe: the admin API reads it)."""
         return {
+            **dict.fromkeys(COUNTERS, 0.0),
             **self.stats.snapshot(),
             **self.cache.gauges(),
             "clients_connected": self.clients,
