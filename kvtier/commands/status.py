@@ -22,7 +22,7 @@ from typing import Any
 from kvtier.commands.serve import DEFAULT_PORT
 from kvtier.config import ConfigError, load_config
 from kvtier.storage.blob_store import StoreUnavailable
-from kvtier.storage.node_address import parse_server_url
+from kvtier.storage.node_address import host_port, parse_server_url
 from kvtier.storage.node_store import KVTierStore
 
 HELP = "a running kvtier serve's health, tiers and counters"
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvtier status: {exc}", file=sys.stderr)
         return 2
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
+    shown = host_port(host, port)
     store = KVTierStore(  # one small frame: no shared-memory segment worth making
         host, port, namespace=STATUS_NAMESPACE, token=token, timeout_s=args.timeout, shm=False
     )

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from kvtier.config import KVTierConfig
 from kvtier.observability.stats import Stats
 from kvtier.storage.blob_store import Buffer, StoreUnavailable
-from kvtier.storage.node_address import parse_server_address
+from kvtier.storage.node_address import host_port, parse_server_address
 from kvtier.storage.redis_url import parse_url
 from kvtier.storage.schemes import load_module, redact_url
 
@@ -53,8 +53,7 @@ def peer_url(url: str) -> str:
         ValueError: not a ``kvtier://host:port`` URL.
     """
     address = parse_server_address(url)
-    host = f"[{address.host}]" if ":" in address.host else address.host
-    return f"kvtier://{host}:{address.port}"
+    return f"kvtier://{host_port(address.host, address.port)}"
 
 
 def advertised(host: str, port: int, advertise: str | None) -> str:
@@ -75,7 +74,7 @@ def advertised(host: str, port: int, advertise: str | None) -> str:
             f"--host {host!r} binds every address: give --advertise kvtier://HOST:PORT, "
             "the address the other servers reach this one at (peer discovery registers it)"
         )
-    return peer_url(f"kvtier://[{host}]:{port}" if ":" in host else f"kvtier://{host}:{port}")
+    return peer_url(f"kvtier://{host_port(host, port)}")
 
 
 def check_group(group: str) -> str:

@@ -64,3 +64,8 @@ def parse_server_url(url: str) -> tuple[str, int]:
     ``parse_server_address``)."""
     address = parse_server_address(url)
     return address.host, address.port
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 host in brackets (``[::1]:65432``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
