@@ -127,9 +127,9 @@ class CacheEngine:
         too), is smaller than one whole chunk of the bound cache: nothing is ever stored
         or loaded then (each try is counted as an allocation failure)."""
         assert self.paged_io is not None
-        shape = self.paged_io.chunk_shape(self.config.chunk_size)
-        chunk_bytes = math.prod(shape) * self.paged_io.dtype.itemsize
-        if chunk_bytes > self.storage.cpu.pool.capacity:
+        shape, dtype = self.paged_io.chunk_shape(self.config.chunk_size), self.paged_io.dtype
+        if not self.storage.cpu.fits(shape, dtype):
+            chunk_bytes = math.prod(shape) * dtype.itemsize
             logger.warning(
                 "kvtier: max_local_cpu_size=%g GB (%d bytes) is smaller than one chunk of "
                 "this KV cache (%d bytes): no chunk can be stored or loaded; raise it",

@@ -85,7 +85,7 @@ class LocalCPUTier:
         evictable object there is no room, or at once when the buffer would be larger
         than the whole pool; the caller skips the store.
         """
-        if self._aligned(math.prod(shape) * dtype.itemsize) > self.pool.capacity:
+        if not self.fits(shape, dtype):
             self.stats.inc(Counter.ALLOC_FAILURES)
             return None
         with self._lock:
@@ -95,6 +95,10 @@ class LocalCPUTier:
             if obj is None:
                 self.stats.inc(Counter.ALLOC_FAILURES)
             return obj
+
+    def fits(self, shape: Sequence[int], dtype: torch.dtype) -> bool:
+        """Whether a buffer of ``shape`` and ``dtype`` fits in the whole pool at all."""
+        return self._aligned(math.prod(shape) * dtype.itemsize) <= self.pool.capacity
 
     def _aligned(self, nbytes: int) -> int:
         return -(-nbytes // self.pool.alignment) * self.pool.alignment
