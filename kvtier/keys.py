@@ -3,9 +3,11 @@
 A key carries everything that must differ between two chunks that are not
 interchangeable: the model, the parallel layout (world size, rank), the KV dtype, the
 chained chunk hash (which already covers the prefix, LoRA, multimodal inputs and the
-tenant's cache salt) and, for layer-wise objects, the layer. Its canonical string form
-is used by every store (file names, Redis keys, S3 object names) and round-trips
-exactly::
+tenant's cache salt), for layer-wise objects the layer, and tags for what else decides
+the bytes: the engines tag every chunk with its KV geometry (``geometry_tag``), so a
+model of another geometry under the same name misses instead of finding chunks it cannot
+load. Its canonical string form is used by every store (file names, Redis keys, S3 object
+names) and round-trips exactly::
 
     kvtier1@<model>@<world_size>@<rank>@<kv_dtype>@<chunk_hash_hex>[@L<layer>][@<tag>=<value>...]
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, replace
 from urllib.parse import quote, unquote
 
 KEY_FORMAT = "kvtier1"
+GEOMETRY_TAG = "kv_geometry"
 _SEP = "@"
 
 
@@ -112,6 +115,20 @@ class CacheKey:
     def chunk_key(self) -> CacheKey:
         """The whole-chunk key this (possibly layer-wise) key belongs to."""
         return replace(self, layer=None) if self.layer is not None else self
+
+
+def geometry_tag(*dims: int) -> tuple[str, str]:
+    """The key tag of a chunk's KV geometry: ``("kv_geometry", "32x8x128")`` for ``dims``
+    (layers, KV heads, head size) of the KV cache a rank holds, an MLA cache having one
+    latent head. Deterministic: engines of one model and parallel layout (a prefill and a
+    decode instance too) give the same tag.
+
+    NOTE: the chunk check at load refuses a chunk of another shape, but by then a lookup
+    has counted it as a hit (and the scheduler has promised its tokens); with the
+    geometry in the key, two models served under one name (a local path reused for
+    another checkpoint) never find each other's chunks.
+    """
+    return GEOMETRY_TAG, "x".join(str(int(d)) for d in dims)
 
 
 @functools.lru_cache(maxsize=1 << 15)  # lookups and stores name the same recent chunks again

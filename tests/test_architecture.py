@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvtier.metrics",
             "kvtier.prometheus",
             "kvtier.machine",
+            "kvtier.tasks",
         ),
     ),
     ("memory", ("kvtier.memory",)),

@@ -6,13 +6,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.keys import CacheKey, KeyFormatError
+from kvtier.keys import CacheKey, KeyFormatError, geometry_tag
 
 
 def test_string_form_is_stable_and_readable():
     key = CacheKey("meta-llama/Llama-3-8B", 2, 1, "bfloat16", bytes.fromhex("00ff10"))
     assert key.to_string() == "kvtier1@meta-llama%2FLlama-3-8B@2@1@bfloat16@00ff10"
     assert "/" not in key.to_string()
+    assert CacheKey.from_string(key.to_string()) == key
+
+
+def test_geometry_tag_is_readable_and_parses_back():
+    """What the engines tag every chunk with: layers x KV heads x head size."""
+    assert geometry_tag(32, 8, 128) == ("kv_geometry", "32x8x128")
+    key = CacheKey("m", 1, 0, "bfloat16", b"\x01", tags=(geometry_tag(61, 1, 576),))
+    assert key.to_string() == "kvtier1@m@1@0@bfloat16@01@kv_geometry=61x1x576"
     assert CacheKey.from_string(key.to_string()) == key
 
 

@@ -1,7 +1,8 @@
 """The distributions built from this checkout: the wheel holds the two packages' files (the
 packaged tuning files included) and nothing else, the sdist builds the same wheel, and the
-metadata declares its license without a deprecated field, the version that
-``kvtier.__version__`` says, the Python it needs and the ``kvtier`` command.
+metadata declares its license without a deprecated field (the LICENSE file shipped in
+both), the version that ``kvtier.__version__`` says, the Python it needs, the ``kvtier``
+command and the vLLM versions the ``[vllm]`` extra accepts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import kvtier
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvtier", "kvtier_kernels")
-SOURCES = ("pyproject.toml", "README.md", *PACKAGES)
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", *PACKAGES)
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,29 @@ def test_the_metadata_names_the_license_the_version_the_python_and_the_command(w
     assert "kvtier = kvtier.cli:main" in entry_points
 
 
+def test_the_license_file_is_apache_2_and_ships_in_both_distributions(wheel):
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:3] == ["Apache", "License", "Version"] and "Version 2.0" in text
+    assert "END OF TERMS AND CONDITIONS" in text, "the whole license, not a notice"
+    dist_info = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    metadata = email.message_from_bytes(wheel.read(dist_info))
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    shipped = dist_info.replace("METADATA", "licenses/LICENSE")
+    assert wheel.read(shipped).decode() == text
+
+
+def test_the_vllm_extra_is_bounded_to_the_checked_versions(wheel):
+    dist_info = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    metadata = email.message_from_bytes(wheel.read(dist_info))
+    [vllm] = [r for r in metadata.get_all("Requires-Dist") if r.startswith(("vllm>", "vllm<"))]
+    specifier, marker = (part.strip() for part in vllm.removeprefix("vllm").split(";"))
+    assert marker == 'extra == "vllm"'
+    bounds = {bound.strip() for bound in specifier.split(",")}
+    assert bounds == {">=0.32", "<0.34"}, "the lower bound tested, the upper one checked"
+    portability = (ROOT / "docs" / "portability.md").read_text()
+    assert "`vllm>=0.32,<0.34`" in portability
+
+
 def test_the_sdist_builds_the_same_wheel(checkout, wheel, tmp_path):
     program = "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])"
     sdist = subprocess.run(
@@ -105,5 +129,6 @@ def test_the_sdist_builds_the_same_wheel(checkout, wheel, tmp_path):
     with tarfile.open(archive) as tar:
         tar.extractall(tmp_path / "sdist", filter="data")
     (unpacked,) = (tmp_path / "sdist").iterdir()
+    assert (unpacked / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
     again = _wheel(unpacked, tmp_path / "wheel")
     assert set(again.namelist()) == set(wheel.namelist())

@@ -362,6 +362,35 @@ def test_down_decode_is_skipped_and_none_up_answers_503(engines, proxy):
     assert request(server.url, "GET", "/health")[0] == 503
 
 
+def test_models_5xx_marks_the_instance_down_until_its_health_probe_passes(engines, proxy):
+    failing = engines("failing", models_status=500, health_status=503)
+    live = engines("live")
+    server = proxy([], [failing, live], retry_after_s=0.2)
+    status, _, body = request(server.url, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "live", "the next one asked"
+    failing_row = get_json(server.url, "/health")["decode"][0]
+    assert failing_row["up"] is False and failing_row["last_error"] == "HTTP 500"
+    wait_until(lambda: failing.health_checks >= 2)
+    assert get_json(server.url, "/health")["decode"][0]["up"] is False, "/health answers 503"
+    failing.behaviour.health_status = 200
+    wait_until(lambda: get_json(server.url, "/health")["decode"][0]["up"])
+    live.behaviour.models_status = 500
+    status, _, body = request(server.url, "GET", "/v1/models")
+    assert status == 500 and json.loads(body)["error"]["message"].endswith("has no models")
+    assert get_json(server.url, "/health")["status"] == "down", "the last 5xx, as it came"
+
+
+def test_an_instance_in_both_roles_is_refused_naming_the_flags(engines, capsys):
+    engine = engines("both")
+    for decode in (engine.url, engine.url.removeprefix("http://") + "/"):
+        with pytest.raises(ValueError, match="both as --prefill and as --decode"):
+            Proxy(ProxySettings(prefill=(engine.url,), decode=("http://127.0.0.1:1", decode)))
+    assert main(["proxy", "--prefill", engine.url, "--decode", engine.url]) == 2
+    err = capsys.readouterr().err
+    assert f"{engine.url} given both as --prefill and as --decode" in err, err
+    assert engine.received == [] and engine.health_checks == 0
+
+
 # -- policies --------------------------------------------------------------------------
 
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from kvtier.config import ConfigError, load_config
-from kvtier.integration.sglang.pages import PageFormat, PageKeys, page_hash, split_extra_config
+from kvtier.integration.sglang.pages import (
+    CANONICAL_LAYOUTS,
+    PageFormat,
+    PageKeys,
+    page_hash,
+    split_extra_config,
+)
 from kvtier.keys import CacheKey
 
 SGLANG_KEYS = {
@@ -41,7 +47,12 @@ def test_page_keys_round_trip_and_carry_the_namespace():
     key = keys.key(PAGE, MHA)
     assert CacheKey.from_string(key.to_string()) == key
     assert key.chunk_hash == bytes.fromhex(PAGE) and (key.rank, key.world_size) == (1, 2)
-    assert dict(key.tags) == {"engine": "sglang", "page": "64", "salt": "tenant-a"}
+    assert dict(key.tags) == {
+        "engine": "sglang",
+        "page": "64",
+        "salt": "tenant-a",
+        "kv_geometry": "4x2x128",  # layers x KV heads x head size
+    }
     assert key.kv_dtype == "bfloat16" and key.model_name == "org/model"
 
 
@@ -57,6 +68,32 @@ def test_what_separates_pages():
         base.key("cd" * 32, MHA),
     }
     assert len(distinct) == 7
+
+
+def mha(layout: str, layers: int, heads: int, head_dim: int, page: int = 64) -> PageFormat:
+    """The format of an MHA host pool of ``layout`` (its data page as SGLang shapes it)."""
+    data_page = {
+        "layer_first": (2, layers, page, heads, head_dim),
+        "page_first": (2, page, layers, heads, head_dim),
+        "page_first_direct": (2, 1, layers, page, heads, head_dim),
+    }[layout]
+    shape = (2, layers, page, heads * head_dim)
+    return PageFormat(layout, False, page, torch.bfloat16, shape, data_page)
+
+
+def test_another_geometry_under_the_same_name_is_another_key():
+    """Two models served under one name, with other layers, KV heads or head size (even
+    at the same bytes per token): their pages never share a key, so a lookup misses
+    rather than find pages the load refuses. The host layout is not part of it: a
+    deployment that changes --hicache-mem-layout keeps its cache."""
+    keys = PageKeys("m", 0, 2, is_mla=False)
+    geometries = [(4, 2, 128), (8, 2, 128), (4, 4, 64), (4, 2, 64)]
+    distinct = {keys.key(PAGE, mha("page_first", *g)) for g in geometries}
+    assert len(distinct) == len(geometries)
+    layouts = {keys.key(PAGE, mha(layout, 4, 2, 128)) for layout in CANONICAL_LAYOUTS}
+    assert layouts == {keys.key(PAGE, MHA)}, "a host layout change drops the cache"
+    assert dict(keys.key(PAGE, MLA).tags)["kv_geometry"] == "4x1x576"
+    assert dict(keys.key(PAGE, FLAT).tags)["kv_geometry"] == "2x1x2x64x4x128"
 
 
 def test_mla_kv_is_shared_by_ranks_but_extra_pools_are_not():

@@ -57,14 +57,16 @@ def make_cache(
     dtype=torch.bfloat16,
     head_size: int = HEAD,
     block_size: int = BLOCK,
+    num_layers: int = NUM_LAYERS,
+    num_heads: int = HEADS,
     seed: int = 0,
 ) -> PagedKV:
     paged = PagedKV.empty(
         layout,
-        num_layers=NUM_LAYERS,
+        num_layers=num_layers,
         num_blocks=NUM_BLOCKS,
         block_size=block_size,
-        num_heads=HEADS,
+        num_heads=num_heads,
         head_size=head_size,
         dtype=dtype,
     )
@@ -87,6 +89,8 @@ def make_worker() -> Iterator:
         dtype=torch.bfloat16,
         head_size: int = HEAD,
         block_size: int = BLOCK,
+        num_layers: int = NUM_LAYERS,
+        num_heads: int = HEADS,
         **overrides,
     ) -> tuple[WorkerSide, PagedKV]:
         config = load_config(
@@ -98,10 +102,18 @@ def make_worker() -> Iterator:
             },
             env={},
         )
-        paged = make_cache(layout, dtype=dtype, head_size=head_size, block_size=block_size)
+        paged = make_cache(
+            layout,
+            dtype=dtype,
+            head_size=head_size,
+            block_size=block_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+        )
         worker = WorkerSide(config, EngineMetadata("test-model"), endpoint)
         made.append(worker)
-        worker.register_kv_caches(dict(zip(layer_names(), paged.tensors, strict=True)), backend)
+        names = layer_names(num_layers)
+        worker.register_kv_caches(dict(zip(names, paged.tensors, strict=True)), backend)
         return worker, paged
 
     yield build
@@ -723,3 +735,26 @@ def test_engines_of_other_block_sizes_share_chunks_only_in_token_major_layouts(
         assert keys[BLOCK] == keys[2 * BLOCK], f"{layout}: block sizes split the chunks"
     else:
         assert keys[BLOCK] != keys[2 * BLOCK], f"{layout}: block sizes share chunk keys"
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [{"num_layers": 2}, {"head_size": 2 * HEAD}, {"num_heads": 1, "head_size": 2 * HEAD}],
+    ids=["layers", "head_size", "heads"],
+)
+def test_a_model_of_another_geometry_under_the_same_name_misses(tmp_path, make_worker, geometry):
+    """Two engines serve "test-model" from one disk, the second with other layers, heads
+    or head size (a local path reused for another checkpoint): its lookups miss, rather
+    than promise chunks its load would refuse (or, at the same bytes per token, load as
+    the wrong KV). A second engine of the first geometry (the decode side of a P/D pair)
+    finds every chunk."""
+    disk = {"local_disk": str(tmp_path), "max_local_disk_size": 0.1}
+    producer = make_worker(**disk)[0]
+    hashes = chunk_hashes(producer)
+    save_prompt(producer, hashes)
+    assert producer.engine.flush(timeout=10)
+    consumer, other = make_worker(**disk)[0], make_worker(**disk, **geometry)[0]
+    assert chunk_hashes(consumer) == chunk_hashes(other) == hashes
+    assert consumer.engine.lookup_hashes(hashes) == len(hashes), "the same model misses"
+    assert other.engine.lookup_hashes(hashes) == 0, f"{geometry}: another geometry hits"
+    assert consumer.engine.chunker.key(hashes[0]).tags == (("kv_geometry", "3x2x8"),)

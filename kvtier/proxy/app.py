@@ -2,7 +2,8 @@
 instances, on aiohttp (server and one pooled, keep-alive client session).
 
     POST /v1/completions, /v1/chat/completions   prefill leg, then decode leg (below)
-    GET  /v1/models                              forwarded to a decode instance
+    GET  /v1/models                              forwarded to a decode instance (a 5xx
+                                                 marks it down; the next one is asked)
     GET  /health                                 the proxy's and every instance's state
     GET  /metrics                                Prometheus text (``counters.py``)
 
@@ -50,7 +51,7 @@ from aiohttp import web
 
 from kvtier.proxy.counters import CONTENT_TYPE, ProxyMetrics, SkipReason
 from kvtier.proxy.health_probe import HealthProbe
-from kvtier.proxy.instances import Instance, Pool
+from kvtier.proxy.instances import Instance, Pool, check_roles
 from kvtier.proxy.messages import (
     EVENT_STREAM,
     FORWARDED_HEADERS,
@@ -112,6 +113,7 @@ class Proxy:
             decode_policy = "least_loaded" if settings.prefill else "cache_aware"
         self.prefill = Pool("prefill", settings.prefill, prefill_policy, settings.retry_after_s)
         self.decode = Pool("decode", settings.decode, decode_policy, settings.retry_after_s)
+        check_roles(self.prefill, self.decode)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
         self.routing: CacheAwareRouter | None = None
         if settings.policy == "cache_aware":
@@ -449,6 +451,7 @@ class Proxy:
         headers = self._leg_headers(request, request_id)
         headers.pop("Content-Type")
         tried: list[Instance] = []
+        failed: web.Response | None = None  # the last 5xx answer
         while (instance := self.decode.pick(exclude=tried)) is not None:
             tried.append(instance)
             try:
@@ -457,9 +460,18 @@ class Proxy:
                 ) as upstream:
                     body = await upstream.read()
                     passed = passed_headers(upstream, request_id)
-                    return web.Response(status=upstream.status, body=body, headers=passed)
+                    answer = web.Response(status=upstream.status, body=body, headers=passed)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._instance_failed(self.decode, instance, exc, request_id)
+                continue
+            if answer.status < 500:
+                self.decode.mark_up(instance)
+                return answer
+            # a GET without a body: the instance failed, not the request; ask the next one
+            self._instance_failed(self.decode, instance, f"HTTP {answer.status}", request_id)
+            failed = answer
+        if failed is not None:
+            return failed  # the last instance's 5xx, as it came
         return self._unavailable("no decode instance is up", request_id)
 
     def _unavailable(self, message: str, request_id: str) -> web.Response:

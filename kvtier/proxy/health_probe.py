@@ -9,13 +9,13 @@ the next request that picks it (a connection error marks it down).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
 
 from kvtier.proxy.instances import Instance, Pool
 from kvtier.proxy.messages import describe_error
+from kvtier.tasks import cancel_and_wait
 
 logger = logging.getLogger("kvtier.proxy")
 
@@ -35,9 +35,7 @@ class HealthProbe:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _loop(self, session: aiohttp.ClientSession) -> None:

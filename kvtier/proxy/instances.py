@@ -166,6 +166,22 @@ class Pool:
         return [i.as_json(now) for i in self.instances]
 
 
+def check_roles(prefill: Pool, decode: Pool) -> None:
+    """Refuse an instance given in both roles: the proxy would send it each request twice
+    (a one-token prefill, then the decode) and count its failures and load twice.
+
+    Raises:
+        ValueError: a URL in both pools, naming the flags. An engine that prefills and
+            decodes is a decode instance alone (no prefill pool).
+    """
+    both = sorted({i.url for i in prefill.instances} & {i.url for i in decode.instances})
+    if both:
+        raise ValueError(
+            f"{', '.join(both)} given both as --prefill and as --decode: an instance has one "
+            "role (an engine that prefills and decodes is given as --decode alone)"
+        )
+
+
 def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` → ``http://host:port``.
 

@@ -33,7 +33,6 @@ tells connected from disconnected.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvtier.routing.index import BlockIndex
+from kvtier.tasks import cancel_and_wait
 
 logger = logging.getLogger("kvtier.routing")
 
@@ -193,9 +193,7 @@ class Subscriber:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:
@@ -216,9 +214,7 @@ class Subscriber:
                 _topic, seq_bytes, payload = frames
                 await self.receive(int.from_bytes(seq_bytes, "big"), payload)
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            await cancel_and_wait(watch)
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)

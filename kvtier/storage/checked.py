@@ -87,8 +87,9 @@ class CheckedChunks:
         caller still releases its reference."""
         if tuple(obj.shape) != tuple(shape) or obj.dtype != dtype:
             # NOTE: an intact chunk of another KV geometry under this key: another model
-            # of the same name sharing a store. It leaves this engine's memory only; the
-            # tiers below keep it for the engine it belongs to.
+            # of the same name sharing a store, written under keys without the geometry
+            # tag (keys.geometry_tag). It leaves this engine's memory only; the tiers
+            # below keep it for the engine it belongs to.
             problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {tuple(shape)} {dtype}"
             remove = self.storage.cpu.remove
         elif not self.intact(obj):

@@ -84,6 +84,7 @@ class Behaviour:
     chunk_delay_s: float = 0.0  # between SSE events
     cut_after: int | None = None  # drop the connection after this many SSE events
     health_status: int = 200
+    models_status: int = 200  # of /v1/models
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens in answers
 
 
@@ -189,6 +190,9 @@ class FakeOpenAI:
         return response
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.behaviour.models_status != 200:
+            error = {"message": f"{self.name} has no models", "type": "InternalServerError"}
+            return web.json_response({"error": error}, status=self.behaviour.models_status)
         model = {"id": self.name, "object": "model", "owned_by": "kvtier-tests"}
         return web.json_response({"object": "list", "data": [model]})
 

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvtier.keys import CacheKey
+from kvtier.keys import CacheKey, geometry_tag
 from kvtier.storage.serde import tensor_bytes
 from kvtier.storage.wire import CHUNK_LAYOUT, TOKEN_MAJOR_LAYOUT, ChunkBuffers
 from kvtier_kernels.dtypes import dtype_name
@@ -121,6 +121,16 @@ class PageFormat:
     def canonical(self) -> bool:
         """Stored in kvtier's canonical layout (else as the pool's flat page)."""
         return len(self.shape) == 4
+
+    @property
+    def geometry(self) -> tuple[int, ...]:
+        """What decides the page's bytes besides its dtype and page size: layers, KV
+        heads and head size for a canonical page (an MLA page: one latent head), whatever
+        the host layout; for a flat page, the pool's data page shape."""
+        if not self.canonical:
+            return tuple(self.data_page_shape)
+        num_heads, head_size = self.data_page_shape[-2:]  # [..., H, D], MLA [..., 1, D]
+        return self.shape[1], num_heads, head_size
 
     @property
     def numel(self) -> int:
@@ -235,13 +245,13 @@ def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 class PageKeys:
     """Maps SGLang's page keys (hex hashes of the prefix, chained by SGLang) to kvtier keys.
 
-    The namespace: the model, the KV dtype, the page size, the engine (``sglang``), the
-    salt (``key_salt``), the pipeline / context-parallel shard, and the tensor-parallel
-    rank for what each rank holds its own shard of: in an MHA model every pool, in an
-    MLA model only Mamba states. The rest of an MLA model's pools (its KV, indexer,
-    SWA, draft pools) are replicated across TP ranks: SGLang lets one rank write them
-    and every rank read them, so their keys have no rank (as in SGLang's own file
-    backend).
+    The namespace: the model, the KV dtype, the page size, the KV geometry
+    (``PageFormat.geometry``), the engine (``sglang``), the salt (``key_salt``), the
+    pipeline / context-parallel shard, and the tensor-parallel rank for what each rank
+    holds its own shard of: in an MHA model every pool, in an MLA model only Mamba
+    states. The rest of an MLA model's pools (its KV, indexer, SWA, draft pools) are
+    replicated across TP ranks: SGLang lets one rank write them and every rank read them,
+    so their keys have no rank (as in SGLang's own file backend).
 
     NOTE: two deployments that share a tier read each other's pages only when every part
     of the namespace agrees; a different ``key_salt`` always separates them.
@@ -257,6 +267,7 @@ class PageKeys:
     def key(self, page_key: str, fmt: PageFormat, pool: str = "kv") -> CacheKey:
         """The kvtier key of SGLang page ``page_key`` of pool ``pool`` in format ``fmt``."""
         tags = [("engine", "sglang"), ("page", str(fmt.page_size)), *self.shard]
+        tags.append(geometry_tag(*fmt.geometry))
         if self.salt:
             tags.append(("salt", self.salt))
         if pool != "kv":

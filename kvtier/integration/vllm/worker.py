@@ -48,6 +48,7 @@ from kvtier.integration.vllm.common import (
 )
 from kvtier.integration.vllm.extensions import worker_extensions
 from kvtier.integration.vllm.rpc import RpcServer, endpoint_for
+from kvtier.keys import geometry_tag
 from kvtier.machine import PoolTooLarge
 from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEvent, TierEventLog
@@ -142,8 +143,9 @@ class WorkerSide:
         ``backend``: vLLM's attention backend (from_vllm: asked of vLLM). ``tags`` join
         every key (from_vllm: e.g. the CPU backend's instruction set, which decides how
         bytes sit inside a block, or a quantized cache's format), so chunks from
-        incompatible engines never mix. A layout copied in whole blocks (not token-major)
-        adds its block size.
+        incompatible engines never mix. The KV geometry (layers x KV heads x head size)
+        joins every key too, and a layout copied in whole blocks (not token-major) adds
+        its block size.
         """
         block_size = None
         if self._vllm_config is not None:
@@ -151,12 +153,12 @@ class WorkerSide:
             tags = facts.key_tags(self._vllm_config, backend)
             block_size = self._vllm_config.cache_config.block_size
         paged = facts.detect_paged_kv(kv_caches, backend, self.config.kv_layout, block_size)
+        tags = (*tags, geometry_tag(paged.num_layers, paged.num_heads, paged.head_size))
         if not paged.layout.token_major:
             # its chunks are whole blocks, their tokens interleaved: at another block size
             # the same bytes are other KV
             tags = (*tags, ("block_size", str(paged.block_size)))
-        if tags:
-            self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
+        self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_size = paged.block_size
         use_tuning_dir(self.config.tuning_dir)  # this worker process's kernel tuning files
