@@ -33,6 +33,7 @@ def main() -> None:
     from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
     from support.engines import generate, make_llm, shutdown
 
+    shm_before = set(os.listdir("/dev/shm"))
     prompts, block, tp = config["prompts"], config["block_size"], config["tensor_parallel_size"]
     engine_id = f"kvtier-test-{uuid.uuid4().hex[:8]}"
     endpoints = [endpoint_for(f"{engine_id}-dp0", rank) for rank in range(tp)]
@@ -57,6 +58,11 @@ def main() -> None:
     assert llm.reset_prefix_cache()
     after_clear = generate(llm, prompts)
     shutdown(llm)
+    # vLLM's CPU build stops its workers with SIGTERM after a grace period (with or
+    # without a connector), and they leave their tensor-parallel group's shared memory
+    for name in set(os.listdir("/dev/shm")) - shm_before:
+        if name.startswith("vllm_dist_"):
+            os.unlink(os.path.join("/dev/shm", name))
     with open(out_path, "w") as f:
         json.dump(
             {
