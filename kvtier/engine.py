@@ -50,6 +50,14 @@ class EngineMetadata:
     tags: tuple[tuple[str, str], ...] = ()  # e.g. the engine layout, when chunks depend on it
 
 
+def disk_shard(metadata: EngineMetadata) -> str | None:
+    """The local disk tier's subdirectory for one rank of a tensor- or pipeline-parallel
+    engine (``rank1of2``); None with a single rank, whose files are the tree itself."""
+    if metadata.world_size == 1:
+        return None
+    return f"rank{metadata.rank}of{metadata.world_size}"
+
+
 class CacheEngine:
     """Stores and retrieves a paged KV cache chunk by chunk.
 
@@ -82,6 +90,7 @@ class CacheEngine:
             pin_memory=pin_memory,
             namespace=config.model_name or metadata.model_name,
             events=events,
+            disk_shard=disk_shard(metadata),
         )
         self.checked = CheckedChunks(self.storage, verify=config.verify_checksums)
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.tiers import fill, key, make_pool, make_tier
 
 from kvtier.chunker import RequestExtras
 from kvtier.config import load_config
@@ -355,3 +356,39 @@ def test_a_store_releases_the_chunks_it_pinned_even_when_their_keys_were_stored_
     assert engine.storage.gauges()["cpu_pinned_chunks"] == 0
     engine.clear()
     assert engine.storage.cpu.pool.used_bytes() == 0
+
+
+def test_parallel_ranks_on_one_disk_keep_their_own_chunks_across_a_restart(tmp_path):
+    """The ranks of a tensor-parallel engine share ``local_disk``, each bounded to
+    ``max_local_disk_size``. A restarted rank rebuilds its index from its own files only:
+    with one tree for all ranks it indexed its peer's files too, twice its bound, and
+    evicted half of every rank's chunks (a chunk one rank lacks is a miss for all)."""
+    pool = make_pool(16)
+    probe = make_tier(tmp_path / "probe")
+    assert probe.submit_put(key(0), fill(pool, 0)) and probe.flush(10)
+    per_rank = 6  # chunks each rank's bound holds
+    config = load_config(
+        {
+            "local_disk": str(tmp_path / "disk"),
+            "max_local_disk_size": per_rank * probe.used_bytes / 2**30,
+            "max_local_cpu_size": 0.01,
+        },
+        env={},
+    )
+    probe.close()
+
+    def disks():
+        return [CacheEngine(config, EngineMetadata("m", 2, rank)) for rank in range(2)]
+
+    engines = disks()
+    for rank, engine in enumerate(engines):
+        (disk,) = engine.storage.lower
+        for i in range(per_rank):
+            assert disk.submit_put(key(i, rank=rank), fill(pool, i))
+        assert disk.flush(10)
+        engine.close()
+    for rank, engine in enumerate(disks()):
+        (disk,) = engine.storage.lower
+        assert disk.contains_many([key(i, rank=rank) for i in range(per_rank)]) == [True] * per_rank
+        engine.close()
+    pool.close()

@@ -455,6 +455,30 @@ def test_store_evict_clear_give_exact_events(ev, world):
             worker.shutdown()
 
 
+def test_every_rank_cleared_then_storing_in_one_step_announces_only_what_all_hold(ev):
+    """A reset empties every rank between steps; in the next step each rank records its
+    clear, then the prompt stored again. The chunks are withdrawn once and announced once:
+    rank 0's new stores are not announced while rank 1's clear is still to be merged."""
+    workers = [make_worker(rank, 2) for rank in range(2)]
+    try:
+        side, tracker = make_scheduler(ev, workers)
+        a = ev.request("a", tokens_of(24, seed=7))
+        serve(side, workers, a, list(range(10, 16)))
+        assert len(ev.ship(tracker, workers)) == 3
+        for worker in workers:  # what reset_cache does on every rank
+            worker.engine.storage.clear()
+        again = ev.request("a2", list(a.all_token_ids))
+        serve(side, workers, again, list(range(20, 26)))
+        events = ev.ship(tracker, workers)
+        assert len(events) == 4, describe(events)
+        assert_removed(ev, events[0], [(a, range(0, 6))])
+        for i, event in enumerate(events[1:]):
+            assert_stored(ev, event, again, range(2 * i, 2 * i + 2))
+    finally:
+        for worker in workers:
+            worker.shutdown()
+
+
 def test_one_rank_losing_a_chunk_withdraws_it(ev):
     workers = [make_worker(rank, 2) for rank in range(2)]
     try:

@@ -114,8 +114,9 @@ LOWER_TIERS: tuple[KeySpec, ...] = (
         "max_local_disk_size",
         float,
         20.0,
-        "Size bound of the local disk tier in GB (2**30 bytes); the oldest chunk files "
-        "are evicted (cache_policy order) to stay under it.",
+        "Size bound of the local disk tier in GB (2**30 bytes), per worker rank of a "
+        "tensor- or pipeline-parallel engine; the oldest chunk files are evicted "
+        "(cache_policy order) to stay under it.",
         check=lambda v: math.isfinite(v) and v >= 0,
         allowed="a finite number >= 0 (GB = 2**30 bytes; > 0 when local_disk is set)",
         lmcache_names=("max_local_disk_size",),

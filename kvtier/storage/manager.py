@@ -20,6 +20,7 @@ exists even with ``local_cpu: false``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -67,6 +68,7 @@ class StorageManager:
         namespace: str | None = None,
         lower_tiers: Sequence[LowerTier] | None = None,
         events: TierEventLog | None = None,
+        disk_shard: str | None = None,
     ):
         self.config = config
         self.stats = stats or Stats()
@@ -88,7 +90,11 @@ class StorageManager:
         if lower_tiers is None:
             try:
                 lower_tiers = open_lower_tiers(
-                    config, self.stats, namespace or config.model_name or "default", events
+                    config,
+                    self.stats,
+                    namespace or config.model_name or "default",
+                    events,
+                    disk_shard=disk_shard,
                 )
             except BaseException:
                 self.cpu.close()
@@ -318,11 +324,19 @@ class StorageManager:
 
 
 def open_lower_tiers(
-    config: KVTierConfig, stats: Stats, namespace: str, events: TierEventLog | None = None
+    config: KVTierConfig,
+    stats: Stats,
+    namespace: str,
+    events: TierEventLog | None = None,
+    *,
+    disk_shard: str | None = None,
 ) -> list[LowerTier]:
     """The disk and remote tiers ``config`` enables, fastest first. ``events`` receives
     the local disk tier's records (shared tiers record none: other engines and the
-    store itself change them out of this engine's sight).
+    store itself change them out of this engine's sight). ``disk_shard``: the local disk
+    tier's subdirectory of ``local_disk`` (one worker rank's, so that each rank bounds and
+    rebuilds its own files: with all ranks in one tree, a restarted rank would index its
+    peers' files too and evict them within its own bound).
 
     Raises:
         ValueError: a tier cannot be set up (the message names the config key).
@@ -332,7 +346,7 @@ def open_lower_tiers(
     if config.local_disk:
         tiers.append(
             FileTier(
-                config.local_disk,
+                os.path.join(config.local_disk, disk_shard) if disk_shard else config.local_disk,
                 name="disk",
                 capacity_bytes=config.max_local_disk_bytes,
                 serde=serde,

@@ -246,18 +246,30 @@ class KVEventTracker:
     # -- records from the workers -----------------------------------------------------
 
     def add(self, records: Iterable[KVCacheEvent]) -> None:
-        """Merge the workers' ``RankTierEvent`` records (each rank's in its order) and
-        queue the events they complete."""
+        """Merge one step's ``RankTierEvent`` records of the workers (each rank's in its
+        order, rank after rank) and queue the events they complete.
+
+        A rank that emptied a tier in the step (``CLEARED``) lost whatever it recorded
+        there before, so every rank's last clear of a tier applies first, then what each
+        rank recorded after it. Taken rank after rank instead, rank 0's stores after a
+        reset would announce chunks that rank 1, whose clear comes later in the list, no
+        longer holds, and withdraw them again.
+        """
+        valid = []
         for record in records:
             if not isinstance(record, RankTierEvent) or record.tier not in PLACEMENTS:
                 continue
             if not 0 <= record.rank < self.world_size:
                 warn_once(logger, f"kvtier KV events: rank {record.rank} of {self.world_size}?")
                 continue
-            bit = 1 << record.rank
-            if record.kind == CLEARED:
-                self._clear(record.tier, bit)
+            valid.append(record)
+        last_clear = {(r.rank, r.tier): i for i, r in enumerate(valid) if r.kind == CLEARED}
+        for rank, tier in last_clear:
+            self._clear(tier, 1 << rank)
+        for i, record in enumerate(valid):
+            if i <= last_clear.get((record.rank, record.tier), -1):
                 continue
+            bit = 1 << record.rank
             key = (record.tier, record.chunk_hash)
             if record.kind == STORED:
                 held = self._held[key] = self._held.get(key, 0) | bit

@@ -12,10 +12,11 @@ prompt can be compared block by block::
     llm.reset_prefix_cache(); llm.generate(...)   # served from kvtier
     first_mismatch(cold, probe.digests(prompt), num_blocks=loaded // block_size)  # None
 
-It reads vLLM's engine objects directly, so it needs the engine core and its single
-worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no tensor or pipeline
-parallelism). It is a verification tool for the demo, the tests and operators debugging
-a deployment, never part of the serving path.
+It reads vLLM's scheduler directly, so it needs the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The KV is read where it lives, on every worker
+rank (``LLM.collective_rpc``): with tensor or pipeline parallelism a digest covers each
+rank's own layers and heads. It is a verification tool for the demo, the tests and
+operators debugging a deployment, never part of the serving path.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import xxhash
 
 @dataclass(frozen=True)
 class KVDigests:
-    """xxh3_64 of each (layer, block) of one request's KV, blocks in token order."""
+    """xxh3_64 of each (layer, block) of one request's KV, blocks in token order; with
+    several worker ranks, each rank's layers in turn (rank 0's first)."""
 
     block_size: int
-    per_layer: tuple[tuple[int, ...], ...]  # [layer][block]
+    per_layer: tuple[tuple[int, ...], ...]  # [rank's layer][block]
 
     @property
     def num_blocks(self) -> int:
@@ -83,7 +85,7 @@ class KVProbe:
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM"
             )
         self._cache_config = core.vllm_config.cache_config
-        self._runner = core.model_executor.driver_worker.worker.model_runner
+        self._executor = core.model_executor
         manager = core.scheduler.kv_cache_manager
         free = manager.free
 
@@ -112,18 +114,39 @@ class KVProbe:
         num_tokens = len(prompt) if num_tokens is None else num_tokens
         block_ids = self.block_ids(prompt)[: -(-num_tokens // block_size)]
         num_blocks = self._cache_config.num_gpu_blocks
-        per_layer = []
-        for layer in self.layer_caches():
-            block_dim = list(layer.shape).index(num_blocks)
-            per_layer.append(tuple(_digest(layer.select(block_dim, block)) for block in block_ids))
-        return KVDigests(block_size, tuple(per_layer))
+        ranks = self.llm.collective_rpc(_rank_digests, args=(block_ids, num_blocks))
+        return KVDigests(block_size, tuple(layer for rank in ranks for layer in rank))
 
     def layer_caches(self) -> list[torch.Tensor]:
-        """The engine's KV tensor of each layer (views into vLLM's cache: writes land)."""
-        caches = self._runner.kv_caches
-        if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
-            raise RuntimeError("the engine's model runner holds no per-layer KV tensors")
-        return list(caches)
+        """The engine's KV tensor of each layer (views into vLLM's cache: writes land).
+
+        Raises:
+            RuntimeError: when the engine's workers run in other processes (tensor or
+                pipeline parallelism), whose tensors cannot be handed out here.
+        """
+        worker = getattr(self._executor, "driver_worker", None)
+        if worker is None:
+            raise RuntimeError(
+                "the engine's workers run in other processes (tensor or pipeline "
+                "parallelism): their KV tensors are read there, by digests()"
+            )
+        return _layer_caches(worker)
+
+
+def _layer_caches(worker: Any) -> list[torch.Tensor]:
+    caches = worker.model_runner.kv_caches
+    if not caches or not all(isinstance(t, torch.Tensor) for t in caches):
+        raise RuntimeError("the engine's model runner holds no per-layer KV tensors")
+    return list(caches)
+
+
+def _rank_digests(worker: Any, block_ids: list[int], num_blocks: int) -> list[tuple[int, ...]]:
+    """On one worker rank (``collective_rpc``): the digests of its layers' blocks."""
+    per_layer = []
+    for layer in _layer_caches(worker):
+        block_dim = list(layer.shape).index(num_blocks)
+        per_layer.append(tuple(_digest(layer.select(block_dim, block)) for block in block_ids))
+    return per_layer
 
 
 def _digest(tensor: torch.Tensor) -> int:
