@@ -100,6 +100,22 @@ def test_sliding_window_off_is_blendable() -> None:
     check_blendable(_Config(rope_theta=1e4, sliding_window=4096, use_sliding_window=False))
 
 
+def test_legacy_rope_scaling_type_is_read() -> None:
+    """Older configs name the rope type ``type`` in ``rope_scaling``."""
+    plain = rope_spec(_Config(rope_theta=1e4, hidden_size=256, num_attention_heads=4))
+    linear = rope_spec(
+        _Config(
+            rope_theta=1e4,
+            hidden_size=256,
+            num_attention_heads=4,
+            rope_scaling={"type": "linear", "factor": 4.0},
+        )
+    )
+    torch.testing.assert_close(linear.inv_freq, plain.inv_freq / 4)
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        check_blendable(_Config(rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}))
+
+
 @pytest.mark.parametrize(
     "rope",
     [
@@ -281,3 +297,4 @@ def test_rerotated_keys_equal_keys_made_at_new_positions(rope: dict, dtype) -> N
     # 3000 * 6e-8 rad, docs/rope.md), in the model's RoPE as much as in the re-rotation.
     tolerance = 5e-4 if dtype == torch.float32 else 2**-7
     assert (k.float() - expected).abs().max() <= tolerance * expected.abs().clamp(min=1).max()
+

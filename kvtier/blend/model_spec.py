@@ -46,7 +46,9 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any] | None:
     if theta is None:
         return None
     scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    return {"rope_type": "default", **scaling, "rope_theta": theta}
+    # NOTE: older configs name the rope type "type" (rope_scaling: {type: linear, ...})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_type": rope_type, "rope_theta": theta}
 
 
 def check_blendable(hf_config: Any) -> None:
