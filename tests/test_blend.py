@@ -14,6 +14,7 @@ from kvtier.blend import (
     UnsupportedModelError,
     blend,
     check_blendable,
+    check_rerotation,
     place_segments,
     rope_spec,
 )
@@ -298,3 +299,16 @@ def test_rerotated_keys_equal_keys_made_at_new_positions(rope: dict, dtype) -> N
     tolerance = 5e-4 if dtype == torch.float32 else 2**-7
     assert (k.float() - expected).abs().max() <= tolerance * expected.abs().clamp(min=1).max()
 
+
+def test_check_rerotation_tells_the_model_rope_from_another(llama) -> None:
+    import dataclasses
+
+    spec = rope_spec(llama.config)
+    decoder = HFDecoder(llama)
+    assert check_rerotation(decoder, spec, 4096) < 1e-8
+    for other in (
+        dataclasses.replace(spec, is_neox_style=False),
+        dataclasses.replace(spec, inv_freq=spec.inv_freq / 2),
+        dataclasses.replace(spec, rotary_dim=spec.head_size // 2, inv_freq=spec.inv_freq[::2]),
+    ):
+        assert check_rerotation(decoder, other, 4096) > 0.5
