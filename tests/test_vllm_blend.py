@@ -45,6 +45,31 @@ def test_blending_off_changes_nothing() -> None:
     check_extensions(KVTierConfig(), _vllm_config(architectures=["GPT2LMHeadModel"]))
 
 
+@pytest.mark.parametrize(
+    ("engine", "named"),
+    [
+        ({"lora_config": object()}, "LoRA"),
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"cache_config": SimpleNamespace(cache_dtype="fp8")}, "kv_cache_dtype 'fp8'"),
+    ],
+    ids=["lora", "speculative", "fp8"],
+)
+def test_engine_features_the_blend_ignores_are_refused(engine: dict, named: str) -> None:
+    vllm_config = _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0)
+    for name, value in engine.items():
+        setattr(vllm_config, name, value)
+    with pytest.raises(ValueError, match=f"enable_blending: .*{named}"):
+        check_extensions(KVTierConfig(enable_blending=True), vllm_config)
+    check_extensions(KVTierConfig(), vllm_config)  # blending off: nothing refused
+
+
+def test_float_kv_cache_dtypes_are_blended() -> None:
+    for cache_dtype in ("auto", "bfloat16", "float16"):
+        vllm_config = _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0)
+        vllm_config.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
+        check_extensions(KVTierConfig(enable_blending=True), vllm_config)
+
+
 # -- the scheduler's claims and stores ---------------------------------------------------
 
 

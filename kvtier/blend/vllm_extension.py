@@ -20,6 +20,9 @@ from kvtier.integration.vllm.common import (
     WorkerExtension,
 )
 
+# kv_cache_dtype values that store K and V as floats (no scales): the blend writes them.
+_FLOAT_CACHE_DTYPES = ("auto", "None", "float32", "float", "float16", "half", "bfloat16")
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -118,8 +121,30 @@ class BlendWorking(WorkerExtension):
 
 def check(config: KVTierConfig, vllm_config: VllmConfig) -> None:
     """Refuse a model CacheBlend cannot blend (an ``UnsupportedModelError`` naming its
-    class)."""
+    class), and engine features the blend does not take into account (a ``ValueError``)."""
     check_blendable(vllm_config.model_config.hf_config)
+    # NOTE: the blend runs the base model's own layers over its own KV in the model's
+    # dtype: a LoRA adapter's layers need vLLM's per-batch adapter mapping, a drafter
+    # has KV layers of its own, and a quantized KV cache holds scaled fp8 bytes.
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    unsupported = [
+        name
+        for name, present in (
+            ("LoRA (enable_lora)", getattr(vllm_config, "lora_config", None) is not None),
+            (
+                "speculative decoding (speculative_config)",
+                getattr(vllm_config, "speculative_config", None) is not None,
+            ),
+            (f"kv_cache_dtype {cache_dtype!r}", cache_dtype not in _FLOAT_CACHE_DTYPES),
+        )
+        if present
+    ]
+    if unsupported:
+        raise ValueError(
+            "enable_blending: kvtier's CacheBlend does not blend with "
+            + ", ".join(unsupported)
+            + "; turn it off, or set enable_blending: false"
+        )
 
 
 def scheduler_extension(
