@@ -312,3 +312,15 @@ def test_check_rerotation_tells_the_model_rope_from_another(llama) -> None:
         dataclasses.replace(spec, rotary_dim=spec.head_size // 2, inv_freq=spec.inv_freq[::2]),
     ):
         assert check_rerotation(decoder, other, 4096) > 0.5
+
+
+def test_every_token_reused_at_ratio_zero(llama, scenario) -> None:
+    """Nothing is left to compute past the check layer: the reused KV is kept there,
+    without calling the model on no tokens (vLLM: a prompt ``doc + separator`` whose
+    document is held, at ratio 0)."""
+    prompt, _, reference = scenario
+    kv = reference.clone()
+    everything = torch.ones(len(prompt), dtype=torch.bool)
+    result = blend(HFDecoder(llama), torch.tensor(prompt), kv, everything, [(0, 0.0)])
+    assert not bool(result.recomputed.any())
+    torch.testing.assert_close(result.kv, reference, rtol=1e-4, atol=1e-4)

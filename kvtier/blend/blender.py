@@ -244,6 +244,8 @@ def blend(
     hidden = model.embed(token_ids[active])
     deviation: dict[int, torch.Tensor] = {}
     for layer in range(model.num_layers):
+        if active.numel() == 0:
+            break  # every token keeps the KV it has (reused or fixed) from here on
         q, k, v = model.layer_qkv(layer, hidden, positions[active])
         if layer in checks:
             old = kv[:, layer, active].to(torch.float32)
