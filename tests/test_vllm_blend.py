@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.blend import UnsupportedModelError
+from kvtier.blend.vllm_extension import separator_tokens
 from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
 from kvtier.blend.vllm_worker import BlendWorker, PagedTokens, cpu_block_map
 from kvtier.config import KVTierConfig
@@ -68,6 +69,36 @@ def test_float_kv_cache_dtypes_are_blended() -> None:
         vllm_config = _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0)
         vllm_config.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
         check_extensions(KVTierConfig(enable_blending=True), vllm_config)
+
+
+def _tokenizer(pre_tokenizer, words: list[str]):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+
+def test_separator_that_keeps_its_tokens_in_text(caplog) -> None:
+    from tokenizers import pre_tokenizers
+
+    tokenizer = _tokenizer(pre_tokenizers.WhitespaceSplit(), ["<unk>", "x", "#"])
+    assert separator_tokens(tokenizer, " # # ") == [2, 2]
+    assert "will not be split" not in caplog.text
+    with pytest.raises(ValueError, match="blend_special_str: ' ' tokenizes to no tokens"):
+        separator_tokens(tokenizer, " ")
+
+
+def test_separator_whose_tokens_change_in_text_is_warned_about(caplog) -> None:
+    """A SentencePiece-style tokenizer makes the default separator's trailing space a
+    token of its own, which text between words never has."""
+    from tokenizers import pre_tokenizers
+
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer = _tokenizer(metaspace, ["<unk>", "\u2581", "\u2581#", "\u2581x"])
+    assert separator_tokens(tokenizer, " # # ") == [2, 2, 1]
+    assert "will not be split" in caplog.text
 
 
 # -- the scheduler's claims and stores ---------------------------------------------------

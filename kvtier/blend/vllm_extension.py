@@ -6,6 +6,7 @@ segments after it. ``kvtier.integration.vllm.extensions`` registers this module.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from kvtier.blend.model_spec import check_blendable
@@ -19,6 +20,8 @@ from kvtier.integration.vllm.common import (
     StepPlan,
     WorkerExtension,
 )
+
+logger = logging.getLogger(__name__)
 
 # kv_cache_dtype values that store K and V as floats (no scales): the blend writes them.
 _FLOAT_CACHE_DTYPES = ("auto", "None", "float32", "float", "float16", "half", "bfloat16")
@@ -194,7 +197,31 @@ def separator_ids(vllm_config: VllmConfig, text: str) -> list[int]:
             f"enable_blending: cannot load the tokenizer of {model_config.tokenizer!r} to "
             f"tokenize blend_special_str: {error}"
         ) from error
+    return separator_tokens(tokenizer, text)
+
+
+def separator_tokens(tokenizer: Any, text: str) -> list[int]:
+    """``text`` in ``tokenizer`` without special tokens; a warning when those tokens are
+    not the ones it gets between words (a SentencePiece tokenizer makes a trailing space a
+    token of its own): prompts sent as text are then never split at it.
+
+    Raises:
+        ValueError: the text tokenizes to nothing.
+    """
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise ValueError(f"blend_special_str: {text!r} tokenizes to no tokens")
+    inside = list(tokenizer.encode(f"x{text}x", add_special_tokens=False))
+    if not any(inside[i : i + len(ids)] == ids for i in range(len(inside) - len(ids) + 1)):
+        logger.warning(
+            "kvtier CacheBlend: blend_special_str %r tokenizes to %s on its own but to %s "
+            "between words (%r): prompts sent as text will not be split at it. Send prompts "
+            "as token ids with %s between the segments, or pick a separator whose tokens "
+            "stay the same in text",
+            text,
+            ids,
+            inside,
+            f"x{text}x",
+            ids,
+        )
     return ids
