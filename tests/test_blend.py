@@ -88,6 +88,8 @@ class _Config:
         ({"rope_theta": 1e4, "sliding_window": 4096, "arch": "MistralForCausalLM"}, "sliding"),
         ({"rope_theta": 1e4, "layer_types": ["full_attention", "linear_attention"]}, "hybrid"),
         ({"rope_theta": 1e4, "rope_scaling": {"rope_type": "dynamic"}}, "rope type"),
+        ({"rope_theta": 1e4, "embedding_multiplier": 12.0, "arch": "GraniteForCausalLM"}, "scales"),
+        ({"rope_theta": 1e4, "scale_depth": 1.4, "arch": "MiniCPMForCausalLM"}, "scales"),
     ],
 )
 def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:

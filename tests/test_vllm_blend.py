@@ -311,3 +311,24 @@ def test_rope_the_config_does_not_describe_is_refused(model: dict) -> None:
     re-rotated keys would be wrong, so the worker refuses to blend."""
     with pytest.raises(UnsupportedModelError, match="does not re-rotate the keys"):
         _blend_worker(_vllm_llama(1, **model))
+
+
+def _unlike_llama(change: str):
+    model = _vllm_llama(2)
+    if change == "moe":  # Mixtral: the MLP is block_sparse_moe
+        model.model.layers[1] = SimpleNamespace(
+            **{k: v for k, v in vars(model.model.layers[1]).items() if k != "mlp"}
+        )
+    elif change == "embedding scale":  # Gemma
+        model.model.normalizer = torch.tensor(8.0)
+    elif change == "residual scale":  # Granite
+        model.model.layers[0].residual_multiplier = 0.2
+    return model
+
+
+@pytest.mark.parametrize("change", ["moe", "embedding scale", "residual scale"])
+def test_decoders_the_blend_would_drive_wrongly_are_refused(change: str) -> None:
+    """Refused at start-up: not blended with the wrong arithmetic, nor failing inside
+    vLLM's step at the first blend."""
+    with pytest.raises(UnsupportedModelError, match="Llama-shaped layers"):
+        _blend_worker(_unlike_llama(change))

@@ -4,8 +4,9 @@ list of model names): whether it can be blended at all, and its RoPE.
 A model can be blended when every layer is full causal attention over RoPE-rotated keys
 that kvtier can re-rotate: no MLA (latent KV, ``kv_lora_rank``), no sliding window, no
 hybrid stack (``layer_types`` other than full attention, Mamba / linear-attention
-layers), and a rope type whose rotation is a pure function of ``position * inv_freq``
-(``default``, ``linear``, ``llama3``, ``yarn``). Anything else is refused with
+layers), no scaling of the hidden states between a layer's modules (Granite's and
+MiniCPM's multipliers), and a rope type whose rotation is a pure function of
+``position * inv_freq`` (``default``, ``linear``, ``llama3``, ``yarn``). Anything else is refused with
 :class:`UnsupportedModelError` naming the model class, never blended wrongly.
 """
 
@@ -22,6 +23,9 @@ from kvtier_kernels.rope import rope_inv_freq
 __all__ = ["RopeSpec", "UnsupportedModelError", "check_blendable", "rope_spec"]
 
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Config fields that scale the hidden states between a Llama decoder's modules (Granite,
+# MiniCPM): the blend drives the modules and would leave them out.
+_STREAM_SCALES = ("embedding_multiplier", "residual_multiplier", "scale_emb", "scale_depth")
 
 
 class UnsupportedModelError(ValueError):
@@ -66,6 +70,14 @@ def check_blendable(hf_config: Any) -> None:
     layer_types = set(getattr(hf_config, "layer_types", None) or ())
     if layer_types - {"full_attention"}:
         reasons.append(f"it is a hybrid model (layer types {sorted(layer_types)})")
+    scaled = {
+        name: getattr(hf_config, name)
+        for name in _STREAM_SCALES
+        if getattr(hf_config, name, None) not in (None, 1, 1.0)
+    }
+    if scaled:
+        fields = ", ".join(f"{name}={value}" for name, value in scaled.items())
+        reasons.append(f"it scales its embeddings or residual stream ({fields})")
     params = _rope_parameters(hf_config)
     if params is None:
         reasons.append("it does not use rotary position embeddings (RoPE)")

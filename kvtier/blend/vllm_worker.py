@@ -83,15 +83,22 @@ class VLLMDecoder:
         layers = getattr(decoder, "layers", None)
         attn = getattr(layers[0], "self_attn", None) if layers else None
         needed = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "scaling")
+        modules = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
         if (
             attn is None
+            or not hasattr(decoder, "embed_tokens")
+            or hasattr(decoder, "normalizer")  # Gemma scales its embeddings
+            or not all(hasattr(layer, name) for layer in layers for name in modules)
+            or any(hasattr(layer, "residual_multiplier") for layer in layers)
             or not all(hasattr(attn, name) for name in needed)
             or any(hasattr(attn, name) for name in ("q_norm", "k_norm"))
         ):
             raise UnsupportedModelError(
                 f"enable_blending: CacheBlend cannot drive model class {type(model).__name__} "
-                "in vLLM: it needs Llama-shaped layers (self_attn.qkv_proj, rotary_emb, "
-                "o_proj; no q/k norms)"
+                "in vLLM: it needs Llama-shaped layers (embed_tokens; per layer "
+                "input_layernorm, self_attn.qkv_proj / rotary_emb / o_proj without q/k "
+                "norms, post_attention_layernorm and a dense mlp) and hidden states that "
+                "no multiplier scales"
             )
         self.decoder = decoder
         self.num_layers = len(layers)
