@@ -90,6 +90,7 @@ class _Config:
         ({"rope_theta": 1e4, "rope_scaling": {"rope_type": "dynamic"}}, "rope type"),
         ({"rope_theta": 1e4, "embedding_multiplier": 12.0, "arch": "GraniteForCausalLM"}, "scales"),
         ({"rope_theta": 1e4, "scale_depth": 1.4, "arch": "MiniCPMForCausalLM"}, "scales"),
+        ({"rope_theta": 1e4, "llama_4_scaling": {"beta": 0.1}}, "scales queries by position"),
     ],
 )
 def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:

@@ -5,7 +5,7 @@ A model can be blended when every layer is full causal attention over RoPE-rotat
 that kvtier can re-rotate: no MLA (latent KV, ``kv_lora_rank``), no sliding window, no
 hybrid stack (``layer_types`` other than full attention, Mamba / linear-attention
 layers), no scaling of the hidden states between a layer's modules (Granite's and
-MiniCPM's multipliers), and a rope type whose rotation is a pure function of
+MiniCPM's multipliers) or of queries by position (``llama_4_scaling``), and a rope type whose rotation is a pure function of
 ``position * inv_freq`` (``default``, ``linear``, ``llama3``, ``yarn``). Anything else is refused with
 :class:`UnsupportedModelError` naming the model class, never blended wrongly.
 """
@@ -78,6 +78,8 @@ def check_blendable(hf_config: Any) -> None:
     if scaled:
         fields = ", ".join(f"{name}={value}" for name, value in scaled.items())
         reasons.append(f"it scales its embeddings or residual stream ({fields})")
+    if getattr(hf_config, "llama_4_scaling", None):
+        reasons.append("its attention scales queries by position (llama_4_scaling)")
     params = _rope_parameters(hf_config)
     if params is None:
         reasons.append("it does not use rotary position embeddings (RoPE)")

@@ -90,6 +90,7 @@ class VLLMDecoder:
             or hasattr(decoder, "normalizer")  # Gemma scales its embeddings
             or not all(hasattr(layer, name) for layer in layers for name in modules)
             or any(hasattr(layer, "residual_multiplier") for layer in layers)
+            or any(getattr(layer, "ada_rms_norm_t_cond", None) for layer in layers)
             or not all(hasattr(attn, name) for name in needed)
             or any(hasattr(attn, name) for name in ("q_norm", "k_norm"))
         ):
