@@ -5,9 +5,10 @@ A model can be blended when every layer is full causal attention over RoPE-rotat
 that kvtier can re-rotate: no MLA (latent KV, ``kv_lora_rank``), no sliding window, no
 hybrid stack (``layer_types`` other than full attention, Mamba / linear-attention
 layers), no scaling of the hidden states between a layer's modules (Granite's and
-MiniCPM's multipliers) or of queries by position (``llama_4_scaling``), and a rope type whose rotation is a pure function of
-``position * inv_freq`` (``default``, ``linear``, ``llama3``, ``yarn``). Anything else is refused with
-:class:`UnsupportedModelError` naming the model class, never blended wrongly.
+MiniCPM's multipliers) or of queries by position (``llama_4_scaling``), and a rope type
+whose rotation is a pure function of ``position * inv_freq`` (``default``, ``linear``,
+``llama3``, ``yarn``). Anything else is refused with :class:`UnsupportedModelError` naming
+the model class, never blended wrongly.
 """
 
 from __future__ import annotations
