@@ -14,6 +14,7 @@ from kvtier.blend import (
     UnsupportedModelError,
     blend,
     check_blendable,
+    check_rerotation,
     place_segments,
     rope_spec,
 )
@@ -87,6 +88,9 @@ class _Config:
         ({"rope_theta": 1e4, "sliding_window": 4096, "arch": "MistralForCausalLM"}, "sliding"),
         ({"rope_theta": 1e4, "layer_types": ["full_attention", "linear_attention"]}, "hybrid"),
         ({"rope_theta": 1e4, "rope_scaling": {"rope_type": "dynamic"}}, "rope type"),
+        ({"rope_theta": 1e4, "embedding_multiplier": 12.0, "arch": "GraniteForCausalLM"}, "scales"),
+        ({"rope_theta": 1e4, "scale_depth": 1.4, "arch": "MiniCPMForCausalLM"}, "scales"),
+        ({"rope_theta": 1e4, "llama_4_scaling": {"beta": 0.1}}, "scales queries by position"),
     ],
 )
 def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:
@@ -98,6 +102,22 @@ def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:
 
 def test_sliding_window_off_is_blendable() -> None:
     check_blendable(_Config(rope_theta=1e4, sliding_window=4096, use_sliding_window=False))
+
+
+def test_legacy_rope_scaling_type_is_read() -> None:
+    """Older configs name the rope type ``type`` in ``rope_scaling``."""
+    plain = rope_spec(_Config(rope_theta=1e4, hidden_size=256, num_attention_heads=4))
+    linear = rope_spec(
+        _Config(
+            rope_theta=1e4,
+            hidden_size=256,
+            num_attention_heads=4,
+            rope_scaling={"type": "linear", "factor": 4.0},
+        )
+    )
+    torch.testing.assert_close(linear.inv_freq, plain.inv_freq / 4)
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        check_blendable(_Config(rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}))
 
 
 @pytest.mark.parametrize(
@@ -281,3 +301,29 @@ def test_rerotated_keys_equal_keys_made_at_new_positions(rope: dict, dtype) -> N
     # 3000 * 6e-8 rad, docs/rope.md), in the model's RoPE as much as in the re-rotation.
     tolerance = 5e-4 if dtype == torch.float32 else 2**-7
     assert (k.float() - expected).abs().max() <= tolerance * expected.abs().clamp(min=1).max()
+
+
+def test_check_rerotation_tells_the_model_rope_from_another(llama) -> None:
+    import dataclasses
+
+    spec = rope_spec(llama.config)
+    decoder = HFDecoder(llama)
+    assert check_rerotation(decoder, spec, 4096) < 1e-8
+    for other in (
+        dataclasses.replace(spec, is_neox_style=False),
+        dataclasses.replace(spec, inv_freq=spec.inv_freq / 2),
+        dataclasses.replace(spec, rotary_dim=spec.head_size // 2, inv_freq=spec.inv_freq[::2]),
+    ):
+        assert check_rerotation(decoder, other, 4096) > 0.5
+
+
+def test_every_token_reused_at_ratio_zero(llama, scenario) -> None:
+    """Nothing is left to compute past the check layer: the reused KV is kept there,
+    without calling the model on no tokens (vLLM: a prompt ``doc + separator`` whose
+    document is held, at ratio 0)."""
+    prompt, _, reference = scenario
+    kv = reference.clone()
+    everything = torch.ones(len(prompt), dtype=torch.bool)
+    result = blend(HFDecoder(llama), torch.tensor(prompt), kv, everything, [(0, 0.0)])
+    assert not bool(result.recomputed.any())
+    torch.testing.assert_close(result.kv, reference, rtol=1e-4, atol=1e-4)

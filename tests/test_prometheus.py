@@ -4,6 +4,7 @@ byte and token counts, per-tier counters, histograms and gauges, scraped over HT
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import urllib.request
 from pathlib import Path
@@ -13,7 +14,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from test_engine import make_engine
 
-from kvtier.observability.prometheus import MetricsServer, export, serve_engine_metrics
+from kvtier.blend.vllm_plan import BlendPlanner
+from kvtier.config import KVTierConfig
+from kvtier.observability.prometheus import (
+    HELP,
+    MetricsServer,
+    export,
+    serve_engine_metrics,
+)
 from kvtier.observability.stats import Stats
 
 LAYERS, HEADS, HEAD, CHUNK = 3, 2, 8, 8  # test_engine.make_engine's defaults
@@ -209,3 +217,17 @@ def test_every_series_exported_is_in_docs_observability_md(tmp_path):
     for family in text_string_to_metric_families(text):
         suffix = "_total" if family.type == "counter" else ""
         assert f"`{family.name}{suffix}" in docs, family.name
+
+
+def test_every_blend_counter_has_help_and_docs():
+    """CacheBlend's counters: the scheduler's (the planner's) and those a worker rank
+    increments (``BlendWorker``), each with its own HELP and listed in the docs."""
+    root = Path(__file__).resolve().parents[1]
+    worker = (root / "kvtier" / "blend" / "vllm_worker.py").read_text()
+    names = set(re.findall(r'stats\.inc\(\s*"(blend_\w+)"', worker))
+    names |= set(BlendPlanner(KVTierConfig(), [7], lambda hashes: []).counters())
+    assert {"blend_requests", "blend_recomputed_tokens", "blend_claimed_tokens"} <= names
+    docs = (root / "docs" / "observability.md").read_text()
+    for name in sorted(names):
+        assert name in HELP, name
+        assert f"`kvtier_{name}_total`" in docs, name

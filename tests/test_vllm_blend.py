@@ -13,12 +13,17 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.blend import UnsupportedModelError
+from kvtier.blend.vllm_extension import separator_tokens
 from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
-from kvtier.blend.vllm_worker import PagedTokens, cpu_block_map
+from kvtier.blend.vllm_worker import BlendWorker, PagedTokens, cpu_block_map
 from kvtier.config import KVTierConfig
 from kvtier.integration.vllm.common import StepPlan
 from kvtier.integration.vllm.extensions import check_extensions
+from kvtier.keys import CacheKey
+from kvtier.observability.stats import Stats
+from kvtier.storage.manager import StorageManager
 from kvtier_kernels import PagedKV
+from kvtier_kernels.rope import rerotate_reference, rope_inv_freq
 
 
 def _vllm_config(**hf_fields) -> SimpleNamespace:
@@ -39,6 +44,61 @@ def test_blendable_model_is_accepted() -> None:
 
 def test_blending_off_changes_nothing() -> None:
     check_extensions(KVTierConfig(), _vllm_config(architectures=["GPT2LMHeadModel"]))
+
+
+@pytest.mark.parametrize(
+    ("engine", "named"),
+    [
+        ({"lora_config": object()}, "LoRA"),
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"cache_config": SimpleNamespace(cache_dtype="fp8")}, "kv_cache_dtype 'fp8'"),
+    ],
+    ids=["lora", "speculative", "fp8"],
+)
+def test_engine_features_the_blend_ignores_are_refused(engine: dict, named: str) -> None:
+    vllm_config = _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0)
+    for name, value in engine.items():
+        setattr(vllm_config, name, value)
+    with pytest.raises(ValueError, match=f"enable_blending: .*{named}"):
+        check_extensions(KVTierConfig(enable_blending=True), vllm_config)
+    check_extensions(KVTierConfig(), vllm_config)  # blending off: nothing refused
+
+
+def test_float_kv_cache_dtypes_are_blended() -> None:
+    for cache_dtype in ("auto", "bfloat16", "float16"):
+        vllm_config = _vllm_config(architectures=["LlamaForCausalLM"], rope_theta=10000.0)
+        vllm_config.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
+        check_extensions(KVTierConfig(enable_blending=True), vllm_config)
+
+
+def _tokenizer(pre_tokenizer, words: list[str]):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+
+def test_separator_that_keeps_its_tokens_in_text(caplog) -> None:
+    from tokenizers import pre_tokenizers
+
+    tokenizer = _tokenizer(pre_tokenizers.WhitespaceSplit(), ["<unk>", "x", "#"])
+    assert separator_tokens(tokenizer, " # # ") == [2, 2]
+    assert "will not be split" not in caplog.text
+    with pytest.raises(ValueError, match="blend_special_str: ' ' tokenizes to no tokens"):
+        separator_tokens(tokenizer, " ")
+
+
+def test_separator_whose_tokens_change_in_text_is_warned_about(caplog) -> None:
+    """A SentencePiece-style tokenizer makes the default separator's trailing space a
+    token of its own, which text between words never has."""
+    from tokenizers import pre_tokenizers
+
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer = _tokenizer(metaspace, ["<unk>", "\u2581", "\u2581#", "\u2581x"])
+    assert separator_tokens(tokenizer, " # # ") == [2, 2, 1]
+    assert "will not be split" in caplog.text
 
 
 # -- the scheduler's claims and stores ---------------------------------------------------
@@ -165,3 +225,110 @@ def test_cpu_tokens_round_trip_bit_exact(dtype, heads, block_size, head_size) ->
         kv[0, 0].reshape(shape), kv[1, 0].reshape(shape), key_cache, value_cache, slots, isa
     )
     assert torch.equal(placed, by_op.view(blocks, -1))
+
+
+# -- the worker's start-up checks -----------------------------------------------------------
+
+
+class _Attention(torch.nn.Module):
+    """A vLLM ``LlamaAttention``'s surface: fused QKV, RoPE of ``theta`` with ``pairing``."""
+
+    def __init__(self, heads: int, kv_heads: int, head_size: int, theta: float, neox: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_size
+        self.q_size, self.kv_size = heads * head_size, kv_heads * head_size
+        self.scaling = head_size**-0.5
+        self.qkv = torch.nn.Linear(heads * head_size, self.q_size + 2 * self.kv_size)
+        self.out = torch.nn.Linear(self.q_size, heads * head_size)
+        self.inv_freq, self.neox = rope_inv_freq(head_size, theta), neox
+
+    def qkv_proj(self, x):
+        return self.qkv(x), None
+
+    def o_proj(self, x):
+        return self.out(x), None
+
+    def rotary_emb(self, positions, q, k):
+        start = torch.zeros_like(positions)
+        rotate = {"head_size": self.head_dim, "inv_freq": self.inv_freq}
+        rotate["is_neox_style"] = self.neox
+        return (
+            rerotate_reference(q[None], start, positions, **rotate)[0],
+            rerotate_reference(k[None], start, positions, **rotate)[0],
+        )
+
+
+def _vllm_llama(num_layers: int, *, theta: float = 10000.0, neox: bool = True):
+    torch.manual_seed(0)
+    heads, kv_heads, head_size = 4, 2, 16
+    layers = [
+        SimpleNamespace(
+            self_attn=_Attention(heads, kv_heads, head_size, theta, neox),
+            input_layernorm=torch.nn.Identity(),
+            post_attention_layernorm=torch.nn.Identity(),
+            mlp=torch.nn.Identity(),
+        )
+        for _ in range(num_layers)
+    ]
+    embed = torch.nn.Embedding(64, heads * head_size)
+    return SimpleNamespace(model=SimpleNamespace(embed_tokens=embed, layers=layers))
+
+
+_HF_CONFIG = SimpleNamespace(
+    architectures=["LlamaForCausalLM"],
+    rope_theta=10000.0,
+    hidden_size=64,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=2048,
+)
+
+
+def _blend_worker(model, **keys) -> BlendWorker:
+    config = KVTierConfig(enable_blending=True, max_local_cpu_size=0.01, **keys)
+    storage = StorageManager(config, Stats(), pin_memory=False, namespace="m")
+    key = CacheKey("m", 1, 0, "float32", b"")
+    try:
+        return BlendWorker(config, _HF_CONFIG, model, None, storage, key)
+    finally:
+        storage.close()
+
+
+def test_worker_accepts_a_model_whose_rope_its_config_gives() -> None:
+    worker = _blend_worker(_vllm_llama(2), blend_check_layers=[0, 1], blend_recompute_ratios=0.3)
+    assert worker.schedule == [(0, 0.3), (1, 0.3)]
+
+
+def test_check_layer_past_the_model_is_refused_at_start_up() -> None:
+    """Not at the first blended request, inside vLLM's step."""
+    with pytest.raises(ValueError, match=r"blend_check_layers: '0,2'.* 2 layers"):
+        _blend_worker(_vllm_llama(2), blend_check_layers=[0, 2])
+
+
+@pytest.mark.parametrize("model", [{"theta": 500000.0}, {"neox": False}], ids=["base", "gptj"])
+def test_rope_the_config_does_not_describe_is_refused(model: dict) -> None:
+    """A running model whose RoPE is not the one read from its config (base, pairing):
+    re-rotated keys would be wrong, so the worker refuses to blend."""
+    with pytest.raises(UnsupportedModelError, match="does not re-rotate the keys"):
+        _blend_worker(_vllm_llama(1, **model))
+
+
+def _unlike_llama(change: str):
+    model = _vllm_llama(2)
+    if change == "moe":  # Mixtral: the MLP is block_sparse_moe
+        model.model.layers[1] = SimpleNamespace(
+            **{k: v for k, v in vars(model.model.layers[1]).items() if k != "mlp"}
+        )
+    elif change == "embedding scale":  # Gemma
+        model.model.normalizer = torch.tensor(8.0)
+    elif change == "residual scale":  # Granite
+        model.model.layers[0].residual_multiplier = 0.2
+    return model
+
+
+@pytest.mark.parametrize("change", ["moe", "embedding scale", "residual scale"])
+def test_decoders_the_blend_would_drive_wrongly_are_refused(change: str) -> None:
+    """Refused at start-up: not blended with the wrong arithmetic, nor failing inside
+    vLLM's step at the first blend."""
+    with pytest.raises(UnsupportedModelError, match="Llama-shaped layers"):
+        _blend_worker(_unlike_llama(change))

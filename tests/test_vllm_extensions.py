@@ -230,3 +230,32 @@ def test_connector_works_with_cacheblend_deleted() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "error" not in run.stdout.splitlines()[-1]
+
+
+def test_a_claimed_prompt_stores_no_chunk_while_it_decodes() -> None:
+    """With ``save_decode_cache`` too: the chunks its generated tokens fill hold the
+    claimed prompt's KV (an approximation when blended) and KV computed over it."""
+    config = load_config({"chunk_size": CHUNK, "save_decode_cache": True}, env={})
+    side = SchedulerSide(config, lambda hashes: 0, block_size=BLOCK, extensions=[Recorder()])
+    claimed = request("claim-1", list(range(20)))
+    assert side.get_num_new_matched_tokens(claimed, 0) == (19, False)
+    blocks = [0, 1, 2, 3, 4]
+    side.update_state_after_alloc(claimed, blocks, 19)
+    assert side.build_plan(new_step("claim-1", blocks, 19, 1)).saves == []
+    for computed in range(20, 40):
+        claimed.all_token_ids.append(1000 + computed)
+        if computed % BLOCK == 0:
+            blocks.append(len(blocks))
+        cached = SimpleNamespace(
+            req_ids=["claim-1"],
+            resumed_req_ids=set(),
+            new_block_ids=[([blocks[-1]],) if computed % BLOCK == 0 else None],
+            num_computed_tokens=[computed],
+        )
+        step = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={"claim-1": 1},
+            preempted_req_ids=set(),
+        )
+        assert side.build_plan(step).saves == [], f"a decode step at {computed} stored chunks"

@@ -7,7 +7,14 @@ store) → ``blender`` (re-rotation and selective recompute over a ``BlendModel`
 model) into the connector.
 """
 
-from kvtier.blend.blender import BlendModel, BlendResult, PlacedSegment, blend, place_segments
+from kvtier.blend.blender import (
+    BlendModel,
+    BlendResult,
+    PlacedSegment,
+    blend,
+    check_rerotation,
+    place_segments,
+)
 from kvtier.blend.model_spec import RopeSpec, UnsupportedModelError, check_blendable, rope_spec
 
 __all__ = [
@@ -18,6 +25,7 @@ __all__ = [
     "UnsupportedModelError",
     "blend",
     "check_blendable",
+    "check_rerotation",
     "place_segments",
     "rope_spec",
 ]

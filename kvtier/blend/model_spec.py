@@ -4,9 +4,11 @@ list of model names): whether it can be blended at all, and its RoPE.
 A model can be blended when every layer is full causal attention over RoPE-rotated keys
 that kvtier can re-rotate: no MLA (latent KV, ``kv_lora_rank``), no sliding window, no
 hybrid stack (``layer_types`` other than full attention, Mamba / linear-attention
-layers), and a rope type whose rotation is a pure function of ``position * inv_freq``
-(``default``, ``linear``, ``llama3``, ``yarn``). Anything else is refused with
-:class:`UnsupportedModelError` naming the model class, never blended wrongly.
+layers), no scaling of the hidden states between a layer's modules (Granite's and
+MiniCPM's multipliers) or of queries by position (``llama_4_scaling``), and a rope type
+whose rotation is a pure function of ``position * inv_freq`` (``default``, ``linear``,
+``llama3``, ``yarn``). Anything else is refused with :class:`UnsupportedModelError` naming
+the model class, never blended wrongly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from kvtier_kernels.rope import rope_inv_freq
 __all__ = ["RopeSpec", "UnsupportedModelError", "check_blendable", "rope_spec"]
 
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Config fields that scale the hidden states between a Llama decoder's modules (Granite,
+# MiniCPM): the blend drives the modules and would leave them out.
+_STREAM_SCALES = ("embedding_multiplier", "residual_multiplier", "scale_emb", "scale_depth")
 
 
 class UnsupportedModelError(ValueError):
@@ -46,7 +51,9 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any] | None:
     if theta is None:
         return None
     scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    return {"rope_type": "default", **scaling, "rope_theta": theta}
+    # NOTE: older configs name the rope type "type" (rope_scaling: {type: linear, ...})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_type": rope_type, "rope_theta": theta}
 
 
 def check_blendable(hf_config: Any) -> None:
@@ -64,6 +71,16 @@ def check_blendable(hf_config: Any) -> None:
     layer_types = set(getattr(hf_config, "layer_types", None) or ())
     if layer_types - {"full_attention"}:
         reasons.append(f"it is a hybrid model (layer types {sorted(layer_types)})")
+    scaled = {
+        name: getattr(hf_config, name)
+        for name in _STREAM_SCALES
+        if getattr(hf_config, name, None) not in (None, 1, 1.0)
+    }
+    if scaled:
+        fields = ", ".join(f"{name}={value}" for name, value in scaled.items())
+        reasons.append(f"it scales its embeddings or residual stream ({fields})")
+    if getattr(hf_config, "llama_4_scaling", None):
+        reasons.append("its attention scales queries by position (llama_4_scaling)")
     params = _rope_parameters(hf_config)
     if params is None:
         reasons.append("it does not use rotary position embeddings (RoPE)")

@@ -6,6 +6,7 @@ segments after it. ``kvtier.integration.vllm.extensions`` registers this module.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from kvtier.blend.model_spec import check_blendable
@@ -19,6 +20,11 @@ from kvtier.integration.vllm.common import (
     StepPlan,
     WorkerExtension,
 )
+
+logger = logging.getLogger(__name__)
+
+# kv_cache_dtype values that store K and V as floats (no scales): the blend writes them.
+_FLOAT_CACHE_DTYPES = ("auto", "None", "float32", "float", "float16", "half", "bfloat16")
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -118,8 +124,30 @@ class BlendWorking(WorkerExtension):
 
 def check(config: KVTierConfig, vllm_config: VllmConfig) -> None:
     """Refuse a model CacheBlend cannot blend (an ``UnsupportedModelError`` naming its
-    class)."""
+    class), and engine features the blend does not take into account (a ``ValueError``)."""
     check_blendable(vllm_config.model_config.hf_config)
+    # NOTE: the blend runs the base model's own layers over its own KV in the model's
+    # dtype: a LoRA adapter's layers need vLLM's per-batch adapter mapping, a drafter
+    # has KV layers of its own, and a quantized KV cache holds scaled fp8 bytes.
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    unsupported = [
+        name
+        for name, present in (
+            ("LoRA (enable_lora)", getattr(vllm_config, "lora_config", None) is not None),
+            (
+                "speculative decoding (speculative_config)",
+                getattr(vllm_config, "speculative_config", None) is not None,
+            ),
+            (f"kv_cache_dtype {cache_dtype!r}", cache_dtype not in _FLOAT_CACHE_DTYPES),
+        )
+        if present
+    ]
+    if unsupported:
+        raise ValueError(
+            "enable_blending: kvtier's CacheBlend does not blend with "
+            + ", ".join(unsupported)
+            + "; turn it off, or set enable_blending: false"
+        )
 
 
 def scheduler_extension(
@@ -169,7 +197,31 @@ def separator_ids(vllm_config: VllmConfig, text: str) -> list[int]:
             f"enable_blending: cannot load the tokenizer of {model_config.tokenizer!r} to "
             f"tokenize blend_special_str: {error}"
         ) from error
+    return separator_tokens(tokenizer, text)
+
+
+def separator_tokens(tokenizer: Any, text: str) -> list[int]:
+    """``text`` in ``tokenizer`` without special tokens; a warning when those tokens are
+    not the ones it gets between words (a SentencePiece tokenizer makes a trailing space a
+    token of its own): prompts sent as text are then never split at it.
+
+    Raises:
+        ValueError: the text tokenizes to nothing.
+    """
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise ValueError(f"blend_special_str: {text!r} tokenizes to no tokens")
+    inside = list(tokenizer.encode(f"x{text}x", add_special_tokens=False))
+    if not any(inside[i : i + len(ids)] == ids for i in range(len(inside) - len(ids) + 1)):
+        logger.warning(
+            "kvtier CacheBlend: blend_special_str %r tokenizes to %s on its own but to %s "
+            "between words (%r): prompts sent as text will not be split at it. Send prompts "
+            "as token ids with %s between the segments, or pick a separator whose tokens "
+            "stay the same in text",
+            text,
+            ids,
+            inside,
+            f"x{text}x",
+            ids,
+        )
     return ids

@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from kvtier.blend import PlacedSegment, UnsupportedModelError, blend, place_segments, rope_spec
+from kvtier.blend import (
+    PlacedSegment,
+    UnsupportedModelError,
+    blend,
+    check_rerotation,
+    place_segments,
+    rope_spec,
+)
 from kvtier.blend.segments import SegmentStore
 from kvtier.blend.vllm_plan import BlendSpec, SegmentSaveSpec
 from kvtier.config import KVTierConfig
@@ -44,6 +51,11 @@ from kvtier_kernels.paged import gather, scatter
 logger = logging.getLogger(__name__)
 
 _DIGIT = 256  # every float dtype holds 0..255 exactly
+# The start-up check of the RoPE read from the config against the running model's keys:
+# positions it re-rotates to, and the relative squared error it accepts (float rounding
+# is far below; another rotation is of order 1).
+_ROPE_CHECK_POSITIONS = 4096
+_ROPE_CHECK_TOLERANCE = 0.1
 
 
 def running_model() -> Any:
@@ -71,15 +83,23 @@ class VLLMDecoder:
         layers = getattr(decoder, "layers", None)
         attn = getattr(layers[0], "self_attn", None) if layers else None
         needed = ("qkv_proj", "rotary_emb", "o_proj", "q_size", "kv_size", "scaling")
+        modules = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
         if (
             attn is None
+            or not hasattr(decoder, "embed_tokens")
+            or hasattr(decoder, "normalizer")  # Gemma scales its embeddings
+            or not all(hasattr(layer, name) for layer in layers for name in modules)
+            or any(hasattr(layer, "residual_multiplier") for layer in layers)
+            or any(getattr(layer, "ada_rms_norm_t_cond", None) for layer in layers)
             or not all(hasattr(attn, name) for name in needed)
             or any(hasattr(attn, name) for name in ("q_norm", "k_norm"))
         ):
             raise UnsupportedModelError(
                 f"enable_blending: CacheBlend cannot drive model class {type(model).__name__} "
-                "in vLLM: it needs Llama-shaped layers (self_attn.qkv_proj, rotary_emb, "
-                "o_proj; no q/k norms)"
+                "in vLLM: it needs Llama-shaped layers (embed_tokens; per layer "
+                "input_layernorm, self_attn.qkv_proj / rotary_emb / o_proj without q/k "
+                "norms, post_attention_layernorm and a dense mlp) and hidden states that "
+                "no multiplier scales"
             )
         self.decoder = decoder
         self.num_layers = len(layers)
@@ -216,8 +236,30 @@ class BlendWorker:
         stats: Stats | None = None,
     ):
         self.model = VLLMDecoder(model)
-        self.rope = rope_spec(hf_config)
         self.schedule = blend_schedule(config)
+        deepest = max(layer for layer, _ in self.schedule)
+        if deepest >= self.model.num_layers:
+            # NOTE: refused at start-up; blend() would raise it for the first blended
+            # request, inside vLLM's step.
+            raise ValueError(
+                f"blend_check_layers: {config.blend_check_layers!r} names layer {deepest}, but "
+                f"the model has {self.model.num_layers} layers (0 to "
+                f"{self.model.num_layers - 1}); pick check layers below {self.model.num_layers}"
+            )
+        self.rope = rope_spec(hf_config)
+        max_position = getattr(hf_config, "max_position_embeddings", None) or 4096
+        error = check_rerotation(self.model, self.rope, min(max_position, _ROPE_CHECK_POSITIONS))
+        if not error < _ROPE_CHECK_TOLERANCE:
+            # NOTE: the RoPE read from the config is not the one the running model applies
+            # (its rotary dims, pairing, base or scaling): re-rotated keys would be wrong.
+            raise UnsupportedModelError(
+                f"enable_blending: CacheBlend cannot blend model class {type(model).__name__}: "
+                f"the RoPE read from its config (rotary dims {self.rope.rotary_dim} of "
+                f"{self.rope.head_size}, {'NeoX' if self.rope.is_neox_style else 'GPT-J'} "
+                f"pairing) does not re-rotate the keys its layers make (relative error "
+                f"{error:.2g}); set enable_blending: false"
+            )
+        logger.info("kvtier CacheBlend: RoPE from the config checked (relative error %.2g)", error)
         self.tokens = tokens
         self.segments = SegmentStore(storage, key_template)
         self.stats = stats or Stats()

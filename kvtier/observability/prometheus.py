@@ -69,6 +69,36 @@ HELP = {
     Counter.KV_EVENTS_UNANNOUNCED: (
         "Chunks every rank held that could not be announced: their payload was unknown."
     ),
+    # CacheBlend (enable_blending): the scheduler's claims, a worker rank's blends.
+    "blend_requests": (
+        "CacheBlend: prompts blended (rank scheduler: claims vLLM accepted; a worker rank: "
+        "blends run)."
+    ),
+    "blend_claimed_tokens": "CacheBlend: tokens claimed by blends (all but each prompt's last).",
+    "blend_reused_tokens": (
+        "CacheBlend: tokens of cached segments reused (rank scheduler: as claimed; a worker "
+        "rank: as placed, segment misses left out)."
+    ),
+    "blend_recomputed_tokens": (
+        "CacheBlend: tokens of blends computed through every layer (those in no cached "
+        "segment, and the reused ones picked for recompute)."
+    ),
+    "blend_segment_misses": (
+        "CacheBlend: claimed segments a worker could not read (evicted, corrupt, other "
+        "shape): computed afresh."
+    ),
+    "blend_stored_segments": "CacheBlend: segments stored.",
+    "blend_seconds": "CacheBlend: time spent in the blend computation, measured.",
+    "blend_rope_seconds": "CacheBlend: time spent re-rotating segment keys, measured.",
+    "blend_total_seconds": (
+        "CacheBlend: time spent on blends (read, place, re-rotate, blend, write), measured."
+    ),
+    "blend_check_deviation": (
+        "CacheBlend: squared KV deviation of the placed tokens at the first check layer."
+    ),
+    "blend_check_norm": (
+        "CacheBlend: squared norm of the placed segments' KV at the first check layer."
+    ),
     Histogram.STORE: "Seconds per store operation.",
     Histogram.LOAD: "Seconds per load operation.",
 }

@@ -77,6 +77,7 @@ class RequestTracker:
     vllm_cached: int = 0
     saved_upto: int = 0
     load: LoadSpec | None = None  # planned, not yet sent to the workers
+    stores: bool = True  # False: an extension claimed it (its KV is not stored as chunks)
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -319,8 +320,9 @@ class SchedulerSide:
         tracker.block_ids = list(block_ids)
         for extension in self.extensions:
             if extension.after_alloc(request, tracker.block_ids, num_external_tokens):
-                # NOTE: e.g. a blended prompt's KV is approximate: never stored as chunks.
-                tracker.saved_upto = len(request.all_token_ids)
+                # NOTE: e.g. a blended prompt's KV is approximate: never stored as chunks,
+                # nor are the chunks its generated tokens fill (save_decode_cache).
+                tracker.stores = False
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
@@ -423,7 +425,7 @@ class SchedulerSide:
         load.first_chunk, load.start = first, start
 
     def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
-        if not self.can_save:
+        if not self.can_save or not tracker.stores:
             return
         cs = self.chunk_size
         num_prompt = tracker.num_prompt_tokens
