@@ -363,6 +363,21 @@ def test_missing_chunk_loads_the_prefix_and_reports_the_rest(
     assert worker.take_load_errors() == set(), "load errors were reported twice"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_loads_count_the_tokens_asked_for_and_those_loaded(make_worker, mode):
+    """Chunk 1 of three is gone: the load asked for 24 tokens and loaded 8, so the hit
+    ratio says a third (vLLM's loads never counted what they asked for)."""
+    worker, _ = make_worker(**mode_overrides(mode))
+    hashes = chunk_hashes(worker)
+    save_prompt(worker, hashes)
+    assert worker.engine.storage.remove(worker.engine.chunker.key(hashes[1]))
+    load(worker, mode, hashes)
+    snapshot = worker.stats.snapshot()
+    assert snapshot.get(Counter.REQUESTED_TOKENS) == NUM_TOKENS
+    assert snapshot.get(Counter.HIT_TOKENS) == CHUNK
+    assert snapshot.get("retrieve_hit_ratio") == pytest.approx(1 / 3)
+
+
 @pytest.mark.parametrize("report_first", [False, True], ids=["", "reported-before-save"])
 @pytest.mark.parametrize("mode", ["sync", "layerwise"])
 def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode, report_first):
