@@ -378,7 +378,7 @@ def test_loads_count_the_tokens_asked_for_and_those_loaded(make_worker, mode):
     assert snapshot.get("retrieve_hit_ratio") == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("report_first", [False, True], ids=["", "reported-before-save"])
+@pytest.mark.parametrize("report_first", [False, True], ids=["saves-first", "errors-first"])
 @pytest.mark.parametrize("mode", ["sync", "layerwise"])
 def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode, report_first):
     """Found by the soak (perf/soak/soak.py): a load fails (chunk 1 gone), and in the same step
