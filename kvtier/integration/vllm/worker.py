@@ -300,7 +300,7 @@ class WorkerSide:
                         transfer.scatter()
                     finally:
                         transfer.close()
-            self._load_errors |= failed if layerwise else self._reported(load, failed)
+            self._load_errors |= self._reported(load, failed)
             self._failed_this_step |= failed
         for extension in self.extensions:
             extension.before_forward(plan.extensions.get(extension.name, []))
