@@ -266,7 +266,11 @@ class CacheEngine:
         """Phase one of a load: fetch and verify the longest run of ``chunks`` the tiers
         hold (held until ``close``); ``scatter`` then writes them into the engine."""
         paged_io, _ = self._require_bound()
-        return RetrieveTransfer(self.checked, paged_io, list(chunks), slot_mapping)
+        chunks = list(chunks)
+        transfer = RetrieveTransfer(self.checked, paged_io, chunks, slot_mapping)
+        if chunks:
+            self.stats.inc(Counter.REQUESTED_TOKENS, chunks[-1].end - chunks[0].start)
+        return transfer
 
     # -- lookup ----------------------------------------------------------------------
 

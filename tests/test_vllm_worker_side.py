@@ -183,15 +183,25 @@ def assert_tokens_equal(
             )
 
 
-def run_step(worker: WorkerSide, plan: StepPlan, *, layerwise: bool = False) -> None:
+def run_step(
+    worker: WorkerSide, plan: StepPlan, *, layerwise: bool = False, report_first: bool = False
+) -> set[int]:
     """One engine step as vLLM drives the connector: bind, per layer wait for its load
-    and save it after attention, then wait for the saves."""
+    and save it after attention, then wait for the saves; returns the load errors
+    reported only with ``report_first``: with speculative decoding, vLLM takes the step's
+    results (``get_finished``, the load errors) before ``wait_for_save``, which it defers
+    until the draft model has run."""
     worker.start_load(plan)
     if layerwise:
         for name in layer_names():
             worker.wait_for_layer_load(name)
             worker.save_layer(name)
+    reported = set()
+    if report_first:
+        worker.get_finished()
+        reported = worker.take_load_errors()
     worker.wait_for_save()
+    return reported
 
 
 def wait_finished(worker: WorkerSide, req_id: str, timeout: float = 5.0) -> None:
@@ -365,8 +375,24 @@ def test_missing_chunk_loads_the_prefix_and_reports_the_rest(
     assert worker.take_load_errors() == set(), "load errors were reported twice"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_loads_count_the_tokens_asked_for_and_those_loaded(make_worker, mode):
+    """Chunk 1 of three is gone: the load asked for 24 tokens and loaded 8, so the hit
+    ratio says a third (vLLM's loads never counted what they asked for)."""
+    worker, _ = make_worker(**mode_overrides(mode))
+    hashes = chunk_hashes(worker)
+    save_prompt(worker, hashes)
+    assert worker.engine.storage.remove(worker.engine.chunker.key(hashes[1]))
+    load(worker, mode, hashes)
+    snapshot = worker.stats.snapshot()
+    assert snapshot.get(Counter.REQUESTED_TOKENS) == NUM_TOKENS
+    assert snapshot.get(Counter.HIT_TOKENS) == CHUNK
+    assert snapshot.get("retrieve_hit_ratio") == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("report_first", [False, True], ids=["saves-first", "errors-first"])
 @pytest.mark.parametrize("mode", ["sync", "layerwise"])
-def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode):
+def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode, report_first):
     """Found by the soak (perf/soak/soak.py): a load fails (chunk 1 gone), and in the same step
     vLLM computes the rest of that request, and of a request sharing the failed blocks
     through its prefix cache, over those blocks' garbage before it learns of the
@@ -386,8 +412,8 @@ def test_kv_computed_over_a_failed_load_is_not_stored(make_worker, mode):
             SaveSpec("req-c", 0, other, NUM_TOKENS, list(SRC)),
         ],
     )
-    run_step(worker, plan, layerwise=mode == "layerwise")
-    assert worker.take_load_errors() == set(failed)
+    reported = run_step(worker, plan, layerwise=mode == "layerwise", report_first=report_first)
+    assert reported | worker.take_load_errors() == set(failed)
     engine = worker.engine
     assert engine.lookup_hashes(hashes[2:]) == 0, "req-b's chunk after the failed load was stored"
     assert engine.lookup_hashes(shared[2:]) == 0, "req-d's chunk over the shared blocks was stored"

@@ -101,7 +101,8 @@ class WorkerSide:
         self._layer_saves: list[StoreTransfer] = []
         self._saved_layers: set[int] = set()
         self._loaded_layers: set[int] = set()
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # not yet reported to vLLM
+        self._failed_this_step: set[int] = set()  # the step's saves must not read over them
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._async_futures: dict[str, tuple[LoadSpec, Future[set[int]]]] = {}
         # NOTE: one lock orders the forward thread's steps against the lookup server's
@@ -301,7 +302,8 @@ class WorkerSide:
                         transfer.scatter()
                     finally:
                         transfer.close()
-            self._load_errors |= failed if layerwise else self._reported(load, failed)
+            self._load_errors |= self._reported(load, failed)
+            self._failed_this_step |= failed
         for extension in self.extensions:
             extension.before_forward(plan.extensions.get(extension.name, []))
 
@@ -361,14 +363,16 @@ class WorkerSide:
         the KV computed after a failed block (the request's own, and that of a request
         sharing the block through vLLM's prefix cache) was computed over garbage. vLLM
         discards and recomputes it; kvtier must not store it, or later hits load it.
+        The step's failures are kept apart from those still to report: with speculative
+        decoding vLLM takes the load errors before ``wait_for_save``.
         """
         saves = self._plan.saves
-        if not self._load_errors:
+        if not self._failed_this_step:
             return saves
         trusted = []
         for save in saves:
             blocks = save.block_ids[: -(-save.chunks_end // self.block_size)]
-            if self._load_errors.isdisjoint(blocks):
+            if self._failed_this_step.isdisjoint(blocks):
                 trusted.append(save)
                 continue
             self.stats.inc("store_skipped_load_failed_chunks", len(save.hashes))
@@ -420,6 +424,7 @@ class WorkerSide:
                 self._wait_stored(engine)
             self._layer_saves = []
             self._saved_layers = set()
+            self._failed_this_step = set()
             self._plan = StepPlan()
 
     def _wait_stored(self, engine: CacheEngine) -> None:
