@@ -88,6 +88,11 @@ HELP = {
         "shape): computed afresh."
     ),
     "blend_stored_segments": "CacheBlend: segments stored.",
+    "blend_failed_requests": (
+        "CacheBlend: blends that failed (an error in the worker): reported to vLLM as failed loads."
+    ),
+    "blend_failed_blocks": "CacheBlend: vLLM blocks of failed blends, reported as failed loads.",
+    "blend_failed_segment_stores": "CacheBlend: segment stores that failed with an error.",
     "blend_seconds": "CacheBlend: time spent in the blend computation, measured.",
     "blend_rope_seconds": "CacheBlend: time spent re-rotating segment keys, measured.",
     "blend_total_seconds": (
