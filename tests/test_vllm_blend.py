@@ -414,3 +414,23 @@ def test_a_segment_store_that_fails_ends_no_step(monkeypatch) -> None:
         assert "blend_stored_segments" not in counters
     finally:
         storage.close()
+
+
+def test_a_segment_larger_than_the_cpu_pool_is_counted_and_warned_once(caplog) -> None:
+    """A pool of about 20 KiB: a 12-token segment (6 KiB of KV) is stored, a 48-token one
+    (24 KiB) never is."""
+    worker, storage = _working_worker(max_local_cpu_size=2e-5)
+    blocks = list(range(16))
+    try:
+        with caplog.at_level("WARNING"):
+            worker.save(SegmentSaveSpec("r", [(0, 12, b"s" * 32)], blocks))
+            for h in (b"a" * 32, b"b" * 32):
+                worker.save(SegmentSaveSpec("r", [(0, 48, h)], blocks))
+        counters = worker.stats.snapshot()
+        assert counters["blend_stored_segments"] == 1
+        assert counters["blend_skipped_too_large_segments"] == 2
+        assert worker.held([b"s" * 32, b"a" * 32]) == [True, False]
+        warned = [r for r in caplog.records if "larger than the whole CPU pool" in r.getMessage()]
+        assert len(warned) == 1
+    finally:
+        storage.close()

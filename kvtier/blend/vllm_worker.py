@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 import traceback
 from typing import Any
@@ -363,7 +364,22 @@ class BlendWorker:
     def _save_segment(self, block_ids: list[int], start: int, end: int, h: bytes) -> None:
         if self.segments.contains(h):
             return
-        slots = slot_mapping(block_ids, self.tokens.paged.block_size, end, start)
-        kv = self.tokens.read(slots[start:end])
+        paged = self.tokens.paged
+        shape = tuple(paged.chunk_shape(end - start))
+        if not self.segments.fits(shape, paged.dtype):
+            self.stats.inc("blend_skipped_too_large_segments")
+            nbytes = math.prod(shape) * paged.dtype.itemsize
+            warn_once(
+                logger,
+                f"kvtier CacheBlend: a segment of {end - start} tokens ({nbytes / 2**20:.1f} "
+                "MiB of KV) is larger than the whole CPU pool (max_local_cpu_size): such "
+                "segments are never stored nor reused (blend_skipped_too_large_segments). "
+                "Raise max_local_cpu_size, or split the documents with blend_special_str",
+                key="blend segment larger than the CPU pool",
+            )
+            return
+        kv = self.tokens.read(slot_mapping(block_ids, paged.block_size, end, start)[start:end])
         if self.segments.put(h, kv, torch.arange(start, end, dtype=torch.int64)):
             self.stats.inc("blend_stored_segments")
+        else:  # NOTE: no room now, even after evicting; a later request stores it
+            self.stats.inc("blend_skipped_no_memory_segments")
