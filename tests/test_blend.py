@@ -91,6 +91,9 @@ class _Config:
         ({"rope_theta": 1e4, "embedding_multiplier": 12.0, "arch": "GraniteForCausalLM"}, "scales"),
         ({"rope_theta": 1e4, "scale_depth": 1.4, "arch": "MiniCPMForCausalLM"}, "scales"),
         ({"rope_theta": 1e4, "llama_4_scaling": {"beta": 0.1}}, "scales queries by position"),
+        ({"rope_theta": 1e4, "is_causal": False, "arch": "Qwen2Model"}, "bidirectional"),
+        ({"rope_theta": 1e4, "use_bidirectional_attention": True}, "bidirectional"),
+        ({"rope_theta": 1e4, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
     ],
 )
 def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.blend import UnsupportedModelError
-from kvtier.blend.vllm_extension import separator_tokens
+from kvtier.blend import UnsupportedModelError, vllm_worker
+from kvtier.blend.vllm_extension import BlendWorking, separator_tokens
 from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
 from kvtier.blend.vllm_worker import BlendWorker, PagedTokens, cpu_block_map
 from kvtier.config import KVTierConfig
@@ -332,3 +332,105 @@ def test_decoders_the_blend_would_drive_wrongly_are_refused(change: str) -> None
     vLLM's step at the first blend."""
     with pytest.raises(UnsupportedModelError, match="Llama-shaped layers"):
         _blend_worker(_unlike_llama(change))
+
+
+# -- failures inside a blend ----------------------------------------------------------------
+
+
+def _working_worker(**keys) -> tuple[BlendWorker, StorageManager]:
+    """A ``BlendWorker`` over a token-major paged KV of 16 blocks of 4 (the caller closes
+    the storage)."""
+    keys = {"max_local_cpu_size": 0.01, **keys}
+    config = KVTierConfig(enable_blending=True, kernel_backend="torch", **keys)
+    storage = StorageManager(config, Stats(), pin_memory=False, namespace="m")
+    paged = PagedKV.empty(
+        "vllm_hnd",
+        num_layers=2,
+        num_blocks=16,
+        block_size=4,
+        num_heads=2,
+        head_size=16,
+        dtype=torch.float32,
+    )
+    key = CacheKey("m", 1, 0, "float32", b"")
+    worker = BlendWorker(config, _HF_CONFIG, _vllm_llama(2), PagedTokens(paged, None), storage, key)
+    return worker, storage
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+@pytest.mark.parametrize("step", ["place_segments", "blend", "write"])
+def test_a_blend_that_fails_reports_its_blocks_as_failed_loads(monkeypatch, step: str) -> None:
+    """An error while placing, blending or writing into vLLM's blocks ends no step: the
+    request's claimed blocks come back as failed loads (vLLM recomputes them)."""
+    worker, storage = _working_worker()
+    extension = BlendWorking(KVTierConfig(enable_blending=True), None)
+    extension.worker = worker
+    try:
+        ok = BlendSpec("ok", list(range(1, 10)), [], [0, 1, 2])
+        assert extension.before_forward([ok]) == set()
+        if step == "write":
+            monkeypatch.setattr(worker.tokens, "write", _raise)
+        else:
+            monkeypatch.setattr(vllm_worker, step, _raise)
+        failed = BlendSpec("bad", list(range(1, 10)), [], [5, 6, 7, 8])  # 9 tokens: 3 blocks
+        other = BlendSpec("bad2", list(range(1, 5)), [], [9, 10])  # 4 tokens: 1 block
+        assert extension.before_forward([failed, other]) == {5, 6, 7, 9}
+        counters = worker.stats.snapshot()
+        assert counters["blend_requests"] == 1
+        assert (counters["blend_failed_requests"], counters["blend_failed_blocks"]) == (2, 4)
+    finally:
+        storage.close()
+
+
+def test_a_failed_blend_is_logged_once_per_cause_with_its_traceback(monkeypatch, caplog) -> None:
+    worker, storage = _working_worker()
+
+    def broken(*args, **kwargs):
+        raise IndexError("a programming error")
+
+    monkeypatch.setattr(vllm_worker, "blend", broken)
+    try:
+        with caplog.at_level("WARNING"):
+            for req_id in ("a", "b", "c"):
+                assert worker.run_or_report(BlendSpec(req_id, [1, 2, 3], [], [4])) == {4}
+        logged = [r for r in caplog.records if "CacheBlend: blending request" in r.getMessage()]
+        assert len(logged) == 1 and "IndexError" in logged[0].getMessage()
+        assert logged[0].exc_info is not None and logged[0].exc_info[0] is IndexError
+        assert worker.stats.snapshot()["blend_failed_requests"] == 3
+    finally:
+        storage.close()
+
+
+def test_a_segment_store_that_fails_ends_no_step(monkeypatch) -> None:
+    worker, storage = _working_worker()
+    monkeypatch.setattr(worker.tokens, "read", _raise)
+    try:
+        worker.save(SegmentSaveSpec("r", [(0, 8, b"x" * 32), (9, 12, b"y" * 32)], [0, 1, 2, 3]))
+        counters = worker.stats.snapshot()
+        assert counters["blend_failed_segment_stores"] == 2
+        assert "blend_stored_segments" not in counters
+    finally:
+        storage.close()
+
+
+def test_a_segment_larger_than_the_cpu_pool_is_counted_and_warned_once(caplog) -> None:
+    """A pool of about 20 KiB: a 12-token segment (6 KiB of KV) is stored, a 48-token one
+    (24 KiB) never is."""
+    worker, storage = _working_worker(max_local_cpu_size=2e-5)
+    blocks = list(range(16))
+    try:
+        with caplog.at_level("WARNING"):
+            worker.save(SegmentSaveSpec("r", [(0, 12, b"s" * 32)], blocks))
+            for h in (b"a" * 32, b"b" * 32):
+                worker.save(SegmentSaveSpec("r", [(0, 48, h)], blocks))
+        counters = worker.stats.snapshot()
+        assert counters["blend_stored_segments"] == 1
+        assert counters["blend_skipped_too_large_segments"] == 2
+        assert worker.held([b"s" * 32, b"a" * 32]) == [True, False]
+        warned = [r for r in caplog.records if "larger than the whole CPU pool" in r.getMessage()]
+        assert len(warned) == 1
+    finally:
+        storage.close()

@@ -191,6 +191,49 @@ def test_worker_runs_extension_specs_around_the_forward_pass() -> None:
         worker.shutdown()
 
 
+class FailingFiller(WorkerExtension):
+    """Was to fill blocks 1 and 2 before the forward pass, and could not."""
+
+    name = "filler"
+
+    def before_forward(self, specs: list) -> set[int]:
+        return {1, 2} if specs else set()
+
+
+def test_blocks_an_extension_could_not_fill_are_failed_loads() -> None:
+    """Reported to vLLM as a plain load's failed blocks are, and the step's saves over
+    them are not stored."""
+    config = load_config(
+        {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "kernel_backend": "torch"}, env={}
+    )
+    worker = WorkerSide(config, EngineMetadata("m"), None, extensions=[FailingFiller()])
+    paged = PagedKV.empty(
+        "vllm_hnd",
+        num_layers=2,
+        num_blocks=8,
+        block_size=BLOCK,
+        num_heads=2,
+        head_size=8,
+        dtype=torch.float32,
+    )
+    try:
+        worker.register_kv_caches(
+            {f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN"
+        )
+        hashes = worker.engine.chunker.chunk_hashes(torch.arange(16))
+        plan = StepPlan(
+            saves=[SaveSpec("r", 0, hashes, 16, [0, 1, 2, 3])], extensions={"filler": ["spec"]}
+        )
+        worker.start_load(plan)
+        worker.wait_for_save()
+        assert worker.take_load_errors() == {1, 2}
+        assert worker.engine.lookup_hashes(hashes) == 0
+        worker.start_load(StepPlan())
+        assert worker.take_load_errors() == set()
+    finally:
+        worker.shutdown()
+
+
 def test_registry_names_each_feature_once() -> None:
     names = [extension.name for extension in EXTENSIONS]
     assert sorted(names) == sorted(set(names)) == ["blend", "kv_events"]

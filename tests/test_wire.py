@@ -377,6 +377,21 @@ def test_chunks_cachegen_cannot_code_are_stored_as_they_are_and_said_once(pool, 
     assert len(reasons) == 1 and why in reasons.pop()
 
 
+def test_a_tensor_that_is_no_kv_chunk_goes_naive_unsaid(pool, caplog):
+    """CacheBlend's segment positions (``[n]`` int64) under cachegen: stored as they are,
+    with no warning (they are no KV chunk, let alone an MLA one)."""
+    serde = make_serde("cachegen")
+    for n in (5, 9):
+        obj = pool.allocate((n,), torch.int64)
+        obj.tensor.copy_(torch.arange(100, 100 + n))
+        name = key(20 + n).to_string()
+        with caplog.at_level("WARNING"):
+            blob = blob_of(wire.encode(name, obj.tensor, serde))
+        assert _header_of(blob, name).codec == "naive"
+        assert torch.equal(wire.decode(blob, name, pool.allocate).tensor, obj.tensor)
+    assert "cannot take" not in caplog.text and "MLA" not in caplog.text
+
+
 def test_damaged_cachegen_payload_is_a_corrupt_object(pool):
     obj = _kv_like(pool, 2)
     name = key(4).to_string()

@@ -3,7 +3,8 @@ list of model names): whether it can be blended at all, and its RoPE.
 
 A model can be blended when every layer is full causal attention over RoPE-rotated keys
 that kvtier can re-rotate: no MLA (latent KV, ``kv_lora_rank``), no sliding window, no
-hybrid stack (``layer_types`` other than full attention, Mamba / linear-attention
+bidirectional attention (``is_causal: false``), no capped attention logits
+(``attn_logit_softcapping``), no hybrid stack (``layer_types`` other than full attention, Mamba / linear-attention
 layers), no scaling of the hidden states between a layer's modules (Granite's and
 MiniCPM's multipliers) or of queries by position (``llama_4_scaling``), and a rope type
 whose rotation is a pure function of ``position * inv_freq`` (``default``, ``linear``,
@@ -79,6 +80,20 @@ def check_blendable(hf_config: Any) -> None:
     if scaled:
         fields = ", ".join(f"{name}={value}" for name, value in scaled.items())
         reasons.append(f"it scales its embeddings or residual stream ({fields})")
+    # NOTE: read as vLLM reads it (Qwen2's attention, the model config's attn_type)
+    if not getattr(hf_config, "is_causal", True) or getattr(
+        hf_config, "use_bidirectional_attention", False
+    ):
+        reasons.append(
+            "its attention is bidirectional (is_causal: false), and the blend computes "
+            "causal attention"
+        )
+    softcap = getattr(hf_config, "attn_logit_softcapping", None)
+    if softcap:
+        reasons.append(
+            f"it caps its attention logits (attn_logit_softcapping={softcap}), and the "
+            "blend's attention does not"
+        )
     if getattr(hf_config, "llama_4_scaling", None):
         reasons.append("its attention scales queries by position (llama_4_scaling)")
     params = _rope_parameters(hf_config)

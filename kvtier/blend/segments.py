@@ -95,6 +95,11 @@ class SegmentStore:
         keys = [self._key(segment_hash, "kv"), self._key(segment_hash, "pos")]
         return self.storage.lookup_prefix(keys, prefetch=True) == 2
 
+    def fits(self, kv_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether a segment's KV of ``kv_shape`` fits in the whole CPU pool at all (one
+        that does not is never stored)."""
+        return self.storage.cpu.fits(kv_shape, dtype)
+
     def put(self, segment_hash: bytes, kv: torch.Tensor, positions: torch.Tensor) -> bool:
         """Store a segment's KV ``[2, L, n, Hkv * D]`` and its positions ``[n]``; False when
         memory ran out (nothing is stored then)."""

@@ -111,10 +111,12 @@ class BlendWorking(WorkerExtension):
         hashes = list(args["hashes"])
         return {"held": self.worker.held(hashes) if self.worker else [False] * len(hashes)}
 
-    def before_forward(self, specs: list) -> None:
+    def before_forward(self, specs: list) -> set[int]:
+        failed: set[int] = set()
         for spec in specs:
             if isinstance(spec, BlendSpec) and self.worker is not None:
-                self.worker.run(spec)
+                failed |= self.worker.run_or_report(spec)
+        return failed
 
     def after_forward(self, specs: list) -> None:
         for spec in specs:

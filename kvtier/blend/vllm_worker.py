@@ -15,6 +15,12 @@ write single tokens of vLLM's paged KV.
 * ``BlendWorker`` executes a step's ``BlendSpec`` (before the forward pass) and
   ``SegmentSaveSpec`` (after it) and answers the scheduler's segment lookups.
 
+NOTE: an error inside a blend never ends vLLM's step. A blend that fails is a failed
+load (docs/reliability.md): the request's claimed blocks are reported to vLLM through
+``get_block_ids_with_load_errors`` (vLLM recomputes them, or fails the request under
+``kv_load_failure_policy: fail``); a segment store that fails stores nothing. Each is
+counted and logged once per cause, with its traceback.
+
 The model is reached from ``register_kv_caches``: vLLM calls it from its model runner's
 ``initialize_kv_cache`` once the model is loaded, and ``running_model`` walks up to that
 runner and asks its ``get_model()``.
@@ -24,7 +30,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -45,6 +53,7 @@ from kvtier.integration.vllm.common import slot_mapping
 from kvtier.keys import CacheKey
 from kvtier.observability.stats import Stats
 from kvtier.storage.manager import StorageManager
+from kvtier.warn import warn_once
 from kvtier_kernels import LayoutError, PagedKV
 from kvtier_kernels.paged import gather, scatter
 
@@ -56,6 +65,13 @@ _DIGIT = 256  # every float dtype holds 0..255 exactly
 # is far below; another rotation is of order 1).
 _ROPE_CHECK_POSITIONS = 4096
 _ROPE_CHECK_TOLERANCE = 0.1
+
+
+def _cause(error: BaseException) -> str:
+    """Where ``error`` was raised (its type and innermost frame): a failure logged once."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}{where}"
 
 
 def running_model() -> Any:
@@ -278,8 +294,30 @@ class BlendWorker:
             placed.append(PlacedSegment(found[0], found[1], start))
         return placed
 
+    def run_or_report(self, spec: BlendSpec) -> set[int]:
+        """Run ``spec`` (``run``). Returns the blocks of its claimed tokens when it failed
+        (some may be written, none may be trusted): a failed load, counted and logged."""
+        try:
+            self.run(spec)
+            return set()
+        except Exception as error:
+            blocks = spec.block_ids[: -(-len(spec.token_ids) // self.tokens.paged.block_size)]
+            self.stats.inc("blend_failed_requests")
+            self.stats.inc("blend_failed_blocks", len(blocks))
+            warn_once(
+                logger,
+                f"kvtier CacheBlend: blending request {spec.req_id} failed ({error!r}); its "
+                f"{len(blocks)} blocks are reported to vLLM as failed loads "
+                "(kv_load_failure_policy). Later failures of this cause are only counted "
+                "(blend_failed_requests)",
+                key=f"blend failed: {_cause(error)}",
+                exc_info=error,
+            )
+            return set(blocks)
+
     def run(self, spec: BlendSpec) -> None:
-        """Blend the request's claimed tokens and write their KV into its blocks."""
+        """Blend the request's claimed tokens and write their KV into its blocks; what
+        fails is raised (``run_or_report`` makes it a failed load)."""
         began = time.perf_counter()
         paged, model = self.tokens.paged, self.model
         num_tokens = len(spec.token_ids)
@@ -307,11 +345,41 @@ class BlendWorker:
             self.stats.inc("blend_check_norm", norm)
 
     def save(self, spec: SegmentSaveSpec) -> None:
-        """Store the request's computed segments that no tier holds yet."""
+        """Store the request's computed segments that no tier holds yet; one that fails
+        is not stored (counted and logged), never an error in vLLM's step."""
         for start, end, h in spec.segments:
-            if self.segments.contains(h):
-                continue
-            slots = slot_mapping(spec.block_ids, self.tokens.paged.block_size, end, start)
-            kv = self.tokens.read(slots[start:end])
-            if self.segments.put(h, kv, torch.arange(start, end, dtype=torch.int64)):
-                self.stats.inc("blend_stored_segments")
+            try:
+                self._save_segment(spec.block_ids, start, end, h)
+            except Exception as error:
+                self.stats.inc("blend_failed_segment_stores")
+                warn_once(
+                    logger,
+                    f"kvtier CacheBlend: storing a segment of request {spec.req_id} failed "
+                    f"({error!r}): not stored. Later failures of this cause are only "
+                    "counted (blend_failed_segment_stores)",
+                    key=f"segment store failed: {_cause(error)}",
+                    exc_info=error,
+                )
+
+    def _save_segment(self, block_ids: list[int], start: int, end: int, h: bytes) -> None:
+        if self.segments.contains(h):
+            return
+        paged = self.tokens.paged
+        shape = tuple(paged.chunk_shape(end - start))
+        if not self.segments.fits(shape, paged.dtype):
+            self.stats.inc("blend_skipped_too_large_segments")
+            nbytes = math.prod(shape) * paged.dtype.itemsize
+            warn_once(
+                logger,
+                f"kvtier CacheBlend: a segment of {end - start} tokens ({nbytes / 2**20:.1f} "
+                "MiB of KV) is larger than the whole CPU pool (max_local_cpu_size): such "
+                "segments are never stored nor reused (blend_skipped_too_large_segments). "
+                "Raise max_local_cpu_size, or split the documents with blend_special_str",
+                key="blend segment larger than the CPU pool",
+            )
+            return
+        kv = self.tokens.read(slot_mapping(block_ids, paged.block_size, end, start)[start:end])
+        if self.segments.put(h, kv, torch.arange(start, end, dtype=torch.int64)):
+            self.stats.inc("blend_stored_segments")
+        else:  # NOTE: no room now, even after evicting; a later request stores it
+            self.stats.inc("blend_skipped_no_memory_segments")

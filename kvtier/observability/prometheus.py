@@ -88,6 +88,17 @@ HELP = {
         "shape): computed afresh."
     ),
     "blend_stored_segments": "CacheBlend: segments stored.",
+    "blend_failed_requests": (
+        "CacheBlend: blends that failed (an error in the worker): reported to vLLM as failed loads."
+    ),
+    "blend_failed_blocks": "CacheBlend: vLLM blocks of failed blends, reported as failed loads.",
+    "blend_failed_segment_stores": "CacheBlend: segment stores that failed with an error.",
+    "blend_skipped_too_large_segments": (
+        "CacheBlend: segments not stored because their KV is larger than the whole CPU pool."
+    ),
+    "blend_skipped_no_memory_segments": (
+        "CacheBlend: segments not stored because the CPU pool had no room (after evicting)."
+    ),
     "blend_seconds": "CacheBlend: time spent in the blend computation, measured.",
     "blend_rope_seconds": "CacheBlend: time spent re-rotating segment keys, measured.",
     "blend_total_seconds": (

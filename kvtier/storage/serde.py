@@ -13,7 +13,8 @@ configured serde, any other with that codec's defaults). The serdes:
 
 A chunk a codec cannot take (``ValueError`` from ``encode``: for ``cachegen`` non-finite
 values, an MLA chunk, a dtype other than bf16/fp16/fp32) is written with ``naive``
-instead: the header always names the codec used.
+instead, with a warning; so is a tensor that is no KV chunk at all (``NotAKVChunk``:
+CacheBlend's segment positions), without one. The header always names the codec used.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ if TYPE_CHECKING:
 class CorruptObject(ValueError):
     """A stored object that must not be used: its bytes disagree with its header, with
     the key asked for, or with the wire format. Readers treat it as a miss."""
+
+
+class NotAKVChunk(ValueError):
+    """A tensor a KV codec does not code by design, as it is no KV chunk
+    (``[planes, layers, tokens, width]``): CacheBlend's segment positions, say. It is
+    stored verbatim (``naive``) without a warning."""
 
 
 class Serde(Protocol):
@@ -142,7 +149,12 @@ class CachegenSerde:
         from kvtier.config.tiers import parse_levels
         from kvtier_kernels.cachegen import encode_chunk
 
-        if tensor.dim() != 4 or tensor.shape[0] != 2:  # the same words for every chunk size
+        if tensor.dim() != 4:
+            raise NotAKVChunk(
+                f"cachegen codes KV chunks [planes, layers, tokens, width], not a "
+                f"{tensor.dim()}-d tensor"
+            )
+        if tensor.shape[0] != 2:  # the same words for every chunk size
             raise ValueError(
                 "cachegen codes chunks of a K and a V plane, [2, layers, tokens, width]; "
                 f"this cache's have {tensor.shape[0]} plane(s) (MLA): they are stored as they are"

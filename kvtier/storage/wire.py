@@ -52,7 +52,14 @@ import xxhash
 
 from kvtier.memory import MemoryObj
 from kvtier.storage.blob_store import Buffer
-from kvtier.storage.serde import CorruptObject, NaiveSerde, Serde, make_serde, tensor_bytes
+from kvtier.storage.serde import (
+    CorruptObject,
+    NaiveSerde,
+    NotAKVChunk,
+    Serde,
+    make_serde,
+    tensor_bytes,
+)
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -164,7 +171,8 @@ def encode(
     try:
         payload, params = serde.encode(tensor)
     except ValueError as exc:  # a chunk this codec cannot take (e.g. non-finite): raw
-        warn_once(logger, f"codec {serde.name} cannot take a chunk ({exc}): stored naive")
+        if not isinstance(exc, NotAKVChunk):  # a KV codec, asked to code no KV: raw, unsaid
+            warn_once(logger, f"codec {serde.name} cannot take a chunk ({exc}): stored naive")
         serde = NaiveSerde()
         payload, params = serde.encode(tensor)
     known = checksum is not None and serde.verbatim

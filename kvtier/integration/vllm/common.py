@@ -135,8 +135,10 @@ class WorkerExtension:
         """More operations for the rank's lookup socket (op name -> handler)."""
         return {}
 
-    def before_forward(self, specs: list) -> None:
-        """This step's specs, before the forward pass (after the step's loads)."""
+    def before_forward(self, specs: list) -> set[int] | None:
+        """This step's specs, before the forward pass (after the step's loads). Returns
+        the vLLM blocks it was to fill and could not: reported to vLLM as failed loads,
+        like a plain load's (None: none)."""
 
     def after_forward(self, specs: list) -> None:
         """This step's specs, after the forward pass (before the step's saves)."""

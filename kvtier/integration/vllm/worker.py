@@ -19,7 +19,8 @@ saves). ``WorkerSide.from_vllm`` wires one up in a vLLM worker process.
 
 NOTE: a chunk that cannot be loaded (evicted since the lookup, corrupt, wrong shape) is
 never written into vLLM's cache; the blocks it should have filled are reported through
-``get_block_ids_with_load_errors`` so vLLM recomputes them.
+``get_block_ids_with_load_errors`` so vLLM recomputes them. So are the blocks an
+extension was to fill before the forward pass and could not (a blend that failed).
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ class WorkerSide:
             self._load_errors |= self._reported(load, failed)
             self._failed_this_step |= failed
         for extension in self.extensions:
-            extension.before_forward(plan.extensions.get(extension.name, []))
+            failed = extension.before_forward(plan.extensions.get(extension.name, []))
+            self._load_errors |= failed or set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: write this layer of the step's loads before its attention runs."""
