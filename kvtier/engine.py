@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -41,21 +41,73 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineMetadata:
-    """Who produced the KV: separates caches of different models and shards."""
+    """Who produced the KV: separates caches of different models and shards.
+
+    ``world_size`` and ``rank`` name the shard; both are part of every key. Where several
+    ranks hold the same shard (each tensor-parallel rank of an MLA engine holds the whole
+    latent cache), ``replicas`` says how many and ``replica`` which one this is: they
+    share keys, replica 0 alone writes the shared tiers, and each keeps its own memory
+    and local disk tiers.
+    """
 
     model_name: str
     world_size: int = 1
     rank: int = 0
     kv_dtype: str | None = None  # None: taken from the KV cache when it is bound
     tags: tuple[tuple[str, str], ...] = ()  # e.g. the engine layout, when chunks depend on it
+    replicas: int = 1
+    replica: int = 0
+
+    @property
+    def worker_rank(self) -> int:
+        """This process's rank among the engine's ``world_size * replicas`` ranks."""
+        return self.rank * self.replicas + self.replica
+
+    @property
+    def worker_count(self) -> int:
+        """The engine's ranks, replicas included."""
+        return self.world_size * self.replicas
+
+    @property
+    def writes_shared_tiers(self) -> bool:
+        """Whether this rank writes the tiers other processes see (remote, shared
+        filesystem): every rank of its own shard, one replica of a replicated one."""
+        return self.replica == 0
+
+    def replicated(self, replicas: int) -> EngineMetadata:
+        """This rank's metadata when each run of ``replicas`` consecutive ranks holds the
+        same KV (an MLA engine's tensor-parallel ranks, ``rank = stage * tp + tp_rank``):
+        the shard is the run's (``rank // replicas`` of ``world_size // replicas``), the
+        replica this rank's place in it.
+
+        Raises:
+            ValueError: ``replicas`` does not divide ``world_size``, or this metadata is
+                already replicated.
+        """
+        if replicas == 1:
+            return self
+        if self.replicas != 1 or replicas < 1 or self.world_size % replicas:
+            raise ValueError(
+                f"cannot split world_size={self.world_size} (replicas={self.replicas}) "
+                f"into runs of {replicas} replicas"
+            )
+        stage, replica = divmod(self.rank, replicas)
+        return replace(
+            self,
+            world_size=self.world_size // replicas,
+            rank=stage,
+            replicas=replicas,
+            replica=replica,
+        )
 
 
 def disk_shard(metadata: EngineMetadata) -> str | None:
     """The local disk tier's subdirectory for one rank of a tensor- or pipeline-parallel
-    engine (``rank1of2``); None with a single rank, whose files are the tree itself."""
-    if metadata.world_size == 1:
+    engine (``rank1of2``), replicas included, since a rank's directory is its own; None
+    with a single rank, whose files are the tree itself."""
+    if metadata.worker_count == 1:
         return None
-    return f"rank{metadata.rank}of{metadata.world_size}"
+    return f"rank{metadata.worker_rank}of{metadata.worker_count}"
 
 
 class CacheEngine:
@@ -91,6 +143,7 @@ class CacheEngine:
             namespace=config.model_name or metadata.model_name,
             events=events,
             disk_shard=disk_shard(metadata),
+            write_shared=metadata.writes_shared_tiers,
         )
         self.checked = CheckedChunks(self.storage, verify=config.verify_checksums)
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
@@ -320,7 +373,7 @@ class CacheEngine:
             self.stats,
             gauges=self.storage.gauges(),
             tiers=self.storage.lower_tier_names,
-            rank=str(self.metadata.rank),
+            rank=str(self.metadata.worker_rank),
         )
         for name in omit:
             exported["counters"].pop(name, None)

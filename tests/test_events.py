@@ -103,14 +103,15 @@ def test_cpu_tier_records_what_it_starts_and_stops_holding():
     tier.close()
 
 
-def make_paged(seed: int = 0) -> PagedKV:
+def make_paged(seed: int = 0, *, mla: bool = False) -> PagedKV:
+    """A random cache; ``mla``: one latent head of the same bytes a token."""
     paged = PagedKV.empty(
-        "vllm_hnd",
+        "mla" if mla else "vllm_hnd",
         num_layers=LAYERS,
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK,
-        num_heads=HEADS,
-        head_size=HEAD,
+        num_heads=1 if mla else HEADS,
+        head_size=2 * HEADS * HEAD if mla else HEAD,
         dtype=torch.bfloat16,
     )
     gen = torch.Generator().manual_seed(seed)
@@ -212,7 +213,7 @@ def ev() -> SimpleNamespace:
         outputs = []
         for worker in workers:
             output = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
-            records = events.rank_events(worker.metadata.rank, worker.take_tier_events())
+            records = events.rank_events(worker.metadata.worker_rank, worker.take_tier_events())
             output.kv_connector_output = KVConnectorOutput(kv_cache_events=records)
             outputs.append(pickle.loads(pickle.dumps(output)))
         merged = KVOutputAggregator(len(workers)).aggregate(outputs).kv_connector_output
@@ -381,7 +382,11 @@ def test_events_nobody_takes_are_bounded(ev):
 # -- a scripted workload: scheduler side + worker ranks + vLLM's aggregation ----------
 
 
-def make_worker(rank: int = 0, world: int = 1, **overrides: Any) -> WorkerSide:
+def make_worker(
+    rank: int = 0, world: int = 1, *, mla: bool = False, **overrides: Any
+) -> WorkerSide:
+    """Rank ``rank`` of ``world`` tensor-parallel ranks; ``mla``: of an MLA cache, whose
+    ranks hold the same latent under the same keys, each in its own CPU tier."""
     config = load_config(
         {
             "chunk_size": CHUNK,
@@ -391,9 +396,16 @@ def make_worker(rank: int = 0, world: int = 1, **overrides: Any) -> WorkerSide:
         },
         env={},
     )
-    worker = WorkerSide(config, EngineMetadata("test-model", world, rank), None, record_events=True)
-    paged = make_paged(seed=rank)
-    worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN")
+    worker = WorkerSide(
+        config,
+        EngineMetadata("test-model", world, rank),
+        None,
+        record_events=True,
+        mla_replicas=world,
+    )
+    paged = make_paged(seed=0 if mla else rank, mla=mla)
+    backend = "FLASHMLA" if mla else "FLASH_ATTN"
+    worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(paged.tensors)}, backend)
     return worker
 
 
@@ -421,9 +433,11 @@ def serve(side: SchedulerSide, workers: list[WorkerSide], req, blocks: list[int]
     side.request_finished(req)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
-def test_store_evict_clear_give_exact_events(ev, world):
-    workers = [make_worker(rank, world) for rank in range(world)]
+@pytest.mark.parametrize(
+    ("world", "mla"), [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-mla"]
+)
+def test_store_evict_clear_give_exact_events(ev, world, mla):
+    workers = [make_worker(rank, world, mla=mla) for rank in range(world)]
     try:
         side, tracker = make_scheduler(ev, workers)
         a = ev.request("a", tokens_of(24, seed=7))

@@ -129,6 +129,8 @@ TIER_HELP = {
     TierCounter.DROPPED_UNAVAILABLE: "Stores dropped because the tier was down.",
     TierCounter.DROPPED_NO_SPACE: "Stores dropped because the disk was full.",
     TierCounter.DROPPED_ERROR: "Stores dropped on another write error.",
+    TierCounter.SKIPPED_REPLICA: "Stores left to the rank that writes the same shard "
+    "(an MLA engine's tensor-parallel rank 0).",
     TierCounter.ERRORS: "Failed calls to the tier.",
     TierCounter.TIMEOUTS: "Calls to the tier abandoned after remote_timeout_ms.",
     TierCounter.RECONNECTS: "Times the tier came back after being down.",

@@ -62,6 +62,7 @@ class TierCounter:
     DROPPED_UNAVAILABLE = "puts_dropped_unavailable"
     DROPPED_NO_SPACE = "puts_dropped_no_space"
     DROPPED_ERROR = "puts_dropped_error"
+    SKIPPED_REPLICA = "puts_skipped_replica"
     ERRORS = "errors"
     TIMEOUTS = "timeouts"
     RECONNECTS = "reconnects"

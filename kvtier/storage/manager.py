@@ -31,7 +31,7 @@ from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
 from kvtier.machine import PoolTooLarge
 from kvtier.memory import MemoryObj
-from kvtier.observability.stats import Counter, Stats
+from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
 from kvtier.observability.tier_events import TierEventLog
 from kvtier.storage import schemes
 from kvtier.storage.cpu import LocalCPUTier
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 PREFETCH_WAIT_S = 5.0
 MAX_PREFETCHING = 1024
+LOCAL_DISK = "disk"  # the local disk tier's name; every other lower tier is shared
 
 
 class StorageManager:
@@ -57,6 +58,11 @@ class StorageManager:
         lower_tiers: the tiers below the CPU (None: opened from ``config``).
         events: where the CPU and local disk tiers record what they hold
             (``kvtier.observability.tier_events``; None: no records).
+        disk_shard: the local disk tier's subdirectory (``open_lower_tiers``).
+        write_shared: write the shared tiers (every lower tier but the local disk).
+            False for a replica whose peer writes the same bytes under the same keys
+            (an MLA engine's tensor-parallel rank > 0): its puts skip them (counted as
+            ``<tier>_puts_skipped_replica``), and it reads what the peer wrote.
     """
 
     def __init__(
@@ -69,8 +75,10 @@ class StorageManager:
         lower_tiers: Sequence[LowerTier] | None = None,
         events: TierEventLog | None = None,
         disk_shard: str | None = None,
+        write_shared: bool = True,
     ):
         self.config = config
+        self.write_shared = write_shared
         self.stats = stats or Stats()
         try:
             self.cpu = LocalCPUTier(
@@ -168,6 +176,12 @@ class StorageManager:
             return False
         took = self.retain_in_cpu
         for tier in self.lower:
+            if not self.write_shared and is_shared(tier):
+                # NOTE: the peer replica writes these bytes under this key; a put skipped
+                # here is not a failed one
+                self.stats.inc(tier_counter(tier.name, TierCounter.SKIPPED_REPLICA))
+                took = True
+                continue
             took = tier.submit_put(key, obj) or took
         return took
 
@@ -323,6 +337,12 @@ class StorageManager:
         self.cpu.close()
 
 
+def is_shared(tier: LowerTier) -> bool:
+    """Whether other processes see ``tier``: every lower tier but the local disk (named
+    ``disk``; the shared filesystem's file tier is ``fs``)."""
+    return tier.name != LOCAL_DISK
+
+
 def open_lower_tiers(
     config: KVTierConfig,
     stats: Stats,
@@ -347,7 +367,7 @@ def open_lower_tiers(
         tiers.append(
             FileTier(
                 os.path.join(config.local_disk, disk_shard) if disk_shard else config.local_disk,
-                name="disk",
+                name=LOCAL_DISK,
                 capacity_bytes=config.max_local_disk_bytes,
                 serde=serde,
                 stats=stats,

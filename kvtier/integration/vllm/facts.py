@@ -59,6 +59,18 @@ def world_size(vllm_config: VllmConfig) -> int:
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
 
+def latent_replicas(vllm_config: VllmConfig) -> int:
+    """Ranks in a row that hold the same KV when the cache is MLA's latent: the
+    tensor-parallel ranks of a pipeline stage, each holding the whole latent (MLA's one
+    KV head is replicated, not sharded). 1 under decode or prefill context parallelism,
+    which splits a sequence's tokens across those ranks."""
+    parallel = vllm_config.parallel_config
+    for split in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(parallel, split, 1) or 1) > 1:
+            return 1
+    return parallel.tensor_parallel_size
+
+
 def stores_partial_chunks(config: KVTierConfig, kv_role: str | None) -> bool:
     """Whether a prompt's partial last chunk is stored and looked up: ``save_unfull_chunk``,
     which defaults to on for both sides of disaggregated prefill (as in LMCache), so the

@@ -387,7 +387,7 @@ class KVEventWorking(WorkerExtension):
     def take_events(self) -> KVTierKVEvents | None:
         if self.rank is None:
             return None
-        return rank_events(self.rank.engine.metadata.rank, self.rank.take_tier_events())
+        return rank_events(self.rank.engine.metadata.worker_rank, self.rank.take_tier_events())
 
 
 def scheduler_extension(

@@ -74,6 +74,9 @@ class WorkerSide:
         wait_stored_s: a ``kv_producer``'s ``producer_store_timeout_ms``: after a step's
             saves, wait up to this long until they reached every tier (0: do not wait).
         extensions: optional features, run around each forward pass.
+        mla_replicas: ranks in a row (one pipeline stage's tensor-parallel ranks) that
+            hold the same KV if the cache turns out to be MLA's latent: they then store
+            it under the same keys, once per stage (``EngineMetadata.replicated``).
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class WorkerSide:
         record_events: bool = False,
         wait_stored_s: float = 0.0,
         extensions: Sequence[WorkerExtension] = (),
+        mla_replicas: int = 1,
     ):
         self.config = config
+        self.mla_replicas = mla_replicas
         self.extensions = list(extensions)
         self.metadata = metadata
         self.endpoint = endpoint
@@ -128,6 +133,7 @@ class WorkerSide:
             record_events=facts.kv_events_enabled(vllm_config),
             wait_stored_s=config.producer_store_timeout_ms / 1000 if producer else 0.0,
             extensions=worker_extensions(config, vllm_config),
+            mla_replicas=facts.latent_replicas(vllm_config),
         )
         side._vllm_config = vllm_config
         return side
@@ -147,7 +153,8 @@ class WorkerSide:
         bytes sit inside a block, or a quantized cache's format), so chunks from
         incompatible engines never mix. The KV geometry (layers x KV heads x head size)
         joins every key too, and a layout copied in whole blocks (not token-major) adds
-        its block size.
+        its block size. An MLA cache is keyed per pipeline stage, not per rank
+        (``mla_replicas``).
         """
         block_size = None
         if self._vllm_config is not None:
@@ -161,6 +168,9 @@ class WorkerSide:
             # the same bytes are other KV
             tags = (*tags, ("block_size", str(paged.block_size)))
         self.metadata = dataclasses.replace(self.metadata, tags=tuple(tags))
+        if paged.layout.name == "mla":
+            # NOTE: every tensor-parallel rank holds the whole latent, byte for byte
+            self.metadata = self.metadata.replicated(self.mla_replicas)
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_size = paged.block_size
         use_tuning_dir(self.config.tuning_dir)  # this worker process's kernel tuning files

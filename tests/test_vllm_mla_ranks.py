@@ -1,0 +1,211 @@
+"""An MLA cache under tensor parallelism: stored once per pipeline stage, not per rank.
+
+Every tensor-parallel rank of an MLA engine holds the whole latent cache, byte for byte,
+so the ranks of one stage key their chunks alike; stages hold other layers and keep their
+own keys. Rank 0 of a stage alone writes the shared tiers; the other ranks keep their own
+memory and local disk copies and read the shared tier that rank 0 writes.
+
+    ranks (TP=2, PP=2)   0 1 | 2 3        MLA keys   stage 0 of 2 | stage 1 of 2
+    remote (fs://)       rank 0 and rank 2 write; ranks 1 and 3 read it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support.kv import bits, fill_random_
+
+from kvtier.config import load_config
+from kvtier.engine import EngineMetadata
+from kvtier.integration.vllm import facts
+from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan
+from kvtier.integration.vllm.kv_events import KVEventWorking
+from kvtier.integration.vllm.worker import WorkerSide
+from kvtier.observability.stats import Counter, TierCounter, tier_counter
+from kvtier_kernels import PagedKV
+
+LAYERS, BLOCK, CHUNK, LATENT = 2, 4, 8, 48
+NUM_BLOCKS = 16
+SRC, DST = [9, 2, 14, 5, 11, 0], [3, 12, 7, 1, 15, 6]
+NUM_TOKENS = len(SRC) * BLOCK  # three chunks
+SKIPPED = tier_counter("fs", TierCounter.SKIPPED_REPLICA)
+
+LAYOUT_BACKENDS = {"mla": ("mla", "FLASHMLA"), "mha": ("vllm_hnd", "FLASH_ATTN")}
+
+
+def make_cache(layout: str) -> PagedKV:
+    """The same random cache on every call: the ranks' replicated latent."""
+    mla = layout == "mla"
+    paged = PagedKV.empty(
+        layout,
+        num_layers=LAYERS,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        num_heads=1 if mla else 2,
+        head_size=LATENT if mla else LATENT // 2,
+        dtype=torch.bfloat16,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for tensor in paged.tensors:
+        fill_random_(tensor, gen)
+    return paged
+
+
+@pytest.fixture
+def engine_ranks(tmp_path: Path) -> Iterator:
+    """Builds the registered ranks of one engine (``tp x pp``), sharing a local disk root
+    and an ``fs://`` remote; shuts them down after."""
+    made: list[WorkerSide] = []
+
+    def build(kind: str, tp: int, pp: int = 1, **overrides) -> list[tuple[WorkerSide, PagedKV]]:
+        layout, backend = LAYOUT_BACKENDS[kind]
+        config = load_config(
+            {
+                "chunk_size": CHUNK,
+                "max_local_cpu_size": 0.01,
+                "kernel_backend": "torch",
+                "local_disk": str(tmp_path / "disk"),
+                "max_local_disk_size": 0.01,
+                "remote_url": f"fs://{tmp_path / 'remote'}",
+                **overrides,
+            },
+            env={},
+        )
+        ranks = []
+        for rank in range(tp * pp):
+            worker = WorkerSide(
+                config,
+                EngineMetadata("test-model", tp * pp, rank),
+                None,
+                record_events=True,
+                extensions=[KVEventWorking()],
+                mla_replicas=tp,
+            )
+            made.append(worker)
+            paged = make_cache(layout)
+            names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+            worker.register_kv_caches(dict(zip(names, paged.tensors, strict=True)), backend)
+            ranks.append((worker, paged))
+        return ranks
+
+    yield build
+    for worker in made:
+        worker.shutdown()
+
+
+def chunk_hashes(worker: WorkerSide) -> list[bytes]:
+    return worker.engine.chunker.chunk_hashes(torch.arange(NUM_TOKENS))
+
+
+def save(worker: WorkerSide, hashes: list[bytes]) -> None:
+    worker.start_load(StepPlan(saves=[SaveSpec("req-a", 0, hashes, NUM_TOKENS, list(SRC))]))
+    worker.wait_for_save()
+
+
+def load(worker: WorkerSide, hashes: list[bytes]) -> set[int]:
+    spec = LoadSpec("req-b", 0, hashes, NUM_TOKENS, 0, NUM_TOKENS, list(DST), False)
+    worker.start_load(StepPlan(loads=[spec]))
+    worker.wait_for_save()
+    return worker.take_load_errors()
+
+
+def assert_same_blocks(paged: PagedKV, got: list[int], want: list[int], what: str) -> None:
+    for layer in range(paged.num_layers):
+        view = paged.layer_view(layer)
+        diff = bits(view[:, got]) != bits(view[:, want])
+        if diff.any():
+            plane, j, offset, head, dim = (int(i) for i in diff.nonzero()[0])
+            raise AssertionError(
+                f"{what}: layer {layer}, plane {plane}, block {got[j]} (#{j}) vs "
+                f"{want[j]}, offset {offset}, head {head}, dim {dim}"
+            )
+
+
+def stored_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def test_mla_keys_are_one_per_pipeline_stage(engine_ranks):
+    ranks = engine_ranks("mla", tp=2, pp=2)
+    keys = [worker.engine.chunker.key(b"\x07" * 16) for worker, _ in ranks]
+    assert [(k.world_size, k.rank) for k in keys] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert keys[0] == keys[1] and keys[2] == keys[3], "TP ranks of a stage key apart"
+    assert keys[0] != keys[2], "pipeline stages share keys"
+    assert [w.metadata.worker_rank for w, _ in ranks] == [0, 1, 2, 3]
+    disks = {w.engine.storage.lower[0].root.name for w, _ in ranks}
+    assert disks == {f"rank{r}of4" for r in range(4)}, "each rank keeps its own disk"
+
+
+def test_other_caches_keep_a_key_per_rank(engine_ranks):
+    ranks = engine_ranks("mha", tp=2, pp=2)
+    keys = [worker.engine.chunker.key(b"\x07" * 16) for worker, _ in ranks]
+    assert [(k.world_size, k.rank) for k in keys] == [(4, r) for r in range(4)]
+    for worker, _ in ranks:
+        save(worker, chunk_hashes(worker))
+        assert worker.engine.flush(10)
+        assert worker.stats.get(SKIPPED) == 0, f"rank {worker.metadata.rank} skipped the remote"
+
+
+def test_rank_1_leaves_the_remote_to_rank_0_and_loads_what_it_wrote(engine_ranks, tmp_path):
+    (rank0, _), (rank1, paged1) = engine_ranks("mla", tp=2)
+    hashes = chunk_hashes(rank0)
+    assert chunk_hashes(rank1) == hashes
+    for worker in (rank0, rank1):
+        save(worker, hashes)
+        assert worker.engine.flush(10)
+        assert worker.stats.get(Counter.STORED_CHUNKS) == 3, "a skipped put counted as failed"
+    assert len(stored_files(tmp_path / "remote")) == 3, "the remote holds a copy per rank"
+    assert (rank0.stats.get(SKIPPED), rank1.stats.get(SKIPPED)) == (0, 3)
+    assert rank1.stats.get(tier_counter("fs", TierCounter.PUT_CHUNKS)) == 0
+    for worker in (rank0, rank1):  # each rank's own local disk copy
+        assert len(stored_files(worker.engine.storage.lower[0].root)) == 3
+
+    rank1.engine.storage.cpu.clear()
+    rank1.engine.storage.lower[0].clear()  # rank 1 holds nothing of its own now
+    assert [w.engine.lookup_hashes(hashes) for w in (rank0, rank1)] == [3, 3]
+    assert load(rank1, hashes) == set()
+    assert rank1.stats.get(tier_counter("fs", TierCounter.GET_HITS)) == 3
+    assert_same_blocks(paged1, DST, SRC, "rank 1 loading rank 0's chunks from the remote")
+
+
+def test_a_chunk_is_a_hit_only_where_every_rank_can_load_it(engine_ranks):
+    (rank0, _), (rank1, _) = engine_ranks("mla", tp=2, remote_url=None, local_disk=None)
+    hashes = chunk_hashes(rank0)
+    save(rank0, hashes)
+    assert [w.engine.lookup_hashes(hashes) for w in (rank0, rank1)] == [3, 0]
+
+
+def test_each_rank_reports_its_kv_events_under_its_own_rank(engine_ranks):
+    ranks = engine_ranks("mla", tp=2, remote_url=None, local_disk=None)
+    for worker, _ in ranks:
+        save(worker, chunk_hashes(worker))
+    reported = [worker.take_events() for worker, _ in ranks]
+    assert [{r.rank for r in events.get_all_events()} for events in reported] == [{0}, {1}]
+
+
+@pytest.mark.parametrize(
+    ("tp", "dcp", "pcp", "replicas"),
+    [(4, 1, 1, 4), (1, 1, 1, 1), (4, 2, 1, 1), (4, 1, 2, 1)],
+    ids=["tp4", "tp1", "dcp2", "pcp2"],
+)
+def test_tp_ranks_replicate_the_latent_unless_context_parallelism_splits_it(tp, dcp, pcp, replicas):
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        prefill_context_parallel_size=pcp,
+    )
+    assert facts.latent_replicas(SimpleNamespace(parallel_config=parallel)) == replicas
+
+
+def test_replicated_metadata_names_the_stage_and_keeps_the_worker_rank():
+    metadata = EngineMetadata("m", world_size=6, rank=5).replicated(2)
+    assert (metadata.world_size, metadata.rank, metadata.replicas, metadata.replica) == (3, 2, 2, 1)
+    assert (metadata.worker_rank, metadata.worker_count) == (5, 6)
+    assert not metadata.writes_shared_tiers
+    assert EngineMetadata("m", 2, 1).replicated(1) == EngineMetadata("m", 2, 1)
+    with pytest.raises(ValueError, match="world_size=6"):
+        EngineMetadata("m", world_size=6, rank=5).replicated(4)
