@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import math
 import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
@@ -35,7 +36,11 @@ from kvtier.server.discovery import (
     check_group,
 )
 from kvtier.storage.node_address import parse_server_address
-from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
+from kvtier.storage.node_protocol import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_NAMES,
+)
 from kvtier.storage.redis_url import parse_url
 
 PEER_TRANSPORTS = ("auto", "nixl", "tcp")
@@ -108,6 +113,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-clients", type=int, default=256, help="connections held at once (default 256)"
+    )
+    parser.add_argument(
+        "--max-names",
+        type=int,
+        default=DEFAULT_MAX_NAMES,
+        help="most chunk names in one request (lookup, get, put, delete); clients split "
+        "larger batches to fit (default %(default)d)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a client connection that sends nothing for this long; the client "
+        "dials again when it needs one (0: never; default %(default)g)",
     )
     parser.add_argument(
         "--no-shm",
@@ -217,6 +237,13 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             ),
             ("--max-frame-mb", args.max_frame_mb, args.max_frame_mb > 0, "MiB > 0"),
             ("--max-clients", args.max_clients, args.max_clients >= 1, "an integer >= 1"),
+            ("--max-names", args.max_names, args.max_names >= 1, "an integer >= 1"),
+            (
+                "--idle-timeout",
+                args.idle_timeout,
+                0 <= args.idle_timeout < math.inf,
+                "seconds >= 0 (0: never)",
+            ),
             (
                 "--max-shm-mb",
                 args.max_shm_mb,
@@ -314,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
                 admin_port=args.admin_port,
                 max_frame_mb=args.max_frame_mb,
                 max_clients=args.max_clients,
+                max_names=args.max_names,
+                idle_timeout_s=args.idle_timeout,
                 max_shm_mb=None if args.no_shm else args.max_shm_mb,
                 peers=PeerOptions(
                     peer_urls(args, config),
