@@ -16,6 +16,7 @@ import pytest
 from support.kvtier_server import KVTierServerProcess, free_port
 
 from kvtier.chunker import Chunker, RequestExtras
+from kvtier.cli import main
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.server.admin import MAX_BODY_BYTES, AdminHooks, AdminServer
@@ -308,6 +309,18 @@ def test_status_prints_the_servers_counters(server):
     done = kvtier_status("--server", f"kvtier://127.0.0.1:{server.port}", "--json")
     values = json.loads(done.stdout)
     assert values["puts"] == 6 and values["disk_blobs"] == 6
+
+
+def test_status_refuses_a_server_address_of_another_scheme(server, capsys):
+    for scheme in ("http", "https", "redis"):
+        assert main(["status", "--server", f"{scheme}://127.0.0.1:{server.port}"]) == 2
+        err = capsys.readouterr().err
+        assert f"--server '{scheme}://127.0.0.1:{server.port}': expected HOST:PORT" in err
+        assert f"{scheme}:// is" in err
+        assert main(["serve", "--peer", f"{scheme}://127.0.0.1:1"]) == 2
+        assert "--peer / server_peers" in capsys.readouterr().err
+    for form in (f"127.0.0.1:{server.port}", f"lm://127.0.0.1:{server.port}"):
+        assert main(["status", "--server", form, "--json"]) == 0
 
 
 def test_a_dead_remote_is_warned_at_start_and_health_and_status_agree():
