@@ -167,9 +167,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--advertise",
+        action="append",
         metavar="kvtier://HOST:PORT",
-        help="the address other servers reach this one at, as discovery registers it "
-        "(default: --host and --port; required when --host binds every address)",
+        help="the address other servers reach this one at, as discovery registers it: "
+        "one address (given again, the same one) (default: --host and --port; required "
+        "when --host binds every address)",
     )
     parser.add_argument(
         "--peer-group",
@@ -275,13 +277,32 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             raise ConfigError(f"{' and '.join(given)} need --peer-discovery")
         return config
     try:
-        advertised(args.host, args.port, args.advertise)
+        advertised(args.host, args.port, advertise_of(args))
         check_group(args.peer_group)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if not args.peer_discovery_ttl >= MIN_TTL_S:
         raise ConfigError(f"--peer-discovery-ttl must be >= {MIN_TTL_S:g} (seconds)")
     return config
+
+
+def advertise_of(args: argparse.Namespace) -> str | None:
+    """The one address of ``--advertise`` (given more than once: each time the same
+    address, in any of its forms), canonical; None when not given.
+
+    Raises:
+        ValueError: naming ``--advertise``: not a ``kvtier://host:port``, or two
+            different addresses (a server registers one).
+    """
+    if not args.advertise:
+        return None
+    urls = list(dict.fromkeys(advertised(args.host, args.port, url) for url in args.advertise))
+    if len(urls) > 1:
+        raise ValueError(
+            f"--advertise given {len(urls)} different addresses ({', '.join(urls)}): a "
+            "server registers one, the address the other servers reach it at"
+        )
+    return urls[0]
 
 
 def discovery_url(args: argparse.Namespace, config: KVTierConfig) -> str | None:
@@ -350,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
                     keep=args.peer_cache == "on",
                     lookup=args.lookup_peers,
                     discovery=discovery_url(args, config),
-                    advertise=args.advertise,
+                    advertise=advertise_of(args),
                     group=args.peer_group,
                     discovery_ttl_s=args.peer_discovery_ttl,
                 ),
