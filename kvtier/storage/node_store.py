@@ -100,6 +100,9 @@ class KVTierStore:
         self._peer = peer
         self._arenas = Arenas()
         self.shm_active = False  # whether the latest connection got a segment
+        # the most names per request, as the latest HELLO reply said (None: no limit, or
+        # no connection yet); every batched call here keeps to it by itself
+        self.max_names: int | None = None
         self._in_place = False  # whether it maps the server's memory tier
 
     # -- connections -------------------------------------------------------------------
@@ -122,6 +125,7 @@ class KVTierStore:
             reply, _ = self._exchange(conn, Op.HELLO, hello, ())
             conn.max_frame = int(reply.get("max_frame", conn.max_frame))
             conn.max_names, conn.idle_timeout_s = _limits(reply)
+            self.max_names = conn.max_names
             if conn.segment is not None and reply.get("shm") is not True:
                 logger.debug("kvtier server %s: TCP only (%s)", self.url, reply.get("shm_error"))
                 conn.segment.close()
