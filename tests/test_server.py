@@ -320,7 +320,7 @@ def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
         stalled = socket.create_connection(("127.0.0.1", holder.port))
         stalled.sendall(HELLO + frame(Op.PING, {})[:10])  # half a frame, then nothing
         idle = holder.client()
-        idle.ping()  # then nothing: a pooled connection may idle as long as it likes
+        idle.ping()  # then nothing: a pooled connection may idle (up to --idle-timeout)
         wait_until(lambda: holder.server.clients == 3)
         late = holder.client()
         with pytest.raises(StoreUnavailable):
