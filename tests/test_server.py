@@ -506,3 +506,30 @@ def test_an_idle_connection_is_closed_and_the_client_dials_again_unnoticed(limit
     client.ping()  # within half the timeout: the same connection
     assert limited.admin("/stats")[1]["connections"] == third
     client.close()
+
+
+def test_pooled_connections_past_half_the_idle_timeout_are_all_let_go(limited):
+    client = limited.client(namespace="pool-prune")
+    client.put_many([("blob", [b"abc"])])
+    both = threading.Barrier(2, timeout=10)  # two reads at once: two pooled connections
+    readers = [
+        threading.Thread(target=client.read_each, args=(["blob"], lambda i, b: both.wait()))
+        for _ in range(2)
+    ]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(10)
+    before = limited.admin("/stats")[1]
+    time.sleep(0.9)
+    client.ping()  # one of the two is used again; the other idles on
+    time.sleep(0.7)  # that one past half the idle timeout (3 s), under the server's close
+    client.ping()  # on the one used since; the other is closed by the client, not left
+    wait_until(
+        lambda: limited.admin("/stats")[1]["clients_connected"] == before["clients_connected"] - 1,
+        timeout=0.8,
+    )
+    after = limited.admin("/stats")[1]
+    assert after["connections"] == before["connections"]  # no connection dialled
+    assert after["connections_idle_closed"] == before["connections_idle_closed"]
+    client.close()

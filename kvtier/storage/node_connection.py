@@ -68,12 +68,17 @@ class Connection:
         request goes out), and nothing is readable on it, so the server has neither
         closed it (a restart) nor sent bytes no request asked for. One ``poll`` that
         does not wait."""
-        idle_s = time.monotonic() - self.last_used
-        if self.idle_timeout_s and idle_s > self.idle_timeout_s / 2:
+        if self.stale():
             return False
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         return not poller.poll(0)
+
+    def stale(self) -> bool:
+        """Whether this idle connection has idled past half the server's idle timeout:
+        the server may be closing it, so it is not used again."""
+        idle_s = time.monotonic() - self.last_used
+        return bool(self.idle_timeout_s) and idle_s > self.idle_timeout_s / 2
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -144,13 +144,31 @@ class KVTierStore:
 
     def _reusable_idle(self) -> Connection | None:
         """A pooled connection the server has not closed (those it has, after a restart,
-        are closed here rather than failing the request), or None."""
+        are closed here rather than failing the request), or None. Every pooled
+        connection past half the server's idle timeout is closed here too, with its
+        segment: the server is about to close it."""
         while True:
             with self._lock:
+                stale = [conn for conn in self._idle if conn.stale()]
+                self._idle = [conn for conn in self._idle if conn not in stale]
                 conn = self._idle.pop() if self._idle else None
-            if conn is None or conn.reusable():
+            for old in stale:
+                old.close()
+            if conn is None or self._settled(conn):
                 return conn
             conn.close()
+
+    def _settled(self, conn: Connection) -> bool:
+        """Whether the idle ``conn`` can carry another request, once the replies still
+        owed on it (``_tell``; they arrived while it idled) are read: otherwise they
+        would read as bytes no request asked for."""
+        owed, conn.owed = conn.owed, []
+        try:
+            for earlier in owed:
+                conn.receive(self._reply(conn, earlier)[1])
+        except (OSError, ProtocolError):
+            return False
+        return conn.reusable()
 
     def _drop_idle(self) -> None:
         with self._lock:
