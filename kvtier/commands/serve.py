@@ -169,9 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advertise",
         action="append",
         metavar="kvtier://HOST:PORT",
-        help="the address other servers reach this one at, as discovery registers it: "
-        "one address (given again, the same one) (default: --host and --port; required "
-        "when --host binds every address)",
+        help="the address other servers reach this one at, as discovery registers it "
+        "(default: --host and --port; required when --host binds every address); given "
+        "more than once, each must name the same address",
     )
     parser.add_argument(
         "--peer-group",

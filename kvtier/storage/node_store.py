@@ -3,9 +3,9 @@
 
 Each batched call is one request frame and one reply frame (``node_protocol``) on a pooled
 TCP connection, or a few in a row where the batch has more names than the server takes in
-one request (``max_names``, announced in its HELLO reply). A connection starts with HELLO, which carries the token
-(``server_token``) and the namespace (the model), so the server keeps this client's
-blobs apart from every other model's. ``RemoteTier`` wraps the store with timeouts, the
+one request (``max_names``, announced in its HELLO reply). A connection starts with
+HELLO, which carries the token (``server_token``) and the namespace (the model), so the
+server keeps this client's blobs apart from every other model's. ``RemoteTier`` wraps the store with timeouts, the
 down state and reconnects (``open_blob_tier``); the store itself only turns every
 failure into ``StoreUnavailable`` and drops its connections, so the next call (the
 tier's reconnect ping) dials afresh. A pooled connection idle for half the server's
