@@ -320,7 +320,7 @@ def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
         stalled = socket.create_connection(("127.0.0.1", holder.port))
         stalled.sendall(HELLO + frame(Op.PING, {})[:10])  # half a frame, then nothing
         idle = holder.client()
-        idle.ping()  # then nothing: a pooled connection may idle as long as it likes
+        idle.ping()  # then nothing: a pooled connection may idle (up to --idle-timeout)
         wait_until(lambda: holder.server.clients == 3)
         late = holder.client()
         with pytest.raises(StoreUnavailable):
@@ -421,3 +421,115 @@ def test_a_batch_read_from_memory_and_disk_comes_back_in_the_order_asked(tmp_pat
         assert client.get_many(["first", "second"]) == [first, second]
         assert client.get_many(["second", "first"]) == [second, first]
         client.close()
+
+
+# -- limits: names per request, idle connections -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited():
+    with KVTierServerProcess("--max-names", "8", "--idle-timeout", "3", admin=True) as server:
+        yield server
+
+
+def _replies(data: bytes) -> list[dict]:
+    """The headers of the frames in ``data`` (frames back to back)."""
+    headers, offset = [], 0
+    while offset < len(data):
+        prefix = protocol.decode_prefix(data[offset : offset + protocol.PREFIX_SIZE], 1 << 30)
+        start = offset + protocol.PREFIX_SIZE
+        headers.append(protocol.decode_header(data[start : start + prefix.header_len]))
+        offset = start + prefix.header_len + prefix.payload_len
+    return headers
+
+
+def test_a_request_over_the_names_limit_is_an_error_reply_on_an_open_connection(limited):
+    names = [f"n{i}" for i in range(9)]
+    put = frame(Op.PUT, {"names": names, "sizes": [1] * 9}, b"x" * 9)
+    data = HELLO + frame(Op.EXISTS, {"names": names}) + put + frame(Op.PING, {})
+    hello, exists, stored, ping = _replies(raw_exchange(limited.port, data))
+    assert hello["max_names"] == 8 and hello["idle_timeout_s"] == 3
+    for reply in (exists, stored):
+        assert "9 names in one request, over the server's limit of 8" in reply["error"]
+    assert ping == {}  # the connection stayed open, the PUT's payload read past
+    stats = limited.admin("/stats")[1]
+    assert stats["rejects_too_many_names"] == 2
+    assert stats.get("puts", 0) == 0
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_clients_split_their_batches_to_the_servers_names_limit(limited, shm):
+    client = KVTierStore("127.0.0.1", limited.port, namespace=f"split-{shm}", shm=shm)
+    names = [f"blob{i}" for i in range(21)]
+    before = limited.admin("/stats")[1]
+    client.put_many([(name, [name.encode() * 3]) for name in names])
+    assert client.exists_many([*names, "absent"]) == [True] * 21 + [False]
+    assert client.get_many(names[::-1]) == [name.encode() * 3 for name in names[::-1]]
+    seen = client.read_each(names, lambda i, blob: (i, bytes(blob)))
+    assert seen == [(i, name.encode() * 3) for i, name in enumerate(names)]
+    assert client.delete_many(names) == 21
+    client.close()
+    after = limited.admin("/stats")[1]
+    assert after["request_errors"] == before["request_errors"]
+    assert after["puts"] - before.get("puts", 0) == 21
+
+
+def test_an_idle_connection_is_closed_and_the_client_dials_again_unnoticed(limited):
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as sock:
+        sock.sendall(HELLO)
+        started = time.monotonic()
+        got = b""
+        while chunk := sock.recv(65536):  # the HELLO reply, then the server's close
+            got += chunk
+        assert 2.5 < time.monotonic() - started < 9
+    assert _replies(got) == [
+        {"max_frame": 256 << 20, "max_names": 8, "idle_timeout_s": 3.0, "version": 1}
+    ]
+    wait_until(lambda: limited.admin("/stats")[1].get("connections_idle_closed", 0) >= 1)
+    client = limited.client()
+    client.ping()
+    first = limited.admin("/stats")[1]
+    time.sleep(1.6)  # over half the idle timeout: the client dials afresh, not racing a close
+    client.ping()
+    second = limited.admin("/stats")[1]
+    assert second["connections"] == first["connections"] + 1
+    assert second["request_errors"] == first["request_errors"]
+    wait_until(  # the server closed the connection the client left
+        lambda: (
+            limited.admin("/stats")[1]["connections_idle_closed"]
+            == first["connections_idle_closed"] + 1
+        ),
+        timeout=10,
+    )
+    client.ping()
+    third = limited.admin("/stats")[1]["connections"]
+    client.ping()  # within half the timeout: the same connection
+    assert limited.admin("/stats")[1]["connections"] == third
+    client.close()
+
+
+def test_pooled_connections_past_half_the_idle_timeout_are_all_let_go(limited):
+    client = limited.client(namespace="pool-prune")
+    client.put_many([("blob", [b"abc"])])
+    both = threading.Barrier(2, timeout=10)  # two reads at once: two pooled connections
+    readers = [
+        threading.Thread(target=client.read_each, args=(["blob"], lambda i, b: both.wait()))
+        for _ in range(2)
+    ]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(10)
+    before = limited.admin("/stats")[1]
+    time.sleep(0.9)
+    client.ping()  # one of the two is used again; the other idles on
+    time.sleep(0.7)  # that one past half the idle timeout (3 s), under the server's close
+    client.ping()  # on the one used since; the other is closed by the client, not left
+    wait_until(
+        lambda: limited.admin("/stats")[1]["clients_connected"] == before["clients_connected"] - 1,
+        timeout=0.8,
+    )
+    after = limited.admin("/stats")[1]
+    assert after["connections"] == before["connections"]  # no connection dialled
+    assert after["connections_idle_closed"] == before["connections_idle_closed"]
+    client.close()

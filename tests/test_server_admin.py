@@ -16,6 +16,7 @@ import pytest
 from support.kvtier_server import KVTierServerProcess, free_port
 
 from kvtier.chunker import Chunker, RequestExtras
+from kvtier.cli import main
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.server.admin import MAX_BODY_BYTES, AdminHooks, AdminServer
@@ -261,6 +262,10 @@ def test_metrics_are_typed_as_docs_server_md_names_them():
         "request_errors",
         "peer_pulls",
         "discovery_refreshes",
+        "memory_evictions",
+        "disk_evictions",
+        "connections_idle_closed",
+        "rejects_too_many_names",
     ]
     gauges = [
         "clients_connected",
@@ -278,6 +283,28 @@ def test_metrics_are_typed_as_docs_server_md_names_them():
         assert f"kvtier_server_{name}_total 1.0" in text
     for name in gauges:
         assert types[f"kvtier_server_{name.partition('{')[0]}"] == "gauge", name
+    assert text.count("# HELP ") == text.count("# TYPE ") == len(types)
+
+
+def test_every_metric_family_has_one_help_line_in_the_docs_words(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server.client().put_many([("a", [b"x"])])  # requests_put, and every tier's gauges
+    status, text = server.admin("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# HELP ") == text.count("# TYPE ") == len(families)
+    for name, family in families.items():
+        assert family.documentation and "docs/server.md" not in family.documentation, name
+    for name in ("memory_evictions", "disk_evictions"):
+        assert families[f"kvtier_server_{name}"].type == "counter", name
+        assert f"kvtier_server_{name}_total 0.0" in text
+    assert families["kvtier_server_memory_blobs"].type == "gauge"
+    help_of = {name: family.documentation for name, family in families.items()}
+    assert help_of["kvtier_server_requests_put"] == "Requests answered of op put."
+    assert help_of["kvtier_server_disk_evictions"] == (
+        "Blob files deleted to stay under max_local_disk_size."
+    )
 
 
 def test_a_fresh_servers_counters_are_exported_at_0(server):
@@ -308,6 +335,18 @@ def test_status_prints_the_servers_counters(server):
     done = kvtier_status("--server", f"kvtier://127.0.0.1:{server.port}", "--json")
     values = json.loads(done.stdout)
     assert values["puts"] == 6 and values["disk_blobs"] == 6
+
+
+def test_status_refuses_a_server_address_of_another_scheme(server, capsys):
+    for scheme in ("http", "https", "redis"):
+        assert main(["status", "--server", f"{scheme}://127.0.0.1:{server.port}"]) == 2
+        err = capsys.readouterr().err
+        assert f"--server '{scheme}://127.0.0.1:{server.port}': expected HOST:PORT" in err
+        assert f"{scheme}:// is" in err
+        assert main(["serve", "--peer", f"{scheme}://127.0.0.1:1"]) == 2
+        assert "--peer / server_peers" in capsys.readouterr().err
+    for form in (f"127.0.0.1:{server.port}", f"lm://127.0.0.1:{server.port}"):
+        assert main(["status", "--server", form, "--json"]) == 0
 
 
 def test_a_dead_remote_is_warned_at_start_and_health_and_status_agree():

@@ -103,6 +103,8 @@ def test_peer_urls_are_canonical():
     assert peer_url("kvtier://10.0.0.1:65432?shm=0") == A
     assert peer_url("lm://[::1]:7") == "kvtier://[::1]:7"
     assert peer_url(peer_url("kvtier://[::1]:7")) == "kvtier://[::1]:7"
+    assert peer_url("kvtier://[0:0::1]:7") == peer_url("KVTIER://[::1]:7") == "kvtier://[::1]:7"
+    assert peer_url("kvtier://Node-A:1") == "kvtier://node-a:1"
     with pytest.raises(ValueError):
         peer_url("kvtier://10.0.0.1")
 
@@ -245,6 +247,17 @@ def test_names_and_settings_are_checked():
         (["--peer-discovery", "redis://h", "--peer-group", "a b"], "--peer-group"),
         (["--peer-discovery", "redis://h", "--peer-discovery-ttl", "0.5"], "--peer-discovery-ttl"),
         (["--advertise", "kvtier://h:1", "--peer-group", "g"], "--advertise and --peer-group"),
+        (
+            [
+                "--peer-discovery",
+                "redis://h",
+                "--advertise",
+                "kvtier://a:1",
+                "--advertise",
+                "lm://b:1",
+            ],
+            "--advertise given 2 different addresses (kvtier://a:1, kvtier://b:1)",
+        ),
     ],
 )
 def test_serve_refuses_a_bad_discovery_setting_naming_its_flag(flags, message, capsys):

@@ -119,6 +119,22 @@ def test_b_serves_what_only_a_holds_and_keeps_it(transport, pool):
         assert (stats(a).get("requests_lease", 0) > 0) == (transport == "nixl")
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_pull_larger_than_the_peers_names_limit_comes_in_requests_it_takes(transport, pool):
+    with (
+        server("--max-names", "2", transport=transport) as a,
+        server(peers=[a], transport=transport) as b,
+    ):
+        writer = remote_manager(a.url)
+        objs = store_chunks(writer, pool, range(5))
+        writer.close()
+        check_served(b.url, objs)
+        assert stats(b)["peer_hits"] == 5 and stats(b).get("peer_errors", 0) == 0
+        held = stats(a)
+        assert held.get("rejects_too_many_names", 0) == 0 and held["request_errors"] == 0
+        assert (held.get("requests_lease", 0) >= 3) == (transport == "nixl")
+
+
 def test_without_peer_cache_every_load_pulls_and_lookup_counts_peers_on_request(pool):
     with server() as a, server("--peer-cache", "off", peers=[a]) as b:
         writer = remote_manager(a.url)

@@ -11,7 +11,7 @@ import tempfile
 import urllib.request
 
 import pytest
-from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, nixl_installed
+from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, free_port, nixl_installed
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 from support.tiers import check_served, make_pool, remote_manager, store_chunks, wait_until
 
@@ -31,7 +31,9 @@ def pool():
     pool.close()
 
 
-def server(discovery: str, *args: str, transport: str = "tcp") -> KVTierServerProcess:
+def server(
+    discovery: str, *args: str, transport: str = "tcp", port: int | None = None
+) -> KVTierServerProcess:
     """A server that registers in ``discovery`` (the peers' calls bounded by 1 s)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
         config.write("remote_timeout_ms: 1000\nremote_reconnect_max_ms: 200\n")
@@ -49,6 +51,7 @@ def server(discovery: str, *args: str, transport: str = "tcp") -> KVTierServerPr
         *args,
         admin=True,
         token=TOKEN,
+        port=port,
     )
 
 
@@ -112,6 +115,17 @@ def test_servers_registered_in_redis_pull_from_each_other_and_leave_when_stopped
             assert get(b, "/stats")["peers_configured"] == 0
             assert "is no longer registered: dropped" in b.log()
             assert b.process.poll() is None
+
+
+def test_an_advertise_given_again_in_another_form_registers_once():
+    port = free_port()
+    forms = [f"lm://[::1]:{port}?shm=0", f"KVTIER://[::1]:{port}", f"kvtier://[0:0::1]:{port}"]
+    with RedisServer() as redis:
+        url = f"redis://127.0.0.1:{redis.port}/0"
+        with server(url, *(f for form in forms for f in ("--advertise", form)), port=port) as a:
+            assert get(a, "/health")["tiers"]["discovery"]["advertise"] == f"kvtier://[::1]:{port}"
+            keys = {k.decode() for k in redis.client().scan_iter(match="kvtier-peers:*")}
+            assert keys == {f"kvtier-peers:default:kvtier://[::1]:{port}"}
 
 
 def test_a_redis_down_at_start_is_one_warning_and_discovery_works_once_it_is_back():

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import cbor2
@@ -201,6 +202,22 @@ def test_a_get_copies_straight_out_of_the_servers_memory_and_lets_go_of_it():
         assert store.read_many(["b0", "b1", "b2"], len) == [1 << 20, None, 1 << 20]
         store.close()
         assert not mapped_arenas(os.getpid())
+
+
+def test_a_connection_that_released_a_lease_is_used_again(server):
+    """The RELEASE after a get from the server's memory goes without waiting; its reply,
+    read when the connection is next taken from the pool, does not make it look like a
+    connection the server closed."""
+    store = client(server, namespace="lease-reuse")
+    store.put_many([("blob", [b"x" * 4096])])
+    dialled = stats(server)["connections"]
+    for _ in range(3):
+        assert store.read_many(["blob"], len) == [4096]
+        time.sleep(0.2)  # the RELEASE's reply arrives while the connection idles
+    assert store.exists_many(["blob"]) == [True]
+    assert stats(server)["connections"] == dialled
+    assert stats(server)["requests_release"] >= 3
+    store.close()
 
 
 def test_without_memfd_the_memory_tier_stays_private(monkeypatch):

@@ -91,6 +91,7 @@ def make_worker() -> Iterator:
         block_size: int = BLOCK,
         num_layers: int = NUM_LAYERS,
         num_heads: int = HEADS,
+        record_events: bool = False,
         **overrides,
     ) -> tuple[WorkerSide, PagedKV]:
         config = load_config(
@@ -102,15 +103,11 @@ def make_worker() -> Iterator:
             },
             env={},
         )
-        paged = make_cache(
-            layout,
-            dtype=dtype,
-            head_size=head_size,
-            block_size=block_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
+        shape = {"head_size": head_size, "block_size": block_size, "num_heads": num_heads}
+        paged = make_cache(layout, dtype=dtype, num_layers=num_layers, **shape)
+        worker = WorkerSide(
+            config, EngineMetadata("test-model"), endpoint, record_events=record_events
         )
-        worker = WorkerSide(config, EngineMetadata("test-model"), endpoint)
         made.append(worker)
         names = layer_names(num_layers)
         worker.register_kv_caches(dict(zip(names, paged.tensors, strict=True)), backend)
@@ -695,6 +692,20 @@ def test_metrics_rpc_leaves_the_lookup_request_count_to_the_scheduler(served):
     _, _, client, _ = served
     (metrics,) = client.call_all("metrics")
     assert Counter.LOOKUP_REQUESTS not in metrics["counters"]
+
+
+@pytest.mark.parametrize("record_events", [False, True], ids=["events-off", "events-on"])
+def test_metrics_rpc_exports_no_kv_event_counter_a_rank_never_counts(
+    make_worker, tmp_path, record_events
+):
+    """The scheduler announces KV events and counts them; a rank counts only the tier
+    records its full log dropped, and only while it records them."""
+    endpoint = endpoint_for(f"t-{uuid.uuid4().hex[:8]}", 0, base_dir=str(tmp_path))
+    make_worker(endpoint=endpoint, record_events=record_events)
+    with RpcClient([endpoint], 2.0) as client:
+        (metrics,) = client.call_all("metrics")
+    exported = {name for name in metrics["counters"] if name.startswith("kv_events_")}
+    assert exported == ({Counter.KV_EVENTS_DROPPED} if record_events else set()), exported
 
 
 def test_worker_without_endpoint_serves_nothing(make_worker):

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import math
 import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
@@ -35,7 +36,11 @@ from kvtier.server.discovery import (
     check_group,
 )
 from kvtier.storage.node_address import parse_server_address
-from kvtier.storage.node_protocol import DEFAULT_MAX_FRAME_BYTES
+from kvtier.storage.node_protocol import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_NAMES,
+)
 from kvtier.storage.redis_url import parse_url
 
 PEER_TRANSPORTS = ("auto", "nixl", "tcp")
@@ -110,6 +115,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-clients", type=int, default=256, help="connections held at once (default 256)"
     )
     parser.add_argument(
+        "--max-names",
+        type=int,
+        default=DEFAULT_MAX_NAMES,
+        help="most chunk names in one request (lookup, get, put, delete); clients split "
+        "larger batches to fit (default %(default)d)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a client connection that sends nothing for this long; the client "
+        "dials again when it needs one (0: never; default %(default)g)",
+    )
+    parser.add_argument(
         "--no-shm",
         action="store_true",
         help="refuse clients' shared-memory segments: every client moves bytes over TCP",
@@ -147,9 +167,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--advertise",
+        action="append",
         metavar="kvtier://HOST:PORT",
         help="the address other servers reach this one at, as discovery registers it "
-        "(default: --host and --port; required when --host binds every address)",
+        "(default: --host and --port; required when --host binds every address); given "
+        "more than once, each must name the same address",
     )
     parser.add_argument(
         "--peer-group",
@@ -217,6 +239,13 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             ),
             ("--max-frame-mb", args.max_frame_mb, args.max_frame_mb > 0, "MiB > 0"),
             ("--max-clients", args.max_clients, args.max_clients >= 1, "an integer >= 1"),
+            ("--max-names", args.max_names, args.max_names >= 1, "an integer >= 1"),
+            (
+                "--idle-timeout",
+                args.idle_timeout,
+                0 <= args.idle_timeout < math.inf,
+                "seconds >= 0 (0: never)",
+            ),
             (
                 "--max-shm-mb",
                 args.max_shm_mb,
@@ -248,13 +277,32 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             raise ConfigError(f"{' and '.join(given)} need --peer-discovery")
         return config
     try:
-        advertised(args.host, args.port, args.advertise)
+        advertised(args.host, args.port, advertise_of(args))
         check_group(args.peer_group)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if not args.peer_discovery_ttl >= MIN_TTL_S:
         raise ConfigError(f"--peer-discovery-ttl must be >= {MIN_TTL_S:g} (seconds)")
     return config
+
+
+def advertise_of(args: argparse.Namespace) -> str | None:
+    """The one address of ``--advertise`` (given more than once: each time the same
+    address, in any of its forms), canonical; None when not given.
+
+    Raises:
+        ValueError: naming ``--advertise``: not a ``kvtier://host:port``, or two
+            different addresses (a server registers one).
+    """
+    if not args.advertise:
+        return None
+    urls = list(dict.fromkeys(advertised(args.host, args.port, url) for url in args.advertise))
+    if len(urls) > 1:
+        raise ValueError(
+            f"--advertise given {len(urls)} different addresses ({', '.join(urls)}): a "
+            "server registers one, the address the other servers reach it at"
+        )
+    return urls[0]
 
 
 def discovery_url(args: argparse.Namespace, config: KVTierConfig) -> str | None:
@@ -314,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
                 admin_port=args.admin_port,
                 max_frame_mb=args.max_frame_mb,
                 max_clients=args.max_clients,
+                max_names=args.max_names,
+                idle_timeout_s=args.idle_timeout,
                 max_shm_mb=None if args.no_shm else args.max_shm_mb,
                 peers=PeerOptions(
                     peer_urls(args, config),
@@ -321,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
                     keep=args.peer_cache == "on",
                     lookup=args.lookup_peers,
                     discovery=discovery_url(args, config),
-                    advertise=args.advertise,
+                    advertise=advertise_of(args),
                     group=args.peer_group,
                     discovery_ttl_s=args.peer_discovery_ttl,
                 ),

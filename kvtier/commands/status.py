@@ -22,7 +22,7 @@ from typing import Any
 from kvtier.commands.serve import DEFAULT_PORT
 from kvtier.config import ConfigError, load_config
 from kvtier.storage.blob_store import StoreUnavailable
-from kvtier.storage.node_address import host_port, parse_server_url
+from kvtier.storage.node_address import SCHEMES, host_port, parse_server_url
 from kvtier.storage.node_store import KVTierStore
 
 HELP = "a running kvtier serve's health, tiers and counters"
@@ -35,7 +35,11 @@ STATUS_NAMESPACE = "kvtier-status"  # a namespace no engine uses; STATS reads no
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", required=True, help="HOST:PORT of a kvtier serve")
+    parser.add_argument(
+        "--server",
+        required=True,
+        help="HOST:PORT (or kvtier://HOST:PORT) of a kvtier serve's cache port",
+    )
     parser.add_argument(
         "--auth-token", help="the server's token (default: server_token / KVTIER_SERVER_TOKEN)"
     )
@@ -45,12 +49,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw counters as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    address = args.server if "://" in args.server else f"kvtier://{args.server}"
+def server_address(given: str) -> tuple[str, int]:
+    """``(host, port)`` of ``--server``: ``HOST:PORT``, ``kvtier://HOST:PORT`` or
+    ``lm://HOST:PORT``.
+
+    Raises:
+        ValueError: anything else (another scheme too), naming ``--server``.
+    """
+    url = given if "://" in given else f"kvtier://{given}"
     try:
-        host, port = parse_server_url(address)
+        return parse_server_url(url)
+    except ValueError:
+        scheme = url.partition("://")[0].lower()
+        hint = ""
+        if scheme in ("http", "https"):
+            hint = f"; {scheme}:// is the admin API's (--admin-port), which this does not read"
+        elif scheme not in SCHEMES:
+            hint = f"; {scheme}:// is not a kvtier serve's scheme"
+        raise ValueError(
+            f"--server {given!r}: expected HOST:PORT (or kvtier://HOST:PORT) of a kvtier "
+            f"serve's cache port{hint}"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        host, port = server_address(args.server)
     except ValueError as exc:
-        print(f"kvtier status: --server {args.server!r}: {exc}", file=sys.stderr)
+        print(f"kvtier status: {exc}", file=sys.stderr)
         return 2
     if not 0 < args.timeout < math.inf:  # nan too
         print(f"kvtier status: --timeout {args.timeout:g}: expected seconds > 0", file=sys.stderr)

@@ -59,6 +59,87 @@ _COUNTER_PREFIXES = (
     "shm_attached",
     "shm_refused",
 )
+_COUNTERS = ("memory_evictions", "disk_evictions")  # among the tiers' gauges
+
+# Each family's # HELP line (the names docs/server.md lists); families with a suffix of
+# their own (``requests_<op>``, ``rejects_<reason>``, ``shm_refused_<reason>``) are
+# described by the text of their prefix, with the suffix filled in.
+HELP = {
+    "clients_connected": "Client connections open now.",
+    "shm_clients_connected": "Client connections with a shared-memory segment open now.",
+    "connections": "Client connections accepted since start.",
+    "connections_idle_closed": "Connections closed after --idle-timeout without a frame.",
+    "requests": "Requests answered, every op.",
+    "requests_": "Requests answered of op {}.",
+    "request_errors": "Requests answered with an error (bad fields; the connection stays open).",
+    "rejects": "Frames or connections rejected (bad frame, authentication, timeout, limit).",
+    "rejects_": "Frames or connections rejected for {}.",
+    "bytes_in": "Bytes received on client sockets (whole frames).",
+    "bytes_out": "Bytes sent on client sockets (whole frames).",
+    "bytes_shm_in": "Blob bytes received through shared memory.",
+    "bytes_shm_out": "Blob bytes sent through shared memory.",
+    "get_hits": "Blobs a GET found.",
+    "get_misses": "Blobs a GET did not find.",
+    "puts": "Blobs a PUT stored.",
+    "puts_refused": "Blobs a PUT did not store (larger than the memory tier, or no room).",
+    "shm_attached": "Clients' shared-memory segments mapped.",
+    "shm_refused": "Clients' shared-memory segments refused (the client stays on TCP).",
+    "shm_refused_": "Clients' shared-memory segments refused as {}.",
+    "memory_blobs": "Blobs in the memory tier.",
+    "memory_bytes_used": "Bytes the memory tier's blobs take.",
+    "memory_bytes_capacity": "The memory tier's size in bytes (--max-local-cpu-size).",
+    "memory_evictions": "Blobs evicted from the memory tier (least recently used) for room.",
+    "disk_blobs": "Blob files in the disk tier.",
+    "disk_bytes_used": "Bytes the disk tier's files take.",
+    "disk_bytes_capacity": "The disk tier's bound in bytes (max_local_disk_size).",
+    "disk_evictions": "Blob files deleted to stay under max_local_disk_size.",
+    "remote_up": "1 while the remote behind the server answers, else 0.",
+    "remote_queued": "Writes to the remote queued now.",
+    "remote_puts": "Blobs written through to the remote.",
+    "remote_puts_dropped": "Writes to the remote dropped (queue full, remote down, error).",
+    "remote_errors": "Calls to the remote that failed.",
+    "peers_configured": "Peers of the moment, static and discovered.",
+    "peers_up": "Peers that answer now.",
+    "peer_up": "1 while this peer answers, else 0.",
+    "peers_discovered": "Peers found through discovery now.",
+    "peer_lookups": "Lookups asked of peers.",
+    "peer_lookup_hits": "Blobs a peer's lookup found.",
+    "peer_pulls": "Pulls of missed blobs from peers.",
+    "peer_hits": "Blobs pulled from peers.",
+    "peer_misses": "Blobs asked of peers that none held.",
+    "peer_bytes_nixl": "Bytes pulled from peers with NIXL READs.",
+    "peer_bytes_tcp": "Bytes pulled from peers over TCP.",
+    "peer_errors": "Calls to peers that failed.",
+    "peer_corrupt": "Blobs pulled from peers that failed verification.",
+    "peer_lease_lost": "Blobs read with NIXL whose lease had lapsed (dropped).",
+    "peer_nixl_failed": "NIXL READs from peers that failed.",
+    "peer_nixl_stuck": "Blobs of a NIXL READ that could not be cancelled (buffers kept).",
+    "peer_no_room": "Blobs pulled from peers the memory tier had no room for.",
+    "peer_handshakes": "NIXL handshakes with peers.",
+    "peer_fallbacks": "Pulls that fell back from NIXL to TCP.",
+    "peer_leases": "Leases granted to peers for NIXL reads.",
+    "peer_leased_blobs": "Blobs leased to peers for NIXL reads.",
+    "discovery_refreshes": "Peer discovery refreshes that reached Redis/Valkey.",
+    "discovery_errors": "Peer discovery refreshes that did not reach Redis/Valkey.",
+    "discovery_registered": "1 while the last discovery refresh registered this server.",
+}
+
+
+def is_counter(name: str) -> bool:
+    """Whether the server's value ``name`` (without labels) only grows."""
+    return name in _COUNTERS or (
+        name.startswith(_COUNTER_PREFIXES) and not name.endswith("_capacity")
+    )
+
+
+def help_of(name: str) -> str:
+    """The # HELP text of the server's value ``name`` (without labels)."""
+    if name in HELP:
+        return HELP[name]
+    for prefix in ("requests_", "rejects_", "shm_refused_"):
+        if name.startswith(prefix):
+            return HELP[prefix].format(name.removeprefix(prefix).replace("_", " "))
+    return f"kvtier serve's {name.replace('_', ' ')} (docs/server.md)."
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +156,18 @@ class AdminHooks:
 
 
 def prometheus_text(values: Mapping[str, float]) -> str:
-    """``values`` as Prometheus text: ``kvtier_server_<name>`` (``_total`` for counters).
-    A name with labels (``peer_up{peer="..."}``) is a gauge; its TYPE line comes once."""
+    """``values`` as Prometheus text: ``kvtier_server_<name>`` (``_total`` for counters),
+    each family with its # HELP and # TYPE lines, once. A name with labels
+    (``peer_up{peer="..."}``) is a gauge."""
     lines = []
     typed = set()
     for name in sorted(values):
         base, brace, labels = name.partition("{")
-        counter = (
-            base.startswith(_COUNTER_PREFIXES) and not base.endswith("_capacity") and not brace
-        )
+        counter = is_counter(base) and not brace
         metric = f"kvtier_server_{base}" + ("_total" if counter else "")
         if metric not in typed:
             typed.add(metric)
+            lines.append(f"# HELP {metric} {help_of(base)}")
             lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
         lines.append(f"{metric}{brace}{labels} {float(values[name])!r}")
     return "\n".join(lines) + "\n"

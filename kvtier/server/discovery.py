@@ -22,6 +22,8 @@ Discovery shares addresses only: peers still talk to each other with the servers
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import re
 import threading
@@ -47,13 +49,17 @@ GROUP_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 def peer_url(url: str) -> str:
     """The canonical ``kvtier://host:port`` of a server's URL: how peers are named in
-    discovery keys, logs and metrics (options such as ``?shm=0`` dropped).
+    discovery keys, logs and metrics (options such as ``?shm=0`` dropped, the host in
+    lower case, an IP address in its shortest form: ``[0:0::1]`` is ``[::1]``).
 
     Raises:
         ValueError: not a ``kvtier://host:port`` URL.
     """
     address = parse_server_address(url)
-    return f"kvtier://{host_port(address.host, address.port)}"
+    host = address.host
+    with contextlib.suppress(ValueError):  # a name, not an address
+        host = ipaddress.ip_address(host).compressed
+    return f"kvtier://{host_port(host, address.port)}"
 
 
 def advertised(host: str, port: int, advertise: str | None) -> str:

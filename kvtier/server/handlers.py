@@ -34,6 +34,7 @@ class RequestHandlers:
         cache: the blob tiers.
         stats: the server's counters.
         max_frame_bytes: the largest payload sent in a reply.
+        max_names: the most names one request may carry (more: ``TooManyNames``).
         plane: the NIXL plane peers read the memory pool through (None: no NIXL).
         leases: the leases of those reads (with ``plane``).
         open_plane: called at the first PEER or LEASE when ``plane`` is None, for the
@@ -47,6 +48,7 @@ class RequestHandlers:
         stats: Stats,
         *,
         max_frame_bytes: int,
+        max_names: int,
         plane: NixlPlane | None,
         leases: Leases | None,
         open_plane: Callable[[], NixlPlane | None] | None,
@@ -55,6 +57,7 @@ class RequestHandlers:
         self.cache = cache
         self.stats = stats
         self.max_frame_bytes = max_frame_bytes
+        self.max_names = max_names
         self.plane = plane
         self.leases = leases
         self._open_plane = open_plane
@@ -77,13 +80,13 @@ class RequestHandlers:
         return Reply({})
 
     def _exists(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
+        names = protocol.names_of(frame.header, self.max_names)
         others = not session.peer  # a peer's request: this server's memory and disk only
         present = self.cache.exists_many(session.namespace, names, peers=others, remote=others)
         return Reply({"present": present})
 
     def _get(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
+        names = protocol.names_of(frame.header, self.max_names)
         region = None
         if "shm" in frame.header:
             region = shm.region_of(frame.header["shm"], session.segment)
@@ -119,7 +122,7 @@ class RequestHandlers:
         return Reply(header, place.parts, place.held)
 
     def _put(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
+        names = protocol.names_of(frame.header, self.max_names)
         if "pool" in frame.header:
             return self._put_in_place(frame, session, names)
         if "shm" in frame.header:
@@ -159,7 +162,7 @@ class RequestHandlers:
     def put_received(self, frame: Frame, session: Session, blobs: list[Received]) -> Reply:
         """A PUT whose blobs the server read straight into memory-tier buffers: kept as
         they are, not copied again."""
-        names = protocol.names_of(frame.header)
+        names = protocol.names_of(frame.header, self.max_names)
         stored = sum(
             self.cache.put_received(session.namespace, name, blob.obj, blob.view)
             for name, blob in zip(names, blobs, strict=True)
@@ -179,7 +182,7 @@ class RequestHandlers:
         )
 
     def _delete(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
+        names = protocol.names_of(frame.header, self.max_names)
         return Reply({"deleted": self.cache.delete(session.namespace, names)})
 
     def _clear(self, frame: Frame, session: Session):
@@ -199,7 +202,7 @@ class RequestHandlers:
         return Reply(plane.handshake())
 
     def _lease(self, frame: Frame, session: Session):
-        names = protocol.names_of(frame.header)
+        names = protocol.names_of(frame.header, self.max_names)
         if self._ready_plane() is None or self.leases is None:
             return Reply(_NO_NIXL)
         objs = self.cache.lease(session.namespace, names)

@@ -323,6 +323,12 @@ class Peers:
         plane = self.plane
         assert plane is not None
         store = self._store(peer, namespace)
+        limit = store.max_names
+        if limit is not None and len(names) > limit:  # a lease per request the peer takes
+            out: dict[str, MemoryObj] = {}
+            for start in range(0, len(names), limit):
+                out |= self._pull_nixl(peer, namespace, names[start : start + limit], deadline)
+            return out
         reply = store.call(Op.LEASE, {"names": names})
         if "lease" not in reply:  # the peer has no NIXL
             return self._fall_back(peer, namespace, names, deadline, str(reply.get("reason")))

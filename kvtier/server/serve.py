@@ -92,12 +92,15 @@ async def serve(
     admin_port: int | None,
     max_frame_mb: float,
     max_clients: int,
+    max_names: int,
+    idle_timeout_s: float,
     max_shm_mb: float | None,
     peers: PeerOptions = PeerOptions(),
 ) -> None:
     """Serve ``config``'s tiers on ``host:port`` (0: any free port), and the admin API on
     ``admin_port`` when given, until SIGTERM or SIGINT.
-    ``max_shm_mb`` None refuses clients' shared-memory segments.
+    ``max_shm_mb`` None refuses clients' shared-memory segments; ``idle_timeout_s`` 0
+    keeps idle connections for ever.
 
     Raises:
         OSError: a port cannot be bound.
@@ -142,6 +145,8 @@ async def serve(
         token=config.server_token,
         max_frame_bytes=int(max_frame_mb * 2**20),
         max_clients=max_clients,
+        max_names=max_names,
+        idle_timeout_s=idle_timeout_s,
         max_shm_bytes=0 if max_shm_mb is None else int(max_shm_mb * 2**20),
         plane=plane,
         leases=leases,

@@ -15,14 +15,17 @@ cannot be trusted past that point. It is counted under ``rejects`` (each reason 
 once, not per connection) and never touches another connection. Nothing is allocated
 for a connection before its HELLO but that frame (at most ``MAX_HELLO_HEADER_BYTES``, no
 payload), which must arrive within ``frame_timeout_s`` of connecting; after it, a
-connection may idle between frames as long as it likes, but a frame once begun must
-arrive whole within ``frame_timeout_s``. So a client that stalls holds its slot among
-``max_clients`` for a bounded time unless it has said a valid HELLO. A request whose
-frame is well formed but whose fields are wrong (names that are not strings, sizes that
-do not add up) is an error reply on a connection that stays open.
+connection may idle between frames for ``idle_timeout_s`` (then it is closed, counted
+under ``connections_idle_closed``: the client dials again when it next needs one), but a
+frame once begun must arrive whole within ``frame_timeout_s``. So a client that stalls
+or idles holds its slot among ``max_clients`` for a bounded time. A request whose frame
+is well formed but whose fields are wrong (names that are not strings, sizes that do not
+add up, more than ``max_names`` names) is an error reply on a connection that stays open.
 
 Memory is bounded whatever clients do: the blob tiers by their sizes, and what is in
-flight by ``max_clients`` frames of at most ``max_frame_bytes`` each.
+flight by ``max_clients`` frames of at most ``max_frame_bytes`` each; the work of one
+request by its ``max_names`` names. The HELLO reply announces these limits, so clients
+split their batches to fit and leave connections that idled too long.
 
 Same host: a client may offer a shared-memory segment in its HELLO (``shm``); once the
 server has opened it, that connection's PUT and GET frames may carry ``(offset, size)``
@@ -58,7 +61,7 @@ from kvtier.server.nixl import NixlPlane
 from kvtier.server.shm import ShmRefused
 from kvtier.server.transfer import Received, Reply, Session, carries_blobs, let_go
 from kvtier.storage import node_protocol as protocol
-from kvtier.storage.node_protocol import Frame, Op, ProtocolError
+from kvtier.storage.node_protocol import Frame, Op, ProtocolError, TooManyNames
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ MAX_HELLO_HEADER_BYTES = 64 << 10  # a token, a namespace and a shared-memory of
 # at 0 until something happens.
 COUNTERS = (
     "connections",
+    "connections_idle_closed",
     "requests",
     "request_errors",
     "rejects",
@@ -84,6 +88,10 @@ class NotAHello(ProtocolError):
     """A connection's first frame is not a HELLO of the size one can have."""
 
 
+class IdleConnection(Exception):
+    """An authenticated connection sent nothing for the server's idle timeout."""
+
+
 class KVTierServer:
     """Serve ``cache`` on ``host:port`` (port 0: any free port; see ``port`` once started).
 
@@ -95,6 +103,9 @@ class KVTierServer:
         max_clients: connections held at once; more are closed at once (counted).
         frame_timeout_s: the most a frame may take to arrive once begun, and a new
             connection to send its HELLO.
+        idle_timeout_s: the most an authenticated connection may wait between frames
+            before the server closes it (0: for ever).
+        max_names: the most names one request may carry.
         max_shm_bytes: the largest shared-memory segment a client may offer; 0 turns the
             same-host path off (every client stays on TCP).
         plane: the NIXL plane peers read the memory pool through (None: no NIXL).
@@ -114,6 +125,8 @@ class KVTierServer:
         max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         max_clients: int = 256,
         frame_timeout_s: float = FRAME_READ_TIMEOUT_S,
+        idle_timeout_s: float = protocol.DEFAULT_IDLE_TIMEOUT_S,
+        max_names: int = protocol.DEFAULT_MAX_NAMES,
         max_shm_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         plane: NixlPlane | None = None,
         leases: Leases | None = None,
@@ -127,6 +140,8 @@ class KVTierServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_clients = max_clients
         self.frame_timeout_s = frame_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_names = max_names
         self._logged: set[str] = set()  # the reasons of rejects logged already
         self.max_shm_bytes = max_shm_bytes
         self.leases = leases
@@ -143,6 +158,7 @@ class KVTierServer:
             cache,
             stats,
             max_frame_bytes=max_frame_bytes,
+            max_names=max_names,
             plane=plane,
             leases=leases,
             open_plane=open_plane,
@@ -215,6 +231,12 @@ class KVTierServer:
                     frame, blobs = await self._read_frame(sock, session)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client went away (between or inside a frame)
+                except IdleConnection:
+                    self.stats.inc("connections_idle_closed")
+                    logger.debug(
+                        "kvtier server: closed a connection idle for %gs", self.idle_timeout_s
+                    )
+                    return
                 except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11
                     self._reject("timeout", "a frame took too long to arrive")
                     return
@@ -231,7 +253,12 @@ class KVTierServer:
                         await self._fail(sock, frame.request_id, "unauthenticated", str(exc))
                         return
                     session = Session(namespace, peer=frame.header.get("peer") is True)
-                    reply = {"max_frame": self.max_frame_bytes, "version": protocol.VERSION}
+                    reply = {
+                        "max_frame": self.max_frame_bytes,
+                        "max_names": self.max_names,
+                        "idle_timeout_s": self.idle_timeout_s,
+                        "version": protocol.VERSION,
+                    }
                     if "shm" in frame.header:
                         reply |= await self._attach(session, frame.header["shm"])
                     await self._send(sock, frame, Reply(reply))
@@ -251,17 +278,24 @@ class KVTierServer:
         returned ``Received``, which the caller stores or releases); any other payload
         into one buffer of its own.
 
-        An authenticated connection waits for a frame's first bytes as long as it likes;
-        from there (from connecting, for the HELLO) the frame has ``frame_timeout_s``.
+        An authenticated connection waits for a frame's first bytes up to
+        ``idle_timeout_s``; from there (from connecting, for the HELLO) the frame has
+        ``frame_timeout_s``.
 
         Raises:
             NotAHello: the first frame is not a HELLO, or too large for one.
+            IdleConnection: no frame began within ``idle_timeout_s``.
         """
         loop = asyncio.get_running_loop()
         head = bytearray(protocol.PREFIX_SIZE)
         rest = memoryview(head)
         if session is not None:
-            got = await loop.sock_recv_into(sock, rest)
+            try:
+                got = await asyncio.wait_for(
+                    loop.sock_recv_into(sock, rest), self.idle_timeout_s or None
+                )
+            except (TimeoutError, asyncio.TimeoutError):
+                raise IdleConnection from None
             if got == 0:
                 raise asyncio.IncompleteReadError(b"", protocol.PREFIX_SIZE)
             rest = rest[got:]
@@ -318,7 +352,7 @@ class KVTierServer:
         if session is None or not carries_blobs(frame, payload_len):
             return None
         try:
-            names = protocol.names_of(frame.header)
+            names = protocol.names_of(frame.header, self.max_names)
             sizes = protocol.sizes_of(frame.header, len(names), payload_len, absent_ok=False)
         except ProtocolError:
             return None
@@ -395,6 +429,8 @@ class KVTierServer:
             self.stats.inc("request_errors")
             if isinstance(exc, shm.ShmRefError):
                 self._reject("bad_shm_ref", str(exc))
+            elif isinstance(exc, TooManyNames):
+                self._reject("too_many_names", str(exc))
             reply = Reply({"error": str(exc)})
         finally:
             let_go(blobs)

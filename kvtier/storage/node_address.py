@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
 
+SCHEMES = ("kvtier", "lm")
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -23,14 +24,15 @@ class ServerAddress:
     shm_bytes: int = DEFAULT_SEGMENT_BYTES
 
 
-def parse_server_address(url: str) -> ServerAddress:
-    """The address and options of ``kvtier://host:port`` or ``lm://host:port``.
+def parse_server_address(url: str, setting: str = "remote_url") -> ServerAddress:
+    """The address and options of ``kvtier://host:port`` or ``lm://host:port`` (any
+    other scheme is refused).
 
     Raises:
-        ValueError: naming ``remote_url`` and the accepted form.
+        ValueError: naming ``setting`` and the accepted form.
     """
     form = (
-        f"remote_url {url!r}: expected kvtier://host:port (or lm://host:port), optionally "
+        f"{setting} {url!r}: expected kvtier://host:port (or lm://host:port), optionally "
         "with ?shm=0 (no shared memory) or ?shm_mb=N, e.g. kvtier://127.0.0.1:65432"
     )
     try:
@@ -40,7 +42,13 @@ def parse_server_address(url: str) -> ServerAddress:
     except ValueError:
         raise ValueError(form) from None
     options = dict(query)
-    if not host or port is None or parts.path not in ("", "/") or len(options) != len(query):
+    if (
+        parts.scheme.lower() not in SCHEMES
+        or not host
+        or port is None
+        or parts.path not in ("", "/")
+        or len(options) != len(query)
+    ):
         raise ValueError(form)
     address = ServerAddress(host, port)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import time
 from collections.abc import Sequence
 
 from kvtier.storage.blob_store import Buffer
@@ -22,11 +23,18 @@ REUSED_BYTES = DEFAULT_SEGMENT_BYTES  # a connection's reply buffer, kept betwee
 
 class Connection:
     """One TCP connection that has said HELLO, with its shared-memory segment when the
-    server mapped one, and the server's memory tier when it offered it (``arenas``)."""
+    server mapped one, and the server's memory tier when it offered it (``arenas``).
+
+    The server's limits come with its HELLO reply: ``max_frame`` (payload bytes per
+    frame), ``max_names`` (names per request; None: any number) and ``idle_timeout_s``
+    (how long it keeps a connection that sends nothing; 0: for ever)."""
 
     def __init__(self, sock: socket.socket, max_frame: int, arenas: Arenas):
         self.sock = sock
         self.max_frame = max_frame
+        self.max_names: int | None = None
+        self.idle_timeout_s = 0.0
+        self.last_used = time.monotonic()  # when its latest reply was read
         self.segment: Segment | None = None
         self.arena: Segment | None = None
         self.owed: list[int] = []  # requests sent whose replies are still to be read
@@ -55,12 +63,22 @@ class Connection:
         return view
 
     def reusable(self) -> bool:
-        """Whether this idle connection can carry another request: nothing is readable
-        on it, so the server has neither closed it (a restart) nor sent bytes no request
-        asked for. One ``poll`` that does not wait."""
+        """Whether this idle connection can carry another request: it has idled less
+        than half the server's idle timeout (so the server cannot be closing it as the
+        request goes out), and nothing is readable on it, so the server has neither
+        closed it (a restart) nor sent bytes no request asked for. One ``poll`` that
+        does not wait."""
+        if self.stale():
+            return False
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)
         return not poller.poll(0)
+
+    def stale(self) -> bool:
+        """Whether this idle connection has idled past half the server's idle timeout:
+        the server may be closing it, so it is not used again."""
+        idle_s = time.monotonic() - self.last_used
+        return bool(self.idle_timeout_s) and idle_s > self.idle_timeout_s / 2
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -16,7 +16,8 @@ Every message, request or reply, is one frame::
 Requests (header fields → reply header fields; names are relative to the connection's
 namespace, which the server prefixes to every name it stores):
 
-    HELLO   token, namespace[, shm] → max_frame[, shm, shm_error]  (first frame)
+    HELLO   token, namespace[, shm] → max_frame, max_names, idle_timeout_s[, shm, shm_error]
+                                     (first frame)
     PING    -                      → -
     EXISTS  names                  → present: [bool]
     GET     names[, shm]           → sizes: [int, -1 where absent][, shm]; payload: the blobs
@@ -46,6 +47,11 @@ in the pool; RELEASE ends the lease and says whether it was held throughout, so 
 puller that read the pool one-sidedly meanwhile knows whether the bytes it read were
 still the blobs it asked for.
 
+The HELLO reply announces the server's limits: ``max_frame`` (payload bytes per frame),
+``max_names`` (names per request: a request with more is an error reply, so a client
+splits its batches to fit) and ``idle_timeout_s`` (how long the server keeps a connection
+that sends nothing; 0: for ever). A server that leaves one out has no such limit.
+
 A reply's header has ``error`` (a string) when the request failed; after an error
 about the frame itself (bad magic, version, size, CBOR, authentication) the server
 closes the connection, since the stream can no longer be trusted.
@@ -71,6 +77,10 @@ PREFIX = struct.Struct("<4sBBHQII")
 PREFIX_SIZE = PREFIX.size  # 24
 MAX_HEADER_BYTES = 4 << 20  # a batch of 10k names fits easily
 DEFAULT_MAX_FRAME_BYTES = 256 << 20  # payload; 8 chunks of 32 MiB
+# names per request: a 1M-token prompt in 256-token chunks, and far more than the 4 MiB
+# header holds of the longest names
+DEFAULT_MAX_NAMES = 4096
+DEFAULT_IDLE_TIMEOUT_S = 600.0  # a connection that sends nothing this long is closed
 REPLY = 0x1
 MAX_NAME_CHARS = 1024
 MAX_NAMESPACE_CHARS = 256
@@ -92,6 +102,10 @@ class Op(enum.IntEnum):
 
 class ProtocolError(Exception):
     """A frame that breaks the protocol (the connection cannot go on)."""
+
+
+class TooManyNames(ProtocolError):
+    """A request that names more blobs than the server takes in one (``max_names``)."""
 
 
 @dataclass(slots=True)
@@ -174,13 +188,21 @@ def decode_header(data: bytes) -> dict[str, Any]:
 # -- typed header fields ---------------------------------------------------------------
 
 
-def names_of(header: dict[str, Any]) -> list[str]:
-    """``header["names"]``: a list of non-empty strings without NUL.
+def names_of(header: dict[str, Any], limit: int | None = None) -> list[str]:
+    """``header["names"]``: a list of non-empty strings without NUL, at most ``limit`` of
+    them (None: any number).
 
     Raises:
+        TooManyNames: more than ``limit``.
         ProtocolError: missing or of the wrong type.
     """
     names = header.get("names")
+    if limit is not None and isinstance(names, list) and len(names) > limit:
+        raise TooManyNames(
+            f"{len(names)} names in one request, over the server's limit of {limit} "
+            "(kvtier serve --max-names; clients split their batches to the max_names "
+            "of the HELLO reply)"
+        )
     if not isinstance(names, list) or not all(
         isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS and "\x00" not in n for n in names
     ):

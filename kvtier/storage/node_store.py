@@ -2,12 +2,15 @@
 (and LMCache's spelling ``lm://host:port``, read the same way).
 
 Each batched call is one request frame and one reply frame (``node_protocol``) on a pooled
-TCP connection. A connection starts with HELLO, which carries the token
-(``server_token``) and the namespace (the model), so the server keeps this client's
-blobs apart from every other model's. ``RemoteTier`` wraps the store with timeouts, the
+TCP connection, or a few in a row where the batch has more names than the server takes in
+one request (``max_names``, announced in its HELLO reply). A connection starts with
+HELLO, which carries the token (``server_token``) and the namespace (the model), so the
+server keeps this client's blobs apart from every other model's. ``RemoteTier`` wraps the store with timeouts, the
 down state and reconnects (``open_blob_tier``); the store itself only turns every
 failure into ``StoreUnavailable`` and drops its connections, so the next call (the
-tier's reconnect ping) dials afresh.
+tier's reconnect ping) dials afresh. A pooled connection idle for half the server's
+idle timeout (also in the HELLO reply) is closed here and another dialled, so a request
+never goes out on a connection the server is closing.
 
 Same host: each connection offers the server a shared-memory segment of its own in
 HELLO (``kvtier.storage.node_shm``). When the server maps it, PUT and GET frames on that
@@ -31,6 +34,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -96,6 +100,9 @@ class KVTierStore:
         self._peer = peer
         self._arenas = Arenas()
         self.shm_active = False  # whether the latest connection got a segment
+        # the most names per request, as the latest HELLO reply said (None: no limit, or
+        # no connection yet); every batched call here keeps to it by itself
+        self.max_names: int | None = None
         self._in_place = False  # whether it maps the server's memory tier
 
     # -- connections -------------------------------------------------------------------
@@ -117,6 +124,8 @@ class KVTierStore:
                     warn_once(logger, f"kvtier server {self.url}: no shared memory ({exc})")
             reply, _ = self._exchange(conn, Op.HELLO, hello, ())
             conn.max_frame = int(reply.get("max_frame", conn.max_frame))
+            conn.max_names, conn.idle_timeout_s = _limits(reply)
+            self.max_names = conn.max_names
             if conn.segment is not None and reply.get("shm") is not True:
                 logger.debug("kvtier server %s: TCP only (%s)", self.url, reply.get("shm_error"))
                 conn.segment.close()
@@ -135,13 +144,31 @@ class KVTierStore:
 
     def _reusable_idle(self) -> Connection | None:
         """A pooled connection the server has not closed (those it has, after a restart,
-        are closed here rather than failing the request), or None."""
+        are closed here rather than failing the request), or None. Every pooled
+        connection past half the server's idle timeout is closed here too, with its
+        segment: the server is about to close it."""
         while True:
             with self._lock:
+                stale = [conn for conn in self._idle if conn.stale()]
+                self._idle = [conn for conn in self._idle if conn not in stale]
                 conn = self._idle.pop() if self._idle else None
-            if conn is None or conn.reusable():
+            for old in stale:
+                old.close()
+            if conn is None or self._settled(conn):
                 return conn
             conn.close()
+
+    def _settled(self, conn: Connection) -> bool:
+        """Whether the idle ``conn`` can carry another request, once the replies still
+        owed on it (``_tell``; they arrived while it idled) are read: otherwise they
+        would read as bytes no request asked for."""
+        owed, conn.owed = conn.owed, []
+        try:
+            for earlier in owed:
+                conn.receive(self._reply(conn, earlier)[1])
+        except (OSError, ProtocolError):
+            return False
+        return conn.reusable()
 
     def _drop_idle(self) -> None:
         with self._lock:
@@ -173,6 +200,7 @@ class KVTierStore:
             if conn is None:
                 conn = self._connect()
             result = call(conn)
+            conn.last_used = time.monotonic()
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -236,8 +264,8 @@ class KVTierStore:
     # -- BlobStore ---------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> None:
-        """Store the blobs, in as few frames as the server's frame limit allows; a blob
-        larger than one frame is skipped (logged once)."""
+        """Store the blobs, in as few frames as the server's frame and names limits
+        allow; a blob larger than one frame is skipped (logged once)."""
         limit = self._frame_limit()
         fitting = []
         for name, parts in items:
@@ -258,9 +286,10 @@ class KVTierStore:
 
     def _put_batch(self, batch: list[tuple[str, Sequence[Buffer]]]) -> None:
         def put(conn: Connection) -> None:
-            rest = self._put_in_place(conn, conn.arena, batch) if conn.arena else batch
-            if rest:
-                self._put_sent(conn, rest)
+            for _, part in _slices(batch, conn.max_names):
+                rest = self._put_in_place(conn, conn.arena, part) if conn.arena else part
+                if rest:
+                    self._put_sent(conn, list(rest))
 
         self._on_connection(Op.PUT, put)
 
@@ -314,7 +343,15 @@ class KVTierStore:
         """``read_many`` with each blob's index in ``names`` (``consume(i, view)``)."""
         if not names:
             return []
-        return self._on_connection(Op.GET, lambda conn: self._read(conn, list(names), consume))
+
+        def read(conn: Connection) -> list[T | None]:
+            out: list[T | None] = []
+            for start, part in _slices(list(names), conn.max_names):
+                # a part's indexes count from its start in ``names``
+                out += self._read(conn, list(part), lambda i, b, at=start: consume(at + i, b))
+            return out
+
+        return self._on_connection(Op.GET, read)
 
     @property
     def read_batch(self) -> int:
@@ -369,17 +406,26 @@ class KVTierStore:
         return out
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
-        if not names:
-            return []
-        present = self._request(Op.EXISTS, {"names": list(names)}).get("present")
-        if not isinstance(present, list) or len(present) != len(names):
-            raise StoreUnavailable(f"kvtier server {self.url}: EXISTS: a malformed reply")
-        return [bool(p) for p in present]
+        def exists(conn: Connection) -> list[bool]:
+            out: list[bool] = []
+            for _, part in _slices(list(names), conn.max_names):
+                reply, _ = self._exchange(conn, Op.EXISTS, {"names": list(part)}, ())
+                present = reply.get("present")
+                if not isinstance(present, list) or len(present) != len(part):
+                    raise ProtocolError("EXISTS: a malformed reply")
+                out += (bool(p) for p in present)
+            return out
+
+        return self._on_connection(Op.EXISTS, exists) if names else []
 
     def delete_many(self, names: Sequence[str]) -> int:
-        if not names:
-            return 0
-        return int(self._request(Op.DELETE, {"names": list(names)}).get("deleted", 0))
+        def delete(conn: Connection) -> int:
+            return sum(
+                int(self._exchange(conn, Op.DELETE, {"names": list(part)}, ())[0].get("deleted", 0))
+                for _, part in _slices(list(names), conn.max_names)
+            )
+
+        return self._on_connection(Op.DELETE, delete) if names else 0
 
     def clear(self) -> int:
         return int(self._request(Op.CLEAR, {}).get("deleted", 0))
@@ -410,6 +456,29 @@ class KVTierStore:
 
 def _blob_bytes(parts: Sequence[Buffer]) -> int:
     return sum(len(p) for p in parts)
+
+
+def _limits(hello: dict[str, Any]) -> tuple[int | None, float]:
+    """The names per request and the idle timeout a HELLO reply announces (a server
+    that leaves one out has no such limit).
+
+    Raises:
+        ProtocolError: a value of the wrong type.
+    """
+    max_names = hello.get("max_names")
+    idle_s = hello.get("idle_timeout_s", 0.0)
+    if not (max_names is None or (type(max_names) is int and max_names > 0)):
+        raise ProtocolError(f"HELLO: 'max_names' {max_names!r} is not a count")
+    if type(idle_s) not in (int, float) or not 0 <= idle_s < float("inf"):
+        raise ProtocolError(f"HELLO: 'idle_timeout_s' {idle_s!r} is not seconds")
+    return max_names, float(idle_s)
+
+
+def _slices(items: Sequence[T], limit: int | None) -> list[tuple[int, Sequence[T]]]:
+    """``items`` cut into runs of at most ``limit`` (None: one run), each with the index
+    of its first item."""
+    step = limit or max(len(items), 1)
+    return [(start, items[start : start + step]) for start in range(0, len(items), step)]
 
 
 def open_store(request: RemoteRequest) -> KVTierStore:

@@ -62,6 +62,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Counted once for all ranks, by the scheduler: lookups, and the KV events it announces.
+# A rank never counts them, so its metrics leave them out rather than export them at 0.
+SCHEDULER_COUNTERS = (
+    Counter.LOOKUP_REQUESTS,
+    Counter.LOOKUP_TOKENS,
+    Counter.LOOKUP_HIT_TOKENS,
+    Counter.KV_EVENTS_BLOCKS_STORED,
+    Counter.KV_EVENTS_BLOCKS_REMOVED,
+    Counter.KV_EVENTS_UNANNOUNCED,
+)
+
 
 class WorkerSide:
     """One rank's half of the connector.
@@ -207,14 +218,7 @@ class WorkerSide:
                     "lookup": self._serve_lookup,
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
-                    # lookups are counted once for all ranks, by the scheduler
-                    "metrics": lambda args: self._require_engine().metrics(
-                        omit=(
-                            Counter.LOOKUP_REQUESTS,
-                            Counter.LOOKUP_TOKENS,
-                            Counter.LOOKUP_HIT_TOKENS,
-                        )
-                    ),
+                    "metrics": lambda args: self._require_engine().metrics(omit=self._uncounted()),
                     **{
                         op: h
                         for extension in self.extensions
@@ -452,6 +456,13 @@ class WorkerSide:
             )
 
     # -- events ----------------------------------------------------------------------
+
+    def _uncounted(self) -> tuple[str, ...]:
+        """The engine counters this rank never counts: the scheduler's, and, without KV
+        events, the tier records dropped (``kv_events_dropped``)."""
+        if self.events is None:
+            return (*SCHEDULER_COUNTERS, Counter.KV_EVENTS_DROPPED)
+        return SCHEDULER_COUNTERS
 
     def take_tier_events(self) -> list[TierEvent]:
         """What this rank's tiers recorded since the last call (empty without
