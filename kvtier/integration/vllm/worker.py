@@ -320,8 +320,9 @@ class WorkerSide:
             self._load_errors |= self._reported(load, failed)
             self._failed_this_step |= failed
         for extension in self.extensions:
-            failed = extension.before_forward(plan.extensions.get(extension.name, []))
-            self._load_errors |= failed or set()
+            failed = extension.before_forward(plan.extensions.get(extension.name, [])) or set()
+            self._load_errors |= failed
+            self._failed_this_step |= failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise: write this layer of the step's loads before its attention runs."""
