@@ -338,6 +338,20 @@ class CacheEngine:
         self.stats.inc(Counter.LOOKUP_HIT_TOKENS, hit_tokens)
         return hit_tokens
 
+    @property
+    def max_load_chunks(self) -> int:
+        """Whole chunks one load can stage at once: what the CPU pool holds of them.
+
+        NOTE: a load holds every chunk it fetches in the CPU pool (lower tiers' chunks are
+        read into it) until the last one is written into the engine, so a load of more
+        chunks than this fails partway, every time. The pool is shared (other loads,
+        stores in flight), so this bounds a load; it does not promise one.
+        """
+        paged_io, _ = self._require_bound()
+        return self.storage.cpu.fitting(
+            paged_io.chunk_shape(self.config.chunk_size), paged_io.dtype
+        )
+
     def lookup_hashes(self, hashes: Sequence[bytes]) -> int:
         """How many leading chunks of a chain of chunk hashes some tier holds; those found
         only in a lower tier start moving into memory (prefetch).

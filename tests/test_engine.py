@@ -181,6 +181,16 @@ def test_exhausted_memory_skips_store_and_keeps_prefix():
     assert engine.stats.get(Counter.EVICTIONS) == 2
 
 
+@pytest.mark.parametrize("pool_chunks", [0.5, 1, 3, 3.5])
+def test_max_load_chunks_is_what_the_cpu_pool_stages_at_once(pool_chunks):
+    """A load holds all its chunks in the CPU pool at once: one of more chunks than
+    ``max_load_chunks`` could not complete."""
+    chunk_bytes = 2 * 3 * 8 * 16 * 2
+    engine = make_engine(max_local_cpu_size=pool_chunks * chunk_bytes / 2**30)
+    assert engine.max_load_chunks == int(pool_chunks)
+    engine.close()
+
+
 @pytest.mark.parametrize("chunks_held", [0, 1])
 def test_a_cpu_pool_smaller_than_a_chunk_starts_warns_and_skips_stores(caplog, chunks_held):
     """max_local_cpu_size is any size > 0: a pool that rounds to less than a byte, or holds

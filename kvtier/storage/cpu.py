@@ -98,7 +98,11 @@ class LocalCPUTier:
 
     def fits(self, shape: Sequence[int], dtype: torch.dtype) -> bool:
         """Whether a buffer of ``shape`` and ``dtype`` fits in the whole pool at all."""
-        return self._aligned(math.prod(shape) * dtype.itemsize) <= self.pool.capacity
+        return self.fitting(shape, dtype) > 0
+
+    def fitting(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """How many buffers of ``shape`` and ``dtype`` the whole pool holds at once."""
+        return self.pool.capacity // self._aligned(math.prod(shape) * dtype.itemsize)
 
     def _aligned(self, nbytes: int) -> int:
         return -(-nbytes // self.pool.alignment) * self.pool.alignment

@@ -171,7 +171,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The workers' output of a step: merge their tier records (KV events)."""
+        """The workers' output of a step: blocks whose load failed (stored again once
+        recomputed), their tier records (KV events)."""
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 

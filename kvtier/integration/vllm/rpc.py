@@ -369,3 +369,26 @@ class RpcClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class RankLookup:
+    """The scheduler's lookup over every worker rank: how many leading chunk hashes all
+    ranks hold (0 when any rank is late or fails).
+
+    Each reply also says how many chunks one load can stage on that rank (the CPU pool's
+    size over a chunk's, ``CacheEngine.max_load_chunks``); ``max_load_chunks`` is the
+    least of them from the last reply (None until one came).
+    """
+
+    def __init__(self, client: RpcClient):
+        self.client = client
+        self.max_load_chunks: int | None = None
+
+    def __call__(self, hashes: list[bytes]) -> int:
+        replies = self.client.call_all("lookup", hashes=hashes)
+        if replies is None:
+            return 0
+        bounds = [int(r["max_load_chunks"]) for r in replies if "max_load_chunks" in r]
+        if len(bounds) == len(replies):
+            self.max_load_chunks = min(bounds)
+        return min(int(r.get("hits", 0)) for r in replies)

@@ -13,11 +13,13 @@ request it keeps one ``RequestTracker``::
   handed to ``get_num_new_matched_tokens``); never loaded again.
 * ``[vllm_cached, load_end)``: loaded from kvtier. ``load_end`` is the lookup hit, cut to
   ``num_tokens - 1`` when the whole sequence hit (vLLM must compute the last token to
-  sample the next one).
+  sample the next one), and to the chunks one load can stage (``max_load_chunks``).
 * ``saved_upto``: tokens ``[0, saved_upto)`` are in kvtier (hit or stored by this
   request). Each step, chunks that became complete (their KV was computed in this step or
   earlier) are sent to the workers to store; with ``save_unfull_chunk`` the partial last
   chunk of the prompt too; with ``save_decode_cache`` chunks of generated tokens too.
+  A load that fails lowers it to the chunk of its first failed block: vLLM recomputes
+  from there, and the request stores what it recomputes.
 
 Chunk hashes are computed here (the workers receive hashes, not tokens) and cached per
 request, so a long prompt is hashed once, not once per step.
@@ -55,7 +57,7 @@ from kvtier.integration.vllm.common import (
 )
 from kvtier.integration.vllm.extensions import scheduler_extensions
 from kvtier.integration.vllm.facts import request_extras
-from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
+from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
 from kvtier.observability.prometheus import MetricsServer
 
 if TYPE_CHECKING:
@@ -77,6 +79,7 @@ class RequestTracker:
     vllm_cached: int = 0
     saved_upto: int = 0
     load: LoadSpec | None = None  # planned, not yet sent to the workers
+    loading: tuple[int, int] | None = None  # the tokens [start, end) of the load sent
     stores: bool = True  # False: an extension claimed it (its KV is not stored as chunks)
 
     @property
@@ -104,6 +107,8 @@ class SchedulerSide:
             ``save_unfull_chunk``).
         max_model_len: vLLM's longest sequence (None: unknown); a ``chunk_size`` longer
             than it is warned about, as no whole chunk ever fills.
+        max_load_chunks: how many chunks one load can stage on every rank (None: not
+            known); a hit is loaded up to that many chunks past vLLM's own.
         extensions: optional features, called from each hook.
     """
 
@@ -118,6 +123,7 @@ class SchedulerSide:
         whole_blocks: bool = False,
         partial_chunks: bool | None = None,
         max_model_len: int | None = None,
+        max_load_chunks: Callable[[], int | None] = lambda: None,
         extensions: Sequence[SchedulerExtension] = (),
     ):
         self.config = config
@@ -125,6 +131,7 @@ class SchedulerSide:
         self.chunk_size = config.chunk_size
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.lookup = lookup
+        self.max_load_chunks = max_load_chunks
         self.can_load = can_load
         self.can_save = can_save
         self.block_size = block_size
@@ -177,12 +184,7 @@ class SchedulerSide:
             for rank in range(facts.world_size(vllm_config))
         ]
         client = RpcClient(endpoints, config.lookup_timeout_ms / 1000)
-
-        def lookup(hashes: list[bytes]) -> int:
-            """Leading chunks every worker rank holds (0 when any rank is late or fails)."""
-            replies = client.call_all("lookup", hashes=hashes)
-            return 0 if replies is None else min(int(r.get("hits", 0)) for r in replies)
-
+        lookup = RankLookup(client)
         side = cls(
             config,
             lookup,
@@ -192,6 +194,7 @@ class SchedulerSide:
             whole_blocks=not facts.token_major_layout(config),
             partial_chunks=facts.stores_partial_chunks(config, transfer.kv_role),
             max_model_len=vllm_config.model_config.max_model_len,
+            max_load_chunks=lambda: lookup.max_load_chunks,
             extensions=scheduler_extensions(config, vllm_config, client),
         )
         side._clients.append(client)
@@ -295,6 +298,10 @@ class SchedulerSide:
         if hits:
             self._on_chunks(request, 0, hashes[:hits], hit_tokens)
         load_end = min(hit_tokens, num_tokens - 1)
+        if (most := self.max_load_chunks()) is not None:  # a longer load fails partway
+            load_end = min(
+                load_end, (num_computed_tokens // self.chunk_size + most) * self.chunk_size
+            )
         if self.whole_blocks:
             load_end = load_end // self.block_size * self.block_size
         if load_end - num_computed_tokens < max(self.config.min_retrieve_tokens, 1):
@@ -403,6 +410,7 @@ class SchedulerSide:
         tracker.load = None
         load.block_ids = list(tracker.block_ids)
         self._skip_null_blocks(load)
+        tracker.loading = (load.start, load.end)
         plan.loads.append(load)
 
     def _skip_null_blocks(self, load: LoadSpec) -> None:
@@ -448,7 +456,10 @@ class SchedulerSide:
         """A preempted request lost its blocks: drop any load planned into them."""
         for req_id in req_ids or ():
             tracker = self.trackers.get(req_id)
-            if tracker is not None and tracker.load is not None and not tracker.load.is_async:
+            if tracker is None:
+                continue
+            tracker.loading = None
+            if tracker.load is not None and not tracker.load.is_async:
                 tracker.load = None
         for extension in self.extensions:
             extension.on_preempted(set(req_ids or ()))
@@ -475,11 +486,26 @@ class SchedulerSide:
             extension.on_chunks(request, first_chunk, hashes, end)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' output of a step: their KV events go to the extensions."""
+        """The workers' output of a step: blocks whose load failed, KV events (to the
+        extensions)."""
+        self._on_load_errors(getattr(connector_output, "invalid_block_ids", None) or set())
         events = getattr(connector_output, "kv_cache_events", None)
         if events is not None:
             for extension in self.extensions:
                 extension.add_worker_events(events)
+
+    def _on_load_errors(self, failed_blocks: set[int]) -> None:
+        """The request whose load failed stores again from the chunk of its first failed
+        block on, which vLLM recomputes. NOTE: in a later step; the worker never stores KV
+        computed over a failed block in the step of the failure (``_trusted_saves``)."""
+        bs = self.block_size
+        for tracker in self.trackers.values() if failed_blocks else ():
+            start, end = tracker.loading or (0, 0)
+            blocks = tracker.block_ids[start // bs : -(-end // bs)]
+            bad = next((i for i, b in enumerate(blocks) if b in failed_blocks), None)
+            if bad is not None:
+                first_bad = (start // bs + bad) * bs // self.chunk_size * self.chunk_size
+                tracker.saved_upto, tracker.loading = min(tracker.saved_upto, first_bad), None
 
     def take_events(self) -> list:
         """The extensions' vLLM KV events since the last call."""

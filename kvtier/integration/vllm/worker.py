@@ -239,7 +239,11 @@ class WorkerSide:
         return self.engine
 
     def _serve_lookup(self, args: dict) -> dict:
-        return {"hits": self._require_engine().lookup_hashes(args["hashes"])}
+        engine = self._require_engine()
+        return {
+            "hits": engine.lookup_hashes(args["hashes"]),
+            "max_load_chunks": engine.max_load_chunks,
+        }
 
     def _serve_clear(self, args: dict) -> dict:
         with self._lock:
