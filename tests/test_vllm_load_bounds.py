@@ -24,6 +24,7 @@ from support.kv import bits, fill_random_
 
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
+from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan
 from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.integration.vllm.worker import WorkerSide
@@ -331,4 +332,44 @@ def test_chunks_lost_to_a_failed_load_are_stored_again_as_recomputed(tmp_path, m
             assert torch.equal(got[layer], expected[layer]), f"layer {layer} differs"
     finally:
         client.close()
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
+def test_async_scheduling_refuses_the_next_steps_saves_over_a_failed_load(async_scheduling):
+    """With async scheduling vLLM plans step N+1 before it learns that step N's load
+    failed: N+1 computes b's next prefill part over the same garbage, and its save must be
+    refused too; a step planned after the failure was reported (N+2) stores again. With
+    synchronous scheduling N+1 already recomputes, and its save is stored."""
+    config = load_config(
+        {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "kernel_backend": "torch"}, env={}
+    )
+    worker = WorkerSide(
+        config, EngineMetadata("test-model"), None, async_scheduling=async_scheduling
+    )
+    paged = PagedKV.empty(
+        "vllm_hnd", num_layers=LAYERS, num_blocks=16, block_size=BLOCK, num_heads=HEADS,
+        head_size=HEAD, dtype=torch.bfloat16,
+    )  # fmt: skip
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    worker.register_kv_caches(dict(zip(names, paged.tensors, strict=True)), "FLASH_ATTN")
+    try:
+        engine, blocks = worker.engine, list(range(1, 9))
+        hashes = engine.chunker.chunk_hashes(torch.arange(4 * CHUNK))
+        worker.start_load(StepPlan(saves=[SaveSpec("a", 0, hashes[:1], CHUNK, blocks)]))
+        worker.wait_for_save()  # chunk 0 only: b's load of chunks 0 and 1 fails at 1
+        load = LoadSpec("b", 0, hashes[:2], 2 * CHUNK, 0, 2 * CHUNK, blocks)
+        worker.start_load(StepPlan(loads=[load]))
+        worker.wait_for_save()
+        assert worker.take_load_errors() == set(blocks[2:4])
+
+        def save_step(first: int) -> int:
+            save = SaveSpec("b", first, hashes[first : first + 1], (first + 1) * CHUNK, blocks)
+            worker.start_load(StepPlan(saves=[save]))
+            worker.wait_for_save()
+            return engine.lookup_hashes(hashes[first : first + 1])
+
+        assert save_step(2) == (0 if async_scheduling else 1), "step N+1's save"
+        assert save_step(3) == 1, "step N+2's save"
+    finally:
         worker.shutdown()

@@ -100,9 +100,11 @@ class WorkerSide:
         wait_stored_s: float = 0.0,
         extensions: Sequence[WorkerExtension] = (),
         mla_replicas: int = 1,
+        async_scheduling: bool = False,
     ):
         self.config = config
         self.mla_replicas = mla_replicas
+        self.async_scheduling = async_scheduling
         self.extensions = list(extensions)
         self.metadata = metadata
         self.endpoint = endpoint
@@ -120,6 +122,7 @@ class WorkerSide:
         self._loaded_layers: set[int] = set()
         self._load_errors: set[int] = set()  # not yet reported to vLLM
         self._failed_this_step: set[int] = set()  # the step's saves must not read over them
+        self._failed_last_step: set[int] = set()  # async scheduling: nor the next step's
         self._async = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._async_futures: dict[str, tuple[LoadSpec, Future[set[int]]]] = {}
         # NOTE: one lock orders the forward thread's steps against the lookup server's
@@ -145,6 +148,7 @@ class WorkerSide:
             wait_stored_s=config.producer_store_timeout_ms / 1000 if producer else 0.0,
             extensions=worker_extensions(config, vllm_config),
             mla_replicas=facts.latent_replicas(vllm_config),
+            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
         )
         side._vllm_config = vllm_config
         return side
@@ -385,15 +389,18 @@ class WorkerSide:
         sharing the block through vLLM's prefix cache) was computed over garbage. vLLM
         discards and recomputes it; kvtier must not store it, or later hits load it.
         The step's failures are kept apart from those still to report: with speculative
-        decoding vLLM takes the load errors before ``wait_for_save``.
+        decoding vLLM takes the load errors before ``wait_for_save``. With async
+        scheduling vLLM plans step N+1 before it learns of step N's failed loads, so N+1
+        computes over the same garbage and its saves are refused too.
         """
         saves = self._plan.saves
-        if not self._failed_this_step:
+        failed = self._failed_this_step | self._failed_last_step
+        if not failed:
             return saves
         trusted = []
         for save in saves:
             blocks = save.block_ids[: -(-save.chunks_end // self.block_size)]
-            if self._failed_this_step.isdisjoint(blocks):
+            if failed.isdisjoint(blocks):
                 trusted.append(save)
                 continue
             self.stats.inc("store_skipped_load_failed_chunks", len(save.hashes))
@@ -445,6 +452,7 @@ class WorkerSide:
                 self._wait_stored(engine)
             self._layer_saves = []
             self._saved_layers = set()
+            self._failed_last_step = self._failed_this_step if self.async_scheduling else set()
             self._failed_this_step = set()
             self._plan = StepPlan()
 
