@@ -297,3 +297,33 @@ def test_info_reports_the_connector_and_the_kvtier_problems_together(capsys):
     err = capsys.readouterr().err
     assert "(2 problems)" in err and "kv_role is None" in err
     assert "unknown key 'chunk_sise' in override; did you mean 'chunk_size'?" in err
+
+
+def test_info_never_prints_a_secret(capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_SERVER_TOKEN", "hunter2")
+    monkeypatch.setenv("KVTIER_REMOTE_PASSWORD", "hunter3")
+    monkeypatch.setenv("KVTIER_S3_SECRET_ACCESS_KEY", "hunter4")
+    monkeypatch.setenv("KVTIER_REMOTE_URL", "redis://user:hunter5@cache:6379/0")
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert main(["info", "--json"]) == 0
+    config = {row["key"]: row["value"] for row in json.loads(capsys.readouterr().out)["config"]}
+    for secret in ("hunter2", "hunter3", "hunter4", "hunter5"):
+        assert secret not in text and secret not in json.dumps(config)
+    assert config["server_token"] == "***" and config["remote_password"] == "***"
+    assert config["remote_url"] == "redis://user:***@cache:6379/0"
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(capsys, tmp_path):
+    config_file = tmp_path / "kvtier.yaml"
+    config_file.write_bytes(b"\xff\xfe\x00")
+    assert main(["info", "--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_demo_synthetic_larger_than_the_machine_names_the_flags(capsys):
+    argv = ["demo", "--synthetic", "--layers", "100000", "--kv-heads", "100000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--layers 100000, --kv-heads 100000" in err and "of memory available" in err

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from kvtier.config import ConfigError
+from kvtier.machine import PoolTooLarge
 
 HELP = "a real vLLM engine: cold prefill vs a kvtier hit (--synthetic: no engine)"
 DESCRIPTION = (
@@ -72,4 +73,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as error:
         print(f"kvtier demo: {error}", file=sys.stderr)
+        return 2
+    except PoolTooLarge as error:
+        print(
+            f"kvtier demo: --synthetic with --tokens {tokens}, --layers {args.layers}, "
+            f"--kv-heads {args.kv_heads}, --head-size {args.head_size}: the KV cache and "
+            f"the CPU tier {error}; give a smaller shape",
+            file=sys.stderr,
+        )
         return 2

@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         "tuning_in_effect": tuning_in_effect(),
         "triton_cache": cache_dir(),
         "config": [
-            {"key": key, "value": value, "source": config.source_of(key)}
-            for key, value in config.to_dict().items()
+            {"key": key, "value": config.public_value(key), "source": config.source_of(key)}
+            for key in config.to_dict()
         ],
         "ignored_lmcache_keys": list(config.ignored_lmcache_keys),
     }
