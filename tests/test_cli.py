@@ -271,6 +271,15 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["proxy", "--decode", "http://127.0.0.1:1", "--retry-after-s", "nan"], "must be >= 0"),
         (["proxy", "--decode", "http://127.0.0.1:1", "--connect-timeout-s", "nan"], "> 0, got"),
         (["proxy", "--decode", "http://127.0.0.1:1", "--load-weight", "nan"], "--load-weight"),
+        (["serve", "--port", "0", "--max-frame-mb", "inf"], "--max-frame-mb inf: expected"),
+        (["serve", "--port", "0", "--max-shm-mb", "inf"], "--max-shm-mb inf: expected"),
+        (["serve", "--port", "0", "--advertise", "kvtier://h:1"], "--advertise needs --peer-"),
+        (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
+        (["status", "--server", "http://127.0.0.1:1"], "--server 'http://127.0.0.1:1'"),
+        (
+            ["proxy", "--decode", "http://h:1", "--policy", "cache_aware", "--kv-events", "h:1=x"],
+            "--kv-events http://h:1: 'x': 'x' is not an endpoint",
+        ),
     ],
 )
 def test_a_bad_flag_value_is_named_without_a_traceback(capsys, argv, message):
@@ -289,6 +298,28 @@ def test_serve_on_a_port_in_use_names_the_address(capsys):
         assert main(["serve", "--port", str(port), "--max-local-cpu-size", "0.01"]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "prefix"),
+    [
+        (["proxy", "--decode", "http://127.0.0.1:1", "--port", "{port}"], ""),
+        (
+            ["serve", "--port", "0", "--admin-port", "{port}", "--max-local-cpu-size", "0.01"],
+            "--admin-port: ",
+        ),
+    ],
+)
+def test_an_http_port_in_use_names_the_address(capsys, argv, prefix):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([arg.format(port=port) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{prefix}cannot listen on 127.0.0.1 port {port}: Address already in use" in err, err
 
 
 def test_info_reports_the_connector_and_the_kvtier_problems_together(capsys):

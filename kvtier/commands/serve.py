@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import math
 import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
@@ -215,12 +216,12 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
                 args.admin_port is None or 0 <= args.admin_port <= 65535,
                 "0..65535 (0: any free port)",
             ),
-            ("--max-frame-mb", args.max_frame_mb, args.max_frame_mb > 0, "MiB > 0"),
+            ("--max-frame-mb", args.max_frame_mb, 0 < args.max_frame_mb < math.inf, "MiB > 0"),
             ("--max-clients", args.max_clients, args.max_clients >= 1, "an integer >= 1"),
             (
                 "--max-shm-mb",
                 args.max_shm_mb,
-                args.max_shm_mb > 0,
+                0 < args.max_shm_mb < math.inf,
                 "MiB > 0 (--no-shm turns shared memory off)",
             ),
         )
@@ -245,7 +246,9 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             if set_
         ]
         if given:
-            raise ConfigError(f"{' and '.join(given)} need --peer-discovery")
+            raise ConfigError(
+                f"{' and '.join(given)} need{'s' * (len(given) == 1)} --peer-discovery"
+            )
         return config
     try:
         advertised(args.host, args.port, args.advertise)

@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
 
+SCHEMES = ("kvtier", "lm")
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -40,7 +41,13 @@ def parse_server_address(url: str) -> ServerAddress:
     except ValueError:
         raise ValueError(form) from None
     options = dict(query)
-    if not host or port is None or parts.path not in ("", "/") or len(options) != len(query):
+    if (
+        parts.scheme.lower() not in SCHEMES
+        or not host
+        or port is None
+        or parts.path not in ("", "/")
+        or len(options) != len(query)
+    ):
         raise ValueError(form)
     address = ServerAddress(host, port)
     try:
