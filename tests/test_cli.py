@@ -358,3 +358,29 @@ def test_demo_synthetic_larger_than_the_machine_names_the_flags(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--layers 100000, --kv-heads 100000" in err and "of memory available" in err
+
+
+@pytest.mark.parametrize("command", ["info", "kernels", "precompile"])
+def test_the_configs_tuning_dir_is_searched_first(capsys, tmp_path, monkeypatch, command):
+    """As in an engine with that config: listed first, and what precompile compiles for."""
+    from kvtier_kernels.tuning import lookup
+
+    config_file = tmp_path / "kvtier.yaml"
+    config_file.write_text(f"tuning_dir: {tmp_path / 'tuned'}\n")
+    monkeypatch.setenv("KVTIER_CONFIG_FILE", str(config_file))
+    try:
+        assert main([command, *(["--json"] if command != "precompile" else [])]) == 0
+        assert lookup.search_path()[0] == tmp_path / "tuned"
+    finally:
+        lookup.set_search_path(None)
+    if command != "precompile":
+        rows = json.loads(capsys.readouterr().out)["tuning_search_path"]
+        assert rows[0] == {"path": str(tmp_path / "tuned"), "kind": "tuning_dir", "exists": False}
+        assert rows[-1]["kind"] == "packaged defaults"
+
+
+def test_kernels_refuses_a_bad_config(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tuning_dir: ''\n")
+    assert main(["kernels", "--config", str(bad)]) == 2
+    assert "tuning_dir" in capsys.readouterr().err

@@ -577,6 +577,7 @@ def test_kvtier_tune_refuses_without_a_gpu(tmp_path: Path) -> None:
         (["--ops", "paged_copy"], "--ops"),
         (["--repeats", "0"], "--repeats 0"),
         (["--warmup", "-1"], "--warmup -1"),
+        (["--out", "/dev/null/tuning"], "--out '/dev/null/tuning': /dev/null is not a directory"),
     ],
 )
 def test_kvtier_tune_names_a_bad_argument_on_any_machine(

@@ -20,6 +20,7 @@ from kvtier.machine import (
     torch_build,
     tuning_in_effect,
 )
+from kvtier.paged_io import use_tuning_dir
 from kvtier_kernels.precompile import cache_dir
 
 HELP = "versions, devices, kernel backends, config in effect"
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    use_tuning_dir(config.tuning_dir)  # the search path an engine with this config has
     info = {
         "versions": {
             "kvtier": dist_version("kvtier"),

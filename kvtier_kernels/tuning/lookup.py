@@ -103,13 +103,17 @@ def search_path() -> tuple[Path, ...]:
 
 def search_path_origins() -> list[tuple[Path, str]]:
     """Each directory of :func:`search_path` with where it comes from, as ``kvtier kernels``
-    shows it: ``"packaged defaults"``, ``"KVTIER_TUNING_DIR"`` or ``"user cache
-    (KVTIER_TUNING_DIR unset)"``."""
+    shows it: ``"packaged defaults"``, ``"KVTIER_TUNING_DIR"``, ``"user cache
+    (KVTIER_TUNING_DIR unset)"`` or, for one put there by :func:`prepend_search_path` or
+    :func:`set_search_path` (kvtier's ``tuning_dir`` key), ``"tuning_dir"``."""
     from_env = bool(_tuning_dir_env())
+    defaults = user_dirs()
     rows = []
     for directory in search_path():
         if directory == PACKAGED_DIR:
             origin = "packaged defaults"
+        elif directory not in defaults:
+            origin = "tuning_dir"
         elif from_env:
             origin = TUNING_DIR_ENV
         else:
