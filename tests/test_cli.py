@@ -384,3 +384,10 @@ def test_kernels_refuses_a_bad_config(capsys, tmp_path):
     bad.write_text("tuning_dir: ''\n")
     assert main(["kernels", "--config", str(bad)]) == 2
     assert "tuning_dir" in capsys.readouterr().err
+
+
+def test_info_says_an_empty_triton_cache_dir_is_not_a_missing_triton(capsys, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    assert main(["info"]) == 0
+    assert "TRITON_CACHE_DIR is set but empty" in capsys.readouterr().out

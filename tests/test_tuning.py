@@ -403,6 +403,8 @@ def test_default_search_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     )
     monkeypatch.setenv(tuning_lookup.TUNING_DIR_ENV, os.pathsep.join(["/x", "/y"]))
     assert tuning_lookup.search_path() == (Path("/x"), Path("/y"), tuning_lookup.PACKAGED_DIR)
+    monkeypatch.setenv(tuning_lookup.TUNING_DIR_ENV, os.pathsep)  # names no directory
+    assert tuning_lookup.user_dirs() == (tmp_path / "kvtier" / "tuning",)
 
 
 # ---------------------------------------------------------------------------------------

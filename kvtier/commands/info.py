@@ -166,7 +166,11 @@ def run(args: argparse.Namespace) -> int:
         print("  (other ops, dtypes and shapes: the built-in heuristics)")
     else:
         print("  (the kernels use their built-in launch heuristics)")
-    triton_cache = info["triton_cache"] or "none (triton not installed)"
+    triton_cache = info["triton_cache"]
+    if triton_cache is None:
+        triton_cache = "none (triton not installed)"
+    elif not triton_cache:
+        triton_cache = "none: TRITON_CACHE_DIR is set but empty (Triton fails to compile)"
     print(f"Triton kernel cache (TRITON_CACHE_DIR; kvtier precompile fills it): {triton_cache}")
     print("\nconfig in effect:")
     key_width = max((len(row["key"]) for row in info["config"]), default=0)
