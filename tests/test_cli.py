@@ -391,3 +391,25 @@ def test_info_says_an_empty_triton_cache_dir_is_not_a_missing_triton(capsys, mon
     monkeypatch.setenv("TRITON_CACHE_DIR", "")
     assert main(["info"]) == 0
     assert "TRITON_CACHE_DIR is set but empty" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(COMMANDS["kernels"], "run", interrupted)
+    assert main(["kernels"]) == 130
+    assert capsys.readouterr().err == "kvtier kernels: interrupted\n"
+
+
+def test_a_reader_gone_ends_a_command_with_141_and_no_traceback():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "info", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.close()  # before it writes: `kvtier info --json | true`
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
