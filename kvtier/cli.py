@@ -18,6 +18,8 @@ Each subcommand is a module of :mod:`kvtier.commands`; this one only assembles t
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -47,12 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the subcommand ``argv`` names; its exit code (2 when argparse refuses the
-    arguments, 0 after ``--help``)."""
+    arguments, 0 after ``--help``; 130 on Ctrl-C, 141 when the reader of the output went
+    away, as a shell reports a process killed by SIGINT or SIGPIPE)."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:  # `kvtier kernels --json | head`
+        # NOTE: stdout points at nothing from here on, so that the interpreter's own
+        # flush at exit does not fail on the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
+from kvtier.machine import check_host_memory
 from kvtier.observability.stats import Counter
 from kvtier_kernels import PagedKV, get_layout
 from kvtier_kernels.dtypes import bits
@@ -81,6 +82,8 @@ def run_demo(
 
     Raises:
         ValueError: ``num_tokens`` is not a positive multiple of ``TOKENS_MULTIPLE``.
+        PoolTooLarge: the synthetic KV cache and the CPU tier do not fit this machine's
+            memory.
     """
     if num_tokens < 1 or num_tokens % TOKENS_MULTIPLE:
         raise ValueError(
@@ -96,6 +99,8 @@ def run_demo(
     # Room for two prompts' worth of chunks, so step 5 has to evict.
     tier_gb = 2 * num_tokens * bytes_per_token / 2**30
     config = load_config({"max_local_cpu_size": tier_gb, "chunk_size": CHUNK_SIZE})
+    cache_bytes = num_blocks * block_size * bytes_per_token  # the engine KV cache below
+    check_host_memory(cache_bytes + config.max_local_cpu_bytes)
 
     buffer = torch.zeros(
         (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size), dtype=dtype

@@ -45,6 +45,10 @@ MODEL_SHAPE = {
     "vocab_size": 8192,
 }
 BLOCK_SIZE = 32  # vLLM's block size in the demo (the CPU backend needs a multiple of 32)
+MAX_POSITIONS = 8192  # the demo model's context
+ANSWER_TOKENS = 16  # greedy tokens generated per request
+CONTEXT_SLACK = 64  # max_model_len beyond the prompt and the answer
+MAX_PROMPT_TOKENS = MAX_POSITIONS - ANSWER_TOKENS - CONTEXT_SLACK
 
 
 def build_llama(
@@ -56,7 +60,7 @@ def build_llama(
     head_size: int,
     intermediate_size: int | None = None,
     vocab_size: int = 512,
-    max_position_embeddings: int = 8192,
+    max_position_embeddings: int = MAX_POSITIONS,
     seed: int = 0,
     weight_std: float | None = None,
 ) -> Path:
@@ -158,7 +162,9 @@ def shutdown_engine(llm) -> None:
     gc.collect()
 
 
-def run_vllm_demo(*, tokens: int = 4128, chunk_size: int = 256, max_tokens: int = 16) -> int:
+def run_vllm_demo(
+    *, tokens: int = 4128, chunk_size: int = 256, max_tokens: int = ANSWER_TOKENS
+) -> int:
     """Run the walk-through: cold prefill, a kvtier hit from memory, then a new engine
     process loading the prompt from kvtier's local disk tier. Returns 0 when both hits
     loaded tokens, their KV was bit-identical to the cold prefill's, and their outputs
@@ -282,7 +288,7 @@ def _engine_phase(
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         return time.perf_counter() - start, list(out.outputs[0].token_ids), out.num_cached_tokens
 
-    llm = make_engine(model, max_model_len=len(prompt) + max_tokens + 64, kvtier=kvtier)
+    llm = make_engine(model, max_model_len=len(prompt) + max_tokens + CONTEXT_SLACK, kvtier=kvtier)
     probe = KVProbe(llm)
     result: dict[str, Any] = {"reference": None}
     try:

@@ -4,6 +4,7 @@ on aiohttp: starting an application on an address, and the bearer-token check.""
 from __future__ import annotations
 
 import hmac
+import os
 
 from aiohttp import web
 
@@ -23,7 +24,7 @@ async def start_app(
     cancelled when its client disconnects.
 
     Raises:
-        OSError: the address cannot be bound.
+        OSError: the address cannot be bound (the message names it).
     """
     runner = web.AppRunner(
         app,
@@ -35,9 +36,10 @@ async def start_app(
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
         await site.start()
-    except OSError:
+    except OSError as error:
         await runner.cleanup()
-        raise
+        reason = os.strerror(error.errno) if (error.errno or 0) > 0 else error.strerror or error
+        raise OSError(error.errno, f"cannot listen on {host} port {port}: {reason}") from None
     return runner
 
 

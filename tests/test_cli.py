@@ -264,6 +264,9 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["demo", "--synthetic", "--layers", "-1"], "--layers -1: expected an integer >= 1"),
         (["demo", "--synthetic", "--tokens", "0"], "--tokens 0: expected an integer >= 1"),
         (["demo", "--synthetic", "--tokens", "300"], "--tokens 300: with --synthetic, a multiple"),
+        (["demo", "--tokens", "9000"], "--tokens 9000: expected more than --chunk-size"),
+        (["demo", "--tokens", "256"], "--tokens 256: expected more than --chunk-size (256"),
+        (["demo", "--chunk-size", "2000000"], "--chunk-size 2000000: invalid kvtier"),
         (["serve", "--port", "99999"], "--port 99999: expected 0..65535"),
         (["serve", "--port", "0", "--admin-port", "70000"], "--admin-port 70000: expected"),
         (["serve", "--port", "0", "--max-clients", "0"], "--max-clients 0: expected"),
@@ -274,6 +277,19 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["proxy", "--decode", "http://127.0.0.1:1", "--retry-after-s", "nan"], "must be >= 0"),
         (["proxy", "--decode", "http://127.0.0.1:1", "--connect-timeout-s", "nan"], "> 0, got"),
         (["proxy", "--decode", "http://127.0.0.1:1", "--load-weight", "nan"], "--load-weight"),
+        (["serve", "--port", "0", "--max-frame-mb", "inf"], "--max-frame-mb inf: expected"),
+        (["serve", "--port", "0", "--max-shm-mb", "inf"], "--max-shm-mb inf: expected"),
+        (["serve", "--port", "0", "--advertise", "kvtier://h:1"], "--advertise needs --peer-"),
+        (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
+        (
+            ["serve", "--port", "0", "--max-local-cpu-size", "0.01", "--remote-url", "redis://h:x"],
+            "kvtier serve: --remote-url: remote_url 'redis://h:x': bad port",
+        ),
+        (["status", "--server", "http://127.0.0.1:1"], "--server 'http://127.0.0.1:1'"),
+        (
+            ["proxy", "--decode", "http://h:1", "--policy", "cache_aware", "--kv-events", "h:1=x"],
+            "--kv-events http://h:1: 'x': 'x' is not an endpoint",
+        ),
     ],
 )
 def test_a_bad_flag_value_is_named_without_a_traceback(capsys, argv, message):
@@ -294,9 +310,116 @@ def test_serve_on_a_port_in_use_names_the_address(capsys):
     assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "prefix"),
+    [
+        (["proxy", "--decode", "http://127.0.0.1:1", "--port", "{port}"], ""),
+        (
+            ["serve", "--port", "0", "--admin-port", "{port}", "--max-local-cpu-size", "0.01"],
+            "--admin-port: ",
+        ),
+    ],
+)
+def test_an_http_port_in_use_names_the_address(capsys, argv, prefix):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([arg.format(port=port) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{prefix}cannot listen on 127.0.0.1 port {port}: Address already in use" in err, err
+
+
 def test_info_reports_the_connector_and_the_kvtier_problems_together(capsys):
     both_wrong = _transfer({"chunk_sise": 64}, kv_role=None)
     assert main(["info", "--kv-transfer-config", both_wrong]) == 2
     err = capsys.readouterr().err
     assert "(2 problems)" in err and "kv_role is None" in err
     assert "unknown key 'chunk_sise' in override; did you mean 'chunk_size'?" in err
+
+
+def test_info_never_prints_a_secret(capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_SERVER_TOKEN", "hunter2")
+    monkeypatch.setenv("KVTIER_REMOTE_PASSWORD", "hunter3")
+    monkeypatch.setenv("KVTIER_S3_SECRET_ACCESS_KEY", "hunter4")
+    monkeypatch.setenv("KVTIER_REMOTE_URL", "redis://user:hunter5@cache:6379/0")
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert main(["info", "--json"]) == 0
+    config = {row["key"]: row["value"] for row in json.loads(capsys.readouterr().out)["config"]}
+    for secret in ("hunter2", "hunter3", "hunter4", "hunter5"):
+        assert secret not in text and secret not in json.dumps(config)
+    assert config["server_token"] == "***" and config["remote_password"] == "***"
+    assert config["remote_url"] == "redis://user:***@cache:6379/0"
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(capsys, tmp_path):
+    config_file = tmp_path / "kvtier.yaml"
+    config_file.write_bytes(b"\xff\xfe\x00")
+    assert main(["info", "--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_demo_synthetic_larger_than_the_machine_names_the_flags(capsys):
+    argv = ["demo", "--synthetic", "--layers", "100000", "--kv-heads", "100000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--layers 100000, --kv-heads 100000" in err and "of memory available" in err
+
+
+@pytest.mark.parametrize("command", ["info", "kernels", "precompile"])
+def test_the_configs_tuning_dir_is_searched_first(capsys, tmp_path, monkeypatch, command):
+    """As in an engine with that config: listed first, and what precompile compiles for."""
+    from kvtier_kernels.tuning import lookup
+
+    config_file = tmp_path / "kvtier.yaml"
+    config_file.write_text(f"tuning_dir: {tmp_path / 'tuned'}\n")
+    monkeypatch.setenv("KVTIER_CONFIG_FILE", str(config_file))
+    try:
+        assert main([command, *(["--json"] if command != "precompile" else [])]) == 0
+        assert lookup.search_path()[0] == tmp_path / "tuned"
+    finally:
+        lookup.set_search_path(None)
+    if command != "precompile":
+        rows = json.loads(capsys.readouterr().out)["tuning_search_path"]
+        assert rows[0] == {"path": str(tmp_path / "tuned"), "kind": "tuning_dir", "exists": False}
+        assert rows[-1]["kind"] == "packaged defaults"
+
+
+def test_kernels_refuses_a_bad_config(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tuning_dir: ''\n")
+    assert main(["kernels", "--config", str(bad)]) == 2
+    assert "tuning_dir" in capsys.readouterr().err
+
+
+def test_info_says_an_empty_triton_cache_dir_is_not_a_missing_triton(capsys, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
+    assert main(["info"]) == 0
+    assert "TRITON_CACHE_DIR is set but empty" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(COMMANDS["kernels"], "run", interrupted)
+    assert main(["kernels"]) == 130
+    assert capsys.readouterr().err == "kvtier kernels: interrupted\n"
+
+
+def test_a_reader_gone_ends_a_command_with_141_and_no_traceback():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "info", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.close()  # before it writes: `kvtier info --json | true`
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()

@@ -301,6 +301,14 @@ def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
     assert_one_problem_mentions(excinfo.value, str(path), "not valid YAML")
 
 
+def test_a_file_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_bytes(b"\xff\xfechunk_size: 256\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(config_file=path, env={})
+    assert_one_problem_mentions(excinfo.value, str(path), "not UTF-8 text")
+
+
 @pytest.mark.parametrize("text", ["- chunk_size\n- 256\n", "just a string\n", "42\n"])
 def test_non_mapping_yaml_names_the_file(tmp_path: Path, text: str) -> None:
     path = write(tmp_path, text)

@@ -93,7 +93,14 @@ def test_lm_and_kvtier_urls_are_accepted_and_parsed():
         assert schemes.load_module(url).__name__ == "kvtier.storage.node_store"
     assert parse_server_url("lm://localhost:65432") == ("localhost", 65432)
     assert parse_server_url("kvtier://[::1]:7000/") == ("::1", 7000)
-    for bad in ("kvtier://host", "kvtier://:80", "kvtier://h:1/path", "kvtier://h:99999"):
+    for bad in (
+        "kvtier://host",
+        "kvtier://:80",
+        "kvtier://h:1/path",
+        "kvtier://h:99999",
+        "http://h:80",
+        "redis://h:6379",
+    ):
         with pytest.raises(ValueError, match=r"remote_url .*kvtier://host:port"):
             parse_server_url(bad)
 

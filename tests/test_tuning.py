@@ -403,6 +403,8 @@ def test_default_search_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     )
     monkeypatch.setenv(tuning_lookup.TUNING_DIR_ENV, os.pathsep.join(["/x", "/y"]))
     assert tuning_lookup.search_path() == (Path("/x"), Path("/y"), tuning_lookup.PACKAGED_DIR)
+    monkeypatch.setenv(tuning_lookup.TUNING_DIR_ENV, os.pathsep)  # names no directory
+    assert tuning_lookup.user_dirs() == (tmp_path / "kvtier" / "tuning",)
 
 
 # ---------------------------------------------------------------------------------------
@@ -577,6 +579,7 @@ def test_kvtier_tune_refuses_without_a_gpu(tmp_path: Path) -> None:
         (["--ops", "paged_copy"], "--ops"),
         (["--repeats", "0"], "--repeats 0"),
         (["--warmup", "-1"], "--warmup -1"),
+        (["--out", "/dev/null/tuning"], "--out '/dev/null/tuning': /dev/null is not a directory"),
     ],
 )
 def test_kvtier_tune_names_a_bad_argument_on_any_machine(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.config import ConfigError
+from kvtier.config import ConfigError, load_config
+from kvtier.machine import PoolTooLarge
 
 HELP = "a real vLLM engine: cold prefill vs a kvtier hit (--synthetic: no engine)"
 DESCRIPTION = (
@@ -49,9 +50,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvtier demo: {flag} {value}: expected an integer >= 1", file=sys.stderr)
             return 2
     if not args.synthetic:
-        from kvtier.demo_vllm import run_vllm_demo
+        from kvtier.demo_vllm import MAX_PROMPT_TOKENS, run_vllm_demo
 
-        return run_vllm_demo(tokens=args.tokens or 4128, chunk_size=args.chunk_size)
+        tokens = args.tokens or 4128
+        try:  # before any engine starts: the engine would refuse these only in its process
+            load_config({"chunk_size": args.chunk_size}, env={})
+        except ConfigError as error:
+            print(f"kvtier demo: --chunk-size {args.chunk_size}: {error}", file=sys.stderr)
+            return 2
+        if not args.chunk_size < tokens <= MAX_PROMPT_TOKENS:
+            print(
+                f"kvtier demo: --tokens {tokens}: expected more than --chunk-size "
+                f"({args.chunk_size}: kvtier loads whole chunks, and the last token is "
+                f"always computed) and at most {MAX_PROMPT_TOKENS} (the demo model's context)",
+                file=sys.stderr,
+            )
+            return 2
+        return run_vllm_demo(tokens=tokens, chunk_size=args.chunk_size)
     from kvtier.demo import TOKENS_MULTIPLE, run_demo
 
     tokens = args.tokens or 4096
@@ -72,4 +87,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as error:
         print(f"kvtier demo: {error}", file=sys.stderr)
+        return 2
+    except PoolTooLarge as error:
+        print(
+            f"kvtier demo: --synthetic with --tokens {tokens}, --layers {args.layers}, "
+            f"--kv-heads {args.kv_heads}, --head-size {args.head_size}: the KV cache and "
+            f"the CPU tier {error}; give a smaller shape",
+            file=sys.stderr,
+        )
         return 2

@@ -20,6 +20,7 @@ from kvtier.machine import (
     torch_build,
     tuning_in_effect,
 )
+from kvtier.paged_io import use_tuning_dir
 from kvtier_kernels.precompile import cache_dir
 
 HELP = "versions, devices, kernel backends, config in effect"
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    use_tuning_dir(config.tuning_dir)  # the search path an engine with this config has
     info = {
         "versions": {
             "kvtier": dist_version("kvtier"),
@@ -131,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
         "tuning_in_effect": tuning_in_effect(),
         "triton_cache": cache_dir(),
         "config": [
-            {"key": key, "value": value, "source": config.source_of(key)}
-            for key, value in config.to_dict().items()
+            {"key": key, "value": config.public_value(key), "source": config.source_of(key)}
+            for key in config.to_dict()
         ],
         "ignored_lmcache_keys": list(config.ignored_lmcache_keys),
     }
@@ -164,7 +166,11 @@ def run(args: argparse.Namespace) -> int:
         print("  (other ops, dtypes and shapes: the built-in heuristics)")
     else:
         print("  (the kernels use their built-in launch heuristics)")
-    triton_cache = info["triton_cache"] or "none (triton not installed)"
+    triton_cache = info["triton_cache"]
+    if triton_cache is None:
+        triton_cache = "none (triton not installed)"
+    elif not triton_cache:
+        triton_cache = "none: TRITON_CACHE_DIR is set but empty (Triton fails to compile)"
     print(f"Triton kernel cache (TRITON_CACHE_DIR; kvtier precompile fills it): {triton_cache}")
     print("\nconfig in effect:")
     key_width = max((len(row["key"]) for row in info["config"]), default=0)

@@ -5,29 +5,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
+from kvtier.config import ConfigError, load_config
 from kvtier.machine import search_path_rows
+from kvtier.paged_io import use_tuning_dir
 
 HELP = "kernel ops, backends available, what auto picks, tuning files in effect"
 DESCRIPTION = (
     "List the kernel ops, the backends available on this machine, what kernel_backend "
     "auto picks for each op, and the tuning files in effect (written by kvtier tune), in "
-    "the order they are searched."
+    "the order they are searched: the config's tuning_dir, KVTIER_TUNING_DIR (else "
+    "~/.cache/kvtier/tuning), the packaged defaults. Exit 0, or 2 on a config error."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        help="YAML config file whose tuning_dir is searched first (default: KVTIER_CONFIG_FILE)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Always 0."""
+    """0, or 2 on a config error."""
     import torch
 
     from kvtier_kernels import registry
     from kvtier_kernels.tuning import files as tuning_files
     from kvtier_kernels.tuning import lookup as tuning_lookup
 
+    try:
+        config = load_config(config_file=args.config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    use_tuning_dir(config.tuning_dir)  # the search path an engine with this config has
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     # The backend whose launch parameters apply on this machine's device.

@@ -17,6 +17,7 @@ import torch
 
 from kvtier.commands.model_shape import add_shape_arguments, shape_from_args
 from kvtier.config import ConfigError, load_config
+from kvtier.paged_io import use_tuning_dir
 from kvtier.warmup import engine_ops, nothing_to_compile, numba_ops
 from kvtier_kernels import PagedKV
 from kvtier_kernels.precompile import NUMBA_OPS, WARMABLE_OPS, cache_dir, plan_warmup, warm_numba
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, RuntimeError) as error:
         print(f"kvtier precompile: {error}", file=sys.stderr)
         return 2
+    use_tuning_dir(config.tuning_dir)  # the launch parameters the engine's kernels will use
     why = nothing_to_compile(config.kernel_backend, device)
     if why is not None:
         cpu_ops = [op for op in ops or numba_ops(config) if op in NUMBA_OPS]

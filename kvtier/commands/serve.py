@@ -237,7 +237,7 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
                 args.admin_port is None or 0 <= args.admin_port <= 65535,
                 "0..65535 (0: any free port)",
             ),
-            ("--max-frame-mb", args.max_frame_mb, args.max_frame_mb > 0, "MiB > 0"),
+            ("--max-frame-mb", args.max_frame_mb, 0 < args.max_frame_mb < math.inf, "MiB > 0"),
             ("--max-clients", args.max_clients, args.max_clients >= 1, "an integer >= 1"),
             ("--max-names", args.max_names, args.max_names >= 1, "an integer >= 1"),
             (
@@ -249,7 +249,7 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             (
                 "--max-shm-mb",
                 args.max_shm_mb,
-                args.max_shm_mb > 0,
+                0 < args.max_shm_mb < math.inf,
                 "MiB > 0 (--no-shm turns shared memory off)",
             ),
         )
@@ -274,7 +274,9 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             if set_
         ]
         if given:
-            raise ConfigError(f"{' and '.join(given)} need --peer-discovery")
+            raise ConfigError(
+                f"{' and '.join(given)} need{'s' * (len(given) == 1)} --peer-discovery"
+            )
         return config
     try:
         advertised(args.host, args.port, advertise_of(args))

@@ -169,6 +169,11 @@ class KVTierConfig:
         ]
         return ", ".join(changed) if changed else "defaults"
 
+    def public_value(self, name: str) -> Any:
+        """``name``'s value as ``kvtier info`` prints it: secrets masked, a URL's password
+        hidden (``KeySpec.public``)."""
+        return CONFIG_KEYS[name].public(getattr(self, name))
+
     def _shown(self, name: str) -> str:
         """The value for display: secrets masked, a URL's password hidden."""
         return CONFIG_KEYS[name].shown(getattr(self, name))

@@ -97,11 +97,16 @@ class KeySpec:
     def shown(self, value: Any) -> str:
         """``value`` as logs, tables and error messages show it: a secret as ``'***'``,
         a string with its secret part redacted."""
+        return repr(self.public(value))
+
+    def public(self, value: Any) -> Any:
+        """``value`` as it may be printed (``kvtier info``, its JSON): a secret as
+        ``***``, a string with its secret part redacted, anything else as it is."""
         if self.secret and value is not None:
-            return "'***'"
+            return "***"
         if self.redact is not None and isinstance(value, str):
-            return repr(self.redact(value))
-        return repr(value)
+            return self.redact(value)
+        return value
 
 
 def key_registry(*groups: Iterable[KeySpec]) -> dict[str, KeySpec]:

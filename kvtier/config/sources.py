@@ -111,6 +111,9 @@ def read_yaml_file(file: ConfigFile, problems: list[str]) -> Mapping[Any, Any]:
     except yaml.YAMLError as err:
         problems.append(f"{file.described} is not valid YAML: {err}")
         return {}
+    except UnicodeDecodeError as err:
+        problems.append(f"{file.described} is not UTF-8 text: {err}")
+        return {}
     if data is None:  # an empty file
         return {}
     if not isinstance(data, Mapping):

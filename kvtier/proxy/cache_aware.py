@@ -136,7 +136,10 @@ class CacheAwareRouter:
         self.block_size: int | None = None
         self.subscribers: dict[str, Subscriber] = {}
         for url, spec in settings.kv_events.items():
-            pub, replay = parse_endpoint(spec)
+            try:
+                pub, replay = parse_endpoint(spec)
+            except ValueError as exc:
+                raise ValueError(f"--kv-events {url}: {exc}") from None
             self.subscribers[url] = Subscriber(url, pub, replay, self.index, self._on_stored)
         self.tokens = TokenCache()
         self.lora_paths: dict[str, str] = {}

@@ -245,7 +245,8 @@ def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
     store an engine of that namespace would open itself.
 
     Raises:
-        ValueError: the URL's scheme cannot sit behind a server (naming ``--remote-url``).
+        ValueError: the URL's scheme cannot sit behind a server, or the URL is malformed
+            (naming ``--remote-url``).
     """
     url = config.remote_url
     assert url is not None
@@ -258,6 +259,10 @@ def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
         )
     open_store: Callable[[RemoteRequest], BlobStore] = module.open_store
     serde = make_serde("naive")
+    try:  # a store parses its URL when opened, and connects on its first call
+        open_store(RemoteRequest(url, config, serde, stats, PING_NAMESPACE)).close()
+    except ValueError as exc:  # a URL no retry can mend: refused now, not "down" forever
+        raise ValueError(f"--remote-url: {exc}") from None
     return RemoteBlobs(
         lambda namespace: open_store(RemoteRequest(url, config, serde, stats, namespace)),
         describe=redact_url(url),

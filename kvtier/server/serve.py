@@ -187,10 +187,10 @@ async def serve(
         admin = AdminServer(hooks)
         try:
             await admin.start(host, admin_port)
-        except OSError:
+        except OSError as error:
             await server.stop()
             _close(cache, server.plane, leases, 0)
-            raise
+            raise OSError(error.errno, f"--admin-port: {error.strerror or error}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -72,12 +72,17 @@ def default_user_dir() -> Path:
     return Path(base) / "kvtier" / "tuning"
 
 
+def _env_dirs() -> tuple[Path, ...]:
+    """The directories ``KVTIER_TUNING_DIR`` names (none when unset, empty or only
+    separators)."""
+    env = _tuning_dir_env() or ""
+    return tuple(Path(p).expanduser() for p in env.split(os.pathsep) if p)
+
+
 def user_dirs() -> tuple[Path, ...]:
-    """Where ``kvtier tune`` writes and lookups look first (see the module doc)."""
-    env = _tuning_dir_env()
-    if env:
-        return tuple(Path(p).expanduser() for p in env.split(os.pathsep) if p)
-    return (default_user_dir(),)
+    """Where ``kvtier tune`` writes and lookups look first (see the module doc): never
+    empty."""
+    return _env_dirs() or (default_user_dir(),)
 
 
 @functools.lru_cache(maxsize=32)
@@ -103,13 +108,17 @@ def search_path() -> tuple[Path, ...]:
 
 def search_path_origins() -> list[tuple[Path, str]]:
     """Each directory of :func:`search_path` with where it comes from, as ``kvtier kernels``
-    shows it: ``"packaged defaults"``, ``"KVTIER_TUNING_DIR"`` or ``"user cache
-    (KVTIER_TUNING_DIR unset)"``."""
-    from_env = bool(_tuning_dir_env())
+    shows it: ``"packaged defaults"``, ``"KVTIER_TUNING_DIR"``, ``"user cache
+    (KVTIER_TUNING_DIR unset)"`` or, for one put there by :func:`prepend_search_path` or
+    :func:`set_search_path` (kvtier's ``tuning_dir`` key), ``"tuning_dir"``."""
+    from_env = bool(_env_dirs())
+    defaults = user_dirs()
     rows = []
     for directory in search_path():
         if directory == PACKAGED_DIR:
             origin = "packaged defaults"
+        elif directory not in defaults:
+            origin = "tuning_dir"
         elif from_env:
             origin = TUNING_DIR_ENV
         else:
