@@ -394,6 +394,7 @@ def test_stats_and_metrics_keep_kvtiers_names(cpu_only):
     assert counters["stored_chunks"] == 3 and counters["stored_bytes"] == 3 * page_bytes
     assert counters["store_skipped_existing_chunks"] == 3
     assert counters["retrieve_hit_tokens"] == 12 and counters["retrieve_requested_tokens"] == 16
+    assert not [name for name in counters if name.startswith("kv_events_")]  # none counted
     backend.clear()
     assert backend.batch_exists(KEYS[:1]) == 0
     backend.close()

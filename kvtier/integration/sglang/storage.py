@@ -46,7 +46,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.sglang.page_store import Moved, PageBuffers, PageStore
 from kvtier.integration.sglang.pages import HostPool, PageFormat, PageKeys, split_extra_config
-from kvtier.observability.prometheus import MetricsServer, export
+from kvtier.observability.prometheus import ANNOUNCED_EVENT_COUNTERS, MetricsServer, export
 from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.manager import StorageManager
 from kvtier.warn import warn_once
@@ -54,6 +54,8 @@ from kvtier.warn import warn_once
 logger = logging.getLogger(__name__)
 
 KV = str(PoolName.KV)
+
+KV_EVENT_COUNTERS = (*ANNOUNCED_EVENT_COUNTERS, Counter.KV_EVENTS_DROPPED)
 
 T = TypeVar("T")
 
@@ -418,11 +420,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def metrics(self) -> dict:
         """kvtier's counters, histograms and tier gauges (``prometheus.export``), under the
-        same names as in vLLM, labelled with the TP rank."""
+        same names as in vLLM, labelled with the TP rank. The KV-event counters are left
+        out: kvtier announces no KV events to SGLang, so nothing here counts them."""
         return export(
             self.stats,
             gauges=self.storage.gauges(),
             tiers=self.storage.lower_tier_names,
+            omit=KV_EVENT_COUNTERS,
             rank=str(self.storage_config.tp_rank),
         )
 
