@@ -24,7 +24,7 @@ from kvtier.chunker import Chunk, Chunker, RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher, TokenIds
 from kvtier.keys import CacheKey
-from kvtier.observability.prometheus import export
+from kvtier.observability.prometheus import ANNOUNCED_EVENT_COUNTERS, export
 from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEventLog
 from kvtier.paged_io import PagedIO
@@ -136,6 +136,7 @@ class CacheEngine:
         self.config = config
         self.metadata = metadata
         self.stats = stats or Stats()
+        self.events = events
         self.storage = StorageManager(
             config,
             self.stats,
@@ -382,16 +383,19 @@ class CacheEngine:
     def metrics(self, omit: Iterable[str] = ()) -> dict:
         """This engine's counters, histograms and tier gauges as plain data
         (``prometheus.export``), labelled with its rank; ``omit``: counters another
-        process counts for it (a vLLM worker's lookups are counted by the scheduler)."""
-        exported = export(
+        process counts for it (a vLLM worker's lookups are counted by the scheduler).
+        The KV-event counters an engine never counts are left out: those of the events
+        vLLM's scheduler announces, and, without ``events``, the tier records dropped."""
+        uncounted = [*ANNOUNCED_EVENT_COUNTERS, *omit]
+        if self.events is None:
+            uncounted.append(Counter.KV_EVENTS_DROPPED)
+        return export(
             self.stats,
             gauges=self.storage.gauges(),
             tiers=self.storage.lower_tier_names,
+            omit=uncounted,
             rank=str(self.metadata.worker_rank),
         )
-        for name in omit:
-            exported["counters"].pop(name, None)
-        return exported
 
     @property
     def tier_names(self) -> list[str]:

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine import make_engine
 
 from kvtier.blend.vllm_plan import BlendPlanner
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, load_config
+from kvtier.engine import CacheEngine, EngineMetadata
 from kvtier.observability.prometheus import (
     HELP,
     MetricsServer,
@@ -23,6 +24,7 @@ from kvtier.observability.prometheus import (
     serve_engine_metrics,
 )
 from kvtier.observability.stats import Stats
+from kvtier.observability.tier_events import TierEventLog
 
 LAYERS, HEADS, HEAD, CHUNK = 3, 2, 8, 8  # test_engine.make_engine's defaults
 CHUNK_BYTES = 2 * LAYERS * CHUNK * HEADS * HEAD * 2  # K and V planes, bf16
@@ -231,3 +233,21 @@ def test_every_blend_counter_has_help_and_docs():
     for name in sorted(names):
         assert name in HELP, name
         assert f"`kvtier_{name}_total`" in docs, name
+
+
+@pytest.mark.parametrize("record_events", [False, True])
+def test_an_engine_exports_only_the_kv_event_counters_it_counts(record_events):
+    """``serve_engine_metrics``: an engine announces no KV events (vLLM's scheduler does),
+    and drops tier records only when it records them."""
+    config = load_config({"max_local_cpu_size": 0.01}, env={})
+    events = TierEventLog(stats=Stats()) if record_events else None
+    engine = CacheEngine(config, EngineMetadata("test-model"), events=events)
+    server = serve_engine_metrics(engine)
+    try:
+        families = {name for name, _ in scrape(server)}
+    finally:
+        server.close()
+        engine.close()
+    exported = {name for name in families if name.startswith("kvtier_kv_events_")}
+    assert exported == ({"kvtier_kv_events_dropped_total"} if record_events else set())
+    assert "kvtier_stored_chunks_total" in families

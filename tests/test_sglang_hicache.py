@@ -378,6 +378,62 @@ def test_an_mla_models_sidecar_pools_written_by_one_rank_serve_every_rank(tmp_pa
         backend.close()
 
 
+def page_file_bytes(tmp_path: Path, pool) -> int:
+    """The size of one page's file on the local disk."""
+    probe = make_backend(pool, disk(tmp_path / "probe", local_cpu=False))
+    assert probe.batch_set_v1(KEYS[:1], page_indices(pool, [1])) == [True]
+    probe.close()
+    (file,) = (tmp_path / "probe").rglob("*.kvt")
+    return file.stat().st_size
+
+
+def test_ranks_sharing_a_local_disk_keep_their_own_pages(tmp_path):
+    """Each rank of a multi-rank engine keeps its pages in its own directory of
+    ``local_disk`` (``rank<r>of<n>``), within its own bound: a restarted rank neither
+    indexes its peer's pages nor evicts them to make room for them."""
+    pool = mha_pool("page_first")
+    bound = 4.5 * page_file_bytes(tmp_path, pool) / 2**30  # one rank's 3 pages fit, not 6
+    extra = disk(tmp_path, local_cpu=False, max_local_disk_size=bound)
+    ranks = [make_backend(pool, extra, tp_rank=r, tp_size=2) for r in (0, 1)]
+    for backend in ranks:
+        assert backend.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3])) == [True] * 3
+    ranks[0].close()
+    ranks[0] = make_backend(pool, extra, tp_rank=0, tp_size=2)  # restarted
+    for backend in ranks:
+        assert backend.batch_get_v1(KEYS[:3], page_indices(pool, [5, 6, 7])) == [True] * 3
+        assert backend.metrics()["counters"]["disk_evictions"] == 0
+        backend.close()
+    assert [len(list(tmp_path.glob(f"disk/rank{r}of2/**/*.kvt"))) for r in (0, 1)] == [3, 3]
+
+
+def test_one_rank_writes_the_pages_an_mla_models_ranks_share(tmp_path):
+    """TP ranks of an MLA model hold the same KV pages: the writer (SGLang's
+    ``is_storage_writer``) alone stores them, on the local disk (in one directory it
+    bounds) and in the remote tier; another rank reads them there, its own writes of them
+    skipped and counted. What each rank holds of its own (Mamba states) it stores."""
+    pool = mla_pool("page_first")
+    mamba = mha_pool("page_first_direct", layers=1, heads=1, head_dim=8)
+    remote = f"fs://{tmp_path}/fs"
+    extra = disk(tmp_path, local_cpu=False, remote_url=remote)
+    writer, reader = (make_backend(pool, extra, tp_rank=r, tp_size=2) for r in (0, 1))
+    assert reader.batch_set_v1(KEYS[3:6], page_indices(pool, [4, 5, 6])) == [True] * 3
+    reader.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    state = PoolTransfer(name=PoolName.MAMBA, host_indices=page_indices(mamba, [2]), keys=KEYS[1:2])
+    assert reader.batch_set_v2([state]) == {PoolName.MAMBA: [True]}
+    counters = reader.metrics()["counters"]
+    assert counters["disk_puts_skipped_replica"] == counters["fs_puts_skipped_replica"] == 3
+    assert counters["disk_put_chunks"] == counters["fs_put_chunks"] == 1  # its Mamba state
+    assert writer.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3])) == [True] * 3
+    assert reader.batch_get_v1(KEYS[:3], page_indices(pool, [9, 10, 11])) == [True] * 3
+    assert_pages_equal(pool, [1, 2, 3], pool, [9, 10, 11])
+    assert writer.metrics()["counters"]["fs_put_chunks"] == 3
+    assert len(list(tmp_path.glob("disk/kvtier-v1/**/*.kvt"))) == 3  # the writer's
+    assert len(list(tmp_path.glob("disk/rank1of2/**/*.kvt"))) == 1  # the reader's state
+    assert len(list(tmp_path.glob("disk/rank0of2/**/*.kvt"))) == 0
+    writer.close()
+    reader.close()
+
+
 def test_stats_and_metrics_keep_kvtiers_names(cpu_only):
     pool = mla_pool("page_first")
     backend = make_backend(pool, cpu_only)
@@ -394,6 +450,7 @@ def test_stats_and_metrics_keep_kvtiers_names(cpu_only):
     assert counters["stored_chunks"] == 3 and counters["stored_bytes"] == 3 * page_bytes
     assert counters["store_skipped_existing_chunks"] == 3
     assert counters["retrieve_hit_tokens"] == 12 and counters["retrieve_requested_tokens"] == 16
+    assert not [name for name in counters if name.startswith("kv_events_")]  # none counted
     backend.clear()
     assert backend.batch_exists(KEYS[:1]) == 0
     backend.close()

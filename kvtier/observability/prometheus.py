@@ -30,6 +30,14 @@ _TIER_COUNTERS = [v for k, v in vars(TierCounter).items() if not k.startswith("_
 _TIER_WHATS = {*_TIER_COUNTERS, Histogram.TIER_GET, Histogram.TIER_PUT}
 _DERIVED = ("store_gbps", "load_gbps", "retrieve_hit_ratio")
 
+# Counted only by vLLM's scheduler, as it announces kvtier's KV events
+# (``integration.vllm.kv_events``): every other process leaves them out of its metrics.
+ANNOUNCED_EVENT_COUNTERS = (
+    Counter.KV_EVENTS_BLOCKS_STORED,
+    Counter.KV_EVENTS_BLOCKS_REMOVED,
+    Counter.KV_EVENTS_UNANNOUNCED,
+)
+
 # Engine counters and histograms, and the scheduler's; the tiers' are in TIER_HELP (both
 # have an "evictions").
 HELP = {
@@ -154,16 +162,22 @@ def export(
     *,
     gauges: Mapping[str, float] | None = None,
     tiers: Sequence[str] = (),
+    omit: Iterable[str] = (),
     **labels: str,
 ) -> dict:
     """One process's metrics as plain data: ``{"labels", "counters", "histograms",
     "gauges"}``. ``tiers`` (the lower tiers' names) get every tier counter, at 0 until
-    something happens; ``gauges`` come from ``StorageManager.gauges``."""
-    # Every counter is exported from the start, at 0 until something happens.
-    counters: dict[str, float] = dict.fromkeys(_ENGINE_COUNTERS, 0)
+    something happens; ``gauges`` come from ``StorageManager.gauges``; ``omit``: the
+    counters left out, those this process never counts (or another counts for it)."""
+    # Every counter the process counts is exported from the start, at 0 until something
+    # happens.
+    left_out = set(omit)
+    counters: dict[str, float] = {name: 0 for name in _ENGINE_COUNTERS if name not in left_out}
     for tier in tiers:
         counters.update(dict.fromkeys((f"{tier}_{what}" for what in _TIER_COUNTERS), 0))
-    counters.update({k: v for k, v in stats.snapshot().items() if k not in _DERIVED})
+    counters.update(
+        {k: v for k, v in stats.snapshot().items() if k not in _DERIVED and k not in left_out}
+    )
     return {
         "labels": dict(labels),
         "counters": counters,

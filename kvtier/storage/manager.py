@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -37,7 +37,8 @@ from kvtier.storage import schemes
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.disk import FileTier
 from kvtier.storage.remote import RemoteOpener, RemoteRequest, space_of
-from kvtier.storage.serde import make_serde
+from kvtier.storage.serde import Serde, make_serde
+from kvtier.storage.split_disk import SharedDisk, SplitDisk
 from kvtier.storage.tier import LowerTier
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,13 @@ class StorageManager:
         events: where the CPU and local disk tiers record what they hold
             (``kvtier.observability.tier_events``; None: no records).
         disk_shard: the local disk tier's subdirectory (``open_lower_tiers``).
-        write_shared: write the shared tiers (every lower tier but the local disk).
-            False for a replica whose peer writes the same bytes under the same keys
-            (an MLA engine's tensor-parallel rank > 0): its puts skip them (counted as
-            ``<tier>_puts_skipped_replica``), and it reads what the peer wrote.
+        write_shared: write the shared tiers (every lower tier but the local disk), or,
+            per key, whether to. False for a replica whose peer writes the same bytes
+            under the same keys (an MLA engine's tensor-parallel rank > 0): its puts skip
+            them (counted as ``<tier>_puts_skipped_replica``), and it reads what the peer
+            wrote.
+        shared_disk: where the local disk keeps the chunks this rank shares with
+            replicas on its machine (``split_disk``); None: one directory, its own.
     """
 
     def __init__(
@@ -75,7 +79,8 @@ class StorageManager:
         lower_tiers: Sequence[LowerTier] | None = None,
         events: TierEventLog | None = None,
         disk_shard: str | None = None,
-        write_shared: bool = True,
+        write_shared: bool | Callable[[CacheKey], bool] = True,
+        shared_disk: SharedDisk | None = None,
     ):
         self.config = config
         self.write_shared = write_shared
@@ -103,6 +108,7 @@ class StorageManager:
                     namespace or config.model_name or "default",
                     events,
                     disk_shard=disk_shard,
+                    shared_disk=shared_disk,
                 )
             except BaseException:
                 self.cpu.close()
@@ -129,7 +135,7 @@ class StorageManager:
         return [t.name for t in self.lower]
 
     @property
-    def sole_disk(self) -> FileTier | None:
+    def sole_disk(self) -> FileTier | SplitDisk | None:
         """The file tier when it is the only tier (no CPU tier, nothing else below) and
         stores chunks verbatim: a caller may then move chunks between its own memory and
         the files directly (``FileTier.put_buffers`` / ``get_into``), as no tier needs a
@@ -137,7 +143,8 @@ class StorageManager:
         if self.retain_in_cpu or len(self.lower) != 1:
             return None
         tier = self.lower[0]
-        return tier if isinstance(tier, FileTier) and tier.serde.verbatim else None
+        direct = isinstance(tier, FileTier | SplitDisk) and tier.serde.verbatim
+        return tier if direct else None
 
     def gauges(self) -> dict[str, float]:
         """What the tiers hold now: the CPU pool's capacity and use, chunks (and pinned
@@ -175,8 +182,11 @@ class StorageManager:
         if self.retain_in_cpu and not self.cpu.put(key, obj):
             return False
         took = self.retain_in_cpu
+        write_shared = self.write_shared
+        if not isinstance(write_shared, bool):
+            write_shared = write_shared(key)
         for tier in self.lower:
-            if not self.write_shared and is_shared(tier):
+            if not write_shared and is_shared(tier):
                 # NOTE: the peer replica writes these bytes under this key; a put skipped
                 # here is not a failed one
                 self.stats.inc(tier_counter(tier.name, TierCounter.SKIPPED_REPLICA))
@@ -350,13 +360,16 @@ def open_lower_tiers(
     events: TierEventLog | None = None,
     *,
     disk_shard: str | None = None,
+    shared_disk: SharedDisk | None = None,
 ) -> list[LowerTier]:
     """The disk and remote tiers ``config`` enables, fastest first. ``events`` receives
     the local disk tier's records (shared tiers record none: other engines and the
     store itself change them out of this engine's sight). ``disk_shard``: the local disk
     tier's subdirectory of ``local_disk`` (one worker rank's, so that each rank bounds and
     rebuilds its own files: with all ranks in one tree, a restarted rank would index its
-    peers' files too and evict them within its own bound).
+    peers' files too and evict them within its own bound). ``shared_disk``: the chunks
+    this rank shares with replicas on its machine go to their own directory, which one
+    of them writes and bounds (``split_disk``).
 
     Raises:
         ValueError: a tier cannot be set up (the message names the config key).
@@ -364,19 +377,18 @@ def open_lower_tiers(
     serde = make_serde(config.remote_serde, config)
     tiers: list[LowerTier] = []
     if config.local_disk:
-        tiers.append(
-            FileTier(
-                os.path.join(config.local_disk, disk_shard) if disk_shard else config.local_disk,
-                name=LOCAL_DISK,
-                capacity_bytes=config.max_local_disk_bytes,
-                serde=serde,
-                stats=stats,
-                policy=config.cache_policy,
-                o_direct=config.local_disk_o_direct,
-                queue_capacity=config.store_queue_size,
-                events=events,
+        own = _open_local_disk(config, stats, serde, disk_shard, events)
+        tiers.append(own)
+        if shared_disk is not None:
+            try:
+                bounded = shared_disk.writer
+                shared = _open_local_disk(config, stats, serde, shared_disk.subdir, events, bounded)
+            except BaseException:
+                own.close()
+                raise
+            tiers[0] = SplitDisk(
+                own, shared, shared_disk.owns, writer=shared_disk.writer, stats=stats
             )
-        )
     if config.remote_url:
         try:
             tiers.append(_open_remote(config, stats, namespace))
@@ -385,6 +397,31 @@ def open_lower_tiers(
                 tier.close()
             raise
     return tiers
+
+
+def _open_local_disk(
+    config: KVTierConfig,
+    stats: Stats,
+    serde: Serde,
+    subdir: str | None,
+    events: TierEventLog | None,
+    bounded: bool = True,
+) -> FileTier:
+    """The local disk tier in ``subdir`` of ``local_disk``; ``bounded`` by
+    ``max_local_disk_size``, or with no bound and no index (a directory another process
+    bounds)."""
+    assert config.local_disk is not None
+    return FileTier(
+        os.path.join(config.local_disk, subdir) if subdir else config.local_disk,
+        name=LOCAL_DISK,
+        capacity_bytes=config.max_local_disk_bytes if bounded else None,
+        serde=serde,
+        stats=stats,
+        policy=config.cache_policy,
+        o_direct=config.local_disk_o_direct,
+        queue_capacity=config.store_queue_size,
+        events=events,
+    )
 
 
 def _open_remote(config: KVTierConfig, stats: Stats, namespace: str) -> LowerTier:

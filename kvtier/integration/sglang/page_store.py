@@ -36,6 +36,7 @@ from kvtier.observability.stats import Counter, Histogram, Stats
 from kvtier.storage.checked import CheckedChunks
 from kvtier.storage.disk import DirectRead, FileTier
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.split_disk import SplitDisk
 from kvtier.storage.wire import ChunkBuffers
 from kvtier.warn import warn_once
 
@@ -83,7 +84,7 @@ class PageStore:
 
     def _direct(
         self, fmt: PageFormat, buffers: PageBuffers | None, todo: list[int]
-    ) -> tuple[FileTier | None, dict[int, ChunkBuffers]]:
+    ) -> tuple[FileTier | SplitDisk | None, dict[int, ChunkBuffers]]:
         """The disk tier and the pages of ``todo`` that move directly (module docstring),
         with their buffers; else ``(None, {})``: every page is staged."""
         disk = self.storage.sole_disk

@@ -285,6 +285,11 @@ class PageKeys:
             tuple(tags),
         )
 
+    def owns(self, key: CacheKey) -> bool:
+        """Whether ``key`` (made by ``key``) is of this rank's own shard; else every TP
+        rank of an MLA model holds the page (keyed without the rank)."""
+        return key.world_size == self.tp_size
+
 
 def page_hash(page_key: str) -> bytes:
     """SGLang's page key as the key's hash bytes: its hex digest decoded (SGLang's keys

@@ -46,14 +46,17 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.sglang.page_store import Moved, PageBuffers, PageStore
 from kvtier.integration.sglang.pages import HostPool, PageFormat, PageKeys, split_extra_config
-from kvtier.observability.prometheus import MetricsServer, export
+from kvtier.observability.prometheus import ANNOUNCED_EVENT_COUNTERS, MetricsServer, export
 from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.split_disk import SharedDisk
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
 KV = str(PoolName.KV)
+
+KV_EVENT_COUNTERS = (*ANNOUNCED_EVENT_COUNTERS, Counter.KV_EVENTS_DROPPED)
 
 T = TypeVar("T")
 
@@ -75,6 +78,28 @@ def _absent_on_error(answer: Callable[..., T]):
         return wrapper
 
     return decorate
+
+
+def disk_dirs(c: HiCacheStorageConfig) -> tuple[str | None, str | None]:
+    """The local disk's directories of one rank (under ``local_disk``; None: that
+    directory itself): its own pages', ``rank<r>of<n>`` among the TP x PP ranks (after
+    ``dp<d>-`` for a data-parallel attention rank d > 0), and the shared pages' of an MLA
+    model, one per shard of the key (``pp0of2-dcp1of2``; none: ``local_disk``)."""
+    dp = [f"dp{c.dp_rank}"] if c.dp_rank else []
+    ranks = c.tp_size * c.pp_size
+    rank = c.pp_rank * c.tp_size + c.tp_rank
+    own = "-".join([*dp, f"rank{rank}of{ranks}"]) if ranks > 1 or dp else None
+    shared = "-".join([*dp, *(f"{name}{r}of{n}" for name, r, n in _shards(c) if n > 1)])
+    return own, shared or None
+
+
+def _shards(c: HiCacheStorageConfig) -> list[tuple[str, int, int]]:
+    """The shards a page key has besides its TP rank: (name, rank, size)."""
+    return [
+        ("pp", c.pp_rank, c.pp_size),
+        ("cp", c.attn_cp_rank, c.attn_cp_size),
+        ("dcp", c.dcp_rank, c.dcp_size),
+    ]
 
 
 def _all_false(keys: Sequence[Any], *args: Any, **kwargs: Any) -> list[bool]:
@@ -107,18 +132,27 @@ class KVTierHiCacheStorage(HiCacheStorage):
         )
         c = storage_config
         model = self.config.model_name or c.model_name or "default"
-        shard = []
-        if c.pp_size > 1:
-            shard.append(("pp", f"{c.pp_rank}of{c.pp_size}"))
-        if c.attn_cp_size > 1:
-            shard.append(("cp", f"{c.attn_cp_rank}of{c.attn_cp_size}"))
-        if c.dcp_size > 1:
-            shard.append(("dcp", f"{c.dcp_rank}of{c.dcp_size}"))
+        shard = tuple((name, f"{r}of{n}") for name, r, n in _shards(c) if n > 1)
         self.keys = PageKeys(
-            model, c.tp_rank, c.tp_size, c.is_mla_model, self.config.key_salt, tuple(shard)
+            model, c.tp_rank, c.tp_size, c.is_mla_model, self.config.key_salt, shard
         )
         self.stats = Stats()
-        self.storage = StorageManager(self.config, self.stats, namespace=model)
+        # SGLang's own writer (HiCacheStorageConfig.is_storage_writer): of the TP ranks
+        # that hold the same MLA pages, the one in the first DCP group
+        self.writer = not c.is_mla_model or c.tp_rank == c.dcp_rank
+        own_dir, shared_dir = disk_dirs(c)
+        self.storage = StorageManager(
+            self.config,
+            self.stats,
+            namespace=model,
+            disk_shard=own_dir,
+            write_shared=True if self.writer else self.keys.owns,
+            shared_disk=(
+                SharedDisk(shared_dir, self.keys.owns, self.writer)
+                if c.is_mla_model and c.tp_size > 1
+                else None
+            ),
+        )
         self.pages = PageStore(
             self.storage, self.stats, self.keys, verify_checksums=self.config.verify_checksums
         )
@@ -418,11 +452,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def metrics(self) -> dict:
         """kvtier's counters, histograms and tier gauges (``prometheus.export``), under the
-        same names as in vLLM, labelled with the TP rank."""
+        same names as in vLLM, labelled with the TP rank. The KV-event counters are left
+        out: kvtier announces no KV events to SGLang, so nothing here counts them."""
         return export(
             self.stats,
             gauges=self.storage.gauges(),
             tiers=self.storage.lower_tier_names,
+            omit=KV_EVENT_COUNTERS,
             rank=str(self.storage_config.tp_rank),
         )
 
