@@ -186,6 +186,24 @@ def test_planner_leaves_prefix_hits_and_refusals_alone() -> None:
     assert not _blends(plan)
 
 
+def test_planner_counts_a_claim_when_vllm_accepts_it_and_keeps_it() -> None:
+    """The scheduler's blend counters are of claims (docs/observability.md): counted at
+    ``after_alloc``, kept when the blend never runs (preempted) or fails in a worker."""
+    prompt = [1, 2, 3, *SEP, 10, 11, 12, 13, *SEP, 4]
+    planner, _ = _planner({h for _, _, h in _spans(prompt)})
+    request = _request("p", prompt)
+    claimed = planner.claim(request, 0)
+    assert set(planner.counters().values()) == {0}, "a claim vLLM has not accepted"
+    assert planner.after_alloc(request, [0, 1], claimed)
+    counted = planner.counters()
+    assert (counted["blend_requests"], counted["blend_claimed_tokens"]) == (1, claimed)
+    assert counted["blend_reused_tokens"] == 7  # [1, 2, 3] and the document
+    planner.on_preempted({"p"})
+    plan = StepPlan()
+    planner.extend(plan, _step([("p", 0, len(prompt), [0, 1])]), lambda r: [0, 1])
+    assert not _blends(plan) and planner.counters() == counted, "dropped, still counted"
+
+
 def _spans(tokens: list[int]) -> list:
     planner, asked = _planner(set())
     planner.claim(_request("x", tokens), 0)
