@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.blend import UnsupportedModelError, vllm_worker
+from kvtier.blend import UnsupportedModelError, rope_spec, vllm_worker
 from kvtier.blend.vllm_extension import BlendWorking, separator_tokens
 from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
 from kvtier.blend.vllm_worker import BlendWorker, PagedTokens, cpu_block_map
@@ -300,6 +300,33 @@ _HF_CONFIG = SimpleNamespace(
     head_dim=16,
     max_position_embeddings=2048,
 )
+
+
+@pytest.mark.parametrize(
+    "rotary",
+    [
+        {"rope_dim": 8},
+        {"rope_dim": 8, "partial_rotary_factor": 0.5},
+        {"partial_rotary_factor": 0.5},
+    ],
+    ids=["rope_dim", "rope_dim_wins", "partial_factor"],
+)
+def test_rope_spec_reads_the_rotary_dims_vllm_reads(rotary: dict) -> None:
+    """vLLM's ``get_rope`` rotates ``rope_parameters['rope_dim']`` dims when the config
+    gives them, else ``head_size * partial_rotary_factor``."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = {"rope_type": "default", "rope_theta": 10000.0, **rotary}
+    config = SimpleNamespace(**{**vars(_HF_CONFIG), "head_dim": 32, "rope_parameters": params})
+    with set_current_vllm_config(VllmConfig()):
+        vllm_rope = get_rope(32, 2048, True, dict(params), torch.float32)
+    spec = rope_spec(config)
+    assert (spec.head_size, spec.rotary_dim) == (32, vllm_rope.rotary_dim)
+    half = spec.rotary_dim // 2
+    positions = torch.arange(2048, dtype=torch.float32)[:, None]
+    cos = torch.cos(positions * spec.inv_freq[None])
+    torch.testing.assert_close(cos, vllm_rope.cos_sin_cache[:, :half], rtol=0, atol=1e-5)
 
 
 def _blend_worker(model, **keys) -> BlendWorker:
