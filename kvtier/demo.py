@@ -28,10 +28,7 @@ from kvtier.observability.stats import Counter
 from kvtier_kernels import PagedKV, get_layout
 from kvtier_kernels.dtypes import bits
 
-CHUNK_SIZE = 256
-# A prompt is whole chunks, and so is its first half (the system prompt B shares with A):
-# every token stored, every token checked.
-TOKENS_MULTIPLE = 2 * CHUNK_SIZE
+CHUNK_SIZE = 256  # kvtier's default
 
 
 class _BlockAllocator:
@@ -71,24 +68,33 @@ def _gbps(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:6.2f} GB/s" if seconds > 0 else "   n/a"
 
 
+def tokens_multiple(chunk_size: int) -> int:
+    """What a prompt's length must be a multiple of: whole chunks, and so is its first
+    half (the system prompt B shares with A), so every token is stored and checked."""
+    return 2 * chunk_size
+
+
 def run_demo(
     num_tokens: int = 4096,
     num_layers: int = 32,
     num_kv_heads: int = 8,
     head_size: int = 128,
     block_size: int = 16,
+    chunk_size: int = CHUNK_SIZE,
 ) -> int:
     """Run the walkthrough and print what kvtier did. Returns a process exit code.
 
     Raises:
-        ValueError: ``num_tokens`` is not a positive multiple of ``TOKENS_MULTIPLE``.
+        ValueError: ``num_tokens`` is not a positive multiple of ``tokens_multiple``.
+        ConfigError: ``chunk_size`` is not a valid kvtier ``chunk_size``.
         PoolTooLarge: the synthetic KV cache and the CPU tier do not fit this machine's
             memory.
     """
-    if num_tokens < 1 or num_tokens % TOKENS_MULTIPLE:
+    multiple = tokens_multiple(chunk_size)
+    if num_tokens < 1 or num_tokens % multiple:
         raise ValueError(
-            f"the synthetic demo's prompt length must be a multiple of {TOKENS_MULTIPLE} "
-            f"tokens (whole {CHUNK_SIZE}-token chunks, half of them the shared system "
+            f"the synthetic demo's prompt length must be a multiple of {multiple} "
+            f"tokens (whole {chunk_size}-token chunks, half of them the shared system "
             f"prompt); got {num_tokens}"
         )
     t_start = time.perf_counter()
@@ -98,7 +104,7 @@ def run_demo(
     num_blocks = 2 * (-(-num_tokens // block_size)) + 8
     # Room for two prompts' worth of chunks, so step 5 has to evict.
     tier_gb = 2 * num_tokens * bytes_per_token / 2**30
-    config = load_config({"max_local_cpu_size": tier_gb, "chunk_size": CHUNK_SIZE})
+    config = load_config({"max_local_cpu_size": tier_gb, "chunk_size": chunk_size})
     cache_bytes = num_blocks * block_size * bytes_per_token  # the engine KV cache below
     check_host_memory(cache_bytes + config.max_local_cpu_bytes)
 

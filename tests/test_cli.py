@@ -264,6 +264,11 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["demo", "--synthetic", "--layers", "-1"], "--layers -1: expected an integer >= 1"),
         (["demo", "--synthetic", "--tokens", "0"], "--tokens 0: expected an integer >= 1"),
         (["demo", "--synthetic", "--tokens", "300"], "--tokens 300: with --synthetic, a multiple"),
+        (
+            ["demo", "--synthetic", "--chunk-size", "300", "--tokens", "4096"],
+            "--tokens 4096: with --synthetic, a multiple of 600 (2 x --chunk-size 300",
+        ),
+        (["demo", "--synthetic", "--chunk-size", "2000000"], "--chunk-size 2000000: invalid"),
         (["demo", "--tokens", "9000"], "--tokens 9000: expected more than --chunk-size"),
         (["demo", "--tokens", "256"], "--tokens 256: expected more than --chunk-size (256"),
         (["demo", "--chunk-size", "2000000"], "--chunk-size 2000000: invalid kvtier"),
@@ -361,6 +366,14 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(capsys, tmp_path):
     assert main(["info", "--config", str(config_file)]) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_demo_synthetic_honours_the_chunk_size(capsys):
+    argv = ["demo", "--synthetic", "--chunk-size", "64", "--tokens", "256"]
+    argv += ["--layers", "2", "--kv-heads", "2", "--head-size", "32"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "chunk 64 tokens" in out and "1. store A        4 chunks     256 tokens" in out, out
 
 
 def test_demo_synthetic_larger_than_the_machine_names_the_flags(capsys):

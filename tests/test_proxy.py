@@ -391,6 +391,35 @@ def test_an_instance_in_both_roles_is_refused_naming_the_flags(engines, capsys):
     assert engine.received == [] and engine.health_checks == 0
 
 
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        ("http://localhost:8100", "http://127.0.0.1:8100"),
+        ("http://[::1]:8100", "localhost:8100"),
+        ("http://0.0.0.0:8100", "http://[0:0::1]:8100"),
+        ("http://10.0.0.1", "http://10.0.0.1:80"),
+        ("https://gpu1", "https://GPU1:443"),
+        ("http://[::ffff:10.0.0.1]:8100", "http://10.0.0.1:8100"),
+    ],
+)
+def test_one_instance_under_two_spellings_is_refused_in_both_roles(prefill, decode):
+    with pytest.raises(ValueError, match=r"\(= .*\) given both as --prefill and as --decode"):
+        Proxy(ProxySettings(prefill=(prefill,), decode=(decode,)))
+    with pytest.raises(ValueError, match="decode instances given twice"):
+        Pool("decode", [prefill, decode])
+
+
+def test_distinct_hosts_and_ports_are_distinct_instances():
+    """Names are not resolved: a name and an address are two hosts (docs/proxy.md)."""
+    for prefill, decode in (
+        ("http://localhost:8100", "http://localhost:8200"),
+        ("http://127.0.0.2:8100", "http://127.0.0.1:8100"),
+        ("http://10.0.0.1:8100", "https://10.0.0.1:8100"),
+        ("http://gpu1:8100", "http://10.0.0.1:8100"),
+    ):
+        Proxy(ProxySettings(prefill=(prefill,), decode=(decode,)))
+
+
 # -- policies --------------------------------------------------------------------------
 
 
@@ -444,11 +473,12 @@ def test_models_health_and_metrics(engines, proxy):
     requests = "kvtier_proxy_requests_total"
     assert metric(server.url, requests, endpoint="/v1/completions", status="200") == 1
     assert metric(server.url, requests, endpoint="/v1/chat/completions", status="200") == 1
-    for role, fake in (("prefill", prefill), ("decode", decode)):
+    assert metric(server.url, requests, endpoint="/v1/models", status="200") == 1
+    for role, fake, sent in (("prefill", prefill, 2), ("decode", decode, 3)):  # + /v1/models
         labels = {"role": role, "instance": fake.url}
         assert metric(server.url, "kvtier_proxy_instance_up", **labels) == 1
         assert metric(server.url, "kvtier_proxy_instance_in_flight", **labels) == 0
-        assert metric(server.url, "kvtier_proxy_instance_requests_total", **labels) == 2
+        assert metric(server.url, "kvtier_proxy_instance_requests_total", **labels) == sent
         assert metric(server.url, "kvtier_proxy_instance_failures_total", **labels) == 0
     for histogram in ("prefill", "decode", "decode_first_byte", "overhead"):
         assert metric(server.url, f"kvtier_proxy_{histogram}_seconds_count") == 2
@@ -475,6 +505,22 @@ def test_metrics_are_the_documented_series_and_no_others(engines, proxy):
         **{f"kvtier_proxy_{leg}_seconds": "histogram" for leg in legs},
     }
     assert "_created" not in text
+
+
+def test_models_is_counted_and_a_slow_instance_is_left_after_its_timeout(engines, proxy):
+    slow, live = engines("slow", models_delay_s=2.0), engines("live")
+    server = proxy([], [slow, live], models_timeout_s=0.3, retry_after_s=60)
+    started = time.monotonic()
+    status, _, body = request(server.url, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "live", "the next one asked"
+    assert time.monotonic() - started < 1.5, "not the prefill leg's 300 s"
+    assert get_json(server.url, "/health")["decode"][0]["up"] is False
+    requests = "kvtier_proxy_requests_total"
+    assert metric(server.url, requests, endpoint="/v1/models", status="200") == 1
+    for fake, failures in ((slow, 1), (live, 0)):
+        labels = {"role": "decode", "instance": fake.url}
+        assert metric(server.url, "kvtier_proxy_instance_requests_total", **labels) == 1
+        assert metric(server.url, "kvtier_proxy_instance_failures_total", **labels) == failures
 
 
 def test_api_key_is_required_and_passed_on(engines, proxy):
@@ -543,6 +589,15 @@ def test_command_refuses_bad_flags_and_names_the_extra_without_aiohttp(capsys, m
     assert "user or password" in err, err
     assert main(["proxy", "--decode", "http://a b:1"]) == 2
     assert "space" in capsys.readouterr().err
+    assert main(["proxy", "--decode", "http://x:0"]) == 2
+    err = capsys.readouterr().err
+    assert "--decode 'http://x:0'" in err and "port 0" in err, err
+    assert main(["proxy", "--decode", "http://x:1", "--prefill", "x:0"]) == 2
+    assert "--prefill 'x:0'" in capsys.readouterr().err
+    for flag in ("--api-key", "--hash-seed"):
+        assert main(["proxy", "--decode", "http://x:1", flag, ""]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} is empty" in err, err
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert main(["proxy", "--decode", "http://127.0.0.1:1"]) == 2
     assert "pip install 'kvtier[proxy]'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.blend import UnsupportedModelError, vllm_worker
+from kvtier.blend import UnsupportedModelError, rope_spec, vllm_worker
 from kvtier.blend.vllm_extension import BlendWorking, separator_tokens
 from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
 from kvtier.blend.vllm_worker import BlendWorker, PagedTokens, cpu_block_map
@@ -186,6 +186,24 @@ def test_planner_leaves_prefix_hits_and_refusals_alone() -> None:
     assert not _blends(plan)
 
 
+def test_planner_counts_a_claim_when_vllm_accepts_it_and_keeps_it() -> None:
+    """The scheduler's blend counters are of claims (docs/observability.md): counted at
+    ``after_alloc``, kept when the blend never runs (preempted) or fails in a worker."""
+    prompt = [1, 2, 3, *SEP, 10, 11, 12, 13, *SEP, 4]
+    planner, _ = _planner({h for _, _, h in _spans(prompt)})
+    request = _request("p", prompt)
+    claimed = planner.claim(request, 0)
+    assert set(planner.counters().values()) == {0}, "a claim vLLM has not accepted"
+    assert planner.after_alloc(request, [0, 1], claimed)
+    counted = planner.counters()
+    assert (counted["blend_requests"], counted["blend_claimed_tokens"]) == (1, claimed)
+    assert counted["blend_reused_tokens"] == 7  # [1, 2, 3] and the document
+    planner.on_preempted({"p"})
+    plan = StepPlan()
+    planner.extend(plan, _step([("p", 0, len(prompt), [0, 1])]), lambda r: [0, 1])
+    assert not _blends(plan) and planner.counters() == counted, "dropped, still counted"
+
+
 def _spans(tokens: list[int]) -> list:
     planner, asked = _planner(set())
     planner.claim(_request("x", tokens), 0)
@@ -282,6 +300,33 @@ _HF_CONFIG = SimpleNamespace(
     head_dim=16,
     max_position_embeddings=2048,
 )
+
+
+@pytest.mark.parametrize(
+    "rotary",
+    [
+        {"rope_dim": 8},
+        {"rope_dim": 8, "partial_rotary_factor": 0.5},
+        {"partial_rotary_factor": 0.5},
+    ],
+    ids=["rope_dim", "rope_dim_wins", "partial_factor"],
+)
+def test_rope_spec_reads_the_rotary_dims_vllm_reads(rotary: dict) -> None:
+    """vLLM's ``get_rope`` rotates ``rope_parameters['rope_dim']`` dims when the config
+    gives them, else ``head_size * partial_rotary_factor``."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = {"rope_type": "default", "rope_theta": 10000.0, **rotary}
+    config = SimpleNamespace(**{**vars(_HF_CONFIG), "head_dim": 32, "rope_parameters": params})
+    with set_current_vllm_config(VllmConfig()):
+        vllm_rope = get_rope(32, 2048, True, dict(params), torch.float32)
+    spec = rope_spec(config)
+    assert (spec.head_size, spec.rotary_dim) == (32, vllm_rope.rotary_dim)
+    half = spec.rotary_dim // 2
+    positions = torch.arange(2048, dtype=torch.float32)[:, None]
+    cos = torch.cos(positions * spec.inv_freq[None])
+    torch.testing.assert_close(cos, vllm_rope.cos_sin_cache[:, :half], rtol=0, atol=1e-5)
 
 
 def _blend_worker(model, **keys) -> BlendWorker:

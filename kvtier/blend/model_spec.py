@@ -130,7 +130,8 @@ class RopeSpec:
 
 def rope_spec(hf_config: Any) -> RopeSpec:
     """The RoPE of a blendable model (:func:`check_blendable` first), from its config:
-    ``head_dim``, ``partial_rotary_factor``, ``rope_theta`` and rope scaling (linear,
+    ``head_dim``, the rotary dims (``rope_dim``, else ``partial_rotary_factor``, as vLLM's
+    ``get_rope`` reads them), ``rope_theta`` and rope scaling (linear,
     llama3, YaRN), with the NeoX pairing HF and vLLM use for these decoders unless the
     config says ``rope_is_neox_style: false`` / ``rotary_interleaved`` style."""
     check_blendable(hf_config)
@@ -139,8 +140,14 @@ def rope_spec(hf_config: Any) -> RopeSpec:
     head_size = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
-    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-    rotary_dim = int(head_size * (factor or 1.0))
+    # As vLLM's get_rope: an explicit rope_dim wins over head_size * partial_rotary_factor.
+    rotary_dim = params.get("rope_dim")
+    if not rotary_dim:
+        factor = params.get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
+        )
+        rotary_dim = head_size * (factor or 1.0)
+    rotary_dim = int(rotary_dim)
     inv_freq = rope_inv_freq(rotary_dim, float(params["rope_theta"]))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "linear":

@@ -96,6 +96,8 @@ class BlendPlanner:
         self._blends: dict[str, BlendSpec] = {}  # accepted by vLLM, not yet sent
         self._to_store: dict[str, list[Span]] = {}  # segments to store once computed
         self._seen: set[str] = set()
+        # NOTE: claims vLLM accepted, counted then and never taken back: a blend that
+        # fails in the worker (which counts it) or never runs (preempted) stays counted.
         self.blended_requests = 0
         self.blended_tokens = 0  # tokens claimed by blends
         self.reused_tokens = 0  # tokens of those in cached segments

@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokens",
         type=int,
         default=None,
-        help="prompt length (default 4128 with vLLM, 4096 with --synthetic)",
+        help="prompt length (default 4128 with vLLM, 16 chunks with --synthetic: 4096)",
     )
-    parser.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk size (engine)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk size")
     parser.add_argument("--layers", type=int, default=32, help="synthetic: layers")
     parser.add_argument("--kv-heads", type=int, default=8, help="synthetic: KV heads")
     parser.add_argument("--head-size", type=int, default=128, help="synthetic: head size")
@@ -49,15 +49,15 @@ def run(args: argparse.Namespace) -> int:
             flag = "--" + dest.replace("_", "-")
             print(f"kvtier demo: {flag} {value}: expected an integer >= 1", file=sys.stderr)
             return 2
+    try:  # before any engine starts: the engine would refuse these only in its process
+        load_config({"chunk_size": args.chunk_size}, env={})
+    except ConfigError as error:
+        print(f"kvtier demo: --chunk-size {args.chunk_size}: {error}", file=sys.stderr)
+        return 2
     if not args.synthetic:
         from kvtier.demo_vllm import MAX_PROMPT_TOKENS, run_vllm_demo
 
         tokens = args.tokens or 4128
-        try:  # before any engine starts: the engine would refuse these only in its process
-            load_config({"chunk_size": args.chunk_size}, env={})
-        except ConfigError as error:
-            print(f"kvtier demo: --chunk-size {args.chunk_size}: {error}", file=sys.stderr)
-            return 2
         if not args.chunk_size < tokens <= MAX_PROMPT_TOKENS:
             print(
                 f"kvtier demo: --tokens {tokens}: expected more than --chunk-size "
@@ -67,13 +67,15 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         return run_vllm_demo(tokens=tokens, chunk_size=args.chunk_size)
-    from kvtier.demo import TOKENS_MULTIPLE, run_demo
+    from kvtier.demo import run_demo, tokens_multiple
 
-    tokens = args.tokens or 4096
-    if tokens % TOKENS_MULTIPLE:
+    tokens = args.tokens or 16 * args.chunk_size
+    multiple = tokens_multiple(args.chunk_size)
+    if tokens % multiple:
         print(
-            f"kvtier demo: --tokens {tokens}: with --synthetic, a multiple of "
-            f"{TOKENS_MULTIPLE} (whole chunks, half of them the shared system prompt)",
+            f"kvtier demo: --tokens {tokens}: with --synthetic, a multiple of {multiple} "
+            f"(2 x --chunk-size {args.chunk_size}: whole chunks, half of them the shared "
+            "system prompt)",
             file=sys.stderr,
         )
         return 2
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             num_kv_heads=args.kv_heads,
             head_size=args.head_size,
             block_size=args.block_size,
+            chunk_size=args.chunk_size,
         )
     except ConfigError as error:
         print(f"kvtier demo: {error}", file=sys.stderr)

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         print(MISSING_ROUTING, file=sys.stderr)
         return 2
     # NOTE: imported here, not at the top: ``kvtier`` must run (and --help) without aiohttp.
-    from kvtier.proxy.app import Proxy, ProxySettings, serve
+    from kvtier.proxy.app import Proxy, ProxySettings
+    from kvtier.proxy.serving import serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -258,6 +259,16 @@ def check_arguments(args: argparse.Namespace) -> None:
                 normalize_url(url)
             except ValueError as exc:
                 raise ValueError(f"--{role} {url!r}: {exc}") from None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(
+            "--api-key is empty: give the key clients must send, or leave the flag out "
+            "(no key asked)"
+        )
+    if args.hash_seed is not None and not args.hash_seed:
+        raise ValueError(
+            "--hash-seed is empty: give the engines' PYTHONHASHSEED, or leave the flag out "
+            "(engines started without one)"
+        )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     for flag in ("retry_after_s", "shutdown_grace_s"):

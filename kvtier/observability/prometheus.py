@@ -79,13 +79,17 @@ HELP = {
     ),
     # CacheBlend (enable_blending): the scheduler's claims, a worker rank's blends.
     "blend_requests": (
-        "CacheBlend: prompts blended (rank scheduler: claims vLLM accepted; a worker rank: "
-        "blends run)."
+        "CacheBlend: prompts blended (rank scheduler: claims vLLM accepted, those whose "
+        "blend later failed or never ran included; a worker rank: blends that wrote their KV)."
     ),
-    "blend_claimed_tokens": "CacheBlend: tokens claimed by blends (all but each prompt's last).",
+    "blend_claimed_tokens": (
+        "CacheBlend: tokens claimed by accepted claims, failed blends included (all but each "
+        "prompt's last)."
+    ),
     "blend_reused_tokens": (
-        "CacheBlend: tokens of cached segments reused (rank scheduler: as claimed; a worker "
-        "rank: as placed, segment misses left out)."
+        "CacheBlend: tokens of cached segments reused (rank scheduler: as claimed, failed "
+        "blends included; a worker rank: as placed by blends that wrote their KV, segment "
+        "misses left out)."
     ),
     "blend_recomputed_tokens": (
         "CacheBlend: tokens of blends computed through every layer (those in no cached "

@@ -3,6 +3,7 @@ instances, on aiohttp (server and one pooled, keep-alive client session).
 
     POST /v1/completions, /v1/chat/completions   prefill leg, then decode leg (below)
     GET  /v1/models                              forwarded to a decode instance (a 5xx
+                                                 or no answer in ``MODELS_TIMEOUT_S``
                                                  marks it down; the next one is asked)
     GET  /health                                 the proxy's and every instance's state
     GET  /metrics                                Prometheus text (``counters.py``)
@@ -40,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -62,7 +62,7 @@ from kvtier.proxy.messages import (
     prefill_body,
 )
 from kvtier.proxy.prompts import cached_tokens_in_json, cached_tokens_in_sse
-from kvtier.web import has_bearer_token, start_app
+from kvtier.web import has_bearer_token
 
 if TYPE_CHECKING:
     from kvtier.proxy.cache_aware import CacheAwareRouter, Decision, RoutingSettings
@@ -75,6 +75,9 @@ KEEPALIVE_S = 4.0
 MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 MiB
 USAGE_TAIL_BYTES = 16 << 10  # the end of a stream kept to read its usage chunk
 CLIENT_GONE_STATUS = "499"  # requests_total's status of a request its client left
+# An instance's /v1/models answers from memory, at once even under load: past this it is
+# marked down and the next decode instance is asked.
+MODELS_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,7 @@ class ProxySettings:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0  # the whole prefill leg
     decode_timeout_s: float = 300.0  # the longest wait for the next bytes of a decode answer
+    models_timeout_s: float = MODELS_TIMEOUT_S  # the whole GET /v1/models of one instance
     api_key: str | None = None
     routing: RoutingSettings | None = None  # cache_aware's flags
 
@@ -136,6 +140,9 @@ class Proxy:
             total=None,
             sock_connect=settings.connect_timeout_s,
             sock_read=settings.decode_timeout_s,
+        )
+        self._models_timeout = aiohttp.ClientTimeout(
+            total=settings.models_timeout_s, sock_connect=settings.connect_timeout_s
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
         self._health_probe = HealthProbe(
@@ -200,7 +207,7 @@ class Proxy:
                 request, raw, headers, request_id, decision
             )
         except asyncio.CancelledError:
-            # NOTE: ``serve`` cancels the handler of a client that went away; the legs'
+            # NOTE: ``serving.serve`` cancels the handler of a client that went away; the legs'
             # connections close with it, which makes vLLM abort the request.
             self.metrics.requests.labels(endpoint, CLIENT_GONE_STATUS).inc()
             logger.info(
@@ -445,9 +452,13 @@ class Proxy:
 
     async def models(self, request: web.Request) -> web.Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-        refused = self._check_key(request, request_id)
-        if refused is not None:
-            return refused
+        response = self._check_key(request, request_id)
+        if response is None:
+            response = await self._models(request, request_id)
+        self.metrics.requests.labels(request.path, str(response.status)).inc()
+        return response
+
+    async def _models(self, request: web.Request, request_id: str) -> web.Response:
         headers = self._leg_headers(request, request_id)
         headers.pop("Content-Type")
         tried: list[Instance] = []
@@ -455,12 +466,13 @@ class Proxy:
         while (instance := self.decode.pick(exclude=tried)) is not None:
             tried.append(instance)
             try:
-                async with self.session.get(
-                    instance.url + "/v1/models", headers=headers, timeout=self._prefill_timeout
-                ) as upstream:
-                    body = await upstream.read()
-                    passed = passed_headers(upstream, request_id)
-                    answer = web.Response(status=upstream.status, body=body, headers=passed)
+                with self.decode.in_flight(instance):
+                    async with self.session.get(
+                        instance.url + "/v1/models", headers=headers, timeout=self._models_timeout
+                    ) as upstream:
+                        body = await upstream.read()
+                        passed = passed_headers(upstream, request_id)
+                        answer = web.Response(status=upstream.status, body=body, headers=passed)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._instance_failed(self.decode, instance, exc, request_id)
                 continue
@@ -502,37 +514,3 @@ class Proxy:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-async def serve(proxy: Proxy, host: str, port: int, shutdown_grace_s: float) -> int:
-    """Serve ``proxy`` on ``host:port`` until SIGTERM or SIGINT, then let the requests in
-    flight finish for up to ``shutdown_grace_s``. Returns 0.
-
-    Raises:
-        OSError: the address cannot be bound.
-    """
-    # No access log: the proxy logs one line per request itself, with its request id.
-    runner = await start_app(
-        proxy.build_app(),
-        host,
-        port,
-        shutdown_timeout_s=shutdown_grace_s,
-        handler_cancellation=True,  # a client gone: its requests to the instances close
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    bound_host, bound_port = runner.addresses[0][:2]
-    logger.info("kvtier proxy listening on http://%s:%d", bound_host, bound_port)
-    logger.info(
-        "prefill: %s; decode: %s; policy %s",
-        ", ".join(i.url for i in proxy.prefill.instances) or "none (decode alone)",
-        ", ".join(i.url for i in proxy.decode.instances),
-        proxy.settings.policy,
-    )
-    await stop.wait()
-    logger.info("kvtier proxy stopping")
-    await runner.cleanup()
-    logger.info("kvtier proxy stopped")
-    return 0

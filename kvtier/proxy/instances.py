@@ -19,6 +19,7 @@ state are tested without a network.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
@@ -95,7 +96,7 @@ class Pool:
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         urls = [normalize_url(url) for url in self.urls]
-        if len(set(urls)) != len(urls):
+        if len({instance_address(url) for url in urls}) != len(urls):
             raise ValueError(f"{self.role} instances given twice: {urls}")
         self.instances = [Instance(url, self.role) for url in urls]
 
@@ -168,13 +169,19 @@ class Pool:
 
 def check_roles(prefill: Pool, decode: Pool) -> None:
     """Refuse an instance given in both roles: the proxy would send it each request twice
-    (a one-token prefill, then the decode) and count its failures and load twice.
+    (a one-token prefill, then the decode) and count its failures and load twice. Two URLs
+    are one instance when their ``instance_address`` is the same.
 
     Raises:
-        ValueError: a URL in both pools, naming the flags. An engine that prefills and
-            decodes is a decode instance alone (no prefill pool).
+        ValueError: an instance in both pools, naming the flags. An engine that prefills
+            and decodes is a decode instance alone (no prefill pool).
     """
-    both = sorted({i.url for i in prefill.instances} & {i.url for i in decode.instances})
+    decode_addresses = {instance_address(i.url): i.url for i in decode.instances}
+    both = sorted(
+        i.url if i.url == decode_addresses[address] else f"{i.url} (= {decode_addresses[address]})"
+        for i in prefill.instances
+        if (address := instance_address(i.url)) in decode_addresses
+    )
     if both:
         raise ValueError(
             f"{', '.join(both)} given both as --prefill and as --decode: an instance has one "
@@ -215,9 +222,43 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"instance URL {url!r}: the port must be a number 0..65535") from None
     if not parts.hostname:
         raise ValueError(f"instance URL {url!r}: no host")
+    if parts.port == 0:
+        raise ValueError(
+            f"instance URL {url!r}: port 0 is no server's port; give the port it listens on"
+        )
     if parts.path or parts.query or parts.fragment:
         raise ValueError(
             f"instance URL {url!r}: give the server's address alone, http://host:port "
             "(the proxy adds /v1/completions, /health, ...)"
         )
     return url
+
+
+# Hosts that reach this machine's own servers: an engine started with vLLM's default
+# ``--host`` (every address) answers on all of them.
+THIS_MACHINE = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
+
+
+def instance_address(url: str) -> tuple[str, str, int]:
+    """What a normalized URL connects to: (scheme, host, port), to tell whether two URLs
+    are one instance. The port is the scheme's (80, 443) when none is given; an IP
+    address is in one spelling (``[0:0::1]`` is ``::1``, ``::ffff:10.0.0.1`` is
+    ``10.0.0.1``); ``localhost``, ``127.0.0.1``, ``[::1]``, ``0.0.0.0`` and ``[::]`` are one
+    host, this machine.
+
+    NOTE: host names are not resolved (the proxy starts without waiting on DNS): a name
+    and its address (``gpu1`` and ``10.0.0.1``) count as two hosts.
+    """
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""  # lower case, without an IPv6 address's brackets
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        mapped = getattr(ip, "ipv4_mapped", None)
+        host = (mapped or ip).compressed
+    if host in THIS_MACHINE:
+        host = "localhost"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, host, port

@@ -85,6 +85,7 @@ class Behaviour:
     cut_after: int | None = None  # drop the connection after this many SSE events
     health_status: int = 200
     models_status: int = 200  # of /v1/models
+    models_delay_s: float = 0.0  # before the /v1/models answer
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens in answers
 
 
@@ -190,6 +191,8 @@ class FakeOpenAI:
         return response
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.behaviour.models_delay_s:
+            await asyncio.sleep(self.behaviour.models_delay_s)
         if self.behaviour.models_status != 200:
             error = {"message": f"{self.name} has no models", "type": "InternalServerError"}
             return web.json_response({"error": error}, status=self.behaviour.models_status)
