@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.chunker import MultiModalSpan, RequestExtras
+from kvtier.chunker import MultiModalSpan, PromptEmbeds, RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
 from kvtier_kernels.dtypes import dtype_name
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 def request_extras(request: Any) -> RequestExtras | None:
     """What separates this request's cache besides its tokens: LoRA, multimodal items,
-    the cache salt (read off a vLLM ``Request``)."""
+    the cache salt, prompt embeddings (read off a vLLM ``Request``)."""
     lora = getattr(request, "lora_request", None)
     mm = []
     for feature in getattr(request, "mm_features", None) or ():
@@ -35,13 +35,15 @@ def request_extras(request: Any) -> RequestExtras | None:
         if position is not None and identifier is not None:
             mm.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
     salt = getattr(request, "cache_salt", None)
-    if lora is None and not mm and not salt:
+    embeds = getattr(request, "prompt_embeds", None)
+    if lora is None and not mm and not salt and embeds is None:
         return None
     return RequestExtras(
         lora_name=getattr(lora, "lora_name", None),
         lora_path=getattr(lora, "lora_path", None),
         mm=tuple(sorted(mm, key=lambda item: item.offset)),
         cache_salt=salt,
+        prompt_embeds=None if embeds is None else PromptEmbeds(embeds),
     )
 
 
