@@ -31,6 +31,7 @@ from test_vllm_scheduler_side import (
 
 from kvtier.chunker import Chunker, PromptEmbeds, RequestExtras
 from kvtier.hashing import ChunkHasher
+from kvtier.integration.vllm import facts
 from kvtier.integration.vllm.facts import request_extras
 from kvtier.keys import CacheKey
 
@@ -206,3 +207,55 @@ def test_keys_with_extras_equal_across_processes_with_different_pythonhashseed()
         include_partial=True,
     )
     assert lines[4].split()[2] == ",".join(str(c.key) for c in here)
+
+
+def engine_config(*, prefix_caching: bool, processor_cache_gb: float | None):
+    """The parts of vLLM's config ``mm_identifier_scope`` reads (None: not multimodal)."""
+    mm = (
+        None
+        if processor_cache_gb is None
+        else SimpleNamespace(mm_processor_cache_gb=processor_cache_gb)
+    )
+    return SimpleNamespace(
+        model_config=SimpleNamespace(multimodal_config=mm),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+    )
+
+
+@pytest.mark.parametrize(
+    ("prefix_caching", "processor_cache_gb", "scoped"),
+    [(True, 0, False), (False, 4, False), (False, None, False), (False, 0, True)],
+)
+def test_mm_identifiers_are_scoped_where_vllm_names_items_per_process(
+    prefix_caching, processor_cache_gb, scoped
+):
+    config = engine_config(prefix_caching=prefix_caching, processor_cache_gb=processor_cache_gb)
+    scopes = {facts.mm_identifier_scope(config) for _ in range(2)}
+    assert (None not in scopes) == scoped
+    if scoped:
+        assert len(scopes) == 2, "two engines got the same scope"
+
+
+def test_per_process_mm_names_never_share_across_engines():
+    """Without prefix caching and the processor cache, vLLM names the first image of every
+    process ``renderer0-mm-1-image-0``: another engine's image of that name is another
+    image, so only the chunk before it is shared."""
+    held = HeldHashes()
+    config = engine_config(prefix_caching=False, processor_cache_gb=0)
+    first, second = make_side(held), make_side(held)
+    first.extras_of, second.extras_of = facts.extras_reader(config), facts.extras_reader(config)
+    feature = FakeMMFeature("renderer0-mm-1-image-0", FakePosition(64, 128))
+
+    def request(req_id: str) -> FakeRequest:
+        return FakeRequest(req_id, [7] * 300, 300, mm_features=[feature])
+
+    held.hold(saved_hashes(first, request("one")))
+    assert second.get_num_new_matched_tokens(request("two"), 0) == (CHUNK, False)
+    assert first.get_num_new_matched_tokens(request("three"), 0) == (4 * CHUNK, False)
+
+
+def test_vllm_has_the_settings_mm_identifier_scope_reads():
+    config = pytest.importorskip("vllm.config")
+    assert "mm_processor_cache_gb" in config.MultiModalConfig.__dataclass_fields__
+    assert "enable_prefix_caching" in config.CacheConfig.__dataclass_fields__
+    assert "multimodal_config" in config.ModelConfig.__dataclass_fields__
