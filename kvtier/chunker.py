@@ -14,12 +14,14 @@ chunks, since a chunk is the unit of storage. Hashes always chain from the first
 whatever is skipped.
 
 Extra keys follow vLLM's ``generate_block_hash_extra_keys`` exactly (LoRA, multimodal
-items overlapping the chunk, the cache salt on the first chunk), so with
+items overlapping the chunk, the cache salt on the first chunk, the digest of the chunk's
+prompt embeddings), so with
 ``chunk_size == block_size`` and ``sha256_cbor`` a chunk hash equals vLLM's block hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,21 @@ class MultiModalSpan:
     length: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptEmbeds:
+    """A request's prompt embeddings, one row per token position (vLLM's
+    ``Request.prompt_embeds``): its token ids are placeholders, so its KV is named by
+    these. Equal only to itself (the tensor is not compared)."""
+
+    tensor: torch.Tensor
+
+    def digest(self, start: int, end: int) -> bytes:
+        """SHA-256 of the raw bytes of rows ``[start, end)`` (vLLM's per-block
+        ``hashlib.sha256(tensor_data(...))``; rows past the prompt: none)."""
+        rows = self.tensor[start:end].flatten().cpu().contiguous()
+        return hashlib.sha256(rows.view(torch.uint8).numpy().data).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class RequestExtras:
     """What, besides the tokens, must separate one request's cache from another's.
@@ -49,17 +66,20 @@ class RequestExtras:
         mm: multimodal items, sorted by offset.
         cache_salt: a tenant's salt; it enters the first chunk's hash and, through the
             chain, every later one.
+        prompt_embeds: the prompt's embeddings when it was given as embeddings; each
+            chunk's hash covers the digest of its rows.
     """
 
     lora_name: str | None = None
     lora_path: str | None = None
     mm: tuple[MultiModalSpan, ...] = ()
     cache_salt: str | None = None
+    prompt_embeds: PromptEmbeds | None = None
 
     def chunk_extra_keys(self, start: int, end: int) -> ExtraKeys:
         """The extra keys of the chunk ``[start, end)``, tagged as vLLM tags them."""
         keys: list[Any] = []
-        if self.lora_name:
+        if self.lora_name is not None:
             keys.append(("lora", self.lora_name, self.lora_path))
         for item in self.mm:
             if item.offset >= end:
@@ -68,6 +88,8 @@ class RequestExtras:
                 keys.append(("mm", item.identifier, item.offset - start))
         if start == 0 and self.cache_salt:
             keys.append(("cache_salt", self.cache_salt))
+        if self.prompt_embeds is not None:
+            keys.append(("prompt_embeds", self.prompt_embeds.digest(start, end)))
         return tuple(keys) if keys else None
 
 

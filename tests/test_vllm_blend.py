@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.blend import UnsupportedModelError, rope_spec, vllm_worker
+from kvtier.blend.segments import segment_hash
 from kvtier.blend.vllm_extension import BlendWorking, separator_tokens
 from kvtier.blend.vllm_plan import PLAN_KEY, BlendPlanner, BlendSpec, SegmentSaveSpec
 from kvtier.blend.vllm_worker import BlendWorker, PagedTokens, cpu_block_map
@@ -168,6 +169,28 @@ def test_planner_stores_then_claims() -> None:
     assert [(s, e) for s, e, _ in spec.segments] == [(5, 8), (10, 14)]
     assert not _segment_saves(plan)  # a blended prompt stores nothing
     assert planner.counters()["blend_reused_tokens"] == 7
+
+
+def test_planner_leaves_images_and_prompt_embeds_alone() -> None:
+    """Their placeholder ids are not what the model saw: never blended, never stored as
+    segments, even when segments of the same ids are held."""
+    doc = [10, 11, 12, 13]
+    prompt = [1, 2, 3, *SEP, *doc, *SEP, 4]
+    image = SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=5, length=4))
+    for extra in ({"mm_features": [image]}, {"prompt_embeds": torch.zeros(len(prompt), 8)}):
+        held: set[bytes] = set()
+        planner, asked = _planner(held)
+        held.add(segment_hash(planner.hasher, doc))
+        assert planner.claim(_request("plain", prompt), 0) == len(prompt) - 1
+        asked.clear()
+        request = _request("r", prompt)
+        vars(request).update(extra)
+        assert planner.claim(request, 0) == 0, f"{list(extra)} claimed"
+        assert not asked, f"{list(extra)}: segments looked up"
+        assert planner.after_alloc(request, [0], 0) is False
+        plan = StepPlan()
+        planner.extend(plan, _step([("r", 0, len(prompt), [0])]), lambda r: [0])
+        assert not _segment_saves(plan), f"{list(extra)}: segments stored"
 
 
 def test_planner_leaves_prefix_hits_and_refusals_alone() -> None:

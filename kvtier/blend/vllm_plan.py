@@ -11,6 +11,9 @@ workers build that KV themselves before the forward pass (``vllm_worker.BlendWor
     blend    fresh tokens computed, cached segments placed + re-rotated, the most
              deviating ones recomputed (kvtier.blend.blend)
 
+* A prompt with multimodal items or prompt embeddings is never blended nor stored as
+  segments (its placeholder ids do not say what the model saw); the ordinary path,
+  which keys those, serves it.
 * A prompt is looked at once, when vLLM asks for its external hit with nothing of it in
   vLLM's own prefix cache (a prefix hit is not blended: the ordinary path serves it).
   Its segments (``split_segments``) are looked up in every worker's segment store over
@@ -110,9 +113,11 @@ class BlendPlanner:
             return claim[0] if claim and num_computed_tokens == 0 else 0
         self._seen.add(req_id)
         tokens = list(request.prompt_token_ids or ())
-        if not tokens:
-            return 0
         extras = request_extras(request)
+        if not tokens or (extras is not None and (extras.mm or extras.prompt_embeds is not None)):
+            # NOTE: images and embedded parts sit on placeholder ids, which are all the
+            # blend keys segments by and runs the model on: such prompts are not blended
+            return 0
         spans = [
             (s.start, s.end, segment_hash(self.hasher, tokens[s.start : s.end], extras))
             for s in split_segments(tokens, self.separator, self.min_tokens)

@@ -8,12 +8,15 @@ imported only inside the functions that ask the running engine.
 
 from __future__ import annotations
 
+import functools
 import logging
+import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.chunker import MultiModalSpan, RequestExtras
+from kvtier.chunker import MultiModalSpan, PromptEmbeds, RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier_kernels import LAYOUTS, LayoutError, PagedKV
 from kvtier_kernels.dtypes import dtype_name
@@ -24,25 +27,53 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def request_extras(request: Any) -> RequestExtras | None:
+def request_extras(request: Any, mm_scope: str | None = None) -> RequestExtras | None:
     """What separates this request's cache besides its tokens: LoRA, multimodal items,
-    the cache salt (read off a vLLM ``Request``)."""
+    the cache salt, prompt embeddings (read off a vLLM ``Request``). ``mm_scope``
+    (``mm_identifier_scope``) prefixes every multimodal item's identifier."""
     lora = getattr(request, "lora_request", None)
     mm = []
     for feature in getattr(request, "mm_features", None) or ():
         position = getattr(feature, "mm_position", None)
         identifier = getattr(feature, "identifier", None)
         if position is not None and identifier is not None:
-            mm.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
+            name = f"{mm_scope}/{identifier}" if mm_scope else str(identifier)
+            mm.append(MultiModalSpan(name, int(position.offset), int(position.length)))
     salt = getattr(request, "cache_salt", None)
-    if lora is None and not mm and not salt:
+    embeds = getattr(request, "prompt_embeds", None)
+    if lora is None and not mm and not salt and embeds is None:
         return None
     return RequestExtras(
         lora_name=getattr(lora, "lora_name", None),
         lora_path=getattr(lora, "lora_path", None),
         mm=tuple(sorted(mm, key=lambda item: item.offset)),
         cache_salt=salt,
+        prompt_embeds=None if embeds is None else PromptEmbeds(embeds),
     )
+
+
+def mm_identifier_scope(vllm_config: VllmConfig) -> str | None:
+    """None when vLLM names a multimodal item by its content (a hash, or the uuid the
+    request gave); else a name of this process to scope the identifiers with.
+
+    With neither the processor cache (``mm_processor_cache_gb: 0``) nor prefix caching,
+    vLLM names an item without a uuid by a per-process counter
+    (``renderer0-mm-<n>-image-0``): the first image of every process gets the same name,
+    so keyed as it is a restarted engine, or another one sharing a tier, would load KV
+    computed over another image. Scoped, such chunks are never found by another process.
+    """
+    mm_config = getattr(vllm_config.model_config, "multimodal_config", None)
+    if mm_config is None or getattr(vllm_config.cache_config, "enable_prefix_caching", True):
+        return None
+    if (getattr(mm_config, "mm_processor_cache_gb", None) or 0) > 0:
+        return None
+    return f"process-{uuid.uuid4().hex}"
+
+
+def extras_reader(vllm_config: VllmConfig) -> Callable[[Any], RequestExtras | None]:
+    """``request_extras`` for this engine, its multimodal identifiers scoped to this
+    process where vLLM names items per process (``mm_identifier_scope``)."""
+    return functools.partial(request_extras, mm_scope=mm_identifier_scope(vllm_config))
 
 
 def engine_tag(vllm_config: VllmConfig) -> str:

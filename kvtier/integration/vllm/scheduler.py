@@ -56,7 +56,6 @@ from kvtier.integration.vllm.common import (
     show_kvtier_logs,
 )
 from kvtier.integration.vllm.extensions import scheduler_extensions
-from kvtier.integration.vllm.facts import request_extras
 from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
 from kvtier.observability.prometheus import MetricsServer
 
@@ -162,6 +161,7 @@ class SchedulerSide:
             )
         self.trackers: dict[str, RequestTracker] = {}
         self._hash_cache: dict[str, HashChain] = {}
+        self.extras_of = facts.request_extras  # from_vllm: facts.extras_reader's
         # req_id -> (vllm_cached, load_end, tokens kvtier holds) from the last lookup
         self._hits: dict[str, tuple[int, int, int]] = {}
         self._cancelled_async: list[LoadSpec] = []
@@ -198,6 +198,7 @@ class SchedulerSide:
             extensions=scheduler_extensions(config, vllm_config, client),
         )
         side._clients.append(client)
+        side.extras_of = facts.extras_reader(vllm_config)
         if config.metrics_port is not None:
             side._serve_metrics(endpoints, vllm_config)
         if transfer.kv_load_failure_policy != config.kv_load_failure_policy:
@@ -237,7 +238,7 @@ class SchedulerSide:
         req_id = request.request_id
         hashes = self._hash_cache.get(req_id)
         if hashes is None:
-            hashes = HashChain(self.hasher, self.chunk_size, request_extras(request))
+            hashes = HashChain(self.hasher, self.chunk_size, self.extras_of(request))
             self._hash_cache[req_id] = hashes
         return hashes
 
@@ -333,15 +334,14 @@ class SchedulerSide:
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
-        vllm_cached, load_end, held = hit
-        start = vllm_cached
+        start, load_end, held = hit
         end = min(load_end, start + num_external_tokens)
         first = start // self.chunk_size
         held_end = self._held_end(len(tracker.tokens))
         hashes = self._hashes(request).upto(tracker.tokens, held_end, partial=self.save_partial)
         last = -(-end // self.chunk_size)  # chunks needed to cover [start, end)
         hashes = hashes[first:last]
-        tracker.vllm_cached = vllm_cached
+        tracker.vllm_cached = start
         # Every chunk the lookup found is in kvtier already: never stored again.
         held_upto = held if held == held_end else held // self.chunk_size * self.chunk_size
         tracker.saved_upto = max(tracker.saved_upto, held_upto)
