@@ -382,7 +382,7 @@ def test_every_registered_scheme_opens_through_its_module(scheme):
 
 
 def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
-    from kvtier.storage.redis_url import parse_url
+    from kvtier.config.redis_url import parse_url
 
     for scheme in ("redis", "rediss", "redis-cluster", "rediss-cluster", "valkeys-cluster"):
         url = f"{scheme}://h:6379"
@@ -392,8 +392,11 @@ def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
 
 
 def test_the_config_takes_exactly_the_registered_schemes():
+    # a URL of each scheme's form (each is checked when the config is built)
+    forms = {"unix": "/x.sock", "s3": "bucket/x", "fs": "/x", "kvtier": "h:1", "lm": "h:1"}
     for scheme in schemes.remote_schemes():
-        assert load_config({"remote_url": f"{scheme}://h/x"}, env={}).remote_url
+        url = f"{scheme}://{forms.get(scheme, 'h/0')}"
+        assert load_config({"remote_url": url}, env={}).remote_url
     allowed = "expected a URL with scheme " + ", ".join(schemes.remote_schemes())
     for url in ("memcached://localhost:11211", "redis:/h", "localhost:6379"):
         with pytest.raises(ConfigError, match=allowed):

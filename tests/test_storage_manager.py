@@ -412,8 +412,8 @@ def test_unusable_local_disk_is_a_clear_error_at_start_up(tmp_path):
 
 @pytest.mark.parametrize("url", ["fs://relative/dir", "fs://"])
 def test_shared_filesystem_url_needs_an_absolute_path(url):
-    config = load_config({"max_local_cpu_size": 0.05, "remote_url": url}, env={})
-    with pytest.raises(ValueError, match="remote_url"):
+    with pytest.raises(ValueError, match="remote_url"):  # refused by the config already
+        config = load_config({"max_local_cpu_size": 0.05, "remote_url": url}, env={})
         StorageManager(config, Stats(), namespace="m")
 
 

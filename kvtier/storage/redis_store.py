@@ -47,8 +47,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from redis.retry import Retry
 
+from kvtier.config.redis_url import parse_url
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused, batches
-from kvtier.storage.redis_url import parse_url
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 log = logging.getLogger(__name__)

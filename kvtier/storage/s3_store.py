@@ -22,18 +22,17 @@ the bucket still reads.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
-from urllib.parse import urlsplit
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
+from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
@@ -41,11 +40,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["S3Store", "open_remote"]
 
-URL_FORM = "s3://bucket[/prefix]"
-# S3's naming rules: 3-63 of lowercase letters, digits, dots and hyphens, starting and ending
-# with a letter or digit (no "..", not an IP address; checked separately).
-_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
 _ADDRESSING_STYLES = (None, "auto", "path", "virtual")
 # Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
 _NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
@@ -67,30 +61,6 @@ _CLIENT_ERRORS = (BotoCoreError, ClientError, HTTPError, OSError)
 # S3 limits: DeleteObjects takes at most 1000 keys; an upload has at most 10000 parts.
 _MAX_DELETE_KEYS = 1000
 _MAX_PARTS = 10_000
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``(bucket, prefix)`` of ``s3://bucket[/prefix]``; the prefix is ``""`` or ends in ``/``.
-
-    Raises:
-        ValueError: naming ``remote_url`` and the accepted form.
-    """
-    parts = urlsplit(url)
-    bucket = parts.netloc
-    if (
-        parts.scheme != "s3"
-        or parts.query
-        or parts.fragment
-        or not _BUCKET_NAME.fullmatch(bucket)
-        or ".." in bucket
-        or _IP_ADDRESS.fullmatch(bucket)
-    ):
-        raise ValueError(
-            f"remote_url must be {URL_FORM} with a valid S3 bucket name "
-            f"(3-63 of a-z, 0-9, '.', '-'), got {url!r}"
-        )
-    prefix = "/".join(segment for segment in parts.path.split("/") if segment)
-    return bucket, prefix + "/" if prefix else ""
 
 
 class S3Store:
