@@ -353,19 +353,26 @@ class CacheEngine:
             paged_io.chunk_shape(self.config.chunk_size), paged_io.dtype
         )
 
-    def lookup_hashes(self, hashes: Sequence[bytes]) -> int:
+    def lookup_hashes(self, hashes: Sequence[bytes], load_from: int = 0) -> int:
         """How many leading chunks of a chain of chunk hashes some tier holds; those found
-        only in a lower tier start moving into memory (prefetch).
+        only in a lower tier start moving into memory (prefetch): from chunk ``load_from``
+        (the first a load would take: vLLM's own prefix is loaded by nobody) on, at most
+        ``max_load_chunks`` of them.
 
         NOTE: the one lookup path: ``lookup`` and vLLM's scheduler (whose hashes come over
         the lookup socket) both end here. It counts nothing: ``lookup`` counts its own
         calls, and in vLLM the scheduler counts once for all ranks.
         """
         chunker = self._require_chunker()
-        return self._held_prefix([chunker.key(h) for h in hashes])
+        return self._held_prefix([chunker.key(h) for h in hashes], load_from)
 
-    def _held_prefix(self, keys: list[CacheKey]) -> int:
-        return self.storage.lookup_prefix(keys, prefetch=True)
+    def _held_prefix(self, keys: list[CacheKey], load_from: int = 0) -> int:
+        """How many of ``keys`` some tier holds, prefetching what one load from chunk
+        ``load_from`` can take (from the start when the caller knows no prefix)."""
+        most = self.max_load_chunks if self.paged_io is not None else None
+        return self.storage.lookup_prefix(
+            keys, prefetch=True, prefetch_from=load_from, prefetch_most=most
+        )
 
     def chunks_from_hashes(
         self, first_chunk: int, hashes: Sequence[bytes], end: int

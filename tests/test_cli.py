@@ -288,7 +288,7 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
         (
             ["serve", "--port", "0", "--max-local-cpu-size", "0.01", "--remote-url", "redis://h:x"],
-            "kvtier serve: --remote-url: remote_url 'redis://h:x': bad port",
+            "kvtier serve: invalid kvtier configuration: --remote-url: remote_url 'redis://h:x': bad",
         ),
         (["status", "--server", "http://127.0.0.1:1"], "--server 'http://127.0.0.1:1'"),
         (

@@ -346,6 +346,41 @@ def test_bad_tier_settings_are_named(overrides: dict, fragments: tuple[str, ...]
     assert_one_problem_mentions(excinfo.value, *fragments)
 
 
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("redis://h:bad", "bad port 'bad'"),
+        ("redis://", "missing host"),
+        ("unix://", "missing socket path"),
+        ("s3://", "valid S3 bucket name"),
+        ("fs://relative", "give an absolute path after fs://"),
+        ("kvtier://h", "expected kvtier://host:port"),
+        ("lm://h:1/x", "expected kvtier://host:port"),
+    ],
+)
+def test_a_malformed_remote_url_is_refused_when_the_config_is_built(url: str, fragment: str):
+    """Every entry point builds its config first: a URL no retry could mend is refused
+    there, naming remote_url and where it came from, not opened as a remote down forever."""
+    for build, origin in (
+        (lambda: load_config(overrides={"remote_url": url}, env={}), "override"),
+        (lambda: load_config(env={"KVTIER_REMOTE_URL": url}), "KVTIER_REMOTE_URL"),
+        (lambda: KVTierConfig(remote_url=url), "KVTierConfig(...)"),
+    ):
+        with pytest.raises(ConfigError) as excinfo:
+            build()
+        assert_one_problem_mentions(excinfo.value, origin, "remote_url", fragment)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://u:hunter2@h:bad", "kvtier://u:hunter2@h", "fs://u:hunter2@h"]
+)
+def test_a_malformed_remote_url_is_refused_without_its_password(url: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"remote_url": url}, env={})
+    assert "hunter2" not in str(excinfo.value)
+    assert_one_problem_mentions(excinfo.value, "remote_url", "u:***@h")
+
+
 def test_secrets_are_never_shown() -> None:
     config = load_config(
         overrides={

@@ -410,7 +410,7 @@ def make_worker(
 
 
 def make_scheduler(ev, workers: list[WorkerSide]):
-    def lookup(hashes: list[bytes]) -> int:
+    def lookup(hashes: list[bytes], load_from: int = 0) -> int:
         return min(
             w.engine.storage.lookup_prefix([w.engine.chunker.key(h) for h in hashes], prefetch=True)
             for w in workers

@@ -32,9 +32,9 @@ from support.redis_server import (
     redis_tls_available,
 )
 
+from kvtier.config.redis_url import parse_url
 from kvtier.storage.blob_store import BlobStore, StoreUnavailable
 from kvtier.storage.redis_store import MANIFEST_MAGIC, PART_SEP, RedisStore
-from kvtier.storage.redis_url import parse_url
 
 pytestmark = [
     pytest.mark.redis,

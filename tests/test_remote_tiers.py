@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from botocore.awsrequest import AWSResponse
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
 from support.s3_server import S3Server, isolate_aws_environment
 from support.tiers import (
@@ -152,6 +153,43 @@ def test_redis_killed_and_restarted_mid_run(redis, pool, caplog):
     manager.close()
 
 
+def check_refused_stores_keep_the_tier_up(manager, stats, pool, tier, caplog) -> None:
+    """Chunk 1 is stored; the store now refuses writes for room: chunks 2 and 3 are failed
+    stores (counted, warned once), not an outage: chunk 1 is still found and loaded."""
+    remote = manager.lower[0]
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        for i in (2, 3):
+            manager.put(key(i), fill(pool, i))
+            assert manager.flush(10)
+    assert remote.is_up
+    assert stats.get(tier_counter(tier, TierCounter.DROPPED_NO_SPACE)) == 2
+    assert stats.get(tier_counter(tier, TierCounter.DROPPED_UNAVAILABLE)) == 0
+    assert stats.get(tier_counter(tier, TierCounter.ERRORS)) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("refuses stores" in m for m in messages) == 1, messages
+    assert not any("unavailable" in m for m in messages), messages
+    manager.cpu.clear()
+    assert manager.lookup_prefix([key(1), key(2)]) == 1
+    got = manager.get_many([key(1)])
+    assert got[0] is not None
+    got[0].ref_down()
+    assert remote.is_up
+
+
+@needs_redis
+@pytest.mark.redis
+def test_redis_out_of_memory_is_a_failed_store_not_an_outage(redis, pool, caplog):
+    stats = Stats()
+    manager = remote_manager(redis.url, stats)
+    store_chunks(manager, pool, [1])
+    client = redis.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # every SET is refused with OOM; reads go on
+    check_refused_stores_keep_the_tier_up(manager, stats, pool, "redis", caplog)
+    client.config_set("maxmemory", 0)
+    manager.close()
+
+
 @needs_redis
 @pytest.mark.redis
 def test_hung_redis_costs_at_most_the_timeout(redis, pool):
@@ -284,6 +322,34 @@ def test_s3_missing_bucket_is_a_miss_with_a_clear_warning(s3, pool, caplog):
     manager.close()
 
 
+class _Body:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def stream(self, **_):
+        yield self.data
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("status", "code"), [(507, "XMinioStorageFull"), (403, "QuotaExceeded"), (507, "")]
+)
+def test_s3_quota_or_full_store_is_a_failed_store_not_an_outage(s3, pool, caplog, status, code):
+    stats = Stats()
+    manager = remote_manager("s3://kvtier-cache", stats, **s3_settings(s3))
+    store_chunks(manager, pool, [1])
+    body = f"<Error><Code>{code}</Code><Message>no room</Message></Error>".encode()
+
+    def refuse(request, **_):
+        return AWSResponse(request.url, status, {}, _Body(body))
+
+    events = manager.lower[0].store._client.meta.events
+    events.register("before-send.s3.PutObject", refuse)
+    check_refused_stores_keep_the_tier_up(manager, stats, pool, "s3", caplog)
+    events.unregister("before-send.s3.PutObject", refuse)
+    manager.close()
+
+
 @pytest.mark.s3
 def test_s3_killed_and_restarted_mid_run(s3, pool):
     stats = Stats()
@@ -316,7 +382,7 @@ def test_every_registered_scheme_opens_through_its_module(scheme):
 
 
 def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
-    from kvtier.storage.redis_url import parse_url
+    from kvtier.config.redis_url import parse_url
 
     for scheme in ("redis", "rediss", "redis-cluster", "rediss-cluster", "valkeys-cluster"):
         url = f"{scheme}://h:6379"
@@ -326,8 +392,11 @@ def test_every_url_form_the_redis_parser_documents_is_a_registered_scheme():
 
 
 def test_the_config_takes_exactly_the_registered_schemes():
+    # a URL of each scheme's form (each is checked when the config is built)
+    forms = {"unix": "/x.sock", "s3": "bucket/x", "fs": "/x", "kvtier": "h:1", "lm": "h:1"}
     for scheme in schemes.remote_schemes():
-        assert load_config({"remote_url": f"{scheme}://h/x"}, env={}).remote_url
+        url = f"{scheme}://{forms.get(scheme, 'h/0')}"
+        assert load_config({"remote_url": url}, env={}).remote_url
     allowed = "expected a URL with scheme " + ", ".join(schemes.remote_schemes())
     for url in ("memcached://localhost:11211", "redis:/h", "localhost:6379"):
         with pytest.raises(ConfigError, match=allowed):

@@ -15,9 +15,10 @@ pytest.importorskip("moto")
 
 from support.s3_server import S3Server, free_port, isolate_aws_environment
 
+from kvtier.config.remote_urls import parse_s3_url
 from kvtier.keys import CacheKey
 from kvtier.storage.blob_store import BlobStore, StoreUnavailable
-from kvtier.storage.s3_store import S3Store, _pieces, parse_s3_url
+from kvtier.storage.s3_store import S3Store, _pieces
 
 pytestmark = pytest.mark.s3
 

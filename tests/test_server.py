@@ -29,13 +29,13 @@ from support.tiers import (
 )
 
 from kvtier.config import load_config
+from kvtier.config.node_address import parse_server_url
 from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.server.cache import BlobCache
 from kvtier.server.server import KVTierServer
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import StoreUnavailable
-from kvtier.storage.node_address import parse_server_url
 from kvtier.storage.node_protocol import Op
 from kvtier.storage.node_store import KVTierStore
 

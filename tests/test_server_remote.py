@@ -65,6 +65,24 @@ def test_a_failed_write_takes_the_remote_down_too():
     remote.close(1.0)
 
 
+def test_a_write_refused_for_room_is_dropped_and_the_remote_stays_up(caplog):
+    store, stats = FlakyStore(), Stats()
+    remote = remote_blobs(store, stats)
+    remote.submit_put("ns", "a", b"1")
+    wait_until(lambda: stats.get("remote_puts") == 1)
+    store.mode = "full"
+    with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
+        remote.submit_put("ns", "b", b"2")
+        remote.submit_put("ns", "c", b"3")
+        wait_until(lambda: stats.get("remote_puts_dropped") == 2)
+    assert remote.is_up and stats.get("remote_errors") == 0
+    assert remote.get("ns", "a") == b"1"  # reads go on
+    messages = [r.message for r in caplog.records]
+    assert sum("refuses stores" in m for m in messages) == 1, messages
+    assert not any("unavailable" in m for m in messages), messages
+    remote.close(1.0)
+
+
 def test_a_remote_down_at_start_up_is_warned_about_before_any_request(caplog):
     store, stats = FlakyStore(), Stats()
     store.mode = "down"

@@ -23,13 +23,13 @@ import pytest
 from support.kvtier_server import KVTierServerProcess
 from support.tiers import key, make_pool, remote_manager, same_bytes, store_chunks, wait_until
 
+from kvtier.config.node_address import parse_server_address
 from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
 from kvtier.server import shm as server_shm
 from kvtier.server.blobs import open_memory, put_in_memory, read_in_memory
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import StoreUnavailable
-from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_protocol import Op
 from kvtier.storage.node_store import KVTierStore
 

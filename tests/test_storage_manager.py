@@ -15,6 +15,7 @@ from support.tiers import FlakyStore, fill, key, make_pool, same_bytes
 from test_engine import assert_kv_equal, kv_at, make_engine
 
 from kvtier.config import load_config
+from kvtier.engine import CacheEngine
 from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.blob_store import join_parts
@@ -147,6 +148,37 @@ def test_lookup_prefetches_lower_tier_chunks_into_memory(tmp_path):
     disk_reads = second.stats.get(tier_counter("disk", TierCounter.GET_HITS))
     second.retrieve(tokens, slot_mapping=torch.arange(100, 132))
     assert second.stats.get(tier_counter("disk", TierCounter.GET_HITS)) == disk_reads
+    second.close()
+
+
+@pytest.mark.parametrize(("load_from", "prefetched"), [(None, [0, 1]), (3, [3, 4]), (5, [5])])
+def test_a_lookup_prefetches_only_what_one_load_can_take(
+    tmp_path, monkeypatch, load_from, prefetched
+):
+    """A load takes at most ``max_load_chunks`` chunks past vLLM's own prefix (from the
+    start where that prefix is not known): a lookup reads no lower-tier chunk beyond."""
+    first = make_engine(local_disk=str(tmp_path))
+    tokens = torch.arange(48)
+    first.store(tokens, slot_mapping=torch.arange(48))
+    first.close()
+    monkeypatch.setattr(CacheEngine, "max_load_chunks", property(lambda self: 2))
+    second = make_engine(local_disk=str(tmp_path))
+    keys = [c.key for c in second.chunker.chunks(tokens)]
+    if load_from is None:
+        assert second.lookup(tokens) == 48
+    else:
+        assert second.lookup_hashes(second.chunker.chunk_hashes(tokens), load_from) == 6
+    deadline = time.monotonic() + 10
+    while (
+        second.stats.get(Counter.PREFETCHED_CHUNKS) < len(prefetched)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    time.sleep(0.1)  # a prefetch of more chunks would have landed by now
+    held = [i for i, k in enumerate(keys) if second.storage.cpu.contains(k)]
+    assert held == prefetched
+    assert second.stats.get(Counter.PREFETCHED_CHUNKS) == len(prefetched)
+    assert second.stats.get(tier_counter("disk", TierCounter.GET_HITS)) == len(prefetched)
     second.close()
 
 
@@ -412,8 +444,8 @@ def test_unusable_local_disk_is_a_clear_error_at_start_up(tmp_path):
 
 @pytest.mark.parametrize("url", ["fs://relative/dir", "fs://"])
 def test_shared_filesystem_url_needs_an_absolute_path(url):
-    config = load_config({"max_local_cpu_size": 0.05, "remote_url": url}, env={})
-    with pytest.raises(ValueError, match="remote_url"):
+    with pytest.raises(ValueError, match="remote_url"):  # refused by the config already
+        config = load_config({"max_local_cpu_size": 0.05, "remote_url": url}, env={})
         StorageManager(config, Stats(), namespace="m")
 
 

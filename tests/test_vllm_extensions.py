@@ -113,7 +113,9 @@ def new_step(req_id: str, blocks: list[int], computed: int, scheduled: int, pree
 def test_scheduler_hooks_reach_every_extension() -> None:
     config = load_config({"chunk_size": CHUNK}, env={})
     recorder = Recorder()
-    side = SchedulerSide(config, lambda hashes: 0, block_size=BLOCK, extensions=[recorder])
+    side = SchedulerSide(
+        config, lambda hashes, load_from: 0, block_size=BLOCK, extensions=[recorder]
+    )
 
     # no prefix hit: the extension's claim is the answer; a claimed prompt is never stored
     claimed = request("claim-1", list(range(20)))
@@ -147,7 +149,7 @@ def test_scheduler_hooks_reach_every_extension() -> None:
 
 def test_scheduler_counts_each_lookup_it_asks_of_the_ranks() -> None:
     config = load_config({"chunk_size": CHUNK}, env={})
-    side = SchedulerSide(config, lambda hashes: 1, block_size=BLOCK)
+    side = SchedulerSide(config, lambda hashes, load_from: 1, block_size=BLOCK)
     side.get_num_new_matched_tokens(request("a", list(range(20))), 0)
     side.get_num_new_matched_tokens(request("b", list(range(50, 70))), 0)
     counters = side.counters()
@@ -279,7 +281,9 @@ def test_a_claimed_prompt_stores_no_chunk_while_it_decodes() -> None:
     """With ``save_decode_cache`` too: the chunks its generated tokens fill hold the
     claimed prompt's KV (an approximation when blended) and KV computed over it."""
     config = load_config({"chunk_size": CHUNK, "save_decode_cache": True}, env={})
-    side = SchedulerSide(config, lambda hashes: 0, block_size=BLOCK, extensions=[Recorder()])
+    side = SchedulerSide(
+        config, lambda hashes, load_from: 0, block_size=BLOCK, extensions=[Recorder()]
+    )
     claimed = request("claim-1", list(range(20)))
     assert side.get_num_new_matched_tokens(claimed, 0) == (19, False)
     blocks = [0, 1, 2, 3, 4]

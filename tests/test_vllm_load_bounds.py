@@ -94,7 +94,7 @@ def cached_step(req: Request, computed: int, scheduled: int) -> SchedulerOutput:
 # -- the scheduler side alone ----------------------------------------------------------
 
 
-def all_held(hashes: list[bytes]) -> int:
+def all_held(hashes: list[bytes], load_from: int = 0) -> int:
     return len(hashes)
 
 
@@ -120,6 +120,21 @@ def test_a_hit_is_loaded_up_to_the_chunks_one_load_can_stage(most, vllm_cached, 
     assert (load.start, load.end) == (vllm_cached, vllm_cached + matched)
     assert load.first_chunk == vllm_cached // CHUNK
     assert len(load.hashes) == -(-(vllm_cached + matched) // CHUNK) - load.first_chunk
+
+
+@pytest.mark.parametrize(("vllm_cached", "load_from"), [(0, 0), (16, 2), (20, 2)])
+def test_the_lookup_is_told_the_chunk_a_load_would_start_in(vllm_cached, load_from):
+    """The workers prefetch from there (at most what a load can take), not from chunk 0."""
+    asked = []
+
+    def lookup(hashes: list[bytes], load_from: int = 0) -> int:
+        asked.append(load_from)
+        return len(hashes)
+
+    config = load_config({"chunk_size": CHUNK}, env={})
+    side = SchedulerSide(config, lookup, block_size=BLOCK, max_load_chunks=lambda: 2)
+    side.get_num_new_matched_tokens(Request("b", list(range(41)), 41), vllm_cached)
+    assert asked == [load_from]
 
 
 def test_chunks_held_past_the_bound_are_not_stored_again():

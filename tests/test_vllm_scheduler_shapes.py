@@ -38,7 +38,9 @@ def plan_hit(num_null_blocks: int, *, enable_async_loading: bool):
     config = load_config(
         {"chunk_size": CHUNK, "enable_async_loading": enable_async_loading}, env={}
     )
-    side = SchedulerSide(config, lambda hashes: len(hashes), block_size=BLOCK, whole_blocks=True)
+    side = SchedulerSide(
+        config, lambda hashes, load_from: len(hashes), block_size=BLOCK, whole_blocks=True
+    )
     request = SimpleNamespace(
         request_id="r", all_token_ids=list(range(1000, 1000 + PROMPT)), num_prompt_tokens=PROMPT
     )
@@ -106,7 +108,7 @@ def test_a_chunk_longer_than_max_model_len_is_warned_about(
 ):
     config = load_config({"chunk_size": chunk_size, "save_unfull_chunk": save_unfull_chunk}, env={})
     with caplog.at_level("WARNING", logger="kvtier"):
-        SchedulerSide(config, lambda hashes: 0, block_size=32, max_model_len=2048)
+        SchedulerSide(config, lambda hashes, load_from: 0, block_size=32, max_model_len=2048)
     messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     said = any("chunk_size=4096" in m and "max_model_len=2048" in m for m in messages)
     assert said == warned, (

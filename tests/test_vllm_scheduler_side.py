@@ -141,7 +141,7 @@ class HeldHashes:
     def hold(self, hashes: Sequence[bytes]) -> None:
         self.held.update(hashes)
 
-    def __call__(self, hashes: list[bytes]) -> int:
+    def __call__(self, hashes: list[bytes], load_from: int = 0) -> int:
         self.calls += 1
         for i, h in enumerate(hashes):
             if h not in self.held:

@@ -576,7 +576,7 @@ def test_scheduler_plans_run_on_the_worker(
     whole_blocks = layout == "vllm_cpu"
     client = RpcClient([endpoint], 2.0)
 
-    def lookup(hashes: list[bytes]) -> int:
+    def lookup(hashes: list[bytes], load_from: int = 0) -> int:
         replies = client.call_all("lookup", hashes=hashes)
         return 0 if replies is None else min(r["hits"] for r in replies)
 

@@ -27,6 +27,8 @@ import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
 from kvtier.config.keys import coerce
+from kvtier.config.node_address import parse_server_address
+from kvtier.config.redis_url import parse_url
 from kvtier.machine import PoolTooLarge
 from kvtier.server.discovery import (
     DEFAULT_GROUP,
@@ -35,13 +37,11 @@ from kvtier.server.discovery import (
     advertised,
     check_group,
 )
-from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_protocol import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_NAMES,
 )
-from kvtier.storage.redis_url import parse_url
 
 PEER_TRANSPORTS = ("auto", "nixl", "tcp")
 

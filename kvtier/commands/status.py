@@ -21,8 +21,8 @@ from typing import Any
 
 from kvtier.commands.serve import DEFAULT_PORT
 from kvtier.config import ConfigError, load_config
+from kvtier.config.node_address import SCHEMES, host_port, parse_server_url
 from kvtier.storage.blob_store import StoreUnavailable
-from kvtier.storage.node_address import SCHEMES, host_port, parse_server_url
 from kvtier.storage.node_store import KVTierStore
 
 HELP = "a running kvtier serve's health, tiers and counters"

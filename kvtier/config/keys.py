@@ -58,7 +58,9 @@ class KeySpec:
     error messages and docs, what passes it. ``normalize`` runs before type checking
     (e.g. int -> str). ``lmcache_names`` lists the names LMCache uses for the same setting
     (its own name included when identical). ``secret`` values are never shown; ``redact``
-    hides the secret part of a shown string value (a URL's password).
+    hides the secret part of a shown string value (a URL's password). ``parse`` checks a
+    value whose rules are too many for ``allowed`` (a URL's form): it raises ValueError
+    naming the key and what is wrong, and that message is the problem.
     """
 
     name: str
@@ -73,6 +75,7 @@ class KeySpec:
     lmcache_names: tuple[str, ...] = ()
     secret: bool = False
     redact: Callable[[str], str] | None = None
+    parse: Callable[[Any], object] | None = None
 
     @property
     def env_var(self) -> str:
@@ -184,6 +187,12 @@ def coerce(
     if spec.check is not None and not spec.check(value):
         reject()
         return None
+    if spec.parse is not None:
+        try:
+            spec.parse(value)
+        except ValueError as exc:
+            problems.append(f"{origin}: {exc}")
+            return None
     return value
 
 

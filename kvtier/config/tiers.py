@@ -9,6 +9,7 @@ from typing import Any
 
 from kvtier.config.keys import KeySpec, empty_as
 from kvtier.config.remote import REMOTE_SCHEMES, is_remote_url, redact_url
+from kvtier.config.remote_urls import check_remote_url
 
 
 def strip_file_scheme(path: str) -> str:
@@ -139,6 +140,7 @@ LOWER_TIERS: tuple[KeySpec, ...] = (
         normalize=empty_as(None),
         check=is_remote_url,
         allowed="a URL with scheme " + ", ".join(REMOTE_SCHEMES) + " (empty: null)",
+        parse=check_remote_url,
         nullable=True,
         lmcache_names=("remote_url",),
         redact=redact_url,

@@ -56,12 +56,13 @@ from kvtier.server.lookup import KeyShapes
 from kvtier.server.peers import Peers
 from kvtier.server.shm import open_arena
 from kvtier.storage import schemes
-from kvtier.storage.blob_store import BlobStore, Buffer
+from kvtier.storage.blob_store import BlobStore, Buffer, WriteRefused
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.schemes import redact_url
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import BatchQueue
+from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,15 @@ class RemoteBlobs:
                 continue
             try:
                 self._store(namespace).put_many([(name, [data])])
+            except WriteRefused as exc:  # full, not down: reads go on
+                self._stats.inc("remote_puts_dropped")
+                warn_once(
+                    logger,
+                    f"kvtier server: remote {self.describe} refuses stores ({exc}): "
+                    "those chunks are not written through; reads go on",
+                    key=f"server remote {self.describe} refuses: {exc.cause}",
+                )
+                continue
             except Exception as exc:
                 self._stats.inc("remote_puts_dropped")
                 self._stats.inc("remote_errors")

@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.config import KVTierConfig
+from kvtier.config.node_address import host_port, parse_server_address
+from kvtier.config.redis_url import parse_url
 from kvtier.observability.stats import Stats
 from kvtier.storage.blob_store import Buffer, StoreUnavailable
-from kvtier.storage.node_address import host_port, parse_server_address
-from kvtier.storage.redis_url import parse_url
 from kvtier.storage.schemes import load_module, redact_url
 
 logger = logging.getLogger(__name__)

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvtier.config.node_address import parse_server_address
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Stats
 from kvtier.server.discovery import Discovery, peer_url
@@ -50,7 +51,6 @@ from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
 from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.health import Health, fault_reason
-from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_protocol import Op
 from kvtier.storage.node_store import KVTierStore
 from kvtier.storage.serde import CorruptObject, tensor_bytes

@@ -26,13 +26,13 @@ import stat
 
 import torch
 
+from kvtier.config.node_address import MIN_SEGMENT_BYTES
 from kvtier.machine import check_host_memory
 from kvtier.memory import MemoryObj
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.node_protocol import ProtocolError
 from kvtier.storage.node_shm import (
     ARENA_PATTERN,
-    MIN_SEGMENT_BYTES,
     NAME_PATTERN,
     NONCE_BYTES,
     SHM_DIR,

@@ -17,6 +17,9 @@ Contract for every implementation:
 - A failure of the store itself (connection refused or reset, timeout, authentication,
   a server error) raises ``StoreUnavailable`` with a message naming the store and what
   failed. Nothing else escapes: client-library exceptions are wrapped.
+- A write the store answers but refuses for want of room (Redis out of memory under
+  ``noeviction``, an S3 quota or a full backend) raises ``WriteRefused``, a
+  ``StoreUnavailable`` that is no outage: the store still reads.
 - Thread-safe: calls may come from several threads at once.
 - ``put_many`` takes each blob as a list of buffer parts (``bytes`` or ``memoryview``)
   to be stored concatenated, so the caller never has to join a header and a large
@@ -34,6 +37,20 @@ T = TypeVar("T")
 
 class StoreUnavailable(Exception):
     """The store could not be reached or failed to answer (a fault, not a miss)."""
+
+
+class WriteRefused(StoreUnavailable):
+    """The store answered but refused to keep a write for want of room (out of memory,
+    over quota, no space): a failed store, not an outage, as reads still work.
+
+    Attributes:
+        cause: what refused it, the same for every refusal of one kind (``redis out of
+            memory``, ``s3 QuotaExceeded``): warnings are given once per cause.
+    """
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
 
 
 @runtime_checkable

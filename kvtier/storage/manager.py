@@ -201,13 +201,22 @@ class StorageManager:
         """Whether the CPU tier holds ``key`` (no disk or network access)."""
         return self.cpu.contains(key)
 
-    def lookup_prefix(self, keys: Sequence[CacheKey], *, prefetch: bool = False) -> int:
+    def lookup_prefix(
+        self,
+        keys: Sequence[CacheKey],
+        *,
+        prefetch: bool = False,
+        prefetch_from: int = 0,
+        prefetch_most: int | None = None,
+    ) -> int:
         """How many of ``keys``, from the first, some tier holds.
 
         One batched call per lower tier for the keys the CPU tier lacks (past the CPU
         tier's own run too: a chunk only a lower tier holds may be followed by ones only
         memory holds). With ``prefetch``, the lower-tier part of the run starts moving
-        into the CPU tier.
+        into the CPU tier: the keys from index ``prefetch_from`` on (those before it the
+        engine has already), at most ``prefetch_most`` of them (what one load can take;
+        None: the rest of the run), so a lookup reads no chunk a load will not use.
         """
         in_cpu = self.cpu.prefix_length(keys)
         rest = list(keys[in_cpu:])
@@ -216,7 +225,12 @@ class StorageManager:
         present = self._held_below(rest, [self.cpu.contains(k) for k in rest])
         run = next((i for i, p in enumerate(present) if not p), len(present))
         if prefetch and run:
-            self._prefetch(rest[:run])
+            start = max(prefetch_from, in_cpu)
+            end = in_cpu + run
+            if prefetch_most is not None:
+                end = min(end, prefetch_from + prefetch_most)
+            if start < end:
+                self._prefetch(list(keys[start:end]))
         return in_cpu + run
 
     def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:

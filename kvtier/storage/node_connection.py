@@ -13,9 +13,10 @@ import socket
 import time
 from collections.abc import Sequence
 
+from kvtier.config.node_address import DEFAULT_SEGMENT_BYTES
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.files import advance, byte_views
-from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Arenas, Segment
+from kvtier.storage.node_shm import Arenas, Segment
 
 IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
 REUSED_BYTES = DEFAULT_SEGMENT_BYTES  # a connection's reply buffer, kept between replies

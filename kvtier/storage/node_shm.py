@@ -65,8 +65,6 @@ NAME_PREFIX = "kvtier-"
 NAME_PATTERN = re.compile(r"kvtier-[0-9]{1,10}-[0-9a-f]{32}")
 ARENA_PATTERN = re.compile(r"kvtier-pool-[0-9a-f]{32}")
 NONCE_BYTES = 16
-MIN_SEGMENT_BYTES = 1 << 16
-DEFAULT_SEGMENT_BYTES = 64 << 20  # the client's default (``?shm_mb=``)
 
 
 @dataclass(frozen=True, slots=True)

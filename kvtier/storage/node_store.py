@@ -38,13 +38,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvtier.config.node_address import DEFAULT_SEGMENT_BYTES, parse_server_address
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import node_shm as shm
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
-from kvtier.storage.node_address import parse_server_address
 from kvtier.storage.node_connection import Connection, recv
 from kvtier.storage.node_protocol import Op, ProtocolError
-from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, Arenas, Segment, shm_available
+from kvtier.storage.node_shm import Arenas, Segment, shm_available
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.warn import warn_once
 

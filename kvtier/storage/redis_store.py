@@ -44,11 +44,11 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, batches
-from kvtier.storage.redis_url import parse_url
+from kvtier.config.redis_url import parse_url
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused, batches
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 log = logging.getLogger(__name__)
@@ -266,6 +266,11 @@ class RedisStore:
             )
         try:
             yield self._connected_client()
+        except OutOfMemoryError as exc:  # maxmemory reached under noeviction: reads go on
+            raise WriteRefused(
+                f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}",
+                "redis out of memory",
+            ) from exc
         except (RedisError, RedisClusterException, OSError) as exc:
             raise StoreUnavailable(
                 f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}"

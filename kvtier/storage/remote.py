@@ -10,6 +10,10 @@ States (``kvtier.storage.health``)::
     remote_timeout_ms                  thread pings with backoff (0.1 s doubling,
                                        up to remote_reconnect_max_ms)
 
+NOTE: a write the store answers but refuses for want of room (``WriteRefused``: Redis out
+of memory, an S3 quota) is a failed store, counted as ``puts_dropped_no_space`` and warned
+once per cause; the tier stays up, so lookups and loads go on.
+
 NOTE: nothing the store does can stall or crash the engine: every call the engine waits
 on runs on the tier's I/O threads and is abandoned after ``remote_timeout_ms``; writes
 run on their own threads from a bounded queue. One warning is logged per outage and one
@@ -34,7 +38,13 @@ from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
-from kvtier.storage.blob_store import BlobStore, Buffer, ReadingStore, StoreUnavailable
+from kvtier.storage.blob_store import (
+    BlobStore,
+    Buffer,
+    ReadingStore,
+    StoreUnavailable,
+    WriteRefused,
+)
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.schemes import redact_url
 from kvtier.storage.serde import CorruptObject, Serde
@@ -319,6 +329,15 @@ class RemoteTier:
             ]
             if items:
                 self.store.put_many(items)
+        except WriteRefused as exc:
+            self._count(TierCounter.DROPPED_NO_SPACE, len(batch))
+            warn_once(
+                logger,
+                f"kvtier {self.name} tier {self.describe} refuses stores ({exc}): those "
+                "chunks are not stored; lookups and loads go on",
+                key=f"{self.name} {self.describe} refuses: {exc.cause}",
+            )
+            return
         except Exception as exc:
             self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
             self._fault("put", exc)

@@ -13,69 +13,54 @@ botocore's own CRC pass is turned off) and asynchrony.
 NOTE: a HEAD request cannot tell a missing object from a missing bucket (both are a bare
 404), so on a deleted bucket ``exists_many`` answers False and ``delete_many`` 0; ``ping``,
 ``get_many``, ``put_many`` and ``clear`` report the missing bucket as ``StoreUnavailable``.
+
+A write refused for room (a quota, a full backend: ``QuotaExceeded``, MinIO's
+``XMinioStorageFull``, HTTP 507, an object over the size limit) raises ``WriteRefused``:
+the bucket still reads.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
-from urllib.parse import urlsplit
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
-from kvtier.storage.blob_store import Buffer, StoreUnavailable
+from kvtier.config.remote_urls import parse_s3_url
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["S3Store", "open_remote"]
 
-URL_FORM = "s3://bucket[/prefix]"
-# S3's naming rules: 3-63 of lowercase letters, digits, dots and hyphens, starting and ending
-# with a letter or digit (no "..", not an IP address; checked separately).
-_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
 _ADDRESSING_STYLES = (None, "auto", "path", "virtual")
 # Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
 _NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
 _NO_BUCKET = frozenset({"NoSuchBucket", "NotFound", "404"})
+# Error codes (and the HTTP status) of a write the store refuses for want of room.
+_NO_ROOM = frozenset(
+    {
+        "QuotaExceeded",
+        "InsufficientStorage",
+        "EntityTooLarge",
+        "XMinioStorageFull",
+        "XMinioAdminBucketQuotaExceeded",
+    }
+)
+_INSUFFICIENT_STORAGE = 507
 # Everything the client stack raises for a failed request: botocore's own errors (which
 # wrap most urllib3 and socket errors), the few urllib3 errors it lets through, and OSError.
 _CLIENT_ERRORS = (BotoCoreError, ClientError, HTTPError, OSError)
 # S3 limits: DeleteObjects takes at most 1000 keys; an upload has at most 10000 parts.
 _MAX_DELETE_KEYS = 1000
 _MAX_PARTS = 10_000
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``(bucket, prefix)`` of ``s3://bucket[/prefix]``; the prefix is ``""`` or ends in ``/``.
-
-    Raises:
-        ValueError: naming ``remote_url`` and the accepted form.
-    """
-    parts = urlsplit(url)
-    bucket = parts.netloc
-    if (
-        parts.scheme != "s3"
-        or parts.query
-        or parts.fragment
-        or not _BUCKET_NAME.fullmatch(bucket)
-        or ".." in bucket
-        or _IP_ADDRESS.fullmatch(bucket)
-    ):
-        raise ValueError(
-            f"remote_url must be {URL_FORM} with a valid S3 bucket name "
-            f"(3-63 of a-z, 0-9, '.', '-'), got {url!r}"
-        )
-    prefix = "/".join(segment for segment in parts.path.split("/") if segment)
-    return bucket, prefix + "/" if prefix else ""
 
 
 class S3Store:
@@ -421,17 +406,22 @@ class S3Store:
         return fn(*args)
 
     def _failure(self, operation: str, key: str | None, exc: BaseException) -> StoreUnavailable:
-        """The StoreUnavailable for ``exc``: which bucket, endpoint, operation and error."""
+        """The StoreUnavailable for ``exc``: which bucket, endpoint, operation and error
+        (a ``WriteRefused`` where the store refused for want of room)."""
         target = f" of {key!r}" if key is not None else ""
-        if isinstance(exc, ClientError):
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            message = exc.response.get("Error", {}).get("Message") or ""
-            error = f"{_error_code(exc)} (HTTP {status}) {message}".rstrip()
-        else:
+        if not isinstance(exc, ClientError):
             error = f"{type(exc).__name__}: {exc}"
-        return StoreUnavailable(
-            f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
-        )
+            return StoreUnavailable(
+                f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
+            )
+        code = _error_code(exc)
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        message = exc.response.get("Error", {}).get("Message") or ""
+        error = f"{code} (HTTP {status}) {message}".rstrip()
+        where = f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target}"
+        if code in _NO_ROOM or status == _INSUFFICIENT_STORAGE:
+            return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
+        return StoreUnavailable(f"{where} failed: {error}")
 
 
 def open_store(request: RemoteRequest) -> S3Store:

@@ -5,24 +5,9 @@ size bound or an index, since many machines write to it.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
+from kvtier.config.remote_urls import parse_fs_url
 from kvtier.storage.disk import FileTier
 from kvtier.storage.remote import RemoteRequest
-
-
-def parse_fs_url(url: str) -> str:
-    """The directory of ``fs:///path``.
-
-    Raises:
-        ValueError: naming ``remote_url``: no absolute path, or a host before it.
-    """
-    parts = urlsplit(url)
-    if parts.netloc or not parts.path:
-        raise ValueError(
-            f"remote_url {url!r}: give an absolute path after fs://, e.g. fs:///mnt/shared/kvtier"
-        )
-    return parts.path
 
 
 def open_remote(request: RemoteRequest) -> FileTier:

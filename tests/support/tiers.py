@@ -14,7 +14,7 @@ from kvtier.config import load_config
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.observability.stats import Stats, TierCounter, tier_counter
-from kvtier.storage.blob_store import StoreUnavailable, join_parts
+from kvtier.storage.blob_store import StoreUnavailable, WriteRefused, join_parts
 from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
@@ -127,13 +127,14 @@ def check_remote_down(manager: StorageManager, pool: HostMemoryPool, tier: str, 
 
 
 class FlakyStore:
-    """An in-memory BlobStore that can be switched to refuse, hang or corrupt."""
+    """An in-memory BlobStore that can be switched to refuse, hang, corrupt, or (``full``)
+    refuse writes for room while it still reads."""
 
     name = "flaky"
 
     def __init__(self):
         self.blobs: dict[str, bytes] = {}
-        self.mode = "ok"  # ok | down | hang
+        self.mode = "ok"  # ok | down | hang | full
         self.delay = 0.0  # seconds every call takes
         self.calls = 0
         self.released = threading.Event()
@@ -148,6 +149,8 @@ class FlakyStore:
 
     def put_many(self, items):
         self._enter()
+        if self.mode == "full":
+            raise WriteRefused("flaky: out of memory", "flaky out of memory")
         for name, parts in items:
             self.blobs[name] = bytes(join_parts(parts))
 

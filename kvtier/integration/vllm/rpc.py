@@ -384,8 +384,10 @@ class RankLookup:
         self.client = client
         self.max_load_chunks: int | None = None
 
-    def __call__(self, hashes: list[bytes]) -> int:
-        replies = self.client.call_all("lookup", hashes=hashes)
+    def __call__(self, hashes: list[bytes], load_from: int = 0) -> int:
+        """How many leading ``hashes`` every rank holds; each rank prefetches what a load
+        from chunk ``load_from`` (vLLM's own prefix, in chunks) can take."""
+        replies = self.client.call_all("lookup", hashes=hashes, load_from=load_from)
         if replies is None:
             return 0
         bounds = [int(r["max_load_chunks"]) for r in replies if "max_load_chunks" in r]

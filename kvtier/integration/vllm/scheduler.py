@@ -95,8 +95,8 @@ class SchedulerSide:
 
     Args:
         config: kvtier's config (chunk size, hashing, modes).
-        lookup: asks the workers how many leading chunk hashes they all hold; returns 0
-            on any failure or timeout (never raises, never blocks past its timeout).
+        lookup: ``(hashes, load_from) -> hits`` over the workers (each prefetches from
+            chunk ``load_from``); 0 on any failure or timeout (never raises or blocks).
         can_load / can_save: the ``kv_role`` (consumer loads, producer saves).
         block_size: vLLM's block size.
         whole_blocks: the engine's layout is not token-major inside a block (vLLM's CPU
@@ -114,7 +114,7 @@ class SchedulerSide:
     def __init__(
         self,
         config: KVTierConfig,
-        lookup: Callable[[list[bytes]], int],
+        lookup: Callable[[list[bytes], int], int],
         *,
         can_load: bool = True,
         can_save: bool = True,
@@ -289,7 +289,7 @@ class SchedulerSide:
         hashes = self._hashes(request).upto(tokens, held_end, partial=self.save_partial)
         if self._bounds(0, hashes, held_end) <= num_computed_tokens:
             return 0, False  # nothing kvtier could hold goes past vLLM's own hit
-        hits = self.lookup(hashes)
+        hits = self.lookup(hashes, num_computed_tokens // self.chunk_size)
         if self.pd_wait_s and self._wait_for_producer(request.request_id, hits < len(hashes)):
             return None, False
         hit_tokens = self._bounds(0, hashes[:hits], held_end)

@@ -245,7 +245,7 @@ class WorkerSide:
     def _serve_lookup(self, args: dict) -> dict:
         engine = self._require_engine()
         return {
-            "hits": engine.lookup_hashes(args["hashes"]),
+            "hits": engine.lookup_hashes(args["hashes"], int(args.get("load_from", 0))),
             "max_load_chunks": engine.max_load_chunks,
         }
 

@@ -1,4 +1,5 @@
-"""Redis / Valkey ``remote_url`` forms and their parser (the store: ``redis_store``).
+"""Redis / Valkey ``remote_url`` forms and their parser (the store:
+``kvtier.storage.redis_store``).
 
 URL forms (Valkey speaks the same protocol; ``valkey*`` schemes are aliases)::
 
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvtier.storage.schemes import redact_url
+from kvtier.config.remote import redact_url
 
 ACCEPTED_URL_FORMS = (
     "redis://[user:password@]host[:port][/db], rediss://... (TLS), "

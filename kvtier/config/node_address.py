@@ -8,9 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from urllib.parse import parse_qsl, urlsplit
 
-from kvtier.storage.node_shm import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
+from kvtier.config.remote import redact_url
 
 SCHEMES = ("kvtier", "lm")
+# The sizes of a client's shared-memory segment (``?shm_mb=``), which the server checks too.
+MIN_SEGMENT_BYTES = 1 << 16
+DEFAULT_SEGMENT_BYTES = 64 << 20
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -32,7 +35,7 @@ def parse_server_address(url: str, setting: str = "remote_url") -> ServerAddress
         ValueError: naming ``setting`` and the accepted form.
     """
     form = (
-        f"{setting} {url!r}: expected kvtier://host:port (or lm://host:port), optionally "
+        f"{setting} {redact_url(url)!r}: expected kvtier://host:port (or lm://host:port), optionally "
         "with ?shm=0 (no shared memory) or ?shm_mb=N, e.g. kvtier://127.0.0.1:65432"
     )
     try:
