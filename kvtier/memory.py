@@ -8,27 +8,10 @@ evict and retry, or to skip the store. Exhaustion is an ordinary outcome, not an
 
 Allocator
 ---------
-Free space is a list of extents ``(offset, size)`` kept sorted by offset, plus a second
-index of the same extents sorted by ``(size, offset)``::
-
-    pool:  |##A##|.....free.....|##B##|##C##|..free..|####D####|...free...|
-            0                                                           capacity
-    free by offset: [(5, 14), (32, 8), (49, 10)]
-    free by size:   [(8, 32), (10, 49), (14, 5)]
-
-* ``allocate`` is **best-fit**: one bisect in the size index finds the smallest extent that
-  is large enough (lowest offset among equal sizes), which is split; the remainder goes
-  back to the free list. Why best-fit: most requests are full chunks of one size, so a freed
-  chunk-sized hole is reused exactly and larger extents stay intact for the odd larger
-  request (layer-wise groups, a different model's chunks), while partial last chunks are
-  placed in the smallest hole that holds them instead of chipping the front of a big one.
-  The size index also makes the search O(log n) rather than a first-fit scan.
-* ``free`` finds the neighbours with one bisect in the offset list (O(log n)) and merges
-  with the left and/or right neighbour, so the free list is always fully coalesced.
-
-List insertions/deletions are O(n) memmoves of machine words, which is negligible for the
-few thousand extents a pool holds. One lock guards the pool and every object's counters:
-the engine's store/retrieve and the background tiers run on different threads.
+``allocate`` is best-fit over the pool's free extents, and a free merges with both
+neighbours, so free space stays fully coalesced (`kvtier.extents`, which the pool's lock
+guards). One lock guards the pool and every object's counters: the engine's
+store/retrieve and the background tiers run on different threads.
 
 Reference counts and pins
 -------------------------
@@ -46,7 +29,6 @@ then the tensor stays readable for the in-flight copy, but the object can no lon
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import math
 import operator
@@ -57,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.extents import Extents
 from kvtier.machine import PoolTooLarge, check_host_memory
 
 __all__ = ["HostMemoryPool", "MemoryObj", "PoolStats"]
@@ -296,14 +279,7 @@ class HostMemoryPool:
         self._buffer: torch.Tensor | None = (
             self._allocate_buffer(pin_memory) if memory is None else self._aligned(memory)
         )
-
-        # Free extents, sorted by offset, and the same extents sorted by (size, offset).
-        self._free_offsets: list[int] = [0]
-        self._free_size_at: dict[int, int] = {0: capacity_bytes}
-        self._free_by_size: list[tuple[int, int]] = [(capacity_bytes, 0)]
-        # Live extents: offset -> aligned size.
-        self._allocated: dict[int, int] = {}
-        self._used_bytes = 0
+        self._extents = Extents(capacity_bytes, alignment)
 
     def _allocate_buffer(self, pin_memory: bool) -> torch.Tensor:
         # Over-allocate so the base address itself is aligned: torch's CPU allocator only
@@ -366,18 +342,12 @@ class HostMemoryPool:
         with self._lock:
             if self._buffer is None:
                 raise RuntimeError("allocate on a closed HostMemoryPool")
-            i = bisect.bisect_left(self._free_by_size, (nbytes, -1))
-            if i == len(self._free_by_size):
+            offset = self._extents.take(nbytes)
+            if offset is None:
                 self.stats.failed_allocations += 1
                 return None
-            extent_size, offset = self._free_by_size[i]
-            self._remove_free_extent(offset, extent_size, size_index=i)
-            if extent_size > nbytes:
-                self._insert_free_extent(offset + nbytes, extent_size - nbytes)
-            self._allocated[offset] = nbytes
-            self._used_bytes += nbytes
             self.stats.allocations += 1
-            self.stats.peak_used_bytes = max(self.stats.peak_used_bytes, self._used_bytes)
+            self.stats.peak_used_bytes = max(self.stats.peak_used_bytes, self._extents.used)
         return MemoryObj(self, offset, nbytes, dims, dtype)
 
     def _release_locked(self, obj: MemoryObj) -> None:
@@ -388,39 +358,9 @@ class HostMemoryPool:
         obj._freed = True
         if self._buffer is None:
             return
-        size = self._allocated.pop(obj.offset, None)
-        if size != obj.nbytes:
+        if not self._extents.release(obj.offset, obj.nbytes):
             raise RuntimeError(f"pool corruption: {obj!r} is not a live allocation of this pool")
-        self._used_bytes -= size
         self.stats.frees += 1
-
-        offset = obj.offset
-        end = offset + size
-        # Right first: removing it leaves the left neighbour's index (i - 1) unchanged.
-        i = bisect.bisect_left(self._free_offsets, offset)
-        if i < len(self._free_offsets) and self._free_offsets[i] == end:
-            right_size = self._free_size_at[end]
-            self._remove_free_extent(end, right_size)
-            size += right_size
-        if i > 0:
-            left = self._free_offsets[i - 1]
-            left_size = self._free_size_at[left]
-            if left + left_size == offset:
-                self._remove_free_extent(left, left_size)
-                offset, size = left, size + left_size
-        self._insert_free_extent(offset, size)
-
-    def _insert_free_extent(self, offset: int, size: int) -> None:
-        bisect.insort(self._free_offsets, offset)
-        self._free_size_at[offset] = size
-        bisect.insort(self._free_by_size, (size, offset))
-
-    def _remove_free_extent(self, offset: int, size: int, *, size_index: int | None = None) -> None:
-        del self._free_offsets[bisect.bisect_left(self._free_offsets, offset)]
-        del self._free_size_at[offset]
-        if size_index is None:
-            size_index = bisect.bisect_left(self._free_by_size, (size, offset))
-        del self._free_by_size[size_index]
 
     # -- introspection -------------------------------------------------------------------
 
@@ -441,22 +381,22 @@ class HostMemoryPool:
     def free_bytes(self) -> int:
         """Bytes not allocated (possibly fragmented; see `largest_free_block`)."""
         with self._lock:
-            return self.capacity - self._used_bytes
+            return self.capacity - self._extents.used
 
     def used_bytes(self) -> int:
         """Bytes held by live objects, counting aligned sizes."""
         with self._lock:
-            return self._used_bytes
+            return self._extents.used
 
     def largest_free_block(self) -> int:
         """Size of the largest free extent: an upper bound on what `allocate` can serve."""
         with self._lock:
-            return self._free_by_size[-1][0] if self._free_by_size else 0
+            return self._extents.largest_free()
 
     def num_allocated(self) -> int:
         """Number of live objects (allocated and not yet returned)."""
         with self._lock:
-            return len(self._allocated)
+            return self._extents.num_live
 
     def check_invariants(self) -> None:
         """Check the allocator's bookkeeping; used by tests.
@@ -467,39 +407,7 @@ class HostMemoryPool:
                 offset is misaligned, or free + used != capacity.
         """
         with self._lock:
-            _check(
-                self._free_offsets == sorted(self._free_size_at),
-                "free offsets are not sorted / disagree with the size map",
-            )
-            _check(
-                self._free_by_size == sorted((s, o) for o, s in self._free_size_at.items()),
-                "size index disagrees with the free extents",
-            )
-            extents = [(o, s, "free") for o, s in self._free_size_at.items()]
-            extents += [(o, s, "used") for o, s in self._allocated.items()]
-            extents.sort()
-            cursor = 0
-            prev_kind = None
-            for offset, size, kind in extents:
-                _check(size > 0, f"empty {kind} extent at offset {offset}")
-                _check(offset % self.alignment == 0, f"{kind} offset {offset} is misaligned")
-                _check(
-                    offset >= cursor, f"{kind} extent at {offset} overlaps one ending at {cursor}"
-                )
-                _check(
-                    not (kind == prev_kind == "free" and offset == cursor),
-                    f"free extents not coalesced at offset {offset}",
-                )
-                cursor = offset + size
-                prev_kind = kind
-            _check(cursor <= self.capacity, f"extent ends at {cursor} > capacity {self.capacity}")
-            used = sum(self._allocated.values())
-            free = sum(self._free_size_at.values())
-            _check(used == self._used_bytes, f"used counter {self._used_bytes} != {used}")
-            _check(
-                free + used == self.capacity,
-                f"free {free} + used {used} != capacity {self.capacity}",
-            )
+            self._extents.check_invariants()
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -512,11 +420,7 @@ class HostMemoryPool:
         """
         with self._lock:
             self._buffer = None
-            self._allocated.clear()
-            self._used_bytes = 0
-            self._free_offsets = [0]
-            self._free_size_at = {0: self.capacity}
-            self._free_by_size = [(self.capacity, 0)]
+            self._extents.reset()
 
     def __enter__(self) -> HostMemoryPool:
         return self
@@ -527,12 +431,6 @@ class HostMemoryPool:
     def __repr__(self) -> str:
         return (
             f"HostMemoryPool(capacity={self.capacity}, alignment={self.alignment}, "
-            f"pinned={self.pinned}, used={self._used_bytes}, objects={len(self._allocated)}"
+            f"pinned={self.pinned}, used={self._extents.used}, objects={self._extents.num_live}"
             f"{', closed' if self._buffer is None else ''})"
         )
-
-
-def _check(condition: bool, message: str) -> None:
-    # Explicit raise rather than `assert`, so the check still runs under `python -O`.
-    if not condition:
-        raise AssertionError(f"HostMemoryPool invariant violated: {message}")

@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvtier.tasks",
         ),
     ),
-    ("memory", ("kvtier.memory",)),
+    ("memory", ("kvtier.extents", "kvtier.memory")),
     ("storage", ("kvtier.storage",)),
     ("engine", ("kvtier.paged_io", "kvtier.transfers", "kvtier.engine", "kvtier.warmup")),
     ("routing", ("kvtier.routing",)),

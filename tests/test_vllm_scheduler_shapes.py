@@ -24,7 +24,8 @@ from kvtier.chunker import Chunker
 from kvtier.config import load_config
 from kvtier.hashing import ChunkHasher
 from kvtier.integration.vllm.common import slot_mapping
-from kvtier.integration.vllm.scheduler import NULL_BLOCK_ID, SchedulerSide
+from kvtier.integration.vllm.request_tracker import NULL_BLOCK_ID
+from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.keys import CacheKey
 
 CHUNK = 64

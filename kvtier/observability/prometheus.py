@@ -6,7 +6,7 @@ process boundary. ``KVTierCollector`` turns a list of such exports — one per w
 plus the scheduler's — into Prometheus metric families at scrape time, so the numbers are
 always the live ones and no shared files or multiprocess directories are needed. Inside
 vLLM the scheduler process serves the endpoint and asks each worker rank for its export
-over the connector's lookup socket (``integration/vllm/scheduler.py``).
+over the connector's lookup socket (``integration/vllm/scheduler_setup.py``).
 
 Names: engine counters are ``kvtier_<counter>_total`` (e.g. ``kvtier_stored_bytes_total``),
 counters of the tiers below the CPU are ``kvtier_tier_<what>_total{tier="disk"}``; every

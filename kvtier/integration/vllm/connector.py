@@ -53,6 +53,7 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.vllm.common import StepPlan
 from kvtier.integration.vllm.extensions import check_extensions
 from kvtier.integration.vllm.scheduler import SchedulerSide
+from kvtier.integration.vllm.scheduler_setup import scheduler_side
 from kvtier.integration.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide.from_vllm(config, vllm_config)
+            self._scheduler = scheduler_side(config, vllm_config)
         else:
             self._worker = WorkerSide.from_vllm(config, vllm_config)
         logger.info("kvtier connector (%s role): %s", role.name.lower(), config.summary())

@@ -1,25 +1,8 @@
 """Scheduler side of the vLLM connector: which token ranges to load and to save.
 
 It runs in vLLM's engine-core process, which holds the tokens but not the KV. Per live
-request it keeps one ``RequestTracker``::
-
-    token   0            vllm_cached     load_end                       computed   num_tokens
-            |== in vLLM ==|== loaded from kvtier ==|== computed by vLLM ==|...........|
-            |============ held by kvtier (lookup hit) ==========|
-            |============ in kvtier ==========================|== stored as it is computed ==>
-                                                        saved_upto ^   (whole chunks)
-
-* ``vllm_cached``: what vLLM's own prefix cache already had (``num_computed_tokens``
-  handed to ``get_num_new_matched_tokens``); never loaded again.
-* ``[vllm_cached, load_end)``: loaded from kvtier. ``load_end`` is the lookup hit, cut to
-  ``num_tokens - 1`` when the whole sequence hit (vLLM must compute the last token to
-  sample the next one), and to the chunks one load can stage (``max_load_chunks``).
-* ``saved_upto``: tokens ``[0, saved_upto)`` are in kvtier (hit or stored by this
-  request). Each step, chunks that became complete (their KV was computed in this step or
-  earlier) are sent to the workers to store; with ``save_unfull_chunk`` the partial last
-  chunk of the prompt too; with ``save_decode_cache`` chunks of generated tokens too.
-  A load that fails lowers it to the chunk of its first failed block: vLLM recomputes
-  from there, and the request stores what it recomputes.
+request it keeps one ``RequestTracker`` (``request_tracker``: the token ranges it has
+loaded, holds and stored).
 
 Chunk hashes are computed here (the workers receive hashes, not tokens) and cached per
 request, so a long prompt is hashed once, not once per step.
@@ -28,20 +11,18 @@ Optional features (CacheBlend, KV events) are ``SchedulerExtension`` objects
 (``extensions``): each hook of this side calls theirs, e.g. every chunk a worker may come to
 hold (a planned save, a lookup hit) goes to ``on_chunks``.
 
-``SchedulerSide.from_vllm`` wires one up in vLLM's engine core: the lookup client that asks
-every worker rank what its tiers hold, the enabled extensions, the Prometheus endpoint, the
-failure policy. Everything else duck-types vLLM's objects (``Request``,
+``scheduler_setup.scheduler_side`` wires one up in vLLM's engine core: the lookup client
+that asks every worker rank what its tiers hold, the enabled extensions, the Prometheus
+endpoint, the failure policy. Everything here duck-types vLLM's objects (``Request``,
 ``SchedulerOutput``) and imports no vLLM, so the logic is tested without an engine.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.chunker import HashChain
 from kvtier.config import KVTierConfig
@@ -53,41 +34,12 @@ from kvtier.integration.vllm.common import (
     SchedulerExtension,
     StatsDelta,
     StepPlan,
-    show_kvtier_logs,
 )
-from kvtier.integration.vllm.extensions import scheduler_extensions
-from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
+from kvtier.integration.vllm.request_tracker import RequestTracker, skip_null_blocks
+from kvtier.integration.vllm.rpc import RpcClient
 from kvtier.observability.prometheus import MetricsServer
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
 logger = logging.getLogger(__name__)
-
-NULL_BLOCK_ID = 0  # vLLM's null block: the placeholder for blocks a request does not hold
-
-
-@dataclass(slots=True)
-class RequestTracker:
-    """The token ranges of one live request (see the module docstring)."""
-
-    req_id: str
-    request: Any  # vLLM's Request: read for its token ids only
-    hashes: HashChain
-    block_ids: list[int] = field(default_factory=list)
-    vllm_cached: int = 0
-    saved_upto: int = 0
-    load: LoadSpec | None = None  # planned, not yet sent to the workers
-    loading: tuple[int, int] | None = None  # the tokens [start, end) of the load sent
-    stores: bool = True  # False: an extension claimed it (its KV is not stored as chunks)
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self.request.all_token_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
 
 
 class SchedulerSide:
@@ -161,7 +113,7 @@ class SchedulerSide:
             )
         self.trackers: dict[str, RequestTracker] = {}
         self._hash_cache: dict[str, HashChain] = {}
-        self.extras_of = facts.request_extras  # from_vllm: facts.extras_reader's
+        self.extras_of = facts.request_extras  # scheduler_side: facts.extras_reader's
         # req_id -> (vllm_cached, load_end, tokens kvtier holds) from the last lookup
         self._hits: dict[str, tuple[int, int, int]] = {}
         self._cancelled_async: list[LoadSpec] = []
@@ -170,67 +122,8 @@ class SchedulerSide:
         self.lookup_hit_tokens = 0
         self.pd_waits = 0  # lookups answered "ask again later" (pd_wait_ms)
         self._stats = StatsDelta(self.counters)
-        self._clients: list[RpcClient] = []  # lookup sockets (from_vllm)
-        self._metrics: MetricsServer | None = None
-
-    @classmethod
-    def from_vllm(cls, config: KVTierConfig, vllm_config: VllmConfig) -> SchedulerSide:
-        """The scheduler side of an engine: lookups over every worker rank's socket, the
-        extensions its config enables, its metrics endpoint."""
-        show_kvtier_logs()
-        transfer = vllm_config.kv_transfer_config
-        endpoints = [
-            endpoint_for(facts.engine_tag(vllm_config), rank)
-            for rank in range(facts.world_size(vllm_config))
-        ]
-        client = RpcClient(endpoints, config.lookup_timeout_ms / 1000)
-        lookup = RankLookup(client)
-        side = cls(
-            config,
-            lookup,
-            can_load=transfer.is_kv_consumer,
-            can_save=transfer.is_kv_producer,
-            block_size=vllm_config.cache_config.block_size,
-            whole_blocks=not facts.token_major_layout(config),
-            partial_chunks=facts.stores_partial_chunks(config, transfer.kv_role),
-            max_model_len=vllm_config.model_config.max_model_len,
-            max_load_chunks=lambda: lookup.max_load_chunks,
-            extensions=scheduler_extensions(config, vllm_config, client),
-        )
-        side._clients.append(client)
-        side.extras_of = facts.extras_reader(vllm_config)
-        if config.metrics_port is not None:
-            side._serve_metrics(endpoints, vllm_config)
-        if transfer.kv_load_failure_policy != config.kv_load_failure_policy:
-            # NOTE: by default a chunk kvtier cannot load is recomputed, never a failed
-            # request; vLLM's own default is "fail", so kvtier's key decides (vLLM reads
-            # this after building the scheduler's connector).
-            logger.info(
-                "kvtier: kv_load_failure_policy set to %r (kvtier's kv_load_failure_policy)",
-                config.kv_load_failure_policy,
-            )
-            transfer.kv_load_failure_policy = config.kv_load_failure_policy
-        return side
-
-    def _serve_metrics(self, endpoints: list[str], vllm_config: VllmConfig) -> None:
-        """The Prometheus endpoint (``metrics_port``), served from this process: each
-        scrape asks every worker rank for its metrics over the lookup sockets."""
-        client = RpcClient(endpoints, self.config.lookup_timeout_ms / 1000)
-        self._clients.append(client)
-        lock = threading.Lock()  # one scrape at a time on the client's sockets
-
-        def sources() -> list[dict]:
-            own = {"labels": {"rank": "scheduler"}, "counters": self.counters()}
-            with lock:
-                replies = client.call_all("metrics")
-            if replies is None:
-                logger.warning("kvtier metrics: a worker rank did not answer; serving partial")
-                replies = []
-            return [own, *replies]
-
-        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
-        port = self.config.metrics_port + dp_rank if self.config.metrics_port else 0
-        self._metrics = MetricsServer(self.config.metrics_host, port, sources)
+        self.clients: list[RpcClient] = []  # lookup sockets, closed with this side
+        self.metrics: MetricsServer | None = None  # the endpoint serving counters()
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -409,28 +302,9 @@ class SchedulerSide:
         load = tracker.load
         tracker.load = None
         load.block_ids = list(tracker.block_ids)
-        self._skip_null_blocks(load)
+        skip_null_blocks(load, self.block_size, self.chunk_size)
         tracker.loading = (load.start, load.end)
         plan.loads.append(load)
-
-    def _skip_null_blocks(self, load: LoadSpec) -> None:
-        """Start the load after its leading null blocks.
-
-        vLLM gives a sliding-window request's blocks before its window as its null block
-        (``NULL_BLOCK_ID``), one placeholder every such request shares: nothing is
-        written there, and chunks that lie wholly before the window are not fetched."""
-        null = 0
-        while null < len(load.block_ids) and load.block_ids[null] == NULL_BLOCK_ID:
-            null += 1
-        start = max(load.start, null * self.block_size)
-        if start == load.start:
-            return
-        if start >= load.end:  # sent empty: an async load still reports finished
-            load.hashes, load.end, load.chunks_end = [], load.start, load.start
-            return
-        first = start // self.chunk_size
-        load.hashes = load.hashes[first - load.first_chunk :]
-        load.first_chunk, load.start = first, start
 
     def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
         if not self.can_save or not tracker.stores:
@@ -529,12 +403,12 @@ class SchedulerSide:
 
     def clear_tiers(self) -> bool:
         """Empty every rank's tiers; False when a rank did not answer (or none is known)."""
-        return bool(self._clients) and self._clients[0].call_all("clear") is not None
+        return bool(self.clients) and self.clients[0].call_all("clear") is not None
 
     def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         for extension in self.extensions:
             extension.close()
-        for client in self._clients:
+        for client in self.clients:
             client.close()
