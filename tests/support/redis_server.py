@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -91,8 +92,36 @@ def redis_tls_available() -> bool:
     return "tls-cert-file" in output and "Bad directive" not in output
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out to outgoing connections and to ``bind(0)``."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
+    """A loopback TCP port that was free a moment ago, outside the ephemeral range.
+
+    NOTE: a server that is killed and started again on its port (the fault tests) loses
+    that port when, in between, any process's outgoing connection is given it as its
+    local port; ports the kernel never hands out that way are not taken like that.
+    """
+    ephemeral = _ephemeral_ports()
+    for port in random.sample(range(20000, 32768), 64):
+        if port in ephemeral or port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)  # not twice in one process (two servers, before either binds)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
