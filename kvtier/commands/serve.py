@@ -118,8 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-names",
         type=int,
         default=DEFAULT_MAX_NAMES,
-        help="most chunk names in one request (lookup, get, put, delete, a peer's lease); clients split "
-        "larger batches to fit (default %(default)d)",
+        help="most chunk names in one request (lookup, get, put, delete, a peer's lease); "
+        "clients split larger batches to fit (default %(default)d)",
     )
     parser.add_argument(
         "--idle-timeout",
