@@ -10,9 +10,8 @@ import sys
 import time
 
 import pytest
-from botocore.awsrequest import AWSResponse
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
-from support.s3_server import S3Server, isolate_aws_environment
+from support.s3_server import ErrorAnswers, S3Server, isolate_aws_environment
 from support.tiers import (
     check_remote_down,
     fill,
@@ -322,14 +321,6 @@ def test_s3_missing_bucket_is_a_miss_with_a_clear_warning(s3, pool, caplog):
     manager.close()
 
 
-class _Body:
-    def __init__(self, data: bytes):
-        self.data = data
-
-    def stream(self, **_):
-        yield self.data
-
-
 @pytest.mark.s3
 @pytest.mark.parametrize(
     ("status", "code"), [(507, "XMinioStorageFull"), (403, "QuotaExceeded"), (507, "")]
@@ -338,15 +329,54 @@ def test_s3_quota_or_full_store_is_a_failed_store_not_an_outage(s3, pool, caplog
     stats = Stats()
     manager = remote_manager("s3://kvtier-cache", stats, **s3_settings(s3))
     store_chunks(manager, pool, [1])
-    body = f"<Error><Code>{code}</Code><Message>no room</Message></Error>".encode()
-
-    def refuse(request, **_):
-        return AWSResponse(request.url, status, {}, _Body(body))
-
-    events = manager.lower[0].store._client.meta.events
-    events.register("before-send.s3.PutObject", refuse)
+    client = manager.lower[0].store._client
+    refuse = ErrorAnswers(status, code, "no room")
+    refuse.install(client, "PutObject")
     check_refused_stores_keep_the_tier_up(manager, stats, pool, "s3", caplog)
-    events.unregister("before-send.s3.PutObject", refuse)
+    refuse.remove(client, "PutObject")
+    manager.close()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [(503, "SlowDown"), (503, "RequestLimitExceeded"), (400, "Throttling"), (429, "")],
+)
+def test_s3_throttling_is_back_pressure_not_an_outage(s3, pool, caplog, status, code):
+    """A request S3 still throttles after botocore's retries: a put is a failed store
+    (counted, warned once), a get a miss, and the tier stays up."""
+    stats = Stats()
+    # a prefix of its own: the warning is given once per tier
+    manager = remote_manager(f"s3://kvtier-cache/{code or status}", stats, **s3_settings(s3))
+    store_chunks(manager, pool, [1])
+    remote = manager.lower[0]
+    client = remote.store._client
+    slow_down = ErrorAnswers(status, code, "Please reduce your request rate.")
+    slow_down.install(client, "PutObject", "GetObject")
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        for i in (2, 3):
+            manager.put(key(i), fill(pool, i))
+            assert manager.flush(10)
+        assert slow_down.attempts == 2 * (remote.store.throttle_retries + 1)
+        manager.cpu.clear()
+        assert manager.lookup_prefix([key(1), key(2)]) == 1
+        assert manager.get_many([key(1)]) == [None]
+    assert remote.is_up
+
+    def count(what: str) -> float:
+        return stats.get(tier_counter("s3", what))
+
+    assert count(TierCounter.DROPPED_THROTTLED) == 2
+    assert count(TierCounter.THROTTLED) == 1
+    assert count(TierCounter.DROPPED_UNAVAILABLE) == count(TierCounter.ERRORS) == 0
+    assert count(TierCounter.TIMEOUTS) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("throttles requests" in m for m in messages) == 1, messages
+    assert not any("unavailable" in m for m in messages), messages
+    slow_down.remove(client, "PutObject", "GetObject")
+    got = manager.get_many([key(1)])
+    assert got[0] is not None
+    got[0].ref_down()
     manager.close()
 
 

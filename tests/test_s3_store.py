@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from support.s3_server import S3Server, free_port, isolate_aws_environment
+from support.s3_server import ErrorAnswers, S3Server, free_port, isolate_aws_environment
 
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.keys import CacheKey
-from kvtier.storage.blob_store import BlobStore, StoreUnavailable
+from kvtier.storage.blob_store import BlobStore, StoreUnavailable, Throttled, WriteRefused
 from kvtier.storage.s3_store import S3Store, _pieces
 
 pytestmark = pytest.mark.s3
@@ -277,6 +277,50 @@ def test_missing_bucket_is_unavailable(server, make_store):
         store.put_many([("k", [b"v"])])
     with pytest.raises(StoreUnavailable, match=r"list_objects_v2.*NoSuchBucket"):
         store.clear()
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [(503, "SlowDown"), (503, "RequestLimitExceeded"), (400, "Throttling"), (429, "")],
+)
+def test_throttled_requests_are_retried_with_backoff(make_store, status, code):
+    store = make_store(throttle_retries=3, throttle_backoff_s=0.2)
+    slow_down = ErrorAnswers(status, code, "Please reduce your request rate.", times=2)
+    slow_down.install(store._client, "PutObject", "GetObject")
+    store.put_many([("k", [b"v"])])
+    assert store.get_many(["k"]) == [b"v"]
+    assert slow_down.attempts == 2 + 1 + 1  # the put's retries end in a stored blob
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [(503, "SlowDown"), (503, "RequestLimitExceeded"), (400, "Throttling"), (429, "")],
+)
+def test_throttled_past_the_retries_is_throttled_not_an_outage(make_store, status, code):
+    store = make_store(throttle_retries=2, throttle_backoff_s=0.3)
+    store.put_many([("k", [b"v"])])
+    slow_down = ErrorAnswers(status, code, "Please reduce your request rate.")
+    slow_down.install(store._client, "PutObject", "GetObject", "HeadBucket")
+    for call in (lambda: store.put_many([("k", [b"w"])]), lambda: store.get_many(["k"])):
+        started, before = time.monotonic(), slow_down.attempts
+        with pytest.raises(Throttled, match=rf"throttled after 2 retries: {code}.*HTTP {status}"):
+            call()
+        assert slow_down.attempts - before == 3
+        assert time.monotonic() - started < 0.3 + 1.0  # at most throttle_backoff_s asleep
+    store.ping()  # the bucket answers, throttling or not
+    slow_down.remove(store._client, "PutObject", "GetObject", "HeadBucket")
+    assert store.get_many(["k"]) == [b"v"]
+
+
+@pytest.mark.parametrize(("status", "code"), [(503, "ServiceUnavailable"), (500, "InternalError")])
+def test_a_failing_server_is_not_retried(make_store, status, code):
+    store = make_store()
+    failing = ErrorAnswers(status, code)
+    failing.install(store._client, "PutObject")
+    with pytest.raises(StoreUnavailable, match=rf"put_object of 'kvtier/k' failed: {code}") as e:
+        store.put_many([("k", [b"v"])])
+    assert not isinstance(e.value, Throttled | WriteRefused)
+    assert failing.attempts == 1  # an outage costs one request: RemoteTier decides
 
 
 def test_missing_credentials_are_unavailable(server, bucket, make_store):

@@ -83,6 +83,27 @@ def test_a_write_refused_for_room_is_dropped_and_the_remote_stays_up(caplog):
     remote.close(1.0)
 
 
+def test_a_throttling_remote_stays_up_its_writes_dropped_and_reads_missed(caplog):
+    store, stats = FlakyStore(), Stats()
+    remote = remote_blobs(store, stats)
+    remote.submit_put("ns", "a", b"1")
+    wait_until(lambda: stats.get("remote_puts") == 1)
+    store.mode = "throttled"
+    with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
+        remote.submit_put("ns", "b", b"2")
+        wait_until(lambda: stats.get("remote_puts_dropped") == 1)
+        assert remote.get("ns", "a") is None  # a miss
+        assert remote.exists_many("ns", ["a"]) == [False]
+        assert remote.check()
+    assert remote.is_up and stats.get("remote_errors") == 0
+    messages = [r.message for r in caplog.records]
+    assert sum("throttles requests" in m for m in messages) == 1, messages
+    assert not any("unavailable" in m for m in messages), messages
+    store.mode = "ok"
+    assert remote.get("ns", "a") == b"1"
+    remote.close(1.0)
+
+
 def test_a_remote_down_at_start_up_is_warned_about_before_any_request(caplog):
     store, stats = FlakyStore(), Stats()
     store.mode = "down"

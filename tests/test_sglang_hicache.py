@@ -7,6 +7,7 @@ Runs in .venv-sglang (``make test-sglang``); skipped where SGLang is not install
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from support.sglang_hicache import (
     page_indices,
     randomize,
 )
+from support.tiers import wait_until
 
 from kvtier.config import ConfigError
 from kvtier.integration.sglang import KVTierHiCacheStorage
@@ -160,6 +162,27 @@ def test_batch_exists_counts_leading_pages(cpu_only):
     counters = backend.metrics()["counters"]
     assert counters["lookup_requests"] == 6 and counters["lookup_hit_tokens"] == 5 * pool.page_size
     backend.close()
+
+
+def test_a_lookup_prefetches_no_more_pages_than_one_load_can_stage(tmp_path):
+    """A load fetches all of its pages into the CPU pool before writing any into the host
+    pool, so a lookup moves at most as many pages into it as it holds (here 3 of 6)."""
+    pool = mha_pool("layer_first")
+    writer = make_backend(pool, disk(tmp_path))
+    assert all(writer.batch_set_v1(KEYS[:6], page_indices(pool, [1, 2, 3, 4, 5, 6])))
+    page_bytes = 2 * 2 * 4 * 160 * 2  # K/V x layers x tokens x heads*head size x bf16
+    reader = make_backend(pool, disk(tmp_path, max_local_cpu_size=3 * page_bytes / 2**30))
+    disk_tier = reader.storage.lower[0]
+    read, disk_get_many = [], disk_tier.get_many
+    disk_tier.get_many = lambda keys, allocate: read.extend(keys) or disk_get_many(keys, allocate)
+    assert reader.batch_exists(KEYS[:6]) == 6
+    wait_until(lambda: reader.metrics()["counters"]["prefetched_chunks"] == 3)
+    time.sleep(0.2)  # nothing more is on its way
+    assert len(read) == 3, f"the lookup read {len(read)} pages for a pool of 3"
+    assert reader.batch_get_v1(KEYS[:3], page_indices(pool, [11, 12, 13])) == [True] * 3
+    assert_pages_equal(pool, [1, 2, 3], pool, [11, 12, 13])
+    writer.close()
+    reader.close()
 
 
 @pytest.mark.parametrize("tiers", ["cpu", "cpu+disk", "disk"])

@@ -1,6 +1,7 @@
 """What the vLLM connector reads off the engine (``facts``): which layout vLLM's KV
-tensors are in (``detect_paged_kv``), and the tags that keep chunks of engines whose KV
-bytes differ apart (``key_tags``)."""
+tensors are in (``detect_paged_kv``), the tags that keep chunks of engines whose KV
+bytes differ apart (``key_tags``), and the engine's ranks (``world_size``,
+``worker_rank``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.integration.vllm.facts import detect_paged_kv, key_tags
+from kvtier.integration.vllm.facts import detect_paged_kv, key_tags, worker_rank, world_size
 from kvtier_kernels import LayoutError, PagedKV, gather, scatter
 from kvtier_kernels.dtypes import bits, fill_random_bits_
 
@@ -411,3 +412,40 @@ def test_fp8_caches_of_nvidia_and_mi300_never_share_keys(monkeypatch):
         tags[encoding] = key_tags(vllm_config("fp8"), "FLASH_ATTN")
     assert tags[torch.float8_e4m3fn] != tags[torch.float8_e4m3fnuz], f"same tags: {tags}"
     assert ("fp8_dtype", "float8_e4m3fnuz") in tags[torch.float8_e4m3fnuz], tags
+
+
+# -- world_size, worker_rank -----------------------------------------------------------
+
+
+def parallel_vllm_config(tp: int, pp: int, pcp: int, dcp: int) -> SimpleNamespace:
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp,
+    )
+    return SimpleNamespace(parallel_config=parallel)
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "pcp", "dcp"),
+    [(1, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 3, 2, 1), (4, 1, 1, 2), (2, 2, 2, 2)],
+    ids=["single", "tp2-pp2", "tp2-pcp2", "tp2-pp3-pcp2", "tp4-dcp2", "tp2-pp2-pcp2-dcp2"],
+)
+def test_ranks_are_numbered_as_vllm_lays_them_out(monkeypatch, tp, pp, pcp, dcp):
+    parallel_state = pytest.importorskip("vllm.distributed.parallel_state")
+    config = parallel_vllm_config(tp, pp, pcp, dcp)
+    # vLLM's world size is PP x PCP x TP (DCP reuses those ranks), its ranks laid out
+    # as arange(world).reshape(DP, PP, PCP, TP) (initialize_model_parallel).
+    assert world_size(config) == tp * pp * pcp
+    layout = torch.arange(tp * pp * pcp).reshape(pp, pcp, tp)
+    for (stage, pcp_rank, tp_rank), expected in zip(
+        [(s, c, t) for s in range(pp) for c in range(pcp) for t in range(tp)],
+        layout.flatten().tolist(),
+        strict=True,
+    ):
+        groups = {"pp": stage, "pcp": pcp_rank, "tp": tp_rank}
+        for name, rank in groups.items():
+            group = SimpleNamespace(rank_in_group=rank)
+            monkeypatch.setattr(parallel_state, f"get_{name}_group", lambda group=group: group)
+        assert worker_rank(config) == expected, f"pp={stage} pcp={pcp_rank} tp={tp_rank}"

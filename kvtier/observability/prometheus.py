@@ -140,11 +140,13 @@ TIER_HELP = {
     TierCounter.DROPPED_QUEUE_FULL: "Stores dropped because the tier's write queue was full.",
     TierCounter.DROPPED_UNAVAILABLE: "Stores dropped because the tier was down.",
     TierCounter.DROPPED_NO_SPACE: "Stores dropped because the disk was full.",
+    TierCounter.DROPPED_THROTTLED: "Stores dropped because the remote throttled them.",
     TierCounter.DROPPED_ERROR: "Stores dropped on another write error.",
     TierCounter.SKIPPED_REPLICA: "Stores left to the rank that writes the same shard "
     "(an MLA engine's tensor-parallel rank 0).",
     TierCounter.ERRORS: "Failed calls to the tier.",
     TierCounter.TIMEOUTS: "Calls to the tier abandoned after remote_timeout_ms.",
+    TierCounter.THROTTLED: "Lookups and reads the remote throttled (misses; it stays up).",
     TierCounter.RECONNECTS: "Times the tier came back after being down.",
     TierCounter.EVICTIONS: "Objects evicted from the tier to stay under its size.",
     TierCounter.CORRUPT: "Objects refused by the wire-format checks.",

@@ -56,7 +56,7 @@ from kvtier.server.lookup import KeyShapes
 from kvtier.server.peers import Peers
 from kvtier.server.shm import open_arena
 from kvtier.storage import schemes
-from kvtier.storage.blob_store import BlobStore, Buffer, WriteRefused
+from kvtier.storage.blob_store import BlobStore, Buffer, Throttled, WriteRefused
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.schemes import redact_url
@@ -174,13 +174,16 @@ class RemoteBlobs:
             self.check()
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` within the timeout; None when the remote is down or fails (then
-        it is down until a ping answers)."""
+        """``fn(*args)`` within the timeout; None when the remote is down, throttles the
+        call, or fails (then it is down until a ping answers)."""
         if not self.is_up:
             return None
         future = self._calls.submit(fn, *args)
         try:
             return future.result(timeout=self.timeout_s)
+        except Throttled as exc:  # back-pressure, not an outage: a miss
+            self._warn_throttled(exc)
+            return None
         except Exception as exc:
             future.cancel()
             self._stats.inc("remote_errors")
@@ -217,12 +220,24 @@ class RemoteBlobs:
                     key=f"server remote {self.describe} refuses: {exc.cause}",
                 )
                 continue
+            except Throttled as exc:
+                self._stats.inc("remote_puts_dropped")
+                self._warn_throttled(exc)
+                continue
             except Exception as exc:
                 self._stats.inc("remote_puts_dropped")
                 self._stats.inc("remote_errors")
                 self.health.mark_down(fault_reason("put", exc, self.timeout_s))
                 continue
             self._stats.inc("remote_puts")
+
+    def _warn_throttled(self, exc: Throttled) -> None:
+        warn_once(
+            logger,
+            f"kvtier server: remote {self.describe} throttles requests ({exc}): throttled "
+            "reads are misses, throttled writes are not written through; it stays up",
+            key=f"server remote {self.describe} throttles",
+        )
 
     def delete(self, namespace: str, names: Sequence[str]) -> None:
         self._call("delete", lambda: self._store(namespace).delete_many(names))

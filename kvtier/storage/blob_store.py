@@ -20,6 +20,9 @@ Contract for every implementation:
 - A write the store answers but refuses for want of room (Redis out of memory under
   ``noeviction``, an S3 quota or a full backend) raises ``WriteRefused``, a
   ``StoreUnavailable`` that is no outage: the store still reads.
+- A request the store answers but throttles (S3's ``SlowDown``, ``Throttling``, HTTP
+  429) past the store's own retries raises ``Throttled``, a ``StoreUnavailable`` that is
+  no outage either: that request failed, the store answers.
 - Thread-safe: calls may come from several threads at once.
 - ``put_many`` takes each blob as a list of buffer parts (``bytes`` or ``memoryview``)
   to be stored concatenated, so the caller never has to join a header and a large
@@ -51,6 +54,12 @@ class WriteRefused(StoreUnavailable):
     def __init__(self, message: str, cause: str):
         super().__init__(message)
         self.cause = cause
+
+
+class Throttled(StoreUnavailable):
+    """The store answered but asked for fewer requests (back-pressure: S3's ``SlowDown``,
+    ``Throttling``, HTTP 429), and still did after the store's own retries: this request
+    failed, not the store. A put is a failed store, a read a miss; the store stays up."""
 
 
 @runtime_checkable

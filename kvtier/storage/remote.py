@@ -14,6 +14,11 @@ NOTE: a write the store answers but refuses for want of room (``WriteRefused``: 
 of memory, an S3 quota) is a failed store, counted as ``puts_dropped_no_space`` and warned
 once per cause; the tier stays up, so lookups and loads go on.
 
+NOTE: a request the store throttles past its own retries (``Throttled``: S3's ``SlowDown``,
+``Throttling``, ``RequestLimitExceeded``) is back-pressure, not an outage: a throttled
+put is a failed store (``puts_dropped_throttled``), a throttled lookup or get a miss
+(``throttled``), each warned once; the tier stays up.
+
 NOTE: nothing the store does can stall or crash the engine: every call the engine waits
 on runs on the tier's I/O threads and is abandoned after ``remote_timeout_ms``; writes
 run on their own threads from a bounded queue. One warning is logged per outage and one
@@ -43,6 +48,7 @@ from kvtier.storage.blob_store import (
     Buffer,
     ReadingStore,
     StoreUnavailable,
+    Throttled,
     WriteRefused,
 )
 from kvtier.storage.health import Health, fault_reason
@@ -90,7 +96,8 @@ RemoteOpener = Callable[[RemoteRequest], LowerTier]
 
 
 class _Down(Exception):
-    """The tier is down (or just went down): answer with a miss."""
+    """Answer with a miss: the tier is down (or just went down), or the store throttled
+    the call."""
 
 
 class RemoteTier:
@@ -205,9 +212,12 @@ class RemoteTier:
 
     def _wait(self, future: Future, timeout: float, what: str) -> Any:
         """``future``'s result within ``timeout``; a failure or timeout marks the tier
-        down and raises _Down."""
+        down and raises _Down, as does a throttled call, which leaves the tier up."""
         try:
             return future.result(timeout=timeout)
+        except Throttled as exc:
+            self._throttled(what, exc, TierCounter.THROTTLED)
+            raise _Down from None
         except Exception as exc:  # a timeout, StoreUnavailable, or an unwrapped client error
             if isinstance(exc, FutureTimeout):
                 future.cancel()
@@ -219,6 +229,17 @@ class RemoteTier:
         timed_out = isinstance(exc, FutureTimeout)
         self._count(TierCounter.TIMEOUTS if timed_out else TierCounter.ERRORS)
         self.health.mark_down(fault_reason(what, exc, self.timeout_s))
+
+    def _throttled(self, what: str, exc: Throttled, counter: str, amount: int = 1) -> None:
+        """Count what the store throttled (the tier stays up) and warn once."""
+        self._count(counter, amount)
+        warn_once(
+            logger,
+            f"kvtier {self.name} tier {self.describe} throttles requests ({what}: {exc}): "
+            "throttled lookups and loads are misses, throttled stores are dropped; the "
+            "tier stays up",
+            key=f"{self.name} {self.describe} throttles",
+        )
 
     # -- reads -----------------------------------------------------------------------
 
@@ -338,6 +359,9 @@ class RemoteTier:
                 key=f"{self.name} {self.describe} refuses: {exc.cause}",
             )
             return
+        except Throttled as exc:
+            self._throttled("put", exc, TierCounter.DROPPED_THROTTLED, len(batch))
+            return
         except Exception as exc:
             self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
             self._fault("put", exc)
@@ -364,6 +388,8 @@ class RemoteTier:
             return
         try:
             self.store.clear()
+        except Throttled as exc:
+            self._throttled("clear", exc, TierCounter.THROTTLED)
         except Exception as exc:
             self._fault("clear", exc)
 

@@ -6,9 +6,16 @@ models and deployments share one bucket. Batched calls fan out, one request per 
 bounded thread pool the store owns (S3 has no multi-get), and the pool's size is also the
 size of the client's connection pool, so every worker keeps its connection alive.
 
-What the store leaves to the layer above (``RemoteTier``): retries (botocore makes one
-attempt), backoff, health, integrity (the wire format checksums every payload, so
-botocore's own CRC pass is turned off) and asynchrony.
+What the store leaves to the layer above (``RemoteTier``): retries of a failed request
+(botocore makes one attempt), health, integrity (the wire format checksums every payload,
+so botocore's own CRC pass is turned off) and asynchrony.
+
+A throttled request (``SlowDown``, ``Throttling``, ``RequestLimitExceeded``, HTTP 429:
+back-pressure from a store that answers) is the one the store retries itself,
+``throttle_retries`` times with a jittered doubling backoff that sleeps at most
+``throttle_backoff_s`` in all (botocore's retries would rewind the body, which they cannot
+for the memoryviews the store sends uncopied); still throttled, it raises ``Throttled``,
+no outage: the store answers. A throttled ``ping`` returns (the bucket answered).
 
 NOTE: a HEAD request cannot tell a missing object from a missing bucket (both are a bare
 404), so on a deleted bucket ``exists_many`` answers False and ``delete_many`` 0; ``ping``,
@@ -22,10 +29,12 @@ the bucket still reads.
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
@@ -33,28 +42,16 @@ from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
 from kvtier.config.remote_urls import parse_s3_url
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused
+from kvtier.storage import s3_errors
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["S3Store", "open_remote"]
 
 _ADDRESSING_STYLES = (None, "auto", "path", "virtual")
-# Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
-_NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
-_NO_BUCKET = frozenset({"NoSuchBucket", "NotFound", "404"})
-# Error codes (and the HTTP status) of a write the store refuses for want of room.
-_NO_ROOM = frozenset(
-    {
-        "QuotaExceeded",
-        "InsufficientStorage",
-        "EntityTooLarge",
-        "XMinioStorageFull",
-        "XMinioAdminBucketQuotaExceeded",
-    }
-)
-_INSUFFICIENT_STORAGE = 507
 # Everything the client stack raises for a failed request: botocore's own errors (which
 # wrap most urllib3 and socket errors), the few urllib3 errors it lets through, and OSError.
 _CLIENT_ERRORS = (BotoCoreError, ClientError, HTTPError, OSError)
@@ -79,6 +76,9 @@ class S3Store:
         multipart_threshold: blobs of at least this many bytes go as a multipart upload.
         multipart_part_size: bytes per uploaded part (S3 requires at least 5 MiB).
         addressing_style: ``"path"``, ``"virtual"`` or ``"auto"`` (None: botocore's).
+        throttle_retries: retries of a throttled request before it fails (``Throttled``).
+        throttle_backoff_s: the longest those retries of one request sleep in all; keep
+            it below the tier's wait (``remote_timeout_ms``), or a throttled read times out.
 
     Raises:
         ValueError: a bad URL (naming ``remote_url``) or argument. The constructor does
@@ -107,6 +107,8 @@ class S3Store:
         multipart_threshold: int = 64 * 2**20,
         multipart_part_size: int = 16 * 2**20,
         addressing_style: str | None = None,
+        throttle_retries: int = 3,
+        throttle_backoff_s: float = 0.5,
     ):
         self.bucket, self.prefix = parse_s3_url(url)
         _check_positive(
@@ -119,11 +121,19 @@ class S3Store:
             raise ValueError(
                 f"addressing_style must be one of {_ADDRESSING_STYLES}, got {addressing_style!r}"
             )
+        if throttle_retries < 0 or throttle_backoff_s < 0:
+            raise ValueError(
+                "throttle_retries and throttle_backoff_s must not be negative, got "
+                f"{throttle_retries!r} and {throttle_backoff_s!r}"
+            )
         if (access_key_id is None) != (secret_access_key is None):
             raise ValueError("access_key_id and secret_access_key must be given together")
         self.key_prefix = self.prefix + namespace
         self.multipart_threshold = multipart_threshold
         self.multipart_part_size = multipart_part_size
+        self.throttle_retries = throttle_retries
+        # the first pause: the retries' pauses double, adding up to throttle_backoff_s
+        self._throttle_pause_s = throttle_backoff_s / max(2**throttle_retries - 1, 1)
         # Keys per ListObjectsV2 page and per DeleteObjects: S3's maxima, smaller in tests.
         self.list_page_size = 1000
         self.delete_batch_size = _MAX_DELETE_KEYS
@@ -131,8 +141,9 @@ class S3Store:
         options: dict[str, Any] = dict(
             connect_timeout=timeout_s,
             read_timeout=timeout_s,
-            # One attempt: retrying with backoff is RemoteTier's decision, not botocore's.
-            retries={"max_attempts": 1, "mode": "standard"},
+            # One attempt: a failed request is RemoteTier's to judge (an outage costs one
+            # timeout, not several); the store retries a throttled one itself (_send).
+            retries={"total_max_attempts": 1, "mode": "standard"},
             max_pool_connections=max_concurrency,
             # botocore's validator rejects memoryview bodies, which the rest of it sends as
             # they are; validating would cost a copy of every payload. The store builds
@@ -225,8 +236,12 @@ class S3Store:
         while True:
             after = {"StartAfter": start_after} if start_after else {}
             try:
-                page = self._client.list_objects_v2(
-                    Bucket=self.bucket, Prefix=self.key_prefix, MaxKeys=self.list_page_size, **after
+                page = self._send(
+                    self._client.list_objects_v2,
+                    Bucket=self.bucket,
+                    Prefix=self.key_prefix,
+                    MaxKeys=self.list_page_size,
+                    **after,
                 )
             except _CLIENT_ERRORS as exc:
                 raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
@@ -241,9 +256,11 @@ class S3Store:
         """Return if the bucket answers (HeadBucket), else raise StoreUnavailable."""
         self._check_open()
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            self._send(self._client.head_bucket, Bucket=self.bucket)
         except ClientError as exc:
-            if _error_code(exc) in _NO_BUCKET:
+            if s3_errors.is_throttled(exc):  # past the retries: the bucket answers
+                return
+            if s3_errors.error_code(exc) in s3_errors.NO_BUCKET:
                 raise StoreUnavailable(
                     f"s3 bucket {self.bucket!r} does not exist at {self.endpoint} "
                     "(kvtier does not create buckets)"
@@ -270,20 +287,20 @@ class S3Store:
     def _put_object(self, key: str, views: list[memoryview]) -> None:
         # Joined here, in the worker, so a batch holds at most one joined copy per worker.
         try:
-            self._client.put_object(Bucket=self.bucket, Key=key, Body=_joined(views))
+            self._send(self._client.put_object, Bucket=self.bucket, Key=key, Body=_joined(views))
         except _CLIENT_ERRORS as exc:
             raise self._failure("put_object", key, exc) from exc
 
     def _get_object(self, key: str) -> bytes | None:
         try:
-            response = self._client.get_object(Bucket=self.bucket, Key=key)
+            response = self._send(self._client.get_object, Bucket=self.bucket, Key=key)
             body = response["Body"]
             try:
                 return body.read()
             finally:
                 body.close()  # NOTE: a half-read body must not go back to the pool
         except ClientError as exc:
-            if _error_code(exc) in _NOT_FOUND:
+            if s3_errors.error_code(exc) in s3_errors.NOT_FOUND:
                 return None
             raise self._failure("get_object", key, exc) from exc
         except _CLIENT_ERRORS as exc:
@@ -291,10 +308,10 @@ class S3Store:
 
     def _head_object(self, key: str) -> bool:
         try:
-            self._client.head_object(Bucket=self.bucket, Key=key)
+            self._send(self._client.head_object, Bucket=self.bucket, Key=key)
             return True
         except ClientError as exc:
-            if _error_code(exc) in _NOT_FOUND:
+            if s3_errors.error_code(exc) in s3_errors.NOT_FOUND:
                 return False
             raise self._failure("head_object", key, exc) from exc
         except _CLIENT_ERRORS as exc:
@@ -302,7 +319,8 @@ class S3Store:
 
     def _delete_objects(self, keys: list[str]) -> int:
         try:
-            response = self._client.delete_objects(
+            response = self._send(
+                self._client.delete_objects,
                 Bucket=self.bucket,
                 Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
             )
@@ -323,9 +341,9 @@ class S3Store:
         # S3 allows 10000 parts; a larger blob gets larger parts rather than failing.
         part_size = max(self.multipart_part_size, -(-size // _MAX_PARTS))
         try:
-            upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)[
-                "UploadId"
-            ]
+            upload_id = self._send(
+                self._client.create_multipart_upload, Bucket=self.bucket, Key=key
+            )["UploadId"]
         except _CLIENT_ERRORS as exc:
             raise self._failure("create_multipart_upload", key, exc) from exc
         try:
@@ -334,7 +352,8 @@ class S3Store:
                 for number, body in enumerate(_pieces(views, part_size), start=1)
             ]
             parts = self._run_all(uploads)
-            self._client.complete_multipart_upload(
+            self._send(
+                self._client.complete_multipart_upload,
                 Bucket=self.bucket,
                 Key=key,
                 UploadId=upload_id,
@@ -350,8 +369,13 @@ class S3Store:
         self, key: str, upload_id: str, number: int, body: bytes | memoryview
     ) -> dict[str, Any]:
         try:
-            response = self._client.upload_part(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            response = self._send(
+                self._client.upload_part,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
             )
         except _CLIENT_ERRORS as exc:
             raise self._failure(f"upload_part {number}", key, exc) from exc
@@ -361,9 +385,24 @@ class S3Store:
         # Best effort: when the store is down this fails too, and the incomplete upload
         # stays until the bucket's lifecycle rule (AbortIncompleteMultipartUpload) ends it.
         try:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            self._send(
+                self._client.abort_multipart_upload, Bucket=self.bucket, Key=key, UploadId=upload_id
+            )
         except _CLIENT_ERRORS as exc:
             logger.warning("s3: could not abort the upload of %r: %s", key, exc)
+
+    def _send(self, request: Callable[..., T], **params: Any) -> T:
+        """``request(**params)`` (a client method), a throttled answer retried
+        ``throttle_retries`` times after a jittered pause that doubles each time."""
+        attempt = 0
+        while True:
+            try:
+                return request(**params)
+            except ClientError as exc:
+                if attempt == self.throttle_retries or not s3_errors.is_throttled(exc):
+                    raise
+            time.sleep(random.uniform(0.5, 1.0) * self._throttle_pause_s * 2**attempt)
+            attempt += 1
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -407,20 +446,22 @@ class S3Store:
 
     def _failure(self, operation: str, key: str | None, exc: BaseException) -> StoreUnavailable:
         """The StoreUnavailable for ``exc``: which bucket, endpoint, operation and error
-        (a ``WriteRefused`` where the store refused for want of room)."""
+        (a ``WriteRefused`` where the store refused for want of room, ``Throttled`` where
+        it throttled)."""
         target = f" of {key!r}" if key is not None else ""
         if not isinstance(exc, ClientError):
             error = f"{type(exc).__name__}: {exc}"
             return StoreUnavailable(
                 f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
             )
-        code = _error_code(exc)
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code, status = s3_errors.error_code(exc), s3_errors.http_status(exc)
         message = exc.response.get("Error", {}).get("Message") or ""
         error = f"{code} (HTTP {status}) {message}".rstrip()
         where = f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target}"
-        if code in _NO_ROOM or status == _INSUFFICIENT_STORAGE:
+        if s3_errors.is_out_of_room(exc):
             return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
+        if s3_errors.is_throttled(exc):
+            return Throttled(f"{where} throttled after {self.throttle_retries} retries: {error}")
         return StoreUnavailable(f"{where} failed: {error}")
 
 
@@ -437,16 +478,14 @@ def open_store(request: RemoteRequest) -> S3Store:
         access_key_id=config.s3_access_key_id,
         secret_access_key=config.s3_secret_access_key,
         max_concurrency=config.remote_max_concurrency,
+        # a throttled read's retries must end before the tier stops waiting for it
+        throttle_backoff_s=min(0.5, config.remote_timeout_ms / 1000 / 2),
     )
 
 
 def open_remote(request: RemoteRequest) -> RemoteTier:
     """An ``s3://`` ``remote_url`` as a tier (its ``RemoteOpener``, see ``remotes``)."""
     return open_blob_tier(open_store(request), request)
-
-
-def _error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def _check_positive(**values: float) -> None:

@@ -25,11 +25,12 @@ import time
 from typing import Any
 
 import boto3
+from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 
 from support.redis_server import free_port  # one loopback-port picker for every test server
 
-__all__ = ["S3Server", "free_port", "isolate_aws_environment"]
+__all__ = ["ErrorAnswers", "S3Server", "free_port", "isolate_aws_environment"]
 
 # Variables through which boto3 would pick up the developer's account, profile or endpoint.
 _AWS_ENVIRONMENT = (
@@ -213,3 +214,42 @@ class S3Server:
         self._log.seek(0, os.SEEK_END)
         self._log.seek(max(0, self._log.tell() - size))
         return self._log.read().decode(errors="replace")
+
+
+class _Body:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def stream(self, **_: Any):
+        yield self.data
+
+
+class ErrorAnswers:
+    """A ``before-send`` hook of a store's client that answers requests with an S3 error
+    (HTTP ``status``, error ``code``) in place of the server: every request, or the first
+    ``times`` of them (then the server answers). ``attempts`` counts the requests it saw.
+
+        answers = ErrorAnswers(503, "SlowDown")
+        answers.install(store, "PutObject")
+    """
+
+    def __init__(self, status: int, code: str, message: str = "injected", times: int = -1):
+        self.status = status
+        self.body = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        self.times = times
+        self.attempts = 0
+
+    def __call__(self, request: Any, **_: Any) -> AWSResponse | None:
+        self.attempts += 1
+        if 0 <= self.times < self.attempts:
+            return None
+        return AWSResponse(request.url, self.status, {}, _Body(self.body))
+
+    def install(self, client: Any, *operations: str) -> None:
+        """Answer ``operations`` (``PutObject``, ``GetObject``) of the boto3 ``client``."""
+        for operation in operations:
+            client.meta.events.register(f"before-send.s3.{operation}", self)
+
+    def remove(self, client: Any, *operations: str) -> None:
+        for operation in operations:
+            client.meta.events.unregister(f"before-send.s3.{operation}", self)

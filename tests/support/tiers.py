@@ -14,7 +14,7 @@ from kvtier.config import load_config
 from kvtier.keys import CacheKey
 from kvtier.memory import HostMemoryPool, MemoryObj
 from kvtier.observability.stats import Stats, TierCounter, tier_counter
-from kvtier.storage.blob_store import StoreUnavailable, WriteRefused, join_parts
+from kvtier.storage.blob_store import StoreUnavailable, Throttled, WriteRefused, join_parts
 from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
@@ -127,14 +127,15 @@ def check_remote_down(manager: StorageManager, pool: HostMemoryPool, tier: str, 
 
 
 class FlakyStore:
-    """An in-memory BlobStore that can be switched to refuse, hang, corrupt, or (``full``)
-    refuse writes for room while it still reads."""
+    """An in-memory BlobStore that can be switched to refuse, hang, corrupt, (``full``)
+    refuse writes for room while it still reads, or (``throttled``) throttle every call
+    but ``ping``."""
 
     name = "flaky"
 
     def __init__(self):
         self.blobs: dict[str, bytes] = {}
-        self.mode = "ok"  # ok | down | hang | full
+        self.mode = "ok"  # ok | down | hang | full | throttled
         self.delay = 0.0  # seconds every call takes
         self.calls = 0
         self.released = threading.Event()
@@ -146,6 +147,8 @@ class FlakyStore:
             raise StoreUnavailable("flaky: connection refused")
         if self.mode == "hang":
             self.released.wait(30)
+        if self.mode == "throttled":
+            raise Throttled("flaky: SlowDown")
 
     def put_many(self, items):
         self._enter()
@@ -173,7 +176,8 @@ class FlakyStore:
         return n
 
     def ping(self):
-        self._enter()
+        if self.mode != "throttled":  # a throttled store answers
+            self._enter()
 
     def close(self):
         self.released.set()

@@ -330,9 +330,15 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many of ``keys``, from the first, some tier holds; those found only in a
-        lower tier start moving into the CPU tier (the load that follows finds them)."""
+        lower tier start moving into the CPU tier (the load that follows finds them), as
+        many as one load stages there at once: a load of these pages fetches them all
+        into the CPU pool before writing any into SGLang's host pool."""
         _, fmt = self._pool(KV)
-        hits = self.storage.lookup_prefix([self.keys.key(k, fmt) for k in keys], prefetch=True)
+        hits = self.storage.lookup_prefix(
+            [self.keys.key(k, fmt) for k in keys],
+            prefetch=True,
+            prefetch_most=self.storage.cpu.fitting(fmt.shape, fmt.dtype),
+        )
         self.stats.inc(Counter.LOOKUP_REQUESTS)
         self.stats.inc(Counter.LOOKUP_TOKENS, len(keys) * fmt.page_size)
         self.stats.inc(Counter.LOOKUP_HIT_TOKENS, hits * fmt.page_size)

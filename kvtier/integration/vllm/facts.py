@@ -85,9 +85,18 @@ def engine_tag(vllm_config: VllmConfig) -> str:
 
 
 def world_size(vllm_config: VllmConfig) -> int:
-    """Worker ranks of the engine (tensor x pipeline parallel)."""
+    """Worker ranks of the engine: tensor x prefill-context x pipeline parallel, as vLLM
+    counts them (decode context parallelism reuses those ranks, adding none)."""
     parallel = vllm_config.parallel_config
-    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    return (
+        parallel.tensor_parallel_size
+        * _prefill_context_size(parallel)
+        * parallel.pipeline_parallel_size
+    )
+
+
+def _prefill_context_size(parallel: Any) -> int:
+    return getattr(parallel, "prefill_context_parallel_size", 1) or 1
 
 
 def latent_replicas(vllm_config: VllmConfig) -> int:
@@ -121,12 +130,17 @@ def kv_events_enabled(vllm_config: VllmConfig) -> bool:
 
 
 def worker_rank(vllm_config: VllmConfig) -> int:
-    """This worker's rank among the engine's ``tp * pp`` ranks."""
+    """This worker's rank among the engine's ``world_size`` ranks, numbered as vLLM lays
+    them out (pipeline, then prefill context, then tensor parallel, the last varying
+    fastest): ``(pp_rank * pcp + pcp_rank) * tp + tp_rank``."""
+    parallel = vllm_config.parallel_config
     try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.distributed import parallel_state
 
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        return get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
+        tp, pcp = parallel.tensor_parallel_size, _prefill_context_size(parallel)
+        pcp_rank = parallel_state.get_pcp_group().rank_in_group if pcp > 1 else 0
+        stage = parallel_state.get_pp_group().rank_in_group
+        return (stage * pcp + pcp_rank) * tp + parallel_state.get_tp_group().rank_in_group
     except (ImportError, AssertionError, AttributeError):
         if world_size(vllm_config) > 1:
             raise
