@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 from pathlib import Path
 
+from kvtier.commands.paths import why_not_writable
 from kvtier.config import ConfigError, load_config
 from kvtier.machine import (
     auto_backends,
@@ -89,15 +89,8 @@ def _disk_problem(local_disk: str | None) -> str | None:
     starts: the nearest existing ancestor must be a writable directory), or None."""
     if local_disk is None:
         return None
-    path = Path(local_disk)
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"local_disk {local_disk!r}: {existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"local_disk {local_disk!r}: {existing} is not writable by this user"
-    return None
+    reason = why_not_writable(Path(local_disk))
+    return f"local_disk {local_disk!r}: {reason}" if reason else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,11 +4,11 @@ model's KV shape and write per-device tuning files; refuses without a GPU."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from kvtier.commands.model_shape import add_shape_arguments, shape_from_args
+from kvtier.commands.paths import why_not_writable
 
 HELP = "sweep the Triton kernels' launch parameters on the local GPU; write tuning files"
 DESCRIPTION = (
@@ -64,19 +64,6 @@ _NO_GPU = (
 )
 
 
-def _not_writable(directory: Path) -> str | None:
-    """Why tuning files cannot be written into ``directory`` (created when missing: its
-    nearest existing ancestor must be a writable directory), or None."""
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user"
-    return None
-
-
 def _tuning_target(requested: str) -> tuple[object, str, object] | str:
     """``(device, backend, timer)`` for ``kvtier tune``, or why there is none."""
     import torch
@@ -118,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             if value < least:
                 raise ValueError(f"{flag} {value}: expected an integer >= {least}")
         out_dir = Path(args.out) if args.out else tuning_lookup.user_dirs()[0]
-        problem = _not_writable(out_dir)
+        problem = why_not_writable(out_dir)
         if problem is not None:  # found now, not after the sweep
             where = (
                 "--out" if args.out else f"the tuning directory ({tuning_lookup.TUNING_DIR_ENV})"
