@@ -157,12 +157,13 @@ def test_scheduler_counts_each_lookup_it_asks_of_the_ranks() -> None:
     assert counters["lookup_hit_tokens"] == 2 * CHUNK
 
 
-def test_worker_runs_extension_specs_around_the_forward_pass() -> None:
+def registered_worker(extension: WorkerExtension) -> WorkerSide:
+    """A worker with ``extension``, its KV cache (2 layers, 8 float32 blocks) registered
+    as a FLASH_ATTN engine's; the caller shuts it down."""
     config = load_config(
         {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "kernel_backend": "torch"}, env={}
     )
-    recorder = WorkerRecorder()
-    worker = WorkerSide(config, EngineMetadata("m"), None, extensions=[recorder])
+    worker = WorkerSide(config, EngineMetadata("m"), None, extensions=[extension])
     paged = PagedKV.empty(
         "vllm_hnd",
         num_layers=2,
@@ -176,6 +177,16 @@ def test_worker_runs_extension_specs_around_the_forward_pass() -> None:
         worker.register_kv_caches(
             {f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN"
         )
+    except BaseException:
+        worker.shutdown()
+        raise
+    return worker
+
+
+def test_worker_runs_extension_specs_around_the_forward_pass() -> None:
+    recorder = WorkerRecorder()
+    worker = registered_worker(recorder)
+    try:
         assert recorder.rank is not None and recorder.rank.engine is worker.engine
         assert recorder.rank.backend == "FLASH_ATTN"
         hashes = worker.engine.chunker.chunk_hashes(torch.arange(16))
@@ -205,23 +216,8 @@ class FailingFiller(WorkerExtension):
 def test_blocks_an_extension_could_not_fill_are_failed_loads() -> None:
     """Reported to vLLM as a plain load's failed blocks are, and the step's saves over
     them are not stored."""
-    config = load_config(
-        {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "kernel_backend": "torch"}, env={}
-    )
-    worker = WorkerSide(config, EngineMetadata("m"), None, extensions=[FailingFiller()])
-    paged = PagedKV.empty(
-        "vllm_hnd",
-        num_layers=2,
-        num_blocks=8,
-        block_size=BLOCK,
-        num_heads=2,
-        head_size=8,
-        dtype=torch.float32,
-    )
+    worker = registered_worker(FailingFiller())
     try:
-        worker.register_kv_caches(
-            {f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN"
-        )
         hashes = worker.engine.chunker.chunk_hashes(torch.arange(16))
         plan = StepPlan(
             saves=[SaveSpec("r", 0, hashes, 16, [0, 1, 2, 3])], extensions={"filler": ["spec"]}
