@@ -21,6 +21,7 @@ import uuid
 import pytest
 import torch
 from support.kv import bits, fill_random_
+from support.vllm_steps import FakeCachedRequests, FakeNewRequest, FakeSchedulerOutput
 
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
@@ -50,43 +51,20 @@ class Request:
 
 
 @dataclasses.dataclass
-class NewRequest:
-    req_id: str
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-
-
-@dataclasses.dataclass
-class CachedRequests:
-    req_ids: list[str] = dataclasses.field(default_factory=list)
-    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
-    new_block_ids: list = dataclasses.field(default_factory=list)
-    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequest] = dataclasses.field(default_factory=list)
-    scheduled_cached_reqs: CachedRequests = dataclasses.field(default_factory=CachedRequests)
-    num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass
 class ConnectorOutput:
     invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
 
 
-def new_step(req: Request, blocks: list[int], computed: int, scheduled: int) -> SchedulerOutput:
-    return SchedulerOutput(
-        scheduled_new_reqs=[NewRequest(req.request_id, (list(blocks),), computed)],
+def new_step(req: Request, blocks: list[int], computed: int, scheduled: int) -> FakeSchedulerOutput:
+    return FakeSchedulerOutput(
+        scheduled_new_reqs=[FakeNewRequest(req.request_id, (list(blocks),), computed)],
         num_scheduled_tokens={req.request_id: scheduled},
     )
 
 
-def cached_step(req: Request, computed: int, scheduled: int) -> SchedulerOutput:
-    cached = CachedRequests([req.request_id], set(), [None], [computed])
-    return SchedulerOutput(
+def cached_step(req: Request, computed: int, scheduled: int) -> FakeSchedulerOutput:
+    cached = FakeCachedRequests([req.request_id], set(), [None], [computed])
+    return FakeSchedulerOutput(
         scheduled_cached_reqs=cached, num_scheduled_tokens={req.request_id: scheduled}
     )
 
@@ -158,7 +136,7 @@ def test_a_failed_load_stores_again_from_its_first_failed_chunk(
     side.get_num_new_matched_tokens(request, 0)
     side.update_state_after_alloc(request, blocks, 40)
     if is_async:
-        assert len(side.build_plan(SchedulerOutput()).loads) == 1
+        assert len(side.build_plan(FakeSchedulerOutput()).loads) == 1
     else:
         assert len(side.build_plan(new_step(request, blocks, 40, 1)).loads) == 1
     # a block of another request failing changes nothing
@@ -229,7 +207,7 @@ def make_pair(tmp_path, mode: str, **overrides):
     return worker, paged, side, client
 
 
-def run_step(worker: WorkerSide, side: SchedulerSide, step: SchedulerOutput, mode: str):
+def run_step(worker: WorkerSide, side: SchedulerSide, step: FakeSchedulerOutput, mode: str):
     """One engine step as vLLM drives both sides; the load errors go back to the
     scheduler side as vLLM hands them over."""
     plan = side.build_plan(step)
@@ -253,7 +231,7 @@ def load_request(worker, side, request, blocks, mode):
     matched, _ = side.get_num_new_matched_tokens(request, 0)
     side.update_state_after_alloc(request, blocks, matched)
     if mode == "async":
-        _, errors = run_step(worker, side, SchedulerOutput(), mode)
+        _, errors = run_step(worker, side, FakeSchedulerOutput(), mode)
     else:
         step = new_step(request, blocks, matched, len(request.all_token_ids) - matched)
         _, errors = run_step(worker, side, step, mode)
@@ -322,7 +300,7 @@ def test_chunks_lost_to_a_failed_load_are_stored_again_as_recomputed(tmp_path, m
             engine.chunker.key(side.trackers["b"].hashes.upto(tokens, 16, partial=False)[1])
         )
         if mode == "async":
-            plan, errors = run_step(worker, side, SchedulerOutput(), mode)
+            plan, errors = run_step(worker, side, FakeSchedulerOutput(), mode)
         else:
             plan, errors = run_step(worker, side, new_step(b, blocks_b, 32, 9), mode)
             assert [s.first_chunk for s in plan.saves] == [4]  # refused by the worker

@@ -15,10 +15,11 @@ from __future__ import annotations
 import collections
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from support.vllm_steps import FakeCachedRequests, FakeNewRequest, FakeSchedulerOutput
 
 from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.config import KVTierConfig, load_config
@@ -62,33 +63,6 @@ class FakeRequest:
     lora_request: FakeLora | None = None
     mm_features: list[FakeMMFeature] | None = None
     cache_salt: str | None = None
-
-
-@dataclass
-class FakeNewRequest:
-    """``NewRequestData``: ``block_ids`` is a tuple of block lists, one per KV group."""
-
-    req_id: str
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-
-
-@dataclass
-class FakeCachedRequests:
-    """``CachedRequestData``: parallel lists indexed like ``req_ids``."""
-
-    req_ids: list[str] = field(default_factory=list)
-    resumed_req_ids: set[str] = field(default_factory=set)
-    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class FakeSchedulerOutput:
-    scheduled_new_reqs: list[FakeNewRequest] = field(default_factory=list)
-    scheduled_cached_reqs: FakeCachedRequests = field(default_factory=FakeCachedRequests)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 def make_request(req_id: str, num_tokens: int, *, seed: int = 0, **extras: Any) -> FakeRequest:

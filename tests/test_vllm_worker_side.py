@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from support.kv import bits, fill_random_
+from support.vllm_steps import FakeNewRequest, FakeSchedulerOutput
 
 import kvtier.machine
 from kvtier.config import load_config
@@ -529,32 +530,9 @@ class _Request:
     num_prompt_tokens: int
 
 
-@dataclasses.dataclass
-class _NewRequest:
-    req_id: str
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-
-
-@dataclasses.dataclass
-class _CachedRequests:
-    req_ids: list[str] = dataclasses.field(default_factory=list)
-    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
-    new_block_ids: list = dataclasses.field(default_factory=list)
-    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _SchedulerOutput:
-    scheduled_new_reqs: list[_NewRequest] = dataclasses.field(default_factory=list)
-    scheduled_cached_reqs: _CachedRequests = dataclasses.field(default_factory=_CachedRequests)
-    num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
-
-
-def _new_step(req_id: str, blocks: list[int], computed: int, scheduled: int) -> _SchedulerOutput:
-    return _SchedulerOutput(
-        scheduled_new_reqs=[_NewRequest(req_id, (list(blocks),), computed)],
+def _new_step(req_id: str, blocks: list[int], computed: int, scheduled: int) -> FakeSchedulerOutput:
+    return FakeSchedulerOutput(
+        scheduled_new_reqs=[FakeNewRequest(req_id, (list(blocks),), computed)],
         num_scheduled_tokens={req_id: scheduled},
     )
 
@@ -599,7 +577,7 @@ def test_scheduler_plans_run_on_the_worker(
         )
         side.update_state_after_alloc(second, blocks_b, matched)
         if mode == "async":
-            run_step(worker, side.build_plan(_SchedulerOutput()))
+            run_step(worker, side.build_plan(FakeSchedulerOutput()))
             wait_finished(worker, "b")
             plan = side.build_plan(_new_step("b", blocks_b, matched, prompt - matched))
             assert plan.loads == [], f"the async load was planned again: {plan.loads}"
