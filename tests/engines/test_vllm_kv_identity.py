@@ -8,13 +8,8 @@ differently scheduled computations would be fragile there, the KV comparison is 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from support.engines import expected_loaded, prompts_of
+from support.engines import expected_loaded, prompts_of, run_support_script
 
 from kvtier.demo_vllm import build_llama
 
@@ -37,16 +32,7 @@ def kv_identity(tmp_path_factory):
         "chunk_size": CHUNK,
         "dtype": "bfloat16",
     }
-    out = tmp / "result.json"
-    script = Path(__file__).resolve().parents[1] / "support" / "vllm_kv_identity.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(config), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return prompts, json.loads(out.read_text())
+    return prompts, run_support_script("vllm_kv_identity.py", config, tmp / "result.json")
 
 
 def test_loaded_kv_is_bit_identical_to_the_cold_prefill(kv_identity):

@@ -4,13 +4,8 @@ holds it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from support.engines import expected_loaded, prompts_of
+from support.engines import expected_loaded, prompts_of, run_support_script
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,16 +23,9 @@ def tensor_parallel(model_a, tmp_path_factory):
         "chunk_size": CHUNK,
         "tensor_parallel_size": TP,
     }
-    out = tmp_path_factory.mktemp("tensor-parallel") / "result.json"
-    script = Path(__file__).resolve().parents[1] / "support" / "vllm_parallel.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(config), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    return prompts, run_support_script(
+        "vllm_parallel.py", config, tmp_path_factory.mktemp("tensor-parallel") / "result.json"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return prompts, json.loads(out.read_text())
 
 
 def test_every_rank_loads_its_shard_bit_for_bit(tensor_parallel):

@@ -8,7 +8,10 @@ KV a request attends to, not bf16 rounding differences between prefill batch sha
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -118,3 +121,17 @@ def worker_stats_once_written(
         time.sleep(0.1)
         stats = worker_stats(engine_id)
     return stats
+
+
+def run_support_script(name: str, config: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Run ``tests/support/<name>`` in its own process (an engine of its own) with ``config``
+    as JSON; the result it writes to ``out``."""
+    script = Path(__file__).resolve().parent / name
+    proc = subprocess.run(
+        [sys.executable, str(script), json.dumps(config), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
