@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from support.hash_seeds import same_output_under_hash_seeds
 
 from kvtier.hashing import HASH_ALGORITHMS, ChunkHasher
 
@@ -154,15 +151,7 @@ for algo in ("sha256_cbor", "xxh3_128"):
 
 
 def test_hashes_identical_across_processes_with_different_pythonhashseed():
-    outputs = set()
-    for seed in ("0", "1", "12345", "random"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run(
-            [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True
-        ).stdout
-        outputs.add(out)
-    assert len(outputs) == 1, outputs
-    lines = next(iter(outputs)).strip().splitlines()
+    lines = same_output_under_hash_seeds(_CHILD, ("0", "1", "12345", "random")).strip().splitlines()
     assert [line.split()[0] for line in lines] == ["sha256_cbor", "xxh3_128"]
     # and the in-process result is the same
     tokens = list(range(1000, 1000 + 1024))

@@ -6,15 +6,13 @@ process whatever ``PYTHONHASHSEED``, and whatever container holds the token ids.
 from __future__ import annotations
 
 import array
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from support.hash_seeds import same_output_under_hash_seeds
 from test_vllm_scheduler_side import (
     CHUNK,
     FakeLora,
@@ -188,15 +186,7 @@ for algo in ("sha256_cbor", "xxh3_128"):
 
 
 def test_keys_with_extras_equal_across_processes_with_different_pythonhashseed():
-    outputs = set()
-    for seed in ("0", "1", "4242", "random"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run(
-            [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True
-        ).stdout
-        outputs.add(out)
-    assert len(outputs) == 1, outputs
-    lines = next(iter(outputs)).strip().splitlines()
+    lines = same_output_under_hash_seeds(_CHILD, ("0", "1", "4242", "random")).strip().splitlines()
     assert len(lines) == 10
     assert len({line.split()[2] for line in lines}) == 10, "two cases share keys"
     rows = torch.randn(300, 16, generator=torch.Generator().manual_seed(4))
