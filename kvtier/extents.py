@@ -151,4 +151,4 @@ class Extents:
 def _check(condition: bool, message: str) -> None:
     # Explicit raise rather than `assert`, so the check still runs under `python -O`.
     if not condition:
-        raise AssertionError(f"HostMemoryPool invariant violated: {message}")
+        raise AssertionError(f"Extents invariant violated: {message}")

@@ -355,6 +355,8 @@ def test_bad_tier_settings_are_named(overrides: dict, fragments: tuple[str, ...]
         ("s3://", "valid S3 bucket name"),
         ("fs://relative", "give an absolute path after fs://"),
         ("kvtier://h", "expected kvtier://host:port"),
+        ("kvtier://h:0", "expected kvtier://host:port"),
+        ("redis://h:0", "bad port '0'"),
         ("lm://h:1/x", "expected kvtier://host:port"),
     ],
 )

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 )
 
 import kvtier.machine
+from kvtier.extents import Extents
 from kvtier.machine import PoolTooLarge
 from kvtier.memory import HostMemoryPool, MemoryObj, PoolStats
 
@@ -246,6 +247,14 @@ def test_free_merges_with_both_neighbours() -> None:
 
 
 # -- ref counts, pins, misuse ------------------------------------------------------------
+
+
+def test_a_broken_invariant_names_the_extents_bookkeeping() -> None:
+    extents = Extents(4 * KiB, alignment=256)
+    extents.take(1 * KiB)
+    extents.used += 1  # what a lost update to the counter would leave
+    with pytest.raises(AssertionError, match=r"^Extents invariant violated: used counter"):
+        extents.check_invariants()
 
 
 def test_ref_counting_frees_on_last_owner() -> None:

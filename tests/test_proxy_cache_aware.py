@@ -301,6 +301,39 @@ def test_command_flags_for_cache_aware(capsys):
     assert "--weight-cpu must be >= 0" in capsys.readouterr().err
 
 
+def test_kv_events_and_remote_groups_name_an_instance_in_any_spelling(engines, proxy):
+    """``--kv-events`` and ``--remote-group`` find their instance as ``--decode`` spells it
+    however their URL is written: scheme and host case, a trailing slash, the default
+    port, another name of this machine."""
+    a, b = engines("a"), engines("b")
+    port_a, port_b = (int(e.url.rsplit(":", 1)[1]) for e in (a, b))
+    server = proxy(
+        [a, b],
+        kv_events={
+            f"HTTP://LOCALHOST:{port_a}/": a.events.endpoint,
+            f"http://[::1]:{port_b}": b.events.endpoint,
+        },
+        remote_groups={f"Http://127.0.0.1:{port_a}/": "shared"},
+    )
+    router = server.proxy.routing
+    assert set(router.subscribers) == {a.url, b.url}
+    assert router.index.instances[a.url].remote_group == "shared"
+    publish_and_wait(server, b, SYSTEM + "Q1")
+    assert post(server.url, "/v1/completions", completion(SYSTEM + "Q1"))[0] == 200
+    assert len(b.completions()) == 1 and not a.completions()
+
+
+def test_one_instance_given_twice_in_two_spellings_is_refused(engines):
+    a = engines("a")
+    port = int(a.url.rsplit(":", 1)[1])
+    twice = {a.url: a.events.endpoint, f"http://localhost:{port}/": a.events.endpoint}
+    settings = ProxySettings(
+        prefill=(), decode=(a.url,), policy="cache_aware", routing=RoutingSettings(kv_events=twice)
+    )
+    with pytest.raises(ValueError, match=rf"--kv-events: instance {a.url} given twice"):
+        Proxy(settings)
+
+
 def test_hash_algo_auto_learns_the_engines_algorithm(engines, proxy):
     """The default ``--hash-algo auto`` starts with vLLM's own default (sha256) and
     switches to the algorithm the engines use once an event announces a prompt's first

@@ -312,6 +312,23 @@ def test_throttled_past_the_retries_is_throttled_not_an_outage(make_store, statu
     assert store.get_many(["k"]) == [b"v"]
 
 
+def test_a_throttled_head_is_throttled_not_an_outage(make_store):
+    """S3 answers a throttled HEAD with a bare 503 (its SlowDown code goes with the body a
+    HEAD answer has not): retried, then ``Throttled``; a throttled HeadBucket pings."""
+    store = make_store(throttle_retries=2, throttle_backoff_s=0.2)
+    store.put_many([("k", [b"v"])])
+    slow_down = ErrorAnswers(503, None, times=2)
+    slow_down.install(store._client, "HeadObject")
+    assert store.exists_many(["k"]) == [True]
+    assert slow_down.attempts == 2 + 1
+    slow_down.remove(store._client, "HeadObject")
+    slow_down = ErrorAnswers(503, None)
+    slow_down.install(store._client, "HeadObject", "HeadBucket")
+    with pytest.raises(Throttled, match=r"head_object of 'kvtier/k' throttled after 2 retries"):
+        store.exists_many(["k"])
+    store.ping()
+
+
 @pytest.mark.parametrize(("status", "code"), [(503, "ServiceUnavailable"), (500, "InternalError")])
 def test_a_failing_server_is_not_retried(make_store, status, code):
     store = make_store()

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from support.kvtier_server import KVTierServerProcess, free_port
 
-from kvtier.chunker import Chunker, RequestExtras
+from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.cli import main
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
@@ -25,10 +25,10 @@ MODEL = "org/Llama-3 8B"  # a name that needs percent-encoding
 CHUNK = 16
 
 
-def chunk_hashes(tokens, *, chunk_size=CHUNK, algorithm="sha256_cbor", salt=None, seed=None):
+def chunk_hashes(tokens, *, chunk_size=CHUNK, algorithm="sha256_cbor", salt=None, seed=None, mm=()):
     hasher = ChunkHasher(algorithm) if seed is None else ChunkHasher(algorithm, seed)
     db = Chunker(chunk_size, hasher, CacheKey("x", 1, 0, "x", b""))
-    return db.chunk_hashes(tokens, RequestExtras(cache_salt=salt), include_partial=True)
+    return db.chunk_hashes(tokens, RequestExtras(cache_salt=salt, mm=mm), include_partial=True)
 
 
 def names(hashes, *, world=1, rank=0, layers=None, dtype="bfloat16", model=MODEL, tags=()):
@@ -107,6 +107,21 @@ def test_a_cache_salt_separates_prompts(server):
     assert lookup(server, {**body, "cache_salt": "tenant-a"})[1]["cached_tokens"] == len(TOKENS)
 
 
+def test_a_multimodal_prompt_is_looked_up_with_its_items(server):
+    """The engine keys a chunk with the multimodal items whose placeholders it covers: a
+    lookup gives them (``mm_items``) or counts chunks the engine would not load."""
+    image = MultiModalSpan("image-digest-a", 2 * CHUNK + 3, 20)  # chunks 2 and 3
+    item = {"identifier": image.identifier, "offset": image.offset, "length": image.length}
+    body = {"model": MODEL, "tokens": TOKENS}
+    put(server, names(chunk_hashes(TOKENS)))  # the same token ids with no image
+    assert lookup(server, body)[1]["cached_tokens"] == len(TOKENS)
+    assert lookup(server, {**body, "mm_items": [item]})[1]["cached_tokens"] == 2 * CHUNK
+    put(server, names(chunk_hashes(TOKENS, mm=(image,))))
+    assert lookup(server, {**body, "mm_items": [item]})[1]["cached_tokens"] == len(TOKENS)
+    other = {**item, "identifier": "image-digest-b"}
+    assert lookup(server, {**body, "mm_items": [other]})[1]["cached_tokens"] == 2 * CHUNK
+
+
 def test_a_chunk_counts_only_when_every_rank_and_layer_holds_it(server):
     hashes = chunk_hashes(TOKENS)[:3]
     put(server, names(hashes, world=2, rank=0, layers=3))
@@ -138,6 +153,20 @@ def test_a_restarted_server_answers_lookups_for_its_disk(server):
         ({"model": MODEL, "hashes": ["00"], "num_tokens": 99999}, "'num_tokens'"),
         ({"model": MODEL, "tokens": [1], "chunk_size": 0}, "'chunk_size'"),
         ({"model": MODEL, "tokens": [1], "hash_algorithm": "md5"}, "'hash_algorithm'"),
+        ({"model": MODEL, "tokens": [1], "mm_items": ["img"]}, "'mm_items'"),
+        (
+            {"model": MODEL, "tokens": [1], "mm_items": [{"identifier": "i", "offset": 0}]},
+            "'mm_items'",
+        ),
+        (
+            {
+                "model": MODEL,
+                "tokens": [1, 2],
+                "mm_items": [{"identifier": "i", "offset": 1, "length": 2}],
+            },
+            "'mm_items'",
+        ),
+        ({"model": MODEL, "tokens": [1], "prompt_embeds": "..."}, "'prompt_embeds'"),
         ([1, 2, 3], "JSON object"),
     ],
 )

@@ -7,6 +7,7 @@ Runs in .venv-sglang (``make test-sglang``); skipped where SGLang is not install
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -181,6 +182,39 @@ def test_a_lookup_prefetches_no_more_pages_than_one_load_can_stage(tmp_path):
     assert len(read) == 3, f"the lookup read {len(read)} pages for a pool of 3"
     assert reader.batch_get_v1(KEYS[:3], page_indices(pool, [11, 12, 13])) == [True] * 3
     assert_pages_equal(pool, [1, 2, 3], pool, [11, 12, 13])
+    writer.close()
+    reader.close()
+
+
+def test_lookups_in_a_row_prefetch_no_more_pages_than_the_pool_holds(tmp_path):
+    """SGLang's prefetch thread looks up request after request before their loads: the
+    pages in flight of all those lookups together stay within the CPU pool (here 3 of 9),
+    and every load still finds its pages."""
+    pool = mha_pool("layer_first")
+    writer = make_backend(pool, disk(tmp_path))
+    assert all(writer.batch_set_v1(KEYS[:6], page_indices(pool, [1, 2, 3, 4, 5, 6])))
+    assert all(writer.batch_set_v1(KEYS[6:], page_indices(pool, [7, 7])))
+    page_bytes = 2 * 2 * 4 * 160 * 2
+    reader = make_backend(pool, disk(tmp_path, max_local_cpu_size=3 * page_bytes / 2**30))
+    disk_tier = reader.storage.lower[0]
+    disk_get_many, reads = disk_tier.get_many, threading.Event()
+
+    def slow_get_many(keys, allocate):
+        reads.wait(5)  # the lookups all come before a prefetch has read anything
+        return disk_get_many(keys, allocate)
+
+    disk_tier.get_many = slow_get_many
+    assert [reader.batch_exists(KEYS[i : i + 3]) for i in (0, 3, 6)] == [3, 3, 2]
+    in_flight = len(reader.storage._prefetching)
+    reads.set()
+    assert in_flight == 3, f"{in_flight} pages in flight for a pool of 3"
+    wait_until(lambda: not reader.storage._prefetching)
+    counters = reader.metrics()["counters"]
+    assert counters["prefetched_chunks"] == 3 and counters["allocation_failures"] == 0
+    for first in (0, 3):
+        slots = [11 + first, 12 + first, 13 + first]
+        assert reader.batch_get_v1(KEYS[first : first + 3], page_indices(pool, slots)) == [True] * 3
+        assert_pages_equal(pool, [1 + first, 2 + first, 3 + first], pool, slots)
     writer.close()
     reader.close()
 

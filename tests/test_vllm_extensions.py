@@ -157,6 +157,30 @@ def test_scheduler_counts_each_lookup_it_asks_of_the_ranks() -> None:
     assert counters["lookup_hit_tokens"] == 2 * CHUNK
 
 
+def test_a_request_asked_again_while_it_waits_is_counted_once_per_scheduling() -> None:
+    """vLLM asks again every step while a request waits for blocks: one lookup counted
+    until it is scheduled; preempted and asked again, it counts again."""
+    config = load_config({"chunk_size": CHUNK}, env={})
+    side = SchedulerSide(config, lambda hashes, load_from: 1, block_size=BLOCK)
+    waiting = request("a", list(range(20)))
+
+    def counted() -> tuple[float, float, float]:
+        counters = side.counters()
+        return counters["lookup_requests"], counters["lookup_tokens"], counters["lookup_hit_tokens"]
+
+    for _ in range(3):  # no free blocks: still waiting
+        assert side.get_num_new_matched_tokens(waiting, 0) == (CHUNK, False)
+    assert counted() == (1, 20, CHUNK)
+    side.update_state_after_alloc(waiting, [0, 1, 2, 3, 4], CHUNK)
+    side.build_plan(new_step("a", [0, 1, 2, 3, 4], CHUNK, 12, preempted=["a"]))
+    for _ in range(2):  # preempted: waiting again
+        side.get_num_new_matched_tokens(waiting, 0)
+    assert counted() == (2, 40, 2 * CHUNK)
+    side.request_finished(waiting)
+    side.get_num_new_matched_tokens(request("a", list(range(20))), 0)  # a new request, same id
+    assert counted() == (3, 60, 3 * CHUNK)
+
+
 def registered_worker(extension: WorkerExtension) -> WorkerSide:
     """A worker with ``extension``, its KV cache (2 layers, 8 float32 blocks) registered
     as a FLASH_ATTN engine's; the caller shuts it down."""

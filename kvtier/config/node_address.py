@@ -48,7 +48,7 @@ def parse_server_address(url: str, setting: str = "remote_url") -> ServerAddress
     if (
         parts.scheme.lower() not in SCHEMES
         or not host
-        or port is None
+        or not port  # None, or 0: no server listens on port 0
         or parts.path not in ("", "/")
         or len(options) != len(query)
     ):

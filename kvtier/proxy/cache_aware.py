@@ -25,14 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvtier.proxy.instances import Instance, Pool
+from kvtier.proxy.instances import Instance, Pool, instance_address, normalize_url
 from kvtier.proxy.prompts import TokenCache, are_token_ids, tokenize_body
 from kvtier.routing.block_hashes import VLLM_HASH_ALGOS, RequestKeys, VllmBlockHasher
 from kvtier.routing.events import BlockStored, State, Subscriber, parse_endpoint
@@ -87,6 +87,31 @@ class _Expecting:
     since: float  # a request with new blocks finished then; an event should follow
 
 
+def by_instance(flag: str, values: Mapping[str, str], urls: Iterable[str]) -> dict[str, str]:
+    """``values`` keyed by the URL of the instance each of its URLs names, in any spelling
+    that reaches it (``HTTP://Host:80/`` is ``http://host``; see `instance_address`).
+
+    Raises:
+        ValueError: naming ``flag``: a URL that is no instance, or one instance given twice.
+    """
+    instances = {instance_address(url): url for url in urls}
+    keyed: dict[str, str] = {}
+    for url, value in values.items():
+        try:
+            instance = instances.get(instance_address(normalize_url(url)))
+        except ValueError as exc:
+            raise ValueError(f"{flag} {url}: {exc}") from None
+        if instance is None:
+            raise ValueError(
+                f"{flag} {url}: no --prefill or --decode instance has that URL "
+                f"(instances: {', '.join(instances.values())})"
+            )
+        if instance in keyed:
+            raise ValueError(f"{flag}: instance {instance} given twice")
+        keyed[instance] = value
+    return keyed
+
+
 class CacheAwareRouter:
     """Subscribers, index, scorer and the per-request decision of ``cache_aware``.
 
@@ -105,17 +130,9 @@ class CacheAwareRouter:
         self.settings = settings
         self.scored = scored
         urls = {i.url: i for pool in pools for i in pool.instances}
-        for flag, mapping in (
-            ("--kv-events", settings.kv_events),
-            ("--remote-group", settings.remote_groups),
-        ):
-            for url in mapping:
-                if url not in urls:
-                    raise ValueError(
-                        f"{flag} {url}: no --prefill or --decode instance has that URL "
-                        f"(instances: {', '.join(urls)})"
-                    )
-        if not settings.kv_events:
+        kv_events = by_instance("--kv-events", settings.kv_events, urls)
+        remote_groups = by_instance("--remote-group", settings.remote_groups, urls)
+        if not kv_events:
             raise ValueError(
                 "--policy cache_aware needs the instances' KV events: "
                 "--kv-events INSTANCE_URL=tcp://host:port (repeat per instance)"
@@ -126,7 +143,7 @@ class CacheAwareRouter:
             )
         self.index = BlockIndex(settings.index_blocks)
         for url, instance in urls.items():
-            self.index.add_instance(url, settings.remote_groups.get(url, instance.role))
+            self.index.add_instance(url, remote_groups.get(url, instance.role))
         self.scorer = Scorer(self.index, settings.weights)
         seed = settings.hash_seed if settings.hash_seed is not None else "vllm-none-hash"
         algo = "sha256" if settings.hash_algo == "auto" else settings.hash_algo
@@ -135,7 +152,7 @@ class CacheAwareRouter:
         self._hash_checks = self._hash_matches = 0
         self.block_size: int | None = None
         self.subscribers: dict[str, Subscriber] = {}
-        for url, spec in settings.kv_events.items():
+        for url, spec in kv_events.items():
             try:
                 pub, replay = parse_endpoint(spec)
             except ValueError as exc:

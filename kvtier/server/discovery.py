@@ -56,10 +56,13 @@ def peer_url(url: str) -> str:
         ValueError: not a ``kvtier://host:port`` URL.
     """
     address = parse_server_address(url)
-    host = address.host
+    return _canonical_url(address.host, address.port)
+
+
+def _canonical_url(host: str, port: int) -> str:
     with contextlib.suppress(ValueError):  # a name, not an address
         host = ipaddress.ip_address(host).compressed
-    return f"kvtier://{host_port(host, address.port)}"
+    return f"kvtier://{host_port(host.lower(), port)}"
 
 
 def advertised(host: str, port: int, advertise: str | None) -> str:
@@ -80,7 +83,8 @@ def advertised(host: str, port: int, advertise: str | None) -> str:
             f"--host {host!r} binds every address: give --advertise kvtier://HOST:PORT, "
             "the address the other servers reach this one at (peer discovery registers it)"
         )
-    return peer_url(f"kvtier://{host_port(host, port)}")
+    # Not through peer_url: before the server binds, port 0 stands for the port it gets.
+    return _canonical_url(host, port)
 
 
 def check_group(group: str) -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.chunker import Chunker, RequestExtras
+from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import KEY_FORMAT, CacheKey
 from kvtier.storage.remote import space_of
@@ -214,9 +214,11 @@ def lookup(
     Args:
         request: ``{"model": str, "tokens": [int] | "hashes": [hex str], ...}``; optional
             ``chunk_size``, ``hash_algorithm``, ``hash_seed`` (the server's config by
-            default), ``cache_salt``, ``lora_name``, ``lora_path`` (as the engine hashes
-            them), ``num_tokens`` (with ``hashes``: the prompt length, for a partial last
-            chunk).
+            default), ``cache_salt``, ``lora_name``, ``lora_path``, ``mm_items`` (each
+            multimodal item's ``identifier``, ``offset``, ``length``: as the engine
+            hashes them), ``num_tokens`` (with ``hashes``: the prompt length, for a
+            partial last chunk). A prompt given as embeddings is keyed by them: it is
+            looked up by ``hashes`` only (``prompt_embeds`` is refused).
         exists_many: ``(namespace, names) -> [bool]`` over the server's tiers.
 
     Raises:
@@ -228,6 +230,11 @@ def lookup(
     chunk_size = _field(request, "chunk_size", int, chunk_size)
     if chunk_size < 1:
         raise BadLookup("'chunk_size' must be >= 1")
+    if "prompt_embeds" in request:
+        raise BadLookup(
+            "'prompt_embeds': a prompt given as embeddings is keyed by them, which a lookup "
+            "does not carry: give its 'hashes' (CacheEngine.chunk_keys with the embeddings)"
+        )
     if ("tokens" in request) == ("hashes" in request):
         raise BadLookup("give exactly one of 'tokens' (token ids) or 'hashes' (hex strings)")
     if "tokens" in request:
@@ -270,10 +277,36 @@ def _hashes_of(
         lora_name=_field(request, "lora_name", str, None),
         lora_path=_field(request, "lora_path", str, None),
         cache_salt=_field(request, "cache_salt", str, None),
+        mm=_mm_items(_field(request, "mm_items", list, []), len(tokens)),
     )
     template = CacheKey("lookup", 1, 0, "any", b"")
     db = Chunker(chunk_size, hasher, template)
     return db.chunk_hashes(tokens, extras, include_partial=True)
+
+
+def _mm_items(values: list[Any], num_tokens: int) -> tuple[MultiModalSpan, ...]:
+    """``mm_items`` as the engine keys a request's multimodal items (vLLM's
+    ``mm_features``: the item's ``identifier``, its placeholder's ``offset`` and
+    ``length``), sorted by offset."""
+    items = []
+    for value in values:
+        if not (isinstance(value, dict) and set(value) == {"identifier", "offset", "length"}):
+            raise BadLookup(
+                '\'mm_items\' must be a list of {"identifier": str, "offset": int, '
+                '"length": int} (vLLM\'s mm_features: identifier and mm_position)'
+            )
+        identifier, offset, length = value["identifier"], value["offset"], value["length"]
+        if not (isinstance(identifier, str) and identifier):
+            raise BadLookup("'mm_items': an identifier must be a non-empty string")
+        if not (type(offset) is int and type(length) is int and offset >= 0 and length > 0):
+            raise BadLookup("'mm_items': offset must be an integer >= 0 and length >= 1")
+        if offset + length > num_tokens:
+            raise BadLookup(
+                f"'mm_items': the item at {offset} (length {length}) ends past the "
+                f"{num_tokens} tokens"
+            )
+        items.append(MultiModalSpan(identifier, offset, length))
+    return tuple(sorted(items, key=lambda item: item.offset))
 
 
 def _parse_hashes(values: list[Any]) -> list[bytes]:

@@ -216,7 +216,8 @@ class StorageManager:
         memory holds). With ``prefetch``, the lower-tier part of the run starts moving
         into the CPU tier: the keys from index ``prefetch_from`` on (those before it the
         engine has already), at most ``prefetch_most`` of them (what one load can take;
-        None: the rest of the run), so a lookup reads no chunk a load will not use.
+        None: the rest of the run), so a lookup reads no chunk a load will not use; and no
+        more than keep every prefetch in flight within ``prefetch_most`` chunks together.
         """
         in_cpu = self.cpu.prefix_length(keys)
         rest = list(keys[in_cpu:])
@@ -230,7 +231,7 @@ class StorageManager:
             if prefetch_most is not None:
                 end = min(end, prefetch_from + prefetch_most)
             if start < end:
-                self._prefetch(list(keys[start:end]))
+                self._prefetch(list(keys[start:end]), prefetch_most)
         return in_cpu + run
 
     def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
@@ -285,13 +286,22 @@ class StorageManager:
 
     # -- prefetch --------------------------------------------------------------------
 
-    def _prefetch(self, keys: list[CacheKey]) -> None:
-        """Start moving ``keys`` (present in a lower tier) into the CPU tier."""
+    def _prefetch(self, keys: list[CacheKey], most: int | None = None) -> None:
+        """Start moving ``keys`` (present in a lower tier) into the CPU tier: the first of
+        them, as many as keep the chunks of every prefetch in flight within ``most`` (what
+        the CPU pool holds of them) and ``MAX_PREFETCHING``.
+
+        NOTE: a prefetch holds all of its chunks in the CPU pool until the last is read.
+        Lookups in a row (one per request) would otherwise have more in flight than the
+        pool holds: their allocations fail, and a load then finds no room either.
+        """
         if not self.retain_in_cpu or self._fetcher is None:
             return  # NOTE: without a CPU tier there is nowhere to keep a prefetched chunk
+        bound = MAX_PREFETCHING if most is None else min(most, MAX_PREFETCHING)
         with self._prefetch_lock:
             todo = [k for k in keys if k not in self._prefetching]
-            if not todo or len(self._prefetching) + len(todo) > MAX_PREFETCHING:
+            todo = todo[: max(bound - len(self._prefetching), 0)]
+            if not todo:
                 return
             future = self._fetcher.submit(self._fetch_into_cpu, todo)
             for key in todo:

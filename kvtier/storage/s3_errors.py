@@ -4,6 +4,10 @@ refused for want of room, a throttled request, or else a failure.
 botocore raises every error answer as a ``ClientError`` carrying S3's error code
 (``NoSuchKey``, ``SlowDown``) or, for a HEAD request, whose answer has no body, the bare
 HTTP status as the code (``"404"``).
+
+NOTE: a throttled HEAD is a bare 503: S3 throttles with ``503 Slow Down``, and its code
+goes with the body HEAD has not. A bare 503 is therefore read as throttling; a GET or PUT
+answered 503 carries its code (``SlowDown``, or ``ServiceUnavailable``: a failure).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ _THROTTLED = frozenset(
     }
 )
 _TOO_MANY_REQUESTS = 429
+_SLOW_DOWN = 503  # AWS's status for SlowDown; alone (a HEAD's answer), read as throttling
 
 
 def error_code(exc: ClientError) -> str:
@@ -59,5 +64,10 @@ def is_out_of_room(exc: ClientError) -> bool:
 
 
 def is_throttled(exc: ClientError) -> bool:
-    """Whether the store throttled the request."""
-    return error_code(exc) in _THROTTLED or http_status(exc) == _TOO_MANY_REQUESTS
+    """Whether the store throttled the request (a bare 503, a HEAD's, counts)."""
+    code, status = error_code(exc), http_status(exc)
+    return (
+        code in _THROTTLED
+        or status == _TOO_MANY_REQUESTS
+        or (status == _SLOW_DOWN and code == str(_SLOW_DOWN))
+    )

@@ -10,8 +10,8 @@ What the store leaves to the layer above (``RemoteTier``): retries of a failed r
 (botocore makes one attempt), health, integrity (the wire format checksums every payload,
 so botocore's own CRC pass is turned off) and asynchrony.
 
-A throttled request (``SlowDown``, ``Throttling``, ``RequestLimitExceeded``, HTTP 429:
-back-pressure from a store that answers) is the one the store retries itself,
+A throttled request (``SlowDown``, ``Throttling``, ``RequestLimitExceeded``, HTTP 429, a
+HEAD's bare 503: back-pressure from a store that answers) is the one the store retries itself,
 ``throttle_retries`` times with a jittered doubling backoff that sleeps at most
 ``throttle_backoff_s`` in all (botocore's retries would rewind the body, which they cannot
 for the memoryviews the store sends uncopied); still throttled, it raises ``Throttled``,

@@ -228,14 +228,21 @@ class ErrorAnswers:
     """A ``before-send`` hook of a store's client that answers requests with an S3 error
     (HTTP ``status``, error ``code``) in place of the server: every request, or the first
     ``times`` of them (then the server answers). ``attempts`` counts the requests it saw.
+    ``code=None`` answers the bare status with no body, as S3 answers a HEAD request.
 
         answers = ErrorAnswers(503, "SlowDown")
         answers.install(store, "PutObject")
     """
 
-    def __init__(self, status: int, code: str, message: str = "injected", times: int = -1):
+    def __init__(
+        self, status: int, code: str | None, message: str = "injected", times: int = -1
+    ) -> None:
         self.status = status
-        self.body = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        self.body = (
+            b""
+            if code is None
+            else f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        )
         self.times = times
         self.attempts = 0
 

@@ -117,9 +117,12 @@ class SchedulerSide:
         # req_id -> (vllm_cached, load_end, tokens kvtier holds) from the last lookup
         self._hits: dict[str, tuple[int, int, int]] = {}
         self._cancelled_async: list[LoadSpec] = []
+        # Counted once per scheduling of a request: vLLM asks again every step while the
+        # request waits for blocks, and only the first answer counts until it is scheduled.
         self.lookup_requests = 0
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
+        self._looked_up: set[str] = set()  # counted since their last scheduling
         self.pd_waits = 0  # lookups answered "ask again later" (pd_wait_ms)
         self._stats = StatsDelta(self.counters)
         self.clients: list[RpcClient] = []  # lookup sockets, closed with this side
@@ -186,9 +189,11 @@ class SchedulerSide:
         if self.pd_wait_s and self._wait_for_producer(request.request_id, hits < len(hashes)):
             return None, False
         hit_tokens = self._bounds(0, hashes[:hits], held_end)
-        self.lookup_requests += 1
-        self.lookup_tokens += num_tokens
-        self.lookup_hit_tokens += hit_tokens
+        if request.request_id not in self._looked_up:
+            self._looked_up.add(request.request_id)
+            self.lookup_requests += 1
+            self.lookup_tokens += num_tokens
+            self.lookup_hit_tokens += hit_tokens
         if hits:
             self._on_chunks(request, 0, hashes[:hits], hit_tokens)
         load_end = min(hit_tokens, num_tokens - 1)
@@ -217,6 +222,7 @@ class SchedulerSide:
         self, request: Any, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Record the request's blocks and, when vLLM accepted a hit, plan its load."""
+        self._looked_up.discard(request.request_id)  # scheduled: preempted, it counts again
         tracker = self._tracker(request)
         tracker.block_ids = list(block_ids)
         for extension in self.extensions:
@@ -346,6 +352,7 @@ class SchedulerSide:
         self._hash_cache.pop(req_id, None)
         self._hits.pop(req_id, None)
         self._wait_until.pop(req_id, None)
+        self._looked_up.discard(req_id)
         if tracker is not None and tracker.load is not None and tracker.load.is_async:
             load = tracker.load
             load.hashes, load.end, load.chunks_end = [], load.start, load.start
