@@ -212,3 +212,16 @@ def test_window_start_follows_vllms_kv_cache_managers():
     assert [local(n) for n in (127, 128, 300)] == [0, 128, 256]
     for whole in (config(FullAttentionSpec()), None, config()):
         assert facts.window_start(whole)(5000) == 0
+
+
+@pytest.mark.parametrize(
+    ("window", "chunk_size", "warned"),
+    [(64, 64, False), (64, 128, True), (None, 4096, False), (4096, 256, False)],
+)
+def test_a_chunk_the_window_can_free_blocks_of_is_warned_about(caplog, window, chunk_size, warned):
+    config = load_config({"chunk_size": chunk_size}, env={})
+    start = facts.window_start(None if window is None else sliding_window_config(window))
+    with caplog.at_level("WARNING", logger="kvtier"):
+        SchedulerSide(config, lambda hashes, load_from: 0, block_size=BLOCK, window_start=start)
+    said = any(f"chunk_size={chunk_size} is not below" in r.getMessage() for r in caplog.records)
+    assert said == warned, f"window {window}, chunk_size {chunk_size}: warned {said}"

@@ -115,6 +115,15 @@ class SchedulerSide:
                 config.chunk_size,
                 max_model_len,
             )
+        if self._window_cuts_chunks(max_model_len or 1 << 17):
+            logger.warning(
+                "kvtier: chunk_size=%d is not below this model's attention window plus a "
+                "block of %d tokens: vLLM frees a request's blocks behind its window as it "
+                "runs, so a chunk completed in a step that starts past its first block is "
+                "not stored, and later prompts hit only up to it (lower chunk_size)",
+                config.chunk_size,
+                block_size,
+            )
         if self.save_partial and whole_blocks:
             logger.info(
                 "kvtier: this engine's KV layout is copied in whole blocks: a partial last "
@@ -136,6 +145,15 @@ class SchedulerSide:
         self.metrics: MetricsServer | None = None  # the endpoint serving counters()
 
     # -- helpers ---------------------------------------------------------------------
+
+    def _window_cuts_chunks(self, max_model_len: int) -> bool:
+        """Whether vLLM may free a block of a chunk before the step that completes it
+        (which starts with fewer tokens computed than the chunk's end)."""
+        cs, bs = self.chunk_size, self.block_size
+        return any(
+            self.window_start(start + cs - 1) // bs * bs > start
+            for start in range(0, max_model_len, cs)
+        )
 
     def _hashes(self, request: Any) -> HashChain:
         req_id = request.request_id
