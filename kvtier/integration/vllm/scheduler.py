@@ -119,8 +119,8 @@ class SchedulerSide:
             logger.warning(
                 "kvtier: chunk_size=%d is not below this model's attention window plus a "
                 "block of %d tokens: vLLM frees a request's blocks behind its window as it "
-                "runs, so a chunk completed in a step that starts past its first block is "
-                "not stored, and later prompts hit only up to it (lower chunk_size)",
+                "runs, so a chunk whose first block is freed before the step that completes "
+                "it is not stored, and later prompts hit only up to it (lower chunk_size)",
                 config.chunk_size,
                 block_size,
             )
