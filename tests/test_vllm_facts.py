@@ -477,11 +477,18 @@ def test_window_start_is_where_vllms_kv_cache_managers_free_blocks_up_to():
         config(interface.ChunkedLocalAttentionSpec(attention_chunk_size=128, **shape))
     )
     full = window_start(config(interface.FullAttentionSpec(sliding_window=100, **shape)))
+    narrow = interface.SlidingWindowSpec(sliding_window=100, **{**shape, "head_size": 128})
+    mixed = interface.UniformTypeKVCacheSpecs.from_specs(
+        {"a": interface.SlidingWindowSpec(sliding_window=100, **shape), "b": narrow}
+    )
+    assert mixed is not None
+    uniform = window_start(config(mixed))
     vllm_sliding = SimpleNamespace(sliding_window=100, extra_retained_tokens=0)
     vllm_local = SimpleNamespace(attention_chunk_size=128)
     for computed in (0, 99, 100, 101, 127, 128, 1000):
         skipped = managers.SlidingWindowManager.get_num_skipped_tokens(vllm_sliding, computed)
         assert sliding(computed) == skipped, f"sliding window, {computed} tokens computed"
+        assert uniform(computed) == skipped, f"windows of other shapes, {computed} computed"
         skipped = managers.ChunkedLocalAttentionManager.get_num_skipped_tokens(vllm_local, computed)
         assert local(computed) == skipped, f"chunked local attention, {computed} computed"
         assert full(computed) == 0

@@ -167,6 +167,8 @@ def window_start(kv_cache_config: Any) -> Callable[[int], int]:
     speculative decoding), never fewer."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     spec = getattr(groups[0], "kv_cache_spec", None) if len(groups) == 1 else None
+    if specs := getattr(spec, "kv_cache_specs", None):  # layers of one kind, other shapes
+        spec = next(iter(specs.values()))
     kinds = {cls.__name__ for cls in type(spec).__mro__}
     if "SlidingWindowSpec" in kinds:
         window = int(spec.sliding_window)
