@@ -1,7 +1,7 @@
 """What the vLLM connector reads off the engine (``facts``): which layout vLLM's KV
 tensors are in (``detect_paged_kv``), the tags that keep chunks of engines whose KV
-bytes differ apart (``key_tags``), and the engine's ranks (``world_size``,
-``worker_rank``)."""
+bytes differ apart (``key_tags``), the engine's ranks (``world_size``,
+``worker_rank``), and which blocks a sliding window frees (``window_start``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.engine import CacheEngine, EngineMetadata
-from kvtier.integration.vllm.facts import detect_paged_kv, key_tags, worker_rank, world_size
+from kvtier.integration.vllm.facts import (
+    detect_paged_kv,
+    key_tags,
+    window_start,
+    worker_rank,
+    world_size,
+)
 from kvtier_kernels import LayoutError, PagedKV, gather, scatter
 from kvtier_kernels.dtypes import bits, fill_random_bits_
 
@@ -449,3 +455,40 @@ def test_ranks_are_numbered_as_vllm_lays_them_out(monkeypatch, tp, pp, pcp, dcp)
             group = SimpleNamespace(rank_in_group=rank)
             monkeypatch.setattr(parallel_state, f"get_{name}_group", lambda group=group: group)
         assert worker_rank(config) == expected, f"pp={stage} pcp={pcp_rank} tp={tp_rank}"
+
+
+# -- window_start ----------------------------------------------------------------------
+
+
+def test_window_start_is_where_vllms_kv_cache_managers_free_blocks_up_to():
+    """vLLM's own specs and managers: a sliding window and chunked local attention free
+    a request's blocks before ``get_num_skipped_tokens``; a window vLLM runs as full
+    attention (its hybrid manager off, as with a connector) frees none."""
+    interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    managers = pytest.importorskip("vllm.v1.core.single_type_kv_cache_manager")
+    shape = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+
+    def config(spec):
+        group = interface.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+        return interface.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[group])
+
+    sliding = window_start(config(interface.SlidingWindowSpec(sliding_window=100, **shape)))
+    local = window_start(
+        config(interface.ChunkedLocalAttentionSpec(attention_chunk_size=128, **shape))
+    )
+    full = window_start(config(interface.FullAttentionSpec(sliding_window=100, **shape)))
+    narrow = interface.SlidingWindowSpec(sliding_window=100, **{**shape, "head_size": 128})
+    mixed = interface.UniformTypeKVCacheSpecs.from_specs(
+        {"a": interface.SlidingWindowSpec(sliding_window=100, **shape), "b": narrow}
+    )
+    assert mixed is not None
+    uniform = window_start(config(mixed))
+    vllm_sliding = SimpleNamespace(sliding_window=100, extra_retained_tokens=0)
+    vllm_local = SimpleNamespace(attention_chunk_size=128)
+    for computed in (0, 99, 100, 101, 127, 128, 1000):
+        skipped = managers.SlidingWindowManager.get_num_skipped_tokens(vllm_sliding, computed)
+        assert sliding(computed) == skipped, f"sliding window, {computed} tokens computed"
+        assert uniform(computed) == skipped, f"windows of other shapes, {computed} computed"
+        skipped = managers.ChunkedLocalAttentionManager.get_num_skipped_tokens(vllm_local, computed)
+        assert local(computed) == skipped, f"chunked local attention, {computed} computed"
+        assert full(computed) == 0

@@ -10,6 +10,10 @@ there and skips the chunks wholly before it::
            |0 0 0 0 0 0 0 0 0|  own blocks ...    nine null blocks: tokens [0, 144)
                               ^ the load starts here, at chunk c2
 
+A save reads only blocks vLLM still holds for the request: not the null blocks of its
+own prefix hit, nor blocks its window freed before the step (another request may write
+them in the same step), so chunks that start before them are not stored.
+
 A ``chunk_size`` longer than vLLM's ``max_model_len`` never fills: kvtier says so at
 start-up.
 """
@@ -19,10 +23,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from support.vllm_steps import FakeCachedRequests, FakeNewRequest, FakeSchedulerOutput
 
 from kvtier.chunker import Chunker
 from kvtier.config import load_config
 from kvtier.hashing import ChunkHasher
+from kvtier.integration.vllm import facts
 from kvtier.integration.vllm.common import slot_mapping
 from kvtier.integration.vllm.request_tracker import NULL_BLOCK_ID
 from kvtier.integration.vllm.scheduler import SchedulerSide
@@ -116,3 +122,106 @@ def test_a_chunk_longer_than_max_model_len_is_warned_about(
         f"chunk_size={chunk_size}, save_unfull_chunk={save_unfull_chunk}, max_model_len=2048: "
         f"warnings {messages}"
     )
+
+
+def saving_side(window: int | None = None) -> SchedulerSide:
+    """A scheduler side that stores every chunk (kvtier holds none); with ``window``, of a
+    model whose one KV cache group is a sliding window that long."""
+    config = load_config({"chunk_size": CHUNK}, env={})
+    extra = (
+        {}
+        if window is None
+        else {"window_start": facts.window_start(sliding_window_config(window))}
+    )
+    return SchedulerSide(
+        config, lambda hashes, load_from: 0, block_size=BLOCK, whole_blocks=True, **extra
+    )
+
+
+def test_a_prefix_hit_behind_null_blocks_stores_no_chunk_that_starts_in_them():
+    """vLLM's own hit of 240 tokens (a sliding window's, its first nine blocks null) while
+    kvtier holds nothing: stored from there, c0..c2 would be the null block's bytes."""
+    side = saving_side()
+    request = SimpleNamespace(
+        request_id="r", all_token_ids=list(range(1000, 1000 + PROMPT)), num_prompt_tokens=PROMPT
+    )
+    assert side.get_num_new_matched_tokens(request, 240) == (0, False)
+    blocks = [NULL_BLOCK_ID] * 9 + list(range(100, 110))
+    side.update_state_after_alloc(request, blocks, 0)
+    step = FakeSchedulerOutput(
+        scheduled_new_reqs=[FakeNewRequest("r", (blocks,), 240)],
+        num_scheduled_tokens={"r": PROMPT - 240},
+    )
+    (save,) = side.build_plan(step).saves
+    assert (save.first_chunk, len(save.hashes), save.chunks_end) == (3, 1, 4 * CHUNK), (
+        f"stores chunks {save.first_chunk}..{save.first_chunk + len(save.hashes) - 1}; "
+        "expected c3 only (c0..c2 start in the null blocks, tokens [0, 144))"
+    )
+
+
+def test_a_chunk_whose_first_blocks_the_window_freed_is_not_stored():
+    """Window 32, chunked prefill of 80 tokens a step. c2 [128, 192) completes in step 3,
+    which starts with 160 tokens computed: vLLM has freed the blocks before token
+    160 - 31 = 129, tokens [0, 128), and c2 is stored. c3 [192, 256) completes in step 4,
+    which starts with 240 computed: tokens [0, 208) are freed, c3's block of [192, 208)
+    among them (another request may write it in that step), so c3 is not stored."""
+    side = saving_side(window=32)
+    request = SimpleNamespace(
+        request_id="r", all_token_ids=list(range(1000, 1000 + PROMPT)), num_prompt_tokens=PROMPT
+    )
+    side.get_num_new_matched_tokens(request, 0)
+    blocks = list(range(100, 100 + -(-PROMPT // BLOCK)))
+    side.update_state_after_alloc(request, blocks, 0)
+    stored = []
+    for computed, scheduled in [(0, 80), (80, 80), (160, 80), (240, 60)]:
+        if computed == 0:
+            step = FakeSchedulerOutput(scheduled_new_reqs=[FakeNewRequest("r", (blocks,), 0)])
+        else:
+            step = FakeSchedulerOutput(
+                scheduled_cached_reqs=FakeCachedRequests(["r"], set(), [None], [computed])
+            )
+        step.num_scheduled_tokens = {"r": scheduled}
+        for save in side.build_plan(step).saves:
+            stored += range(save.first_chunk, save.first_chunk + len(save.hashes))
+    assert stored == [0, 1, 2], (
+        f"stored chunks {stored}; expected c0..c2 (c3 starts in a block the window freed "
+        "before the step that completed it)"
+    )
+
+
+def sliding_window_config(window: int):
+    class SlidingWindowSpec:  # named as vLLM's: window_start reads the class name
+        sliding_window = window
+
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SlidingWindowSpec())])
+
+
+def test_window_start_follows_vllms_kv_cache_managers():
+    class FullAttentionSpec:  # a sliding window vLLM turned into full attention keeps it
+        sliding_window = 64
+
+    class ChunkedLocalAttentionSpec:
+        attention_chunk_size = 128
+
+    def config(*specs):
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    sliding = facts.window_start(sliding_window_config(64))
+    assert [sliding(n) for n in (0, 63, 64, 200)] == [0, 0, 1, 137]
+    local = facts.window_start(config(ChunkedLocalAttentionSpec()))
+    assert [local(n) for n in (127, 128, 300)] == [0, 128, 256]
+    for whole in (config(FullAttentionSpec()), None, config()):
+        assert facts.window_start(whole)(5000) == 0
+
+
+@pytest.mark.parametrize(
+    ("window", "chunk_size", "warned"),
+    [(64, 64, False), (64, 128, True), (None, 4096, False), (4096, 256, False)],
+)
+def test_a_chunk_the_window_can_free_blocks_of_is_warned_about(caplog, window, chunk_size, warned):
+    config = load_config({"chunk_size": chunk_size}, env={})
+    start = facts.window_start(None if window is None else sliding_window_config(window))
+    with caplog.at_level("WARNING", logger="kvtier"):
+        SchedulerSide(config, lambda hashes, load_from: 0, block_size=BLOCK, window_start=start)
+    said = any(f"chunk_size={chunk_size} is not below" in r.getMessage() for r in caplog.records)
+    assert said == warned, f"window {window}, chunk_size {chunk_size}: warned {said}"

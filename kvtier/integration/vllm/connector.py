@@ -138,7 +138,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = scheduler_side(config, vllm_config)
+            self._scheduler = scheduler_side(config, vllm_config, kv_cache_config)
         else:
             self._worker = WorkerSide.from_vllm(config, vllm_config)
         logger.info("kvtier connector (%s role): %s", role.name.lower(), config.summary())

@@ -157,6 +157,28 @@ def token_major_layout(config: KVTierConfig) -> bool:
     return not current_platform.is_cpu()
 
 
+def window_start(kv_cache_config: Any) -> Callable[[int], int]:
+    """``num_computed_tokens -> first token vLLM keeps for a request``: its KV cache
+    manager frees the blocks wholly before that token as the request runs (sliding-window
+    and chunked-local attention groups) and puts its null block in their place. 0 with
+    full attention, and where no config is known.
+
+    It is an upper bound: vLLM may keep a few more tokens (``extra_retained_tokens`` for
+    speculative decoding), never fewer."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    spec = getattr(groups[0], "kv_cache_spec", None) if len(groups) == 1 else None
+    if specs := getattr(spec, "kv_cache_specs", None):  # layers of one kind, other shapes
+        spec = next(iter(specs.values()))
+    kinds = {cls.__name__ for cls in type(spec).__mro__}
+    if "SlidingWindowSpec" in kinds:
+        window = int(spec.sliding_window)
+        return lambda computed: max(0, computed - window + 1)
+    if "ChunkedLocalAttentionSpec" in kinds:
+        span = int(spec.attention_chunk_size)
+        return lambda computed: computed // span * span
+    return lambda computed: 0
+
+
 def key_tags(vllm_config: VllmConfig, backend: str | None) -> tuple[tuple[str, str], ...]:
     """Key tags for chunks whose bytes depend on more than model and KV tensor dtype.
 

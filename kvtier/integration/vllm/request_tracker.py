@@ -21,7 +21,9 @@ One ``RequestTracker`` per request::
   from there, and the request stores what it recomputes.
 
 A planned load goes out into the request's blocks as they are when it is sent, after its
-leading null blocks (``skip_null_blocks``).
+leading null blocks (``skip_null_blocks``). A save never reads blocks vLLM no longer holds
+for the request (a sliding window's, see ``SchedulerSide``): chunks that start before them
+are not stored.
 """
 
 from __future__ import annotations
@@ -59,16 +61,21 @@ class RequestTracker:
         return self.request.num_prompt_tokens
 
 
+def leading_null_blocks(block_ids: Sequence[int]) -> int:
+    """How many of a request's blocks, from its first, are vLLM's null block."""
+    null = 0
+    while null < len(block_ids) and block_ids[null] == NULL_BLOCK_ID:
+        null += 1
+    return null
+
+
 def skip_null_blocks(load: LoadSpec, block_size: int, chunk_size: int) -> None:
     """Start ``load`` after its leading null blocks.
 
     vLLM gives a sliding-window request's blocks before its window as its null block
     (``NULL_BLOCK_ID``), one placeholder every such request shares: nothing is written
     there, and chunks that lie wholly before the window are not fetched."""
-    null = 0
-    while null < len(load.block_ids) and load.block_ids[null] == NULL_BLOCK_ID:
-        null += 1
-    start = max(load.start, null * block_size)
+    start = max(load.start, leading_null_blocks(load.block_ids) * block_size)
     if start == load.start:
         return
     if start >= load.end:  # sent empty: an async load still reports finished

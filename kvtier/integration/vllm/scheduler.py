@@ -35,7 +35,11 @@ from kvtier.integration.vllm.common import (
     StatsDelta,
     StepPlan,
 )
-from kvtier.integration.vllm.request_tracker import RequestTracker, skip_null_blocks
+from kvtier.integration.vllm.request_tracker import (
+    RequestTracker,
+    leading_null_blocks,
+    skip_null_blocks,
+)
 from kvtier.integration.vllm.rpc import RpcClient
 from kvtier.observability.prometheus import MetricsServer
 
@@ -60,6 +64,10 @@ class SchedulerSide:
             than it is warned about, as no whole chunk ever fills.
         max_load_chunks: how many chunks one load can stage on every rank (None: not
             known); a hit is loaded up to that many chunks past vLLM's own.
+        window_start: ``num_computed_tokens -> token`` before which vLLM may have freed a
+            request's blocks (``facts.window_start``: a sliding window's); a chunk that
+            starts before it is not stored, as its first blocks may hold another
+            request's KV or the null block's.
         extensions: optional features, called from each hook.
     """
 
@@ -75,6 +83,7 @@ class SchedulerSide:
         partial_chunks: bool | None = None,
         max_model_len: int | None = None,
         max_load_chunks: Callable[[], int | None] = lambda: None,
+        window_start: Callable[[int], int] = lambda computed: 0,
         extensions: Sequence[SchedulerExtension] = (),
     ):
         self.config = config
@@ -83,6 +92,7 @@ class SchedulerSide:
         self.hasher = ChunkHasher(config.hash_algorithm, config.hash_seed)
         self.lookup = lookup
         self.max_load_chunks = max_load_chunks
+        self.window_start = window_start
         self.can_load = can_load
         self.can_save = can_save
         self.block_size = block_size
@@ -104,6 +114,15 @@ class SchedulerSide:
                 "save_unfull_chunk)",
                 config.chunk_size,
                 max_model_len,
+            )
+        if self._window_cuts_chunks(max_model_len or 1 << 17):
+            logger.warning(
+                "kvtier: chunk_size=%d is not below this model's attention window plus a "
+                "block of %d tokens: vLLM frees a request's blocks behind its window as it "
+                "runs, so a chunk whose first block is freed before the step that completes "
+                "it is not stored, and later prompts hit only up to it (lower chunk_size)",
+                config.chunk_size,
+                block_size,
             )
         if self.save_partial and whole_blocks:
             logger.info(
@@ -129,6 +148,15 @@ class SchedulerSide:
         self.metrics: MetricsServer | None = None  # the endpoint serving counters()
 
     # -- helpers ---------------------------------------------------------------------
+
+    def _window_cuts_chunks(self, max_model_len: int) -> bool:
+        """Whether vLLM may free a block of a chunk before the step that completes it
+        (which starts with fewer tokens computed than the chunk's end)."""
+        cs, bs = self.chunk_size, self.block_size
+        return any(
+            self.window_start(start + cs - 1) // bs * bs > start
+            for start in range(0, max_model_len, cs)
+        )
 
     def _hashes(self, request: Any) -> HashChain:
         req_id = request.request_id
@@ -269,7 +297,7 @@ class SchedulerSide:
                 continue
             tracker.block_ids = list(new.block_ids[0])
             self._take_sync_load(tracker, plan)
-            self._plan_save(tracker, new.num_computed_tokens + scheduled.get(new.req_id, 0), plan)
+            self._plan_save(tracker, new.num_computed_tokens, scheduled.get(new.req_id, 0), plan)
 
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
@@ -283,8 +311,7 @@ class SchedulerSide:
             elif new_blocks:
                 tracker.block_ids.extend(new_blocks[0])
             self._take_sync_load(tracker, plan)
-            computed_end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            self._plan_save(tracker, computed_end, plan)
+            self._plan_save(tracker, cached.num_computed_tokens[i], scheduled.get(req_id, 0), plan)
 
         # Async loads go out as soon as their blocks exist; the request itself is not
         # scheduled until the workers report the load finished.
@@ -312,10 +339,16 @@ class SchedulerSide:
         tracker.loading = (load.start, load.end)
         plan.loads.append(load)
 
-    def _plan_save(self, tracker: RequestTracker, computed_end: int, plan: StepPlan) -> None:
+    def _plan_save(
+        self, tracker: RequestTracker, computed: int, scheduled: int, plan: StepPlan
+    ) -> None:
+        """Store the chunks this step completes (its ``scheduled`` tokens after ``computed``)
+        whose blocks vLLM still holds for the request: none of its leading null blocks,
+        nor blocks its window left before this step (freed, maybe another request's now)."""
         if not self.can_save or not tracker.stores:
             return
         cs = self.chunk_size
+        computed_end = computed + scheduled
         num_prompt = tracker.num_prompt_tokens
         limit = len(tracker.tokens) if self.config.save_decode_cache else num_prompt
         end = min(computed_end, limit)
@@ -324,12 +357,18 @@ class SchedulerSide:
         save_end = partial_end if partial else end // cs * cs
         if save_end <= tracker.saved_upto:
             return
-        first = tracker.saved_upto // cs
+        held = max(
+            self.window_start(computed) // self.block_size,
+            leading_null_blocks(tracker.block_ids),
+        )
+        first = max(tracker.saved_upto // cs, -(-held * self.block_size // cs))
+        tracker.saved_upto = save_end
+        if first * cs >= save_end:
+            return  # the blocks of every chunk left to store are gone
         hashes = tracker.hashes.upto(tracker.tokens, save_end, partial=partial)[first:]
         plan.saves.append(
             SaveSpec(tracker.req_id, first, hashes, save_end, list(tracker.block_ids))
         )
-        tracker.saved_upto = save_end
         self._on_chunks(tracker.request, first, hashes, save_end)
 
     def on_preempted(self, req_ids: set[str] | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
 from kvtier.integration.vllm import facts
@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def scheduler_side(config: KVTierConfig, vllm_config: VllmConfig) -> SchedulerSide:
+def scheduler_side(
+    config: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: Any = None
+) -> SchedulerSide:
     """The scheduler side of an engine: lookups over every worker rank's socket, the
-    extensions its config enables, its metrics endpoint."""
+    extensions its config enables, its metrics endpoint; ``kv_cache_config`` (vLLM's
+    ``KVCacheConfig``) tells which blocks a sliding window frees."""
     show_kvtier_logs()
     transfer = vllm_config.kv_transfer_config
     endpoints = [
@@ -47,6 +50,7 @@ def scheduler_side(config: KVTierConfig, vllm_config: VllmConfig) -> SchedulerSi
         partial_chunks=facts.stores_partial_chunks(config, transfer.kv_role),
         max_model_len=vllm_config.model_config.max_model_len,
         max_load_chunks=lambda: lookup.max_load_chunks,
+        window_start=facts.window_start(kv_cache_config),
         extensions=scheduler_extensions(config, vllm_config, client),
     )
     side.clients.append(client)
