@@ -194,6 +194,16 @@ def test_clients_must_send_the_token(pool):
         assert server.admin("/clear", "POST", auth) == (200, {"deleted": 1})
 
 
+def test_a_refused_token_names_the_setting_that_sends_it():
+    with KVTierServerProcess("--auth-token", "s3cret", token="s3cret") as server:
+        for token, sent in (("nope", "sent one it does not take"), (None, "sent none")):
+            client = KVTierStore("127.0.0.1", server.port, namespace="m", token=token)
+            with pytest.raises(StoreUnavailable, match=f"{sent}: set server_token") as error:
+                client.exists_many(["a"])
+            assert "s3cret" not in str(error.value)
+            client.close()
+
+
 def raw_exchange(port: int, data: bytes) -> bytes:
     """Send ``data`` on a fresh connection; what comes back until the server closes it
     (or 2 s pass)."""
