@@ -330,6 +330,26 @@ class InProcessServer:
         self.cache.close(0)
 
 
+def test_a_client_over_the_limit_is_told_which_flag_refused_it():
+    """An engine whose connection is refused marks the server down: its log must say
+    that the server is full (``--max-clients``), not show a bare connection reset."""
+    holder = InProcessServer(max_clients=1)
+    try:
+        held = holder.client()
+        held.ping()
+        wait_until(lambda: holder.server.clients == 1)
+        with pytest.raises(
+            StoreUnavailable, match=r"more than 1 clients \(kvtier serve --max-clients"
+        ):
+            holder.client().ping()
+        assert holder.server.stats.get("rejects_too_many_clients") == 1
+        held.close()
+        wait_until(lambda: holder.server.clients == 0)
+        holder.client().ping()
+    finally:
+        holder.close()
+
+
 def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
     holder = InProcessServer(max_clients=3, frame_timeout_s=0.5)
     try:
