@@ -558,3 +558,38 @@ def test_the_server_disk_finds_a_blob_file_it_did_not_index(tmp_path):
     assert len(server_disk) == 1
     assert server_disk.delete(disk_name(("ns", "k")))
     assert read_from_disk(other, ("ns", "k")) is None and len(other) == 0
+
+
+@pytest.mark.parametrize("meanwhile", ["evicted", "deleted"])
+def test_a_file_evicted_or_deleted_while_written_does_not_stay_behind(
+    tmp_path, monkeypatch, meanwhile
+):
+    """Writes run on several threads (the disk tier's writers, the server's request
+    threads): one may evict (or a client delete) a name whose file another is still
+    writing. That file must not land afterwards outside the index, where it would hold
+    disk beyond the bound, unseen, until a restart."""
+    from kvtier.storage import file_store
+
+    slow, go = "a" * 32, threading.Event()
+    writing = threading.Event()
+
+    def write_whole(path, parts, **kwargs):
+        if path.stem == slow:
+            writing.set()
+            go.wait(10)
+        return files.write_whole(path, parts, **kwargs)
+
+    monkeypatch.setattr(file_store, "write_whole", write_whole)
+    store = FileStore(tmp_path, "t", capacity_bytes=2_500, describe="test")
+    writer = threading.Thread(target=store.write, args=(slow, [b"1" * 1000]))
+    writer.start()
+    assert writing.wait(10)
+    if meanwhile == "evicted":  # the oldest, the slow one, makes room for the third
+        assert store.write("b" * 32, [b"2" * 1000]) and store.write("c" * 32, [b"3" * 1000])
+    else:
+        store.delete(slow)
+    go.set()
+    writer.join(10)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "t").rglob(f"*{SUFFIX}"))
+    assert on_disk == store.used_bytes <= store.capacity_bytes
+    assert not Path(store.path(slow)).exists()

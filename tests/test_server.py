@@ -194,6 +194,16 @@ def test_clients_must_send_the_token(pool):
         assert server.admin("/clear", "POST", auth) == (200, {"deleted": 1})
 
 
+def test_a_refused_token_names_the_setting_that_sends_it():
+    with KVTierServerProcess("--auth-token", "s3cret", token="s3cret") as server:
+        for token, sent in (("nope", "sent one it does not take"), (None, "sent none")):
+            client = KVTierStore("127.0.0.1", server.port, namespace="m", token=token)
+            with pytest.raises(StoreUnavailable, match=f"{sent}: set server_token") as error:
+                client.exists_many(["a"])
+            assert "s3cret" not in str(error.value)
+            client.close()
+
+
 def raw_exchange(port: int, data: bytes) -> bytes:
     """Send ``data`` on a fresh connection; what comes back until the server closes it
     (or 2 s pass)."""
@@ -318,6 +328,26 @@ class InProcessServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.cache.close(0)
+
+
+def test_a_client_over_the_limit_is_told_which_flag_refused_it():
+    """An engine whose connection is refused marks the server down: its log must say
+    that the server is full (``--max-clients``), not show a bare connection reset."""
+    holder = InProcessServer(max_clients=1)
+    try:
+        held = holder.client()
+        held.ping()
+        wait_until(lambda: holder.server.clients == 1)
+        with pytest.raises(
+            StoreUnavailable, match=r"more than 1 clients \(kvtier serve --max-clients"
+        ):
+            holder.client().ping()
+        assert holder.server.stats.get("rejects_too_many_clients") == 1
+        held.close()
+        wait_until(lambda: holder.server.clients == 0)
+        holder.client().ping()
+    finally:
+        holder.close()
 
 
 def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():

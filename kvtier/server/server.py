@@ -146,6 +146,7 @@ class KVTierServer:
         self.max_shm_bytes = max_shm_bytes
         self.leases = leases
         self.clients = 0
+        self._refusing = 0  # connections over max_clients being answered
         self.shm_clients = 0
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -210,7 +211,7 @@ class KVTierServer:
     async def _serve_client(self, sock: socket.socket) -> None:
         with sock:
             if self.clients >= self.max_clients:
-                self._reject("too_many_clients", f"more than {self.max_clients} clients")
+                await self._refuse(sock)
                 return
             self.clients += 1
             try:
@@ -220,6 +221,20 @@ class KVTierServer:
                 pass
             finally:
                 self.clients -= 1
+
+    async def _refuse(self, sock: socket.socket) -> None:
+        """A connection over ``max_clients``: one error frame naming the limit, so the
+        client's error says why, while fewer refusals than ``max_clients`` are under
+        way; beyond that it is closed bare (a flood holds a bounded number of sockets)."""
+        detail = f"more than {self.max_clients} clients (kvtier serve --max-clients)"
+        if self._refusing >= self.max_clients:
+            self._reject("too_many_clients", detail)
+            return
+        self._refusing += 1
+        try:
+            await self._fail(sock, 0, "too_many_clients", detail)
+        finally:
+            self._refusing -= 1
 
     async def _converse(self, sock: socket.socket) -> None:
         """Frames and their answers until the client goes away or breaks the protocol."""

@@ -192,6 +192,8 @@ class FileStore:
         except OSError:
             self.forget(name)
             raise
+        if self.bounded:
+            self._drop_if_gone(name)
         if refused is not None:
             self.o_direct = False
             warn_once(
@@ -200,6 +202,15 @@ class FileStore:
                 "using buffered I/O",
             )
         return True
+
+    def _drop_if_gone(self, name: str) -> None:
+        """Delete the file of ``name``, just written, if another thread evicted or deleted
+        the name while it was being written: it would stay on disk outside the index
+        and the bound (evicting it removed no file yet)."""
+        with self._lock:
+            if name not in self._index:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path(name))
 
     def delete(self, name: str) -> bool:
         """Delete ``name``'s file; whether there was one."""

@@ -122,7 +122,10 @@ class KVTierStore:
                     hello["shm"] = offered.as_header()
                 except OSError as exc:  # no room in /dev/shm: this connection uses TCP
                     warn_once(logger, f"kvtier server {self.url}: no shared memory ({exc})")
-            reply, _ = self._exchange(conn, Op.HELLO, hello, ())
+            try:
+                reply, _ = self._exchange(conn, Op.HELLO, hello, ())
+            except ProtocolError as exc:
+                raise _hello_refused(exc, sent_token=self._token is not None) from None
             conn.max_frame = int(reply.get("max_frame", conn.max_frame))
             conn.max_names, conn.idle_timeout_s = _limits(reply)
             self.max_names = conn.max_names
@@ -456,6 +459,18 @@ class KVTierStore:
 
 def _blob_bytes(parts: Sequence[Buffer]) -> int:
     return sum(len(p) for p in parts)
+
+
+def _hello_refused(error: ProtocolError, *, sent_token: bool) -> ProtocolError:
+    """``error``, the server's answer to HELLO, naming the setting to fix when it refused
+    the token."""
+    if "unauthenticated" not in str(error) or "token" not in str(error):
+        return error
+    sent = "this client sent one it does not take" if sent_token else "this client sent none"
+    return ProtocolError(
+        f"{error} ({sent}: set server_token, or KVTIER_SERVER_TOKEN, to kvtier serve's "
+        "--auth-token)"
+    )
 
 
 def _limits(hello: dict[str, Any]) -> tuple[int | None, float]:
