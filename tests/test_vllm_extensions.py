@@ -147,6 +147,24 @@ def test_scheduler_hooks_reach_every_extension() -> None:
     assert side.counters()["recorder_calls"] == len(recorder.calls)
 
 
+def test_a_request_resumed_in_the_step_it_was_preempted_keeps_its_claim() -> None:
+    """A request preempted between steps (``reset_prefix_cache`` with
+    ``reset_running_requests``) resumes in the next: the claim it made since is its own."""
+    config = load_config({"chunk_size": CHUNK}, env={})
+    recorder = Recorder()
+    side = SchedulerSide(
+        config, lambda hashes, load_from: 0, block_size=BLOCK, extensions=[recorder]
+    )
+    resumed = request("claim-resumed", list(range(20)))
+    assert side.get_num_new_matched_tokens(resumed, 0) == (19, False)
+    side.update_state_after_alloc(resumed, [5, 6, 7, 8, 9], 19)
+    plan = side.build_plan(
+        new_step("claim-resumed", [5, 6, 7, 8, 9], 19, 1, preempted=["claim-resumed"])
+    )
+    assert ("on_preempted", []) in recorder.calls, recorder.calls
+    assert plan.extensions == {"recorder": [("claim-resumed", [5, 6, 7, 8, 9])]}
+
+
 def test_scheduler_counts_each_lookup_it_asks_of_the_ranks() -> None:
     config = load_config({"chunk_size": CHUNK}, env={})
     side = SchedulerSide(config, lambda hashes, load_from: 1, block_size=BLOCK)

@@ -647,6 +647,28 @@ def test_preemption_drops_only_a_planned_sync_load(async_loading, kept):
     )
 
 
+def test_request_preempted_between_steps_loads_when_resumed():
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts running requests between
+    steps; vLLM resumes them in the next step, whose output names them preempted. The load
+    planned at the resume (vLLM counts its tokens as computed) goes into the new blocks."""
+    held = HeldHashes()
+    side = make_side(held)
+    request = make_request("r", 200)
+    side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, blocks_for(200), 0)
+    side.build_plan(new_step("r", blocks_for(200), 0, 200))
+    held.hold(expected_hashes(side.config, request.all_token_ids)[:3])
+    matched, _ = side.get_num_new_matched_tokens(request, 0)
+    resumed_blocks = blocks_for(200, first=400)
+    side.update_state_after_alloc(request, resumed_blocks, matched)
+    step = cached_step("r", matched, 200 - matched, resumed_blocks, resumed=True)
+    step.preempted_req_ids = {"r"}
+    plan = side.build_plan(step)
+    assert [load.block_ids for load in plan.loads] == [resumed_blocks], (
+        f"the resumed request's load of {matched} tokens was dropped: {plan.loads}"
+    )
+
+
 # -- finishing -----------------------------------------------------------------------
 
 

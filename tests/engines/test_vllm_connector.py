@@ -15,7 +15,14 @@ from collections import defaultdict
 
 import pytest
 from conftest import BLOCK, CHUNK
-from support.engines import expected_loaded, generate, make_llm, shutdown, worker_stats
+from support.engines import (
+    expected_loaded,
+    generate,
+    generate_resetting,
+    make_llm,
+    shutdown,
+    worker_stats,
+)
 from support.event_stream import EventStream
 from support.redis_server import free_port
 from test_prometheus import scrape_url
@@ -59,6 +66,10 @@ def run(model_a, prompts_a, shared_prefix_prompts):
         assert llm.reset_prefix_cache(reset_connector=True)
         result["after_clear"] = generate(llm, prompts_a[3:4])
         result["events_after_clear"] = stream.take()
+        # Running requests preempted by a reset resume in the next step, loading from kvtier.
+        generate(llm, prompts_a)
+        assert llm.reset_prefix_cache()
+        result["reset_running"] = generate_resetting(llm, prompts_a, after_steps=3)
         return result
     finally:
         if llm is not None:
@@ -77,6 +88,15 @@ def test_warm_outputs_equal_no_connector(run, reference_a):
         assert got.token_ids == want.token_ids, f"prompt {i}: warm output differs"
     for got, want in zip(run["warm_shared"], reference_a["shared"], strict=True):
         assert got.token_ids == want.token_ids
+
+
+def test_requests_resumed_after_a_reset_equal_no_connector(run, reference_a):
+    """``reset_prefix_cache(reset_running_requests=True)`` mid-decode: each request resumes
+    with a load from kvtier, and its output is still that of no connector."""
+    assert [r.token_ids for r in run["reset_running"]] == [
+        r.token_ids for r in reference_a["single"]
+    ]
+    assert sum(r.num_cached_tokens for r in run["reset_running"]) > 0, "nothing was loaded"
 
 
 def test_warm_pass_loads_every_stored_chunk(run, prompts_a):

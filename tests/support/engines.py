@@ -87,6 +87,35 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]
     ]
 
 
+def generate_resetting(
+    llm, prompts: list[list[int]], *, after_steps: int, max_tokens: int = 8
+) -> list[Result]:
+    """``generate``, but after ``after_steps`` engine steps vLLM's prefix cache is reset with
+    ``reset_running_requests``: the running requests are preempted and resumed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"resetting-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+        if steps == after_steps:
+            assert llm.reset_prefix_cache(reset_running_requests=True)
+    return [
+        Result(
+            tuple(finished[i].outputs[0].token_ids),
+            int(finished[i].num_cached_tokens or 0),
+            finished[i].outputs[0].finish_reason,
+        )
+        for i in ids
+    ]
+
+
 def expected_loaded(
     num_tokens: int, *, chunk_size: int, block_size: int, partial: bool = False
 ) -> int:

@@ -285,11 +285,17 @@ class SchedulerSide:
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         """Loads and saves for this step (resets what was planned), then the extensions'
-        specs."""
-        self.on_preempted(getattr(scheduler_output, "preempted_req_ids", None))
+        specs.
+
+        NOTE: a request preempted between steps (vLLM's ``reset_prefix_cache`` with
+        ``reset_running_requests``) is resumed in the next step, whose output reports it
+        preempted too: what was planned for it since (a load) goes into its new blocks.
+        """
+        scheduled = scheduler_output.num_scheduled_tokens
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self.on_preempted(preempted.difference(scheduled))
         plan = StepPlan(loads=self._cancelled_async)
         self._cancelled_async = []
-        scheduled = scheduler_output.num_scheduled_tokens
 
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self.trackers.get(new.req_id)
@@ -308,6 +314,7 @@ class SchedulerSide:
             new_blocks = cached.new_block_ids[i]
             if req_id in resumed:
                 tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracker.loading = None
             elif new_blocks:
                 tracker.block_ids.extend(new_blocks[0])
             self._take_sync_load(tracker, plan)
