@@ -33,7 +33,7 @@ from support.redis_server import (
 )
 
 from kvtier.config.redis_url import parse_url
-from kvtier.storage.blob_store import BlobStore, StoreUnavailable
+from kvtier.storage.blob_store import BlobStore, StoreUnavailable, WriteDenied
 from kvtier.storage.redis_store import MANIFEST_MAGIC, PART_SEP, RedisStore
 
 pytestmark = [
@@ -340,6 +340,26 @@ def test_acl_user(auth_server, make_store):
     wrong = make_store(auth_server.url, username="alice", password="topsecret")
     with unavailable_within(2.5, "Authentication"):
         wrong.ping()
+
+
+def test_acl_users_denied_commands(auth_server, make_store):
+    """A user denied writes gets ``WriteDenied`` for them (reads go on); one denied PING
+    is up; one denied a read is unavailable, told the commands kvtier needs."""
+    space = {"namespace": "acl:"}
+    make_store(auth_server.url, password="topsecret", **space).put_many([("k", [b"v"])])
+    admin = auth_server.client()
+    for user, commands in [("reader", ["+@read"]), ("blind", ["+@all", "-exists", "-ping"])]:
+        admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["~*"], commands=commands)
+    reader = make_store(auth_server.url, username="reader", password="pw", **space)
+    reader.ping()
+    assert reader.get_many(["k"]) == [b"v"] and reader.exists_many(["k"]) == [True]
+    for write in (lambda: reader.put_many([("k2", [b"v"])]), lambda: reader.delete_many(["k"])):
+        with pytest.raises(WriteDenied, match=r"'(set|del)' command"):
+            write()
+    blind = make_store(auth_server.url, username="blind", password="pw", **space)
+    blind.ping()
+    with unavailable_within(2.5, "'exists' command", "remote_username", "EXISTS"):
+        blind.exists_many(["k"])
 
 
 def test_repr_and_errors_hide_the_password(auth_server, make_store):

@@ -152,16 +152,19 @@ def test_redis_killed_and_restarted_mid_run(redis, pool, caplog):
     manager.close()
 
 
-def check_refused_stores_keep_the_tier_up(manager, stats, pool, tier, caplog) -> None:
-    """Chunk 1 is stored; the store now refuses writes for room: chunks 2 and 3 are failed
-    stores (counted, warned once), not an outage: chunk 1 is still found and loaded."""
+def check_refused_stores_keep_the_tier_up(
+    manager, stats, pool, tier, caplog, dropped: str = TierCounter.DROPPED_NO_SPACE
+) -> None:
+    """Chunk 1 is stored; the store now refuses writes (for room, or the ``dropped``
+    cause): chunks 2 and 3 are failed stores (counted, warned once), not an outage: chunk
+    1 is still found and loaded."""
     remote = manager.lower[0]
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
         for i in (2, 3):
             manager.put(key(i), fill(pool, i))
             assert manager.flush(10)
     assert remote.is_up
-    assert stats.get(tier_counter(tier, TierCounter.DROPPED_NO_SPACE)) == 2
+    assert stats.get(tier_counter(tier, dropped)) == 2
     assert stats.get(tier_counter(tier, TierCounter.DROPPED_UNAVAILABLE)) == 0
     assert stats.get(tier_counter(tier, TierCounter.ERRORS)) == 0
     messages = [r.getMessage() for r in caplog.records]
@@ -186,6 +189,26 @@ def test_redis_out_of_memory_is_a_failed_store_not_an_outage(redis, pool, caplog
     client.config_set("maxmemory", 1)  # every SET is refused with OOM; reads go on
     check_refused_stores_keep_the_tier_up(manager, stats, pool, "redis", caplog)
     client.config_set("maxmemory", 0)
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_a_read_only_acl_user_is_refused_stores_not_an_outage(redis, pool, caplog):
+    """An ACL user that may read but not write (nor PING): stores are failed stores
+    (``puts_dropped_error``), a removal is refused, and lookups and loads go on."""
+    store_chunks(remote_manager(redis.url), pool, [1])
+    redis.client().acl_setuser("reader", enabled=True, passwords=["+pw"], keys=["~*"],
+                               commands=["+@read", "-ping"])  # fmt: skip
+    stats = Stats()
+    manager = remote_manager(redis.url, stats, remote_username="reader", remote_password="pw")
+    check_refused_stores_keep_the_tier_up(
+        manager, stats, pool, "redis", caplog, dropped=TierCounter.DROPPED_ERROR
+    )
+    assert "'set' command" in caplog.text
+    remote = manager.lower[0]
+    assert not remote.remove(key(1))
+    assert remote.is_up and manager.lookup_prefix([key(1)]) == 1
     manager.close()
 
 
@@ -334,6 +357,19 @@ def test_s3_quota_or_full_store_is_a_failed_store_not_an_outage(s3, pool, caplog
     refuse.install(client, "PutObject")
     check_refused_stores_keep_the_tier_up(manager, stats, pool, "s3", caplog)
     refuse.remove(client, "PutObject")
+    manager.close()
+
+
+@pytest.mark.s3
+def test_s3_denied_puts_are_failed_stores_not_an_outage(s3, pool, caplog):
+    """A policy that lets this client read the bucket but not write to it."""
+    stats = Stats()
+    manager = remote_manager("s3://kvtier-cache", stats, **s3_settings(s3))
+    store_chunks(manager, pool, [1])
+    ErrorAnswers(403, "AccessDenied").install(manager.lower[0].store._client, "PutObject")
+    check_refused_stores_keep_the_tier_up(
+        manager, stats, pool, "s3", caplog, dropped=TierCounter.DROPPED_ERROR
+    )
     manager.close()
 
 

@@ -27,6 +27,8 @@ Connections come from one pool per store (one per node in cluster mode); at most
 for a free slot. redis-py's retries are disabled: a failed call raises
 ``StoreUnavailable`` at once, and the layer above (``RemoteTier``) decides when to retry.
 The pool reconnects by itself on the next call once the server is back.
+An ACL user denied a write (``NOPERM``) gets ``WriteDenied``: a read-only user still
+serves lookups and loads. One denied ``PING`` is up when the server answers.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvtier.config.redis_url import parse_url
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused, batches
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteDenied, WriteRefused, batches
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,10 @@ _MANIFEST_PROBE_BYTES = 256
 _MAX_PARTS = 1 << 20
 # Keys per SCAN page and per UNLINK pipeline in clear().
 _SCAN_BATCH = 1000
+# The calls that change keys: an ACL error on one of them is a refused write.
+_WRITES = frozenset({"put_many", "delete_many", "clear"})
+# The commands the store sends (named in the error of an ACL user without one of them).
+_NEEDED_COMMANDS = "GET, SET, EXISTS, GETRANGE, DEL, UNLINK, SCAN (clear only), PING"
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +277,17 @@ class RedisStore:
                 f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}",
                 "redis out of memory",
             ) from exc
+        except NoPermissionError as exc:
+            if op not in _WRITES:
+                raise StoreUnavailable(
+                    f"redis store {self.url}: {op} failed: {exc} (the ACL user of "
+                    "remote_username needs the commands of kvtier's remote tier: "
+                    f"{_NEEDED_COMMANDS})"
+                ) from exc
+            # a read-only ACL user: reads go on
+            raise WriteDenied(
+                f"redis store {self.url}: {op} failed: {exc}", "redis ACL denies writes"
+            ) from exc
         except (RedisError, RedisClusterException, OSError) as exc:
             raise StoreUnavailable(
                 f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}"
@@ -471,12 +488,15 @@ class RedisStore:
         """Return if the server (every primary of a cluster) answers; else raise
         StoreUnavailable."""
         with self._call("ping") as client:
-            if isinstance(client, RedisCluster):
-                # A cluster with one primary down still answers for the other slots;
-                # that is not a healthy store.
-                client.ping(target_nodes=RedisCluster.PRIMARIES)
-            else:
-                client.ping()
+            try:
+                if isinstance(client, RedisCluster):
+                    # A cluster with one primary down still answers for the other slots;
+                    # that is not a healthy store.
+                    client.ping(target_nodes=RedisCluster.PRIMARIES)
+                else:
+                    client.ping()
+            except NoPermissionError:
+                pass  # an ACL user without PING: the server answered
 
     def close(self) -> None:
         """Close every connection (idempotent); later calls raise StoreUnavailable."""

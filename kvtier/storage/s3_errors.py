@@ -1,5 +1,5 @@
 """What an S3 error answer means to the S3 store: an absent object or bucket, a write
-refused for want of room, a throttled request, or else a failure.
+refused for want of room or of permission, a throttled request, or else a failure.
 
 botocore raises every error answer as a ``ClientError`` carrying S3's error code
 (``NoSuchKey``, ``SlowDown``) or, for a HEAD request, whose answer has no body, the bare
@@ -40,6 +40,17 @@ _THROTTLED = frozenset(
     }
 )
 _TOO_MANY_REQUESTS = 429
+# The store's calls that write (the multipart ones, and deletes); an operation is named
+# by its call, with what it is about after a space (``upload_part 3``).
+_WRITES = frozenset(
+    {
+        "put_object",
+        "create_multipart_upload",
+        "upload_part",
+        "complete_multipart_upload",
+        "delete_objects",
+    }
+)
 
 
 def error_code(exc: ClientError) -> str:
@@ -61,3 +72,9 @@ def is_out_of_room(exc: ClientError) -> bool:
 def is_throttled(exc: ClientError) -> bool:
     """Whether the store throttled the request."""
     return error_code(exc) in _THROTTLED or http_status(exc) == _TOO_MANY_REQUESTS
+
+
+def is_write_denied(exc: ClientError, operation: str) -> bool:
+    """Whether the store refused ``operation``, a write, for want of permission (a policy
+    that lets this client read but not write)."""
+    return error_code(exc) == "AccessDenied" and operation.split(" ")[0] in _WRITES

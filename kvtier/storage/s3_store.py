@@ -43,7 +43,7 @@ from urllib3.exceptions import HTTPError
 
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage import s3_errors
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteRefused
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
@@ -460,6 +460,8 @@ class S3Store:
         where = f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target}"
         if s3_errors.is_out_of_room(exc):
             return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
+        if s3_errors.is_write_denied(exc, operation):
+            return WriteDenied(f"{where} denied: {error}", f"s3 {code}")
         if s3_errors.is_throttled(exc):
             return Throttled(f"{where} throttled after {self.throttle_retries} retries: {error}")
         return StoreUnavailable(f"{where} failed: {error}")
