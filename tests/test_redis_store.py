@@ -638,6 +638,28 @@ def test_tls_failures_are_unavailable(tls_server, make_store):
         plain.ping()
 
 
+@needs_tls
+@pytest.mark.parametrize(
+    ("files", "named"),
+    [
+        ({"tls_ca_file": "/no/such/ca.pem"}, "remote_tls_ca_file"),
+        ({"tls_ca_file": "{garbage}"}, "remote_tls_ca_file"),
+        ({"tls_key_file": "{key}"}, "remote_tls_key_file"),
+        ({"tls_cert_file": "{cert}", "tls_key_file": "{garbage}"}, "remote_tls_cert_file"),
+        ({"tls_cert_file": "{cert}", "tls_key_file": "/no/such/key"}, "remote_tls_key_file"),
+    ],
+    ids=["missing-ca", "ca-not-pem", "key-without-cert", "key-not-pem", "missing-key"],
+)
+def test_tls_files_that_cannot_be_loaded_are_value_errors(tls_files, tmp_path, files, named):
+    """At start, naming the key, rather than an outage at every connection."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    paths = {"{garbage}": str(garbage), "{key}": tls_files.key_file, "{cert}": tls_files.cert_file}
+    kwargs = {name: paths.get(value, value) for name, value in files.items()}
+    with pytest.raises(ValueError, match=named):
+        RedisStore("rediss://127.0.0.1:1/0", **kwargs)
+
+
 # -- Redis Cluster -------------------------------------------------------------------
 
 

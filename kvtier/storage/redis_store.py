@@ -49,7 +49,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvtier.config.redis_url import parse_url
+from kvtier.config.redis_url import check_tls_files, parse_url
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteDenied, WriteRefused, batches
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
@@ -147,8 +147,9 @@ class RedisStore:
         max_value_bytes: values above this are split into parts of this size.
 
     Raises:
-        ValueError: a bad URL (naming ``remote_url``) or a bad argument. The constructor
-            does not connect: a server that is down shows at the first call.
+        ValueError: a bad URL (naming ``remote_url``), a TLS file that cannot be loaded
+            (naming its ``remote_tls_*`` key) or a bad argument. The constructor does not
+            connect: a server that is down shows at the first call.
     """
 
     name = "redis"
@@ -191,6 +192,8 @@ class RedisStore:
                 f"{', '.join(given)} set but remote_url {endpoint.display!r} is not TLS; "
                 "use rediss:// (or valkeys://, rediss-cluster://)"
             )
+        if endpoint.tls:
+            check_tls_files(tls_ca_file, tls_cert_file, tls_key_file)
 
         self.url = endpoint.display
         self.namespace = namespace
