@@ -331,6 +331,13 @@ def test_a_wrong_or_missing_password_is_unavailable_not_a_hang(auth_server, make
         store.put_many([("k", [b"v"])])
 
 
+def test_an_authentication_failure_names_the_credential_keys(auth_server, make_store):
+    for password in ("wrong", None):
+        store = make_store(auth_server.url, password=password, timeout_s=0.5)
+        with unavailable_within(2.5, "remote_password", "remote_username", "remote_url"):
+            store.ping()
+
+
 def test_acl_user(auth_server, make_store):
     port = auth_server.port
     make_store(f"redis://alice:wonder%20land@127.0.0.1:{port}/0").ping()

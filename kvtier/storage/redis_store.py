@@ -72,6 +72,7 @@ _SCAN_BATCH = 1000
 _WRITES = frozenset({"put_many", "delete_many", "clear"})
 # The commands the store sends (named in the error of an ACL user without one of them).
 _NEEDED_COMMANDS = "GET, SET, EXISTS, GETRANGE, DEL, UNLINK, SCAN (clear only), PING"
+_AUTH_HINT = " (check remote_password, remote_username or the user:password in remote_url)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +293,9 @@ class RedisStore:
                 f"redis store {self.url}: {op} failed: {exc}", "redis ACL denies writes"
             ) from exc
         except (RedisError, RedisClusterException, OSError) as exc:
+            hint = _AUTH_HINT if isinstance(exc, redis.AuthenticationError) else ""
             raise StoreUnavailable(
-                f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}"
+                f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}{hint}"
             ) from exc
         finally:
             self._slots.release()
