@@ -250,6 +250,28 @@ def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
     manager.close()
 
 
+@needs_redis
+@pytest.mark.redis
+def test_a_redis_key_of_another_kind_is_a_corrupt_miss_not_an_outage(redis, pool):
+    """Someone else's list under a chunk's key: a miss, counted and removed; the tier
+    stays up and the other chunks of the batch load."""
+    stats = Stats()
+    manager = remote_manager(redis.url, stats)
+    objs = store_chunks(manager, pool, [1, 2])
+    manager.cpu.clear()
+    raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
+    redis.client().delete(raw_key)
+    redis.client().rpush(raw_key, b"not kvtier's")
+    got = manager.get_many([key(1), key(2)])
+    assert got[0] is None and same_bytes(got[1], objs[2])
+    got[1].ref_down()
+    assert manager.lower[0].is_up
+    assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+    assert stats.get(tier_counter("redis", TierCounter.ERRORS)) == 0
+    wait_until(lambda: not redis.client().exists(raw_key))
+    manager.close()
+
+
 def test_unreachable_remote_at_start_up_does_not_stop_the_engine(pool, caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
         manager = remote_manager("redis://127.0.0.1:1/0")  # nothing listens on port 1
