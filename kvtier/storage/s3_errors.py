@@ -1,5 +1,6 @@
 """What an S3 error answer means to the S3 store: an absent object or bucket, a write
-refused for want of room or of permission, a throttled request, or else a failure.
+refused for want of room or of permission, a throttled request, or else a failure (with a
+hint naming the credential keys where the credentials are missing or refused).
 
 botocore raises every error answer as a ``ClientError`` carrying S3's error code
 (``NoSuchKey``, ``SlowDown``) or, for a HEAD request, whose answer has no body, the bare
@@ -8,7 +9,7 @@ HTTP status as the code (``"404"``).
 
 from __future__ import annotations
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
 # Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
 NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
@@ -40,6 +41,15 @@ _THROTTLED = frozenset(
     }
 )
 _TOO_MANY_REQUESTS = 429
+# Error codes of a request whose credentials are refused (besides any HTTP 403 Forbidden).
+_BAD_CREDENTIALS = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
+)
+_FORBIDDEN = 403
+_CREDENTIALS_HINT = (
+    " (check s3_access_key_id and s3_secret_access_key, or boto3's credential chain when "
+    "they are null)"
+)
 # The store's calls that write (the multipart ones, and deletes); an operation is named
 # by its call, with what it is about after a space (``upload_part 3``).
 _WRITES = frozenset(
@@ -78,3 +88,15 @@ def is_write_denied(exc: ClientError, operation: str) -> bool:
     """Whether the store refused ``operation``, a write, for want of permission (a policy
     that lets this client read but not write)."""
     return error_code(exc) == "AccessDenied" and operation.split(" ")[0] in _WRITES
+
+
+def credentials_hint(exc: BaseException) -> str:
+    """A hint naming the keys that give the credentials, for a failure of missing or
+    refused credentials; else ``""``."""
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        return _CREDENTIALS_HINT
+    if isinstance(exc, ClientError) and (
+        error_code(exc) in _BAD_CREDENTIALS or http_status(exc) == _FORBIDDEN
+    ):
+        return _CREDENTIALS_HINT
+    return ""

@@ -450,7 +450,7 @@ class S3Store:
         it throttled)."""
         target = f" of {key!r}" if key is not None else ""
         if not isinstance(exc, ClientError):
-            error = f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}{s3_errors.credentials_hint(exc)}"
             return StoreUnavailable(
                 f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
             )
@@ -464,7 +464,7 @@ class S3Store:
             return WriteDenied(f"{where} denied: {error}", f"s3 {code}")
         if s3_errors.is_throttled(exc):
             return Throttled(f"{where} throttled after {self.throttle_retries} retries: {error}")
-        return StoreUnavailable(f"{where} failed: {error}")
+        return StoreUnavailable(f"{where} failed: {error}{s3_errors.credentials_hint(exc)}")
 
 
 def open_store(request: RemoteRequest) -> S3Store:
