@@ -384,6 +384,19 @@ def test_acl_users_denied_commands(auth_server, make_store):
         blind.exists_many(["k"])
 
 
+def test_a_read_only_replica_denies_writes_and_serves_reads(server, make_store):
+    with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(server.port)]) as replica:
+        make_store(server.url, namespace="rep:").put_many([("k", [b"v"])])
+        store = make_store(replica.url, namespace="rep:")
+        deadline = time.monotonic() + 10
+        while store.get_many(["k"]) != [b"v"]:
+            assert time.monotonic() < deadline, "the replica did not sync"
+            time.sleep(0.05)
+        with pytest.raises(WriteDenied, match="read only replica"):
+            store.put_many([("k2", [b"v"])])
+        store.ping()
+
+
 def test_repr_and_errors_hide_the_password(auth_server, make_store):
     url = f"redis://alice:wonder%20land@127.0.0.1:{auth_server.port}/0"
     store = make_store(url, password="hunter2")

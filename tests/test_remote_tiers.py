@@ -214,6 +214,20 @@ def test_a_read_only_acl_user_is_refused_stores_not_an_outage(redis, pool, caplo
 
 @needs_redis
 @pytest.mark.redis
+def test_a_read_only_replica_is_refused_stores_not_an_outage(redis, pool, caplog):
+    store_chunks(remote_manager(redis.url), pool, [1])
+    with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis.port)]) as replica:
+        wait_until(lambda: replica.client().dbsize() == 1)
+        stats = Stats()
+        manager = remote_manager(replica.url, stats)
+        check_refused_stores_keep_the_tier_up(
+            manager, stats, pool, "redis", caplog, dropped=TierCounter.DROPPED_ERROR
+        )
+        manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
 def test_hung_redis_costs_at_most_the_timeout(redis, pool):
     stats = Stats()
     manager = remote_manager(redis.url, stats, remote_timeout_ms=300)

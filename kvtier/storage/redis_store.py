@@ -18,8 +18,9 @@ Connections come from one pool per store (one per node in cluster mode); at most
 for a free slot. redis-py's retries are disabled: a failed call raises
 ``StoreUnavailable`` at once, and the layer above (``RemoteTier``) decides when to retry.
 The pool reconnects by itself on the next call once the server is back.
-An ACL user denied a write (``NOPERM``) gets ``WriteDenied``: a read-only user still
-serves lookups and loads. One denied ``PING`` is up when the server answers.
+An ACL user denied a write (``NOPERM``), or a read-only replica (``READONLY``), gets
+``WriteDenied``: it still serves lookups and loads. A user denied ``PING`` is up when
+the server answers.
 """
 
 from __future__ import annotations
@@ -238,16 +239,17 @@ class RedisStore:
                 f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}",
                 "redis out of memory",
             ) from exc
-        except NoPermissionError as exc:
+        except (NoPermissionError, redis.ReadOnlyError) as exc:
             if op not in _WRITES:
                 raise StoreUnavailable(
                     f"redis store {self.url}: {op} failed: {exc} (the ACL user of "
                     "remote_username needs the commands of kvtier's remote tier: "
                     f"{_NEEDED_COMMANDS})"
                 ) from exc
-            # a read-only ACL user: reads go on
+            # a read-only ACL user or replica: reads go on
+            denied = type(exc).__name__
             raise WriteDenied(
-                f"redis store {self.url}: {op} failed: {exc}", "redis ACL denies writes"
+                f"redis store {self.url}: {op} failed: {denied}: {exc}", f"redis {denied}"
             ) from exc
         except (RedisError, RedisClusterException, OSError) as exc:
             hint = _AUTH_HINT if isinstance(exc, redis.AuthenticationError) else ""
