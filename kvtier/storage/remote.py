@@ -350,6 +350,7 @@ class RemoteTier:
             return
         started = time.perf_counter()
         names = [key.to_string() for key, _ in batch]
+        unsent = len(batch)  # dropped on a failure: those the store does not hold yet
         try:
             # One round trip saves re-sending chunks another engine already stored.
             present = self.store.exists_many(names)
@@ -358,6 +359,7 @@ class RemoteTier:
                 for name, (_, obj), there in zip(names, batch, present, strict=True)
                 if not there
             ]
+            unsent = len(kept)
             items = [
                 (name, wire.encode(name, obj.tensor, self.serde, checksum=obj.checksum))
                 for name, obj in kept
@@ -367,14 +369,14 @@ class RemoteTier:
         except WriteRefused as exc:
             denied = isinstance(exc, WriteDenied)
             counter = TierCounter.DROPPED_ERROR if denied else TierCounter.DROPPED_NO_SPACE
-            self._count(counter, len(batch))
+            self._count(counter, unsent)
             self._refused(exc)
             return
         except Throttled as exc:
-            self._throttled("put", exc, TierCounter.DROPPED_THROTTLED, len(batch))
+            self._throttled("put", exc, TierCounter.DROPPED_THROTTLED, unsent)
             return
         except Exception as exc:
-            self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
+            self._count(TierCounter.DROPPED_UNAVAILABLE, unsent)
             self._fault("put", exc)
             return
         self._count(TierCounter.PUT_CHUNKS, len(items))
