@@ -761,6 +761,17 @@ def test_cluster_node_killed_then_back(cluster, make_store):
 
 
 @needs_cluster
+def test_a_cluster_node_named_as_one_server_is_unavailable_naming_the_scheme(cluster, make_store):
+    """Such a node answers for its own slots alone; every other key is MOVED."""
+    store = make_store(f"redis://127.0.0.1:{cluster.servers[0].port}/0")
+    with unavailable_within(2.5, "remote_url names a node of a Redis Cluster", "redis-cluster://"):
+        store.ping()
+    for call in (store.exists_many, store.get_many):  # CROSSSLOT, MOVED
+        with unavailable_within(2.5, "redis-cluster://"):
+            call([f"k{i}" for i in range(20)])
+
+
+@needs_cluster
 def test_cluster_down_is_unavailable_and_the_constructor_does_not_connect(make_store):
     url = f"redis-cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     store = make_store(url, timeout_s=0.5)

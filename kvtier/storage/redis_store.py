@@ -36,7 +36,15 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.retry import Retry
 
 from kvtier.config.redis_url import check_tls_files, parse_url
@@ -61,6 +69,10 @@ _WRITES = frozenset({"put_many", "delete_many", "clear"})
 # The commands the store sends (named in the error of an ACL user without one of them).
 _NEEDED_COMMANDS = "GET, SET, EXISTS, GETRANGE, DEL, UNLINK, SCAN (clear only), PING"
 _AUTH_HINT = " (check remote_password, remote_username or the user:password in remote_url)"
+_CLUSTER_HINT = (
+    "remote_url names a node of a Redis Cluster: write redis-cluster://host:port[,...] "
+    "(rediss-cluster:// with TLS)"
+)
 
 
 def _byte_view(blob: bytes | memoryview) -> bytes | memoryview:
@@ -76,6 +88,24 @@ def _byte_view(blob: bytes | memoryview) -> bytes | memoryview:
 def _joined_bytes(parts: Sequence[Buffer]) -> int:
     """Bytes ``_join_batch`` copies for one blob (a single part is sent as it is)."""
     return sum(len(p) for p in parts) if len(parts) > 1 else 0
+
+
+def _hint(exc: BaseException, cluster: bool) -> str:
+    """What to check, for a failure a setting causes; else ``""``."""
+    if isinstance(exc, redis.AuthenticationError):
+        return _AUTH_HINT
+    # MOVED, ASK or CROSSSLOT from a server kvtier took for a single one: a cluster node
+    moved = isinstance(exc, AskError | ClusterCrossSlotError)
+    return f" ({_CLUSTER_HINT})" if moved and not cluster else ""
+
+
+def _is_cluster_node(client: redis.Redis) -> bool:
+    """Whether the server is a node of a Redis Cluster (False where INFO is refused: an
+    ACL user without it, a proxy)."""
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except ResponseError:
+        return False
 
 
 def _primaries(client: redis.Redis | RedisCluster) -> list[redis.Redis]:
@@ -252,7 +282,7 @@ class RedisStore:
                 f"redis store {self.url}: {op} failed: {denied}: {exc}", f"redis {denied}"
             ) from exc
         except (RedisError, RedisClusterException, OSError) as exc:
-            hint = _AUTH_HINT if isinstance(exc, redis.AuthenticationError) else ""
+            hint = _hint(exc, self._endpoint.cluster)
             raise StoreUnavailable(
                 f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}{hint}"
             ) from exc
@@ -461,6 +491,9 @@ class RedisStore:
                     client.ping()
             except NoPermissionError:
                 pass  # an ACL user without PING: the server answered
+            if not isinstance(client, RedisCluster) and _is_cluster_node(client):
+                # it answers for its own slots only: every other key is a MOVED error
+                raise StoreUnavailable(f"redis store {self.url}: {_CLUSTER_HINT}")
 
     def close(self) -> None:
         """Close every connection (idempotent); later calls raise StoreUnavailable."""
