@@ -214,6 +214,24 @@ def test_a_read_only_acl_user_is_refused_stores_not_an_outage(redis, pool, caplo
 
 @needs_redis
 @pytest.mark.redis
+def test_an_acl_user_denied_a_read_command_is_down_once_not_flapping(redis, pool, caplog):
+    redis.client().acl_setuser("blind", enabled=True, passwords=["+pw"], keys=["~*"],
+                               commands=["+@all", "-exists"])  # fmt: skip
+    stats = Stats()
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        manager = remote_manager(redis.url, stats, remote_username="blind", remote_password="pw")
+        for _ in range(5):
+            assert manager.lookup_prefix([key(1)]) == 0
+            time.sleep(0.25)  # past a reconnect attempt (remote_reconnect_max_ms=200)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "'exists' command" in line and "remote_username" in line
+    assert stats.get(tier_counter("redis", TierCounter.ERRORS)) == 1
+    assert not manager.lower[0].is_up
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
 def test_a_read_only_replica_is_refused_stores_not_an_outage(redis, pool, caplog):
     store_chunks(remote_manager(redis.url), pool, [1])
     with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis.port)]) as replica:

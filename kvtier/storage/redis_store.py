@@ -479,8 +479,8 @@ class RedisStore:
         )
 
     def ping(self) -> None:
-        """Return if the server (every primary of a cluster) answers; else raise
-        StoreUnavailable."""
+        """Return if the server (every primary of a cluster) answers, and lets this user
+        read; else raise StoreUnavailable."""
         with self._call("ping") as client:
             try:
                 if isinstance(client, RedisCluster):
@@ -494,6 +494,12 @@ class RedisStore:
             if not isinstance(client, RedisCluster) and _is_cluster_node(client):
                 # it answers for its own slots only: every other key is a MOVED error
                 raise StoreUnavailable(f"redis store {self.url}: {_CLUSTER_HINT}")
+            # The commands of lookups and loads: an ACL user denied one is down (warned
+            # once) rather than back up at each ping and down again at each lookup.
+            pipe = client.pipeline(transaction=False)
+            pipe.exists(self.namespace)
+            pipe.get(self.namespace)
+            replies(pipe, wrong_kind=None)
 
     def close(self) -> None:
         """Close every connection (idempotent); later calls raise StoreUnavailable."""
