@@ -50,6 +50,12 @@ _CREDENTIALS_HINT = (
     " (check s3_access_key_id and s3_secret_access_key, or boto3's credential chain when "
     "they are null)"
 )
+# S3 answers 403, not 404, for an absent object to a client not allowed to list the bucket.
+_FORBIDDEN_HINT = (
+    " (check s3_access_key_id and s3_secret_access_key, and that their policy allows "
+    "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the bucket: without "
+    "s3:ListBucket, S3 answers 403 for every chunk not stored yet)"
+)
 # The store's calls that write (the multipart ones, and deletes); an operation is named
 # by its call, with what it is about after a space (``upload_part 3``).
 _WRITES = frozenset(
@@ -95,8 +101,8 @@ def credentials_hint(exc: BaseException) -> str:
     refused credentials; else ``""``."""
     if isinstance(exc, NoCredentialsError | PartialCredentialsError):
         return _CREDENTIALS_HINT
-    if isinstance(exc, ClientError) and (
-        error_code(exc) in _BAD_CREDENTIALS or http_status(exc) == _FORBIDDEN
-    ):
+    if not isinstance(exc, ClientError):
+        return ""
+    if error_code(exc) in _BAD_CREDENTIALS:
         return _CREDENTIALS_HINT
-    return ""
+    return _FORBIDDEN_HINT if http_status(exc) == _FORBIDDEN else ""
