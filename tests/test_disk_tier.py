@@ -263,6 +263,25 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, capl
     tier.close()
 
 
+@pytest.mark.parametrize("capacity", [1 << 30, None], ids=["disk", "fs"])
+def test_a_directory_in_a_chunk_files_place_is_a_miss(tmp_path, pool, capacity):
+    """Something else at a chunk's path (here a directory) is no chunk: a lookup misses,
+    and a store of the chunk is tried (and counted when it fails), not skipped as done."""
+    stats = Stats()
+    writer = make_tier(tmp_path, capacity_bytes=capacity)
+    put_all(writer, pool, [1])
+    writer.close()
+    path = writer.path_of(writer.file_name(key(1)))
+    path.unlink()
+    path.mkdir()
+    tier = make_tier(tmp_path, stats, capacity_bytes=capacity)
+    assert tier.contains_many([key(1)]) == [False]
+    put_all(tier, pool, [1])
+    assert counter(stats, TierCounter.DROPPED_ERROR) == 1
+    assert tier.contains_many([key(1)]) == [False]
+    tier.close()
+
+
 def test_a_writer_never_writes_into_a_temp_file_it_did_not_create(tmp_path):
     """``write_whole``, how the disk tier and the node server write files, creates its
     temp file exclusively: on a directory shared by several machines or containers, a

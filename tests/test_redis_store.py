@@ -33,7 +33,7 @@ from support.redis_server import (
 )
 
 from kvtier.config.redis_url import parse_url
-from kvtier.storage.blob_store import BlobStore, StoreUnavailable
+from kvtier.storage.blob_store import BlobStore, StoreUnavailable, WriteDenied
 from kvtier.storage.redis_store import MANIFEST_MAGIC, PART_SEP, RedisStore
 
 pytestmark = [
@@ -297,6 +297,21 @@ def test_a_missing_or_damaged_part_is_a_miss(server, make_store):
     assert raw_keys(client, ns) == [f"{ns}c{PART_SEP}{i}".encode() for i in range(4)]
 
 
+def test_a_key_holding_another_kind_of_value_is_an_empty_blob(server, make_store):
+    """Not kvtier's (a list, a hash): an empty blob, which the layer above rejects, or a
+    missing part; never a failure of the whole batch. It can be deleted."""
+    store = make_store(server.url, max_value_bytes=100)
+    store.put_many([(name, [bytes([i]) * 150]) for i, name in enumerate("abc")])
+    client, ns = server.client(), store.namespace
+    client.delete(f"{ns}a", f"{ns}b{PART_SEP}1")
+    client.rpush(f"{ns}a", b"x")
+    client.hset(f"{ns}b{PART_SEP}1", "f", b"x")
+    assert store.get_many(["a", "b", "c"]) == [b"", None, bytes([2]) * 150]
+    assert store.exists_many(["a", "b"]) == [True, True]
+    assert store.delete_many(["a", "b"]) == 2
+    assert store.get_many(["a", "b"]) == [None, None]
+
+
 def test_a_blob_starting_with_the_manifest_magic_is_not_misread(server, make_store):
     store = make_store(server.url)
     blob = MANIFEST_MAGIC + b"\xa0"  # the magic and an empty CBOR map
@@ -331,6 +346,13 @@ def test_a_wrong_or_missing_password_is_unavailable_not_a_hang(auth_server, make
         store.put_many([("k", [b"v"])])
 
 
+def test_an_authentication_failure_names_the_credential_keys(auth_server, make_store):
+    for password in ("wrong", None):
+        store = make_store(auth_server.url, password=password, timeout_s=0.5)
+        with unavailable_within(2.5, "remote_password", "remote_username", "remote_url"):
+            store.ping()
+
+
 def test_acl_user(auth_server, make_store):
     port = auth_server.port
     make_store(f"redis://alice:wonder%20land@127.0.0.1:{port}/0").ping()
@@ -340,6 +362,37 @@ def test_acl_user(auth_server, make_store):
     wrong = make_store(auth_server.url, username="alice", password="topsecret")
     with unavailable_within(2.5, "Authentication"):
         wrong.ping()
+
+
+def test_acl_users_denied_commands(auth_server, make_store):
+    """A user denied writes (and PING) gets ``WriteDenied`` for them, and is up; one
+    denied a read is unavailable, ping included, told the commands kvtier needs."""
+    space = {"namespace": "acl:"}
+    make_store(auth_server.url, password="topsecret", **space).put_many([("k", [b"v"])])
+    admin = auth_server.client()
+    for user, commands in [("reader", ["+@read"]), ("blind", ["+@all", "-exists", "-ping"])]:
+        admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["~*"], commands=commands)
+    reader = make_store(auth_server.url, username="reader", password="pw", **space)
+    reader.ping()
+    assert reader.get_many(["k"]) == [b"v"] and reader.exists_many(["k"]) == [True]
+    for write in (lambda: reader.put_many([("k2", [b"v"])]), lambda: reader.delete_many(["k"])):
+        with pytest.raises(WriteDenied, match=r"'(set|del)' command"):
+            write()
+    blind = make_store(auth_server.url, username="blind", password="pw", **space)
+    for call in (blind.ping, lambda: blind.exists_many(["k"])):
+        with unavailable_within(2.5, "'exists' command", "remote_username", "EXISTS"):
+            call()
+
+
+def test_a_read_only_replica_denies_writes_and_serves_reads(server, make_store):
+    with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(server.port)]) as replica:
+        make_store(server.url, namespace="rep:").put_many([("k", [b"v"])])
+        store = make_store(replica.url, namespace="rep:")
+        replica.wait_synced()
+        assert store.get_many(["k"]) == [b"v"]
+        with pytest.raises(WriteDenied, match="read only replica"):
+            store.put_many([("k2", [b"v"])])
+        store.ping()
 
 
 def test_repr_and_errors_hide_the_password(auth_server, make_store):
@@ -618,6 +671,28 @@ def test_tls_failures_are_unavailable(tls_server, make_store):
         plain.ping()
 
 
+@needs_tls
+@pytest.mark.parametrize(
+    ("files", "named"),
+    [
+        ({"tls_ca_file": "/no/such/ca.pem"}, "remote_tls_ca_file"),
+        ({"tls_ca_file": "{garbage}"}, "remote_tls_ca_file"),
+        ({"tls_key_file": "{key}"}, "remote_tls_key_file"),
+        ({"tls_cert_file": "{cert}", "tls_key_file": "{garbage}"}, "remote_tls_cert_file"),
+        ({"tls_cert_file": "{cert}", "tls_key_file": "/no/such/key"}, "remote_tls_key_file"),
+    ],
+    ids=["missing-ca", "ca-not-pem", "key-without-cert", "key-not-pem", "missing-key"],
+)
+def test_tls_files_that_cannot_be_loaded_are_value_errors(tls_files, tmp_path, files, named):
+    """At start, naming the key, rather than an outage at every connection."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    paths = {"{garbage}": str(garbage), "{key}": tls_files.key_file, "{cert}": tls_files.cert_file}
+    kwargs = {name: paths.get(value, value) for name, value in files.items()}
+    with pytest.raises(ValueError, match=named):
+        RedisStore("rediss://127.0.0.1:1/0", **kwargs)
+
+
 # -- Redis Cluster -------------------------------------------------------------------
 
 
@@ -681,6 +756,17 @@ def test_cluster_node_killed_then_back(cluster, make_store):
     store.ping()
     assert 0 < sum(value is None for value in got) < len(names)  # the killed node's share
     assert all(value in (None, name.encode()) for name, value in zip(names, got, strict=True))
+
+
+@needs_cluster
+def test_a_cluster_node_named_as_one_server_is_unavailable_naming_the_scheme(cluster, make_store):
+    """Such a node answers for its own slots alone; every other key is MOVED."""
+    store = make_store(f"redis://127.0.0.1:{cluster.servers[0].port}/0")
+    with unavailable_within(2.5, "remote_url names a node of a Redis Cluster", "redis-cluster://"):
+        store.ping()
+    for call in (store.exists_many, store.get_many):  # CROSSSLOT, MOVED
+        with unavailable_within(2.5, "redis-cluster://"):
+            call([f"k{i}" for i in range(20)])
 
 
 @needs_cluster

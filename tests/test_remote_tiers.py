@@ -152,16 +152,19 @@ def test_redis_killed_and_restarted_mid_run(redis, pool, caplog):
     manager.close()
 
 
-def check_refused_stores_keep_the_tier_up(manager, stats, pool, tier, caplog) -> None:
-    """Chunk 1 is stored; the store now refuses writes for room: chunks 2 and 3 are failed
-    stores (counted, warned once), not an outage: chunk 1 is still found and loaded."""
+def check_refused_stores_keep_the_tier_up(
+    manager, stats, pool, tier, caplog, dropped: str = TierCounter.DROPPED_NO_SPACE
+) -> None:
+    """Chunk 1 is stored; the store now refuses writes (for room, or the ``dropped``
+    cause): chunks 2 and 3 are failed stores (counted, warned once), not an outage: chunk
+    1 is still found and loaded."""
     remote = manager.lower[0]
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
         for i in (2, 3):
             manager.put(key(i), fill(pool, i))
             assert manager.flush(10)
     assert remote.is_up
-    assert stats.get(tier_counter(tier, TierCounter.DROPPED_NO_SPACE)) == 2
+    assert stats.get(tier_counter(tier, dropped)) == 2
     assert stats.get(tier_counter(tier, TierCounter.DROPPED_UNAVAILABLE)) == 0
     assert stats.get(tier_counter(tier, TierCounter.ERRORS)) == 0
     messages = [r.getMessage() for r in caplog.records]
@@ -187,6 +190,59 @@ def test_redis_out_of_memory_is_a_failed_store_not_an_outage(redis, pool, caplog
     check_refused_stores_keep_the_tier_up(manager, stats, pool, "redis", caplog)
     client.config_set("maxmemory", 0)
     manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_a_read_only_acl_user_is_refused_stores_not_an_outage(redis, pool, caplog):
+    """An ACL user that may read but not write (nor PING): stores are failed stores
+    (``puts_dropped_error``), a removal is refused, and lookups and loads go on."""
+    store_chunks(remote_manager(redis.url), pool, [1])
+    redis.client().acl_setuser("reader", enabled=True, passwords=["+pw"], keys=["~*"],
+                               commands=["+@read", "-ping"])  # fmt: skip
+    stats = Stats()
+    manager = remote_manager(redis.url, stats, remote_username="reader", remote_password="pw")
+    check_refused_stores_keep_the_tier_up(
+        manager, stats, pool, "redis", caplog, dropped=TierCounter.DROPPED_ERROR
+    )
+    assert "'set' command" in caplog.text
+    remote = manager.lower[0]
+    assert not remote.remove(key(1))
+    assert remote.is_up and manager.lookup_prefix([key(1)]) == 1
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_an_acl_user_denied_a_read_command_is_down_once_not_flapping(redis, pool, caplog):
+    redis.client().acl_setuser("blind", enabled=True, passwords=["+pw"], keys=["~*"],
+                               commands=["+@all", "-exists"])  # fmt: skip
+    stats = Stats()
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.remote"):
+        manager = remote_manager(redis.url, stats, remote_username="blind", remote_password="pw")
+        for _ in range(5):
+            assert manager.lookup_prefix([key(1)]) == 0
+            time.sleep(0.25)  # past a reconnect attempt (remote_reconnect_max_ms=200)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "'exists' command" in line and "remote_username" in line
+    assert stats.get(tier_counter("redis", TierCounter.ERRORS)) == 1
+    assert not manager.lower[0].is_up
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_a_read_only_replica_is_refused_stores_not_an_outage(redis, pool, caplog):
+    store_chunks(remote_manager(redis.url), pool, [1])
+    with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis.port)]) as replica:
+        replica.wait_synced()
+        assert replica.client().dbsize() == 1
+        stats = Stats()
+        manager = remote_manager(replica.url, stats)
+        check_refused_stores_keep_the_tier_up(
+            manager, stats, pool, "redis", caplog, dropped=TierCounter.DROPPED_ERROR
+        )
+        manager.close()
 
 
 @needs_redis
@@ -223,6 +279,28 @@ def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
     assert manager.lookup_prefix([key(1)]) == 1  # present, but ...
     assert manager.get_many([key(1)]) == [None]  # ... refused
     assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+    wait_until(lambda: not redis.client().exists(raw_key))
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_a_redis_key_of_another_kind_is_a_corrupt_miss_not_an_outage(redis, pool):
+    """Someone else's list under a chunk's key: a miss, counted and removed; the tier
+    stays up and the other chunks of the batch load."""
+    stats = Stats()
+    manager = remote_manager(redis.url, stats)
+    objs = store_chunks(manager, pool, [1, 2])
+    manager.cpu.clear()
+    raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
+    redis.client().delete(raw_key)
+    redis.client().rpush(raw_key, b"not kvtier's")
+    got = manager.get_many([key(1), key(2)])
+    assert got[0] is None and same_bytes(got[1], objs[2])
+    got[1].ref_down()
+    assert manager.lower[0].is_up
+    assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+    assert stats.get(tier_counter("redis", TierCounter.ERRORS)) == 0
     wait_until(lambda: not redis.client().exists(raw_key))
     manager.close()
 
@@ -334,6 +412,19 @@ def test_s3_quota_or_full_store_is_a_failed_store_not_an_outage(s3, pool, caplog
     refuse.install(client, "PutObject")
     check_refused_stores_keep_the_tier_up(manager, stats, pool, "s3", caplog)
     refuse.remove(client, "PutObject")
+    manager.close()
+
+
+@pytest.mark.s3
+def test_s3_denied_puts_are_failed_stores_not_an_outage(s3, pool, caplog):
+    """A policy that lets this client read the bucket but not write to it."""
+    stats = Stats()
+    manager = remote_manager("s3://kvtier-cache", stats, **s3_settings(s3))
+    store_chunks(manager, pool, [1])
+    ErrorAnswers(403, "AccessDenied").install(manager.lower[0].store._client, "PutObject")
+    check_refused_stores_keep_the_tier_up(
+        manager, stats, pool, "s3", caplog, dropped=TierCounter.DROPPED_ERROR
+    )
     manager.close()
 
 

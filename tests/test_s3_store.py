@@ -350,6 +350,22 @@ def test_missing_credentials_are_unavailable(server, bucket, make_store):
         store.close()
 
 
+@pytest.mark.parametrize(("status", "code"), [(403, "InvalidAccessKeyId"), (403, "")])
+def test_missing_or_refused_credentials_name_their_keys(server, bucket, make_store, status, code):
+    unsigned = S3Store(f"s3://{bucket}", endpoint_url=server.endpoint_url, region="us-east-1")
+    refused = make_store()
+    ErrorAnswers(status, code).install(refused._client, "GetObject", "HeadBucket")
+    try:
+        for call in (lambda: unsigned.get_many(["k"]), lambda: refused.get_many(["k"])):
+            with pytest.raises(StoreUnavailable, match="s3_access_key_id and s3_secret_acc"):
+                call()
+        with pytest.raises(StoreUnavailable, match="s3_access_key_id") as info:
+            refused.ping()  # HEAD: a bare 403
+        assert ("s3:ListBucket" in str(info.value)) == (code == "")  # forbidden: a policy?
+    finally:
+        unsigned.close()
+
+
 @pytest.mark.parametrize("operation", ["ping", "get", "exists", "put", "delete", "clear"])
 def test_nothing_listening_is_unavailable_quickly(operation):
     port = free_port()

@@ -352,6 +352,39 @@ def test_a_lookup_is_not_queued_behind_a_long_load(pool):
     tier.close()
 
 
+@pytest.mark.parametrize(
+    ("mode", "dropped"),
+    [
+        ("full", TierCounter.DROPPED_NO_SPACE),
+        ("throttled", TierCounter.DROPPED_THROTTLED),
+        ("down", TierCounter.DROPPED_UNAVAILABLE),
+    ],
+)
+def test_a_failed_store_counts_only_the_chunks_the_remote_lacked(pool, mode, dropped):
+    """Chunks 0-3 are there; a batch of 0-5 whose write fails dropped 4 and 5 alone."""
+    store, stats = FlakyStore(), Stats()
+    tier = remote(store, stats, writers=1)
+    objs = [fill(pool, i) for i in range(6)]
+    for i in range(4):
+        tier.submit_put(key(i), objs[i])
+    assert tier.flush(10)
+    real_exists = store.exists_many
+
+    def exists_then_fail(names):  # answers; a put of what it lacks then fails
+        present = real_exists(names)
+        if not all(present):
+            store.mode = mode
+        return present
+
+    store.exists_many = exists_then_fail
+    store.delay = 0.1  # the first batch is still running while the others queue up
+    for i in range(6):
+        tier.submit_put(key(i), objs[i])
+    assert tier.flush(10)
+    assert count(stats, dropped) == 2
+    tier.close()
+
+
 def test_corrupt_remote_object_is_a_counted_miss_and_deleted(pool):
     store, stats = FlakyStore(), Stats()
     tier = remote(store, stats)

@@ -12,6 +12,7 @@ URL forms (Valkey speaks the same protocol; ``valkey*`` schemes are aliases)::
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -146,3 +147,36 @@ def _parse_db(text: str, bad: Callable[[str], ValueError]) -> int:
     if not text.isdigit():
         raise bad(f"bad database {text!r} (want a number >= 0)")
     return int(text)
+
+
+def check_tls_files(ca_file: str | None, cert_file: str | None, key_file: str | None) -> None:
+    """Load the ``rediss://`` TLS files once, as a connection would, so that one that is
+    missing, unreadable, not PEM, or a key that does not match its certificate is an
+    error at start naming its config key, not an outage at every connection.
+
+    Raises:
+        ValueError: naming ``remote_tls_ca_file``, ``remote_tls_cert_file`` or
+            ``remote_tls_key_file``.
+    """
+    if key_file is not None and cert_file is None:
+        raise ValueError(
+            f"remote_tls_key_file {key_file!r} is set without remote_tls_cert_file, the "
+            "client certificate it belongs to"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"remote_tls_ca_file {ca_file!r}: cannot load a CA bundle from it ({exc})"
+            ) from None
+    if cert_file is not None:
+        try:
+            # an empty password: an encrypted key fails here rather than prompting
+            context.load_cert_chain(cert_file, key_file, password=b"")
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"remote_tls_cert_file {cert_file!r} (remote_tls_key_file {key_file!r}): "
+                f"cannot load the client certificate and its key ({exc})"
+            ) from None

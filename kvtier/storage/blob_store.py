@@ -19,7 +19,9 @@ Contract for every implementation:
   failed. Nothing else escapes: client-library exceptions are wrapped.
 - A write the store answers but refuses for want of room (Redis out of memory under
   ``noeviction``, an S3 quota or a full backend) raises ``WriteRefused``, a
-  ``StoreUnavailable`` that is no outage: the store still reads.
+  ``StoreUnavailable`` that is no outage: the store still reads. One it refuses for want
+  of permission (a read-only Redis ACL user, an S3 policy without ``PutObject``) raises
+  ``WriteDenied``, a ``WriteRefused`` of that cause.
 - A request the store answers but throttles (S3's ``SlowDown``, ``Throttling``, HTTP
   429) past the store's own retries raises ``Throttled``, a ``StoreUnavailable`` that is
   no outage either: that request failed, the store answers.
@@ -44,7 +46,8 @@ class StoreUnavailable(Exception):
 
 class WriteRefused(StoreUnavailable):
     """The store answered but refused to keep a write for want of room (out of memory,
-    over quota, no space): a failed store, not an outage, as reads still work.
+    over quota, no space) or, as ``WriteDenied``, of permission: a failed store, not an
+    outage, as reads still work.
 
     Attributes:
         cause: what refused it, the same for every refusal of one kind (``redis out of
@@ -54,6 +57,12 @@ class WriteRefused(StoreUnavailable):
     def __init__(self, message: str, cause: str):
         super().__init__(message)
         self.cause = cause
+
+
+class WriteDenied(WriteRefused):
+    """The store answered but does not let this client write (a Redis ACL user without
+    ``SET``, S3's ``AccessDenied`` on a put): a failed store, not an outage, as reads
+    still work."""
 
 
 class Throttled(StoreUnavailable):

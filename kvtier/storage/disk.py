@@ -310,7 +310,7 @@ class FileTier:
         there yet); True once the file is complete or was already there."""
         started = time.perf_counter()
         file_name = self.file_name(key)
-        if os.path.exists(self.files.path(file_name)):
+        if os.path.isfile(self.files.path(file_name)):
             # already stored (by us or by another process sharing the tree); stored again
             # is a use, for eviction order (a producer that never loads keeps hot prefixes)
             self.files.touch(file_name)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -144,9 +145,12 @@ class FileStore:
         evicted: set[str] = set()
         for i in unknown:
             try:
-                size = os.stat(self.path(names[i])).st_size
+                found = os.stat(self.path(names[i]))
             except OSError:
                 continue
+            if not stat.S_ISREG(found.st_mode):  # a directory or device in a file's place
+                continue
+            size = found.st_size
             present[i] = True
             if self.bounded:
                 with self._lock:

@@ -7,18 +7,9 @@ nodes); only split values (below) and ``delete_many`` need a second one.
 URL forms: ``redis_url`` (``redis://``, ``rediss://`` for TLS, ``unix://``,
 ``redis-cluster://``; ``valkey*`` schemes are aliases).
 
-Values larger than ``max_value_bytes`` (Redis refuses bulk strings over
-``proto-max-bulk-len``, 512 MB by default) are split::
+Values larger than ``max_value_bytes`` are split into parts under a manifest, and a key
+holding a value of another kind is a corrupt blob, not a failure (``redis_values``).
 
-    namespace+name        -> MANIFEST_MAGIC + cbor {"parts": n, "part_bytes": p, "length": total}
-    namespace+name#p0     -> blob[0 : p]
-    ...
-    namespace+name#p{n-1} -> blob[(n-1)*p : total]
-
-NOTE: a value that starts with ``MANIFEST_MAGIC`` is always a manifest: a blob that
-happens to start with the magic is stored split (in one part) so it cannot be misread.
-NOTE: kvtier names never contain ``#`` (``CacheKey`` percent-encodes it), so a part key
-cannot collide with a blob's key.
 NOTE: Python's ``socket.sendall`` applies ``timeout_s`` to a whole value, so one value
 (at most ``max_value_bytes``) must reach the server within ``timeout_s``.
 
@@ -27,6 +18,9 @@ Connections come from one pool per store (one per node in cluster mode); at most
 for a free slot. redis-py's retries are disabled: a failed call raises
 ``StoreUnavailable`` at once, and the layer above (``RemoteTier``) decides when to retry.
 The pool reconnects by itself on the next call once the server is back.
+An ACL user denied a write (``NOPERM``), or a read-only replica (``READONLY``), gets
+``WriteDenied``: it still serves lookups and loads. A user denied ``PING`` is up when
+the server answers.
 """
 
 from __future__ import annotations
@@ -36,66 +30,49 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import cbor2
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.retry import Retry
 
-from kvtier.config.redis_url import parse_url
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteRefused, batches
+from kvtier.config.redis_url import check_tls_files, parse_url
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteDenied, WriteRefused, batches
+from kvtier.storage.redis_values import (
+    MANIFEST_MAGIC,
+    MANIFEST_PROBE_BYTES,
+    PART_SEP,
+    Manifest,
+    replies,
+)
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 log = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 64 * 2**20  # most bytes joined into one pipeline (per writer thread)
 
-#: prefix of a split value's manifest (the layer above writes a different magic)
-MANIFEST_MAGIC = b"KVTIERPARTS\x00"
-#: a part's key is ``key + PART_SEP + index``
-PART_SEP = "#p"
-# A manifest is the magic plus a CBOR map of three small ints (< 60 bytes); delete_many
-# reads this many leading bytes of each value to find manifests without fetching blobs.
-_MANIFEST_PROBE_BYTES = 256
-# More parts than this is a corrupt manifest (at the default part size, 256 TiB).
-_MAX_PARTS = 1 << 20
 # Keys per SCAN page and per UNLINK pipeline in clear().
 _SCAN_BATCH = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class _Manifest:
-    parts: int
-    part_bytes: int
-    length: int
-
-    def encode(self) -> bytes:
-        body = {"parts": self.parts, "part_bytes": self.part_bytes, "length": self.length}
-        return MANIFEST_MAGIC + cbor2.dumps(body)
-
-    @classmethod
-    def decode(cls, value: bytes) -> _Manifest | None:
-        """The manifest in ``value``, or None when it is malformed."""
-        try:
-            body = cbor2.loads(value[len(MANIFEST_MAGIC) :])
-            manifest = cls(int(body["parts"]), int(body["part_bytes"]), int(body["length"]))
-        except (ValueError, TypeError, KeyError, cbor2.CBORDecodeError):
-            return None
-        parts, part_bytes = manifest.parts, manifest.part_bytes
-        if not 1 <= parts <= _MAX_PARTS or part_bytes < 1:
-            return None
-        # Every part but the last is full, the last holds 1..part_bytes bytes.
-        if not (parts - 1) * part_bytes < manifest.length <= parts * part_bytes:
-            return None
-        return manifest
-
-    def part_length(self, index: int) -> int:
-        return min(self.part_bytes, self.length - index * self.part_bytes)
+# The calls that change keys: an ACL error on one of them is a refused write.
+_WRITES = frozenset({"put_many", "delete_many", "clear"})
+# The commands the store sends (named in the error of an ACL user without one of them).
+_NEEDED_COMMANDS = "GET, SET, EXISTS, GETRANGE, DEL, UNLINK, SCAN (clear only), PING"
+_AUTH_HINT = " (check remote_password, remote_username or the user:password in remote_url)"
+_CLUSTER_HINT = (
+    "remote_url names a node of a Redis Cluster: write redis-cluster://host:port[,...] "
+    "(rediss-cluster:// with TLS)"
+)
 
 
 def _byte_view(blob: bytes | memoryview) -> bytes | memoryview:
@@ -111,6 +88,24 @@ def _byte_view(blob: bytes | memoryview) -> bytes | memoryview:
 def _joined_bytes(parts: Sequence[Buffer]) -> int:
     """Bytes ``_join_batch`` copies for one blob (a single part is sent as it is)."""
     return sum(len(p) for p in parts) if len(parts) > 1 else 0
+
+
+def _hint(exc: BaseException, cluster: bool) -> str:
+    """What to check, for a failure a setting causes; else ``""``."""
+    if isinstance(exc, redis.AuthenticationError):
+        return _AUTH_HINT
+    # MOVED, ASK or CROSSSLOT from a server kvtier took for a single one: a cluster node
+    moved = isinstance(exc, AskError | ClusterCrossSlotError)
+    return f" ({_CLUSTER_HINT})" if moved and not cluster else ""
+
+
+def _is_cluster_node(client: redis.Redis) -> bool:
+    """Whether the server is a node of a Redis Cluster (False where INFO is refused: an
+    ACL user without it, a proxy)."""
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except ResponseError:
+        return False
 
 
 def _primaries(client: redis.Redis | RedisCluster) -> list[redis.Redis]:
@@ -141,8 +136,9 @@ class RedisStore:
         max_value_bytes: values above this are split into parts of this size.
 
     Raises:
-        ValueError: a bad URL (naming ``remote_url``) or a bad argument. The constructor
-            does not connect: a server that is down shows at the first call.
+        ValueError: a bad URL (naming ``remote_url``), a TLS file that cannot be loaded
+            (naming its ``remote_tls_*`` key) or a bad argument. The constructor does not
+            connect: a server that is down shows at the first call.
     """
 
     name = "redis"
@@ -185,6 +181,8 @@ class RedisStore:
                 f"{', '.join(given)} set but remote_url {endpoint.display!r} is not TLS; "
                 "use rediss:// (or valkeys://, rediss-cluster://)"
             )
+        if endpoint.tls:
+            check_tls_files(tls_ca_file, tls_cert_file, tls_key_file)
 
         self.url = endpoint.display
         self.namespace = namespace
@@ -271,9 +269,22 @@ class RedisStore:
                 f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}",
                 "redis out of memory",
             ) from exc
+        except (NoPermissionError, redis.ReadOnlyError) as exc:
+            if op not in _WRITES:
+                raise StoreUnavailable(
+                    f"redis store {self.url}: {op} failed: {exc} (the ACL user of "
+                    "remote_username needs the commands of kvtier's remote tier: "
+                    f"{_NEEDED_COMMANDS})"
+                ) from exc
+            # a read-only ACL user or replica: reads go on
+            denied = type(exc).__name__
+            raise WriteDenied(
+                f"redis store {self.url}: {op} failed: {denied}: {exc}", f"redis {denied}"
+            ) from exc
         except (RedisError, RedisClusterException, OSError) as exc:
+            hint = _hint(exc, self._endpoint.cluster)
             raise StoreUnavailable(
-                f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}"
+                f"redis store {self.url}: {op} failed: {type(exc).__name__}: {exc}{hint}"
             ) from exc
         finally:
             self._slots.release()
@@ -285,7 +296,7 @@ class RedisStore:
         """The (key, value) writes of a split blob: parts first, the manifest last."""
         view = memoryview(blob)
         size = self._max_value_bytes
-        manifest = _Manifest(max(1, math.ceil(len(view) / size)), size, len(view))
+        manifest = Manifest(max(1, math.ceil(len(view) / size)), size, len(view))
         writes: list[tuple[str, Buffer]] = [
             (f"{key}{PART_SEP}{i}", view[i * size : (i + 1) * size]) for i in range(manifest.parts)
         ]
@@ -353,9 +364,9 @@ class RedisStore:
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(key)
-            values: list[bytes | None] = pipe.execute()
+            values: list[bytes | None] = replies(pipe, wrong_kind=b"")
             split = {
-                i: _Manifest.decode(value)
+                i: Manifest.decode(value)
                 for i, value in enumerate(values)
                 if value is not None and value.startswith(MANIFEST_MAGIC)
             }
@@ -365,13 +376,13 @@ class RedisStore:
             for i, manifest in split.items():
                 for j in range(manifest.parts if manifest else 0):
                     pipe.get(f"{keys[i]}{PART_SEP}{j}")
-            part_values = iter(pipe.execute())
+            part_values = iter(replies(pipe, wrong_kind=None))
         for i, manifest in split.items():
             values[i] = self._reassemble(names[i], manifest, part_values)
         return values
 
     def _reassemble(
-        self, name: str, manifest: _Manifest | None, part_values: Iterator[bytes | None]
+        self, name: str, manifest: Manifest | None, part_values: Iterator[bytes | None]
     ) -> bytes | None:
         if manifest is None:
             log.warning("redis store %s: malformed manifest under %r; a miss", self.url, name)
@@ -411,14 +422,14 @@ class RedisStore:
             # Round trip 1: the first bytes of each value, to find manifests.
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.getrange(key, 0, _MANIFEST_PROBE_BYTES - 1)
-            heads: list[bytes] = pipe.execute()
+                pipe.getrange(key, 0, MANIFEST_PROBE_BYTES - 1)
+            heads: list[bytes] = replies(pipe, wrong_kind=b"")
             # Round trip 2: the keys, then the parts of split blobs.
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.delete(key)
             for key, head in zip(keys, heads, strict=True):
-                manifest = _Manifest.decode(head) if head.startswith(MANIFEST_MAGIC) else None
+                manifest = Manifest.decode(head) if head.startswith(MANIFEST_MAGIC) else None
                 for j in range(manifest.parts if manifest else 0):
                     pipe.delete(f"{key}{PART_SEP}{j}")
             deleted = pipe.execute()
@@ -468,15 +479,27 @@ class RedisStore:
         )
 
     def ping(self) -> None:
-        """Return if the server (every primary of a cluster) answers; else raise
-        StoreUnavailable."""
+        """Return if the server (every primary of a cluster) answers, and lets this user
+        read; else raise StoreUnavailable."""
         with self._call("ping") as client:
-            if isinstance(client, RedisCluster):
-                # A cluster with one primary down still answers for the other slots;
-                # that is not a healthy store.
-                client.ping(target_nodes=RedisCluster.PRIMARIES)
-            else:
-                client.ping()
+            try:
+                if isinstance(client, RedisCluster):
+                    # A cluster with one primary down still answers for the other slots;
+                    # that is not a healthy store.
+                    client.ping(target_nodes=RedisCluster.PRIMARIES)
+                else:
+                    client.ping()
+            except NoPermissionError:
+                pass  # an ACL user without PING: the server answered
+            if not isinstance(client, RedisCluster) and _is_cluster_node(client):
+                # it answers for its own slots only: every other key is a MOVED error
+                raise StoreUnavailable(f"redis store {self.url}: {_CLUSTER_HINT}")
+            # The commands of lookups and loads: an ACL user denied one is down (warned
+            # once) rather than back up at each ping and down again at each lookup.
+            pipe = client.pipeline(transaction=False)
+            pipe.exists(self.namespace)
+            pipe.get(self.namespace)
+            replies(pipe, wrong_kind=None)
 
     def close(self) -> None:
         """Close every connection (idempotent); later calls raise StoreUnavailable."""

@@ -12,7 +12,8 @@ States (``kvtier.storage.health``)::
 
 NOTE: a write the store answers but refuses for want of room (``WriteRefused``: Redis out
 of memory, an S3 quota) is a failed store, counted as ``puts_dropped_no_space`` and warned
-once per cause; the tier stays up, so lookups and loads go on.
+once per cause; the tier stays up, so lookups and loads go on. So is one refused for want
+of permission (``WriteDenied``: a read-only ACL user), counted as ``puts_dropped_error``.
 
 NOTE: a request the store throttles past its own retries (``Throttled``: S3's ``SlowDown``,
 ``Throttling``, ``RequestLimitExceeded``) is back-pressure, not an outage: a throttled
@@ -49,6 +50,7 @@ from kvtier.storage.blob_store import (
     ReadingStore,
     StoreUnavailable,
     Throttled,
+    WriteDenied,
     WriteRefused,
 )
 from kvtier.storage.health import Health, fault_reason
@@ -218,6 +220,9 @@ class RemoteTier:
         except Throttled as exc:
             self._throttled(what, exc, TierCounter.THROTTLED)
             raise _Down from None
+        except WriteRefused as exc:  # a delete the store refuses: it still reads
+            self._refused(exc)
+            raise _Down from None
         except Exception as exc:  # a timeout, StoreUnavailable, or an unwrapped client error
             if isinstance(exc, FutureTimeout):
                 future.cancel()
@@ -229,6 +234,15 @@ class RemoteTier:
         timed_out = isinstance(exc, FutureTimeout)
         self._count(TierCounter.TIMEOUTS if timed_out else TierCounter.ERRORS)
         self.health.mark_down(fault_reason(what, exc, self.timeout_s))
+
+    def _refused(self, exc: WriteRefused) -> None:
+        """Warn once per cause of a write the store refuses (the tier stays up)."""
+        warn_once(
+            logger,
+            f"kvtier {self.name} tier {self.describe} refuses stores ({exc}): those "
+            "chunks are not stored; lookups and loads go on",
+            key=f"{self.name} {self.describe} refuses: {exc.cause}",
+        )
 
     def _throttled(self, what: str, exc: Throttled, counter: str, amount: int = 1) -> None:
         """Count what the store throttled (the tier stays up) and warn once."""
@@ -336,6 +350,7 @@ class RemoteTier:
             return
         started = time.perf_counter()
         names = [key.to_string() for key, _ in batch]
+        unsent = len(batch)  # dropped on a failure: those the store does not hold yet
         try:
             # One round trip saves re-sending chunks another engine already stored.
             present = self.store.exists_many(names)
@@ -344,6 +359,7 @@ class RemoteTier:
                 for name, (_, obj), there in zip(names, batch, present, strict=True)
                 if not there
             ]
+            unsent = len(kept)
             items = [
                 (name, wire.encode(name, obj.tensor, self.serde, checksum=obj.checksum))
                 for name, obj in kept
@@ -351,19 +367,16 @@ class RemoteTier:
             if items:
                 self.store.put_many(items)
         except WriteRefused as exc:
-            self._count(TierCounter.DROPPED_NO_SPACE, len(batch))
-            warn_once(
-                logger,
-                f"kvtier {self.name} tier {self.describe} refuses stores ({exc}): those "
-                "chunks are not stored; lookups and loads go on",
-                key=f"{self.name} {self.describe} refuses: {exc.cause}",
-            )
+            denied = isinstance(exc, WriteDenied)
+            counter = TierCounter.DROPPED_ERROR if denied else TierCounter.DROPPED_NO_SPACE
+            self._count(counter, unsent)
+            self._refused(exc)
             return
         except Throttled as exc:
-            self._throttled("put", exc, TierCounter.DROPPED_THROTTLED, len(batch))
+            self._throttled("put", exc, TierCounter.DROPPED_THROTTLED, unsent)
             return
         except Exception as exc:
-            self._count(TierCounter.DROPPED_UNAVAILABLE, len(batch))
+            self._count(TierCounter.DROPPED_UNAVAILABLE, unsent)
             self._fault("put", exc)
             return
         self._count(TierCounter.PUT_CHUNKS, len(items))
@@ -390,6 +403,8 @@ class RemoteTier:
             self.store.clear()
         except Throttled as exc:
             self._throttled("clear", exc, TierCounter.THROTTLED)
+        except WriteRefused as exc:
+            self._refused(exc)
         except Exception as exc:
             self._fault("clear", exc)
 

@@ -1,5 +1,6 @@
 """What an S3 error answer means to the S3 store: an absent object or bucket, a write
-refused for want of room, a throttled request, or else a failure.
+refused for want of room or of permission, a throttled request, or else a failure (with a
+hint naming the credential keys where the credentials are missing or refused).
 
 botocore raises every error answer as a ``ClientError`` carrying S3's error code
 (``NoSuchKey``, ``SlowDown``) or, for a HEAD request, whose answer has no body, the bare
@@ -12,7 +13,7 @@ answered 503 carries its code (``SlowDown``, or ``ServiceUnavailable``: a failur
 
 from __future__ import annotations
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
 # Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
 NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
@@ -45,6 +46,32 @@ _THROTTLED = frozenset(
 )
 _TOO_MANY_REQUESTS = 429
 _SLOW_DOWN = 503  # AWS's status for SlowDown; alone (a HEAD's answer), read as throttling
+# Error codes of a request whose credentials are refused (besides any HTTP 403 Forbidden).
+_BAD_CREDENTIALS = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
+)
+_FORBIDDEN = 403
+_CREDENTIALS_HINT = (
+    " (check s3_access_key_id and s3_secret_access_key, or boto3's credential chain when "
+    "they are null)"
+)
+# S3 answers 403, not 404, for an absent object to a client not allowed to list the bucket.
+_FORBIDDEN_HINT = (
+    " (check s3_access_key_id and s3_secret_access_key, and that their policy allows "
+    "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the bucket: without "
+    "s3:ListBucket, S3 answers 403 for every chunk not stored yet)"
+)
+# The store's calls that write (the multipart ones, and deletes); an operation is named
+# by its call, with what it is about after a space (``upload_part 3``).
+_WRITES = frozenset(
+    {
+        "put_object",
+        "create_multipart_upload",
+        "upload_part",
+        "complete_multipart_upload",
+        "delete_objects",
+    }
+)
 
 
 def error_code(exc: ClientError) -> str:
@@ -71,3 +98,21 @@ def is_throttled(exc: ClientError) -> bool:
         or status == _TOO_MANY_REQUESTS
         or (status == _SLOW_DOWN and code == str(_SLOW_DOWN))
     )
+
+
+def is_write_denied(exc: ClientError, operation: str) -> bool:
+    """Whether the store refused ``operation``, a write, for want of permission (a policy
+    that lets this client read but not write)."""
+    return error_code(exc) == "AccessDenied" and operation.split(" ")[0] in _WRITES
+
+
+def credentials_hint(exc: BaseException) -> str:
+    """A hint naming the keys that give the credentials, for a failure of missing or
+    refused credentials; else ``""``."""
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        return _CREDENTIALS_HINT
+    if not isinstance(exc, ClientError):
+        return ""
+    if error_code(exc) in _BAD_CREDENTIALS:
+        return _CREDENTIALS_HINT
+    return _FORBIDDEN_HINT if http_status(exc) == _FORBIDDEN else ""

@@ -43,7 +43,7 @@ from urllib3.exceptions import HTTPError
 
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage import s3_errors
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteRefused
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 
 logger = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ class S3Store:
         it throttled)."""
         target = f" of {key!r}" if key is not None else ""
         if not isinstance(exc, ClientError):
-            error = f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}{s3_errors.credentials_hint(exc)}"
             return StoreUnavailable(
                 f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
             )
@@ -460,9 +460,11 @@ class S3Store:
         where = f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target}"
         if s3_errors.is_out_of_room(exc):
             return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
+        if s3_errors.is_write_denied(exc, operation):
+            return WriteDenied(f"{where} denied: {error}", f"s3 {code}")
         if s3_errors.is_throttled(exc):
             return Throttled(f"{where} throttled after {self.throttle_retries} retries: {error}")
-        return StoreUnavailable(f"{where} failed: {error}")
+        return StoreUnavailable(f"{where} failed: {error}{s3_errors.credentials_hint(exc)}")
 
 
 def open_store(request: RemoteRequest) -> S3Store:

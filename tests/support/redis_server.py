@@ -311,6 +311,18 @@ class RedisServer:
             }
         return redis.Redis(host=self.host, port=self.port, **(options | kwargs))
 
+    def wait_synced(self, timeout_s: float = 10.0) -> None:
+        """Wait until this replica has loaded its master's data (until then it answers
+        LOADING, or serves what it held before the sync)."""
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = client.info("replication") | client.info("persistence")
+            if info.get("master_link_status") == "up" and not info.get("loading"):
+                return
+            assert time.monotonic() < deadline, f"replica {self.url} did not sync: {info}"
+            time.sleep(0.05)
+
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the server's log."""
         try:
