@@ -289,24 +289,24 @@ def test_a_missing_or_damaged_part_is_a_miss(server, make_store):
     client.set(f"{ns}b{PART_SEP}3", b"short")  # wrong length
     client.set(f"{ns}c", MANIFEST_MAGIC + b"\xff not cbor")  # malformed manifest
 
-    assert store.get_many(["a", "b", "c", "d"]) == [None, None, None, bytes([3]) * 350]
-    # The manifest is there, so the name exists; the layer above turns the miss into a
-    # rewrite.
+    # Incomplete blobs read as empty ones, which the layer above deletes as corrupt: while
+    # the manifest is there, the name answers EXISTS and is never stored again.
+    assert store.get_many(["a", "b", "c", "d"]) == [b"", b"", b"", bytes([3]) * 350]
     assert store.exists_many(["a", "b"]) == [True, True]
     assert store.delete_many(["a", "b", "c", "d"]) == 4
     assert raw_keys(client, ns) == [f"{ns}c{PART_SEP}{i}".encode() for i in range(4)]
 
 
 def test_a_key_holding_another_kind_of_value_is_an_empty_blob(server, make_store):
-    """Not kvtier's (a list, a hash): an empty blob, which the layer above rejects, or a
-    missing part; never a failure of the whole batch. It can be deleted."""
+    """Not kvtier's (a list, a hash), in a blob's place or a part's: an empty blob, which
+    the layer above rejects; never a failure of the whole batch. It can be deleted."""
     store = make_store(server.url, max_value_bytes=100)
     store.put_many([(name, [bytes([i]) * 150]) for i, name in enumerate("abc")])
     client, ns = server.client(), store.namespace
     client.delete(f"{ns}a", f"{ns}b{PART_SEP}1")
     client.rpush(f"{ns}a", b"x")
     client.hset(f"{ns}b{PART_SEP}1", "f", b"x")
-    assert store.get_many(["a", "b", "c"]) == [b"", None, bytes([2]) * 150]
+    assert store.get_many(["a", "b", "c"]) == [b"", b"", bytes([2]) * 150]
     assert store.exists_many(["a", "b"]) == [True, True]
     assert store.delete_many(["a", "b"]) == 2
     assert store.get_many(["a", "b"]) == [None, None]

@@ -29,6 +29,7 @@ from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
 from kvtier.storage import schemes, wire
 from kvtier.storage.blob_store import join_parts
 from kvtier.storage.manager import StorageManager
+from kvtier.storage.redis_store import PART_SEP, RedisStore
 from kvtier.storage.serde import NaiveSerde
 
 needs_redis = pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
@@ -280,6 +281,32 @@ def test_corrupt_redis_value_is_a_miss_and_removed(redis, pool):
     assert manager.get_many([key(1)]) == [None]  # ... refused
     assert stats.get(Counter.CORRUPT_CHUNKS) == 1
     wait_until(lambda: not redis.client().exists(raw_key))
+    manager.close()
+
+
+@needs_redis
+@pytest.mark.redis
+def test_a_split_redis_value_missing_a_part_is_removed_and_stored_again(redis, pool):
+    """A part evicted on its own: the chunk is a corrupt miss whose manifest goes too, so
+    the name stops answering EXISTS and the next store writes it again."""
+    stats = Stats()
+    manager = remote_manager(redis.url, stats)
+    obj = fill(pool, 1)
+    blob = join_parts(wire.encode(key(1).to_string(), obj.tensor, NaiveSerde()))
+    splitting = RedisStore(redis.url, namespace="kvtier:org%2Fmodel-a:", max_value_bytes=4096)
+    splitting.put_many([(key(1).to_string(), [blob])])
+    splitting.close()
+    raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
+    redis.client().delete(f"{raw_key}{PART_SEP}1")
+    assert manager.get_many([key(1)]) == [None]
+    assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+    wait_until(lambda: not redis.client().keys(f"{raw_key}*"))
+    objs = store_chunks(manager, pool, [1])
+    manager.cpu.clear()
+    (got,) = manager.get_many([key(1)])
+    assert same_bytes(got, objs[1])
+    got.ref_down()
+    obj.ref_down()
     manager.close()
 
 

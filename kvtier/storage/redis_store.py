@@ -356,7 +356,10 @@ class RedisStore:
         return out
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        """The blob under each name, or None where absent (or a part is missing)."""
+        """The blob under each name, or None where absent. A split blob whose manifest is
+        malformed or one of whose parts is missing (evicted or expired on its own) reads
+        as an empty blob: a corrupt one the layer above deletes, manifest and parts, so
+        that the name stops answering EXISTS and is stored again."""
         if not names:
             return []
         keys = [self._key(name) for name in names]
@@ -383,15 +386,14 @@ class RedisStore:
 
     def _reassemble(
         self, name: str, manifest: Manifest | None, part_values: Iterator[bytes | None]
-    ) -> bytes | None:
+    ) -> bytes:
         if manifest is None:
             log.warning("redis store %s: malformed manifest under %r; a miss", self.url, name)
-            return None
+            return b""
         parts = [next(part_values) for _ in range(manifest.parts)]
         for j, part in enumerate(parts):
             if part is None or len(part) != manifest.part_length(j):
-                # Expired, evicted or overwritten: the blob is incomplete, so a miss.
-                return None
+                return b""  # expired, evicted or overwritten: incomplete
         return b"".join(parts)  # type: ignore[arg-type]
 
     def exists_many(self, names: Sequence[str]) -> list[bool]:
