@@ -436,3 +436,45 @@ def test_a_reader_gone_ends_a_command_with_141_and_no_traceback():
     proc.stdout.close()  # before it writes: `kvtier info --json | true`
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tune", "--device", "bogus"], "--device 'bogus': not a device (cuda, cuda:N or cpu)"),
+        (
+            ["tune", "--device", "cuda:3"],
+            "--device 'cuda:3': torch sees 1 GPU(s), cuda:0 to cuda:0",
+        ),
+        (["tune", "--device", "cpu"], "--device 'cpu': tune times a GPU"),
+        (["precompile", "--device", "cuda:-1"], "--device 'cuda:-1': not a device"),
+        (["precompile", "--device", "cuda:3"], "--device 'cuda:3': torch sees 1 GPU(s)"),
+    ],
+)
+def test_a_device_flag_the_gpu_machine_cannot_use_is_named(capsys, monkeypatch, argv, message):
+    """On a machine with one GPU (torch's answers stood in for), a ``--device`` it cannot
+    use is a flag error before any work, not a traceback from the first allocation."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_refuses_a_copy_engine_run_larger_than_the_gpu(capsys, monkeypatch):
+    """Found before the sweep, not by an allocation failure after it wrote its files."""
+    import torch
+
+    import kvtier.commands.tune
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(
+        kvtier.commands.tune, "_tuning_target", lambda device: (gpu, "triton", None)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 1 << 30})
+    )
+    assert main(["tune", "--copy-engine-max-mib", "99999999"]) == 2
+    err = capsys.readouterr().err
+    assert "--copy-engine-max-mib 99999999: more than cuda:0 holds (1024 MiB)" in err
