@@ -376,6 +376,21 @@ def test_demo_synthetic_honours_the_chunk_size(capsys):
     assert "chunk 64 tokens" in out and "1. store A        4 chunks     256 tokens" in out, out
 
 
+def test_demo_refuses_a_chunk_size_the_cpu_engine_would_refuse_before_it_starts(capsys):
+    """vLLM's CPU backend copies whole blocks: a chunk of 100 tokens (blocks of 32) is a
+    flag error in a second, not a traceback from the engine's process after the model
+    loaded."""
+    platforms = pytest.importorskip("vllm.platforms")
+    if not platforms.current_platform.is_cpu():
+        pytest.skip("a GPU engine copies single tokens: any chunk size is one it takes")
+    assert main(["demo", "--chunk-size", "100", "--tokens", "300"]) == 2
+    captured = capsys.readouterr()
+    assert "kvtier demo: --chunk-size 100: expected a multiple of vLLM's block size" in (
+        captured.err
+    )
+    assert "model:" not in captured.out  # nothing was built or started
+
+
 def test_demo_synthetic_larger_than_the_machine_names_the_flags(capsys):
     argv = ["demo", "--synthetic", "--layers", "100000", "--kv-heads", "100000"]
     assert main(argv) == 2
