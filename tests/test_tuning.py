@@ -225,6 +225,13 @@ def test_build_problems_skips_rope_where_it_does_not_apply() -> None:
         sweep.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
 
 
+def test_an_op_named_twice_is_tuned_once() -> None:
+    """Tuned twice, its file would hold two entries of one key: ignored by every launcher."""
+    ops = ["paged_gather", "rope_rerotate", "paged_gather"]
+    problems, _ = sweep.build_problems(TINY, device=CPU, backend="interpret", ops=ops)
+    assert [p.op for p in problems] == ["paged_gather", "rope_rerotate"]
+
+
 # ---------------------------------------------------------------------------------------
 # lookup: tuned configs win where a file matches, the heuristics everywhere else
 # ---------------------------------------------------------------------------------------
