@@ -285,6 +285,7 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["serve", "--port", "0", "--max-frame-mb", "inf"], "--max-frame-mb inf: expected"),
         (["serve", "--port", "0", "--max-shm-mb", "inf"], "--max-shm-mb inf: expected"),
         (["serve", "--port", "0", "--advertise", "kvtier://h:1"], "--advertise needs --peer-"),
+        (["serve", "--port", "0", "--peer-discovery-ttl", "0"], "--peer-discovery-ttl needs --p"),
         (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
         (
             ["serve", "--port", "0", "--max-local-cpu-size", "0.01", "--remote-url", "redis://h:x"],
