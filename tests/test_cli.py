@@ -494,3 +494,13 @@ def test_tune_refuses_a_copy_engine_run_larger_than_the_gpu(capsys, monkeypatch)
     assert main(["tune", "--copy-engine-max-mib", "99999999"]) == 2
     err = capsys.readouterr().err
     assert "--copy-engine-max-mib 99999999: more than cuda:0 holds (1024 MiB)" in err
+
+
+@pytest.mark.parametrize("command", ["info", "kernels"])
+def test_a_tuning_dir_that_is_a_file_is_said_to_be_one(capsys, tmp_path, monkeypatch, command):
+    """A tuning file given where its directory belongs is not read; it is not missing."""
+    a_file = tmp_path / "op=paged_gather.json"
+    a_file.write_text("{}")
+    monkeypatch.setenv("KVTIER_TUNING_DIR", str(a_file))
+    assert main([command]) == 0
+    assert f"{a_file}  [KVTIER_TUNING_DIR]  (not a directory)" in capsys.readouterr().out
