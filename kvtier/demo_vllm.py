@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -168,7 +169,8 @@ def run_vllm_demo(
     """Run the walk-through: cold prefill, a kvtier hit from memory, then a new engine
     process loading the prompt from kvtier's local disk tier. Returns 0 when both hits
     loaded tokens, their KV was bit-identical to the cold prefill's, and their outputs
-    matched the reference scheduled alike."""
+    matched the reference scheduled alike; 1 without vLLM; 2 for a ``chunk_size`` the
+    engine here would refuse."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the demo's output readable
     try:
         import vllm  # noqa: F401 - only checks that the engine is installed
@@ -179,6 +181,10 @@ def run_vllm_demo(
             "`kvtier demo --synthetic` for the engine-free walk-through"
         )
         return 1
+    problem = _chunk_size_problem(chunk_size)
+    if problem is not None:  # found now, not by the engine's process after the model loaded
+        print(f"kvtier demo: --chunk-size {chunk_size}: {problem}", file=sys.stderr)
+        return 2
 
     model = build_model(Path(tempfile.gettempdir()) / "kvtier-demo-llama-v1")
     print(
@@ -194,6 +200,25 @@ def run_vllm_demo(
         return _demo(model, prompt, kvtier, max_tokens)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def _chunk_size_problem(chunk_size: int) -> str | None:
+    """Why the demo's engine on this machine would refuse ``chunk_size``, or None: where
+    the KV layout is not token-major inside a block (vLLM's CPU backend) kvtier copies
+    whole blocks, so a chunk must be whole blocks of :data:`BLOCK_SIZE` tokens."""
+    from kvtier.config import ConfigError, load_config
+    from kvtier.integration.vllm.facts import token_major_layout
+
+    try:  # the config the engine's connector will load: the environment's kv_layout too
+        config = load_config({"chunk_size": chunk_size})
+    except ConfigError as error:
+        return str(error)
+    if chunk_size % BLOCK_SIZE and not token_major_layout(config):
+        return (
+            f"expected a multiple of vLLM's block size in the demo ({BLOCK_SIZE}): this "
+            "engine's KV layout is copied in whole blocks"
+        )
+    return None
 
 
 def _demo(model: Path, prompt: list[int], kvtier: dict[str, Any], max_tokens: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import warnings
+from pathlib import Path
 
 __all__ = [
     "auto_backends",
@@ -89,6 +90,15 @@ def search_path_rows() -> list[dict[str, object]]:
         {"path": str(directory), "kind": origin, "exists": directory.is_dir()}
         for directory, origin in tuning_lookup.search_path_origins()
     ]
+
+
+def search_path_note(row: dict[str, object]) -> str:
+    """What ``kvtier info`` and ``kvtier kernels`` print after a row of
+    :func:`search_path_rows`: nothing for a directory, else why none of it is read (a
+    tuning file given where its directory belongs is not a missing path)."""
+    if row["exists"]:
+        return ""
+    return "  (not a directory)" if Path(str(row["path"])).exists() else "  (missing)"
 
 
 def tuning_in_effect() -> list[dict[str, str]]:

@@ -285,6 +285,7 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["serve", "--port", "0", "--max-frame-mb", "inf"], "--max-frame-mb inf: expected"),
         (["serve", "--port", "0", "--max-shm-mb", "inf"], "--max-shm-mb inf: expected"),
         (["serve", "--port", "0", "--advertise", "kvtier://h:1"], "--advertise needs --peer-"),
+        (["serve", "--port", "0", "--peer-discovery-ttl", "0"], "--peer-discovery-ttl needs --p"),
         (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
         (
             ["serve", "--port", "0", "--max-local-cpu-size", "0.01", "--remote-url", "redis://h:x"],
@@ -376,6 +377,21 @@ def test_demo_synthetic_honours_the_chunk_size(capsys):
     assert "chunk 64 tokens" in out and "1. store A        4 chunks     256 tokens" in out, out
 
 
+def test_demo_refuses_a_chunk_size_the_cpu_engine_would_refuse_before_it_starts(capsys):
+    """vLLM's CPU backend copies whole blocks: a chunk of 100 tokens (blocks of 32) is a
+    flag error in a second, not a traceback from the engine's process after the model
+    loaded."""
+    platforms = pytest.importorskip("vllm.platforms")
+    if not platforms.current_platform.is_cpu():
+        pytest.skip("a GPU engine copies single tokens: any chunk size is one it takes")
+    assert main(["demo", "--chunk-size", "100", "--tokens", "300"]) == 2
+    captured = capsys.readouterr()
+    assert "kvtier demo: --chunk-size 100: expected a multiple of vLLM's block size" in (
+        captured.err
+    )
+    assert "model:" not in captured.out  # nothing was built or started
+
+
 def test_demo_synthetic_larger_than_the_machine_names_the_flags(capsys):
     argv = ["demo", "--synthetic", "--layers", "100000", "--kv-heads", "100000"]
     assert main(argv) == 2
@@ -436,3 +452,55 @@ def test_a_reader_gone_ends_a_command_with_141_and_no_traceback():
     proc.stdout.close()  # before it writes: `kvtier info --json | true`
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tune", "--device", "bogus"], "--device 'bogus': not a device (cuda, cuda:N or cpu)"),
+        (
+            ["tune", "--device", "cuda:3"],
+            "--device 'cuda:3': torch sees 1 GPU(s), cuda:0 to cuda:0",
+        ),
+        (["tune", "--device", "cpu"], "--device 'cpu': tune times a GPU"),
+        (["precompile", "--device", "cuda:-1"], "--device 'cuda:-1': not a device"),
+        (["precompile", "--device", "cuda:3"], "--device 'cuda:3': torch sees 1 GPU(s)"),
+    ],
+)
+def test_a_device_flag_the_gpu_machine_cannot_use_is_named(capsys, monkeypatch, argv, message):
+    """On a machine with one GPU (torch's answers stood in for), a ``--device`` it cannot
+    use is a flag error before any work, not a traceback from the first allocation."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_refuses_a_copy_engine_run_larger_than_the_gpu(capsys, monkeypatch):
+    """Found before the sweep, not by an allocation failure after it wrote its files."""
+    import torch
+
+    import kvtier.commands.tune
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(
+        kvtier.commands.tune, "_tuning_target", lambda device: (gpu, "triton", None)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 1 << 30})
+    )
+    assert main(["tune", "--copy-engine-max-mib", "99999999"]) == 2
+    err = capsys.readouterr().err
+    assert "--copy-engine-max-mib 99999999: more than cuda:0 holds (1024 MiB)" in err
+
+
+@pytest.mark.parametrize("command", ["info", "kernels"])
+def test_a_tuning_dir_that_is_a_file_is_said_to_be_one(capsys, tmp_path, monkeypatch, command):
+    """A tuning file given where its directory belongs is not read; it is not missing."""
+    a_file = tmp_path / "op=paged_gather.json"
+    a_file.write_text("{}")
+    monkeypatch.setenv("KVTIER_TUNING_DIR", str(a_file))
+    assert main([command]) == 0
+    assert f"{a_file}  [KVTIER_TUNING_DIR]  (not a directory)" in capsys.readouterr().out

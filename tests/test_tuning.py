@@ -225,6 +225,21 @@ def test_build_problems_skips_rope_where_it_does_not_apply() -> None:
         sweep.build_problems(TINY, device=CPU, backend="interpret", ops=["paged_copy"])
 
 
+def test_rope_is_not_tuned_for_a_latent_layout_given_by_flags() -> None:
+    """kvtier never re-rotates MLA's latent KV, whether a model config or --layout says MLA."""
+    mla = ModelShape(num_layers=2, num_kv_heads=1, head_size=16, layout="mla")
+    problems, notes = sweep.build_problems(mla, device=CPU, backend="interpret")
+    assert [p.op for p in problems] == ["paged_gather", "paged_scatter"]
+    assert notes == ["rope_rerotate skipped: layout 'mla' holds latent KV, never re-rotated"]
+
+
+def test_an_op_named_twice_is_tuned_once() -> None:
+    """Tuned twice, its file would hold two entries of one key: ignored by every launcher."""
+    ops = ["paged_gather", "rope_rerotate", "paged_gather"]
+    problems, _ = sweep.build_problems(TINY, device=CPU, backend="interpret", ops=ops)
+    assert [p.op for p in problems] == ["paged_gather", "rope_rerotate"]
+
+
 # ---------------------------------------------------------------------------------------
 # lookup: tuned configs win where a file matches, the heuristics everywhere else
 # ---------------------------------------------------------------------------------------

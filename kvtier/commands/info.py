@@ -16,6 +16,7 @@ from kvtier.machine import (
     devices,
     dist_version,
     package_version,
+    search_path_note,
     search_path_rows,
     torch_build,
     tuning_in_effect,
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {op:<16} {', '.join(backends):<26} auto: {auto['backend']} ({auto['why']})")
     print("\ntuning files searched in:")
     for row in info["tuning_search_path"]:
-        print(f"  {row['path']}  [{row['kind']}]{'' if row['exists'] else '  (missing)'}")
+        print(f"  {row['path']}  [{row['kind']}]{search_path_note(row)}")
     print("tuning files in effect:" if info["tuning_in_effect"] else "tuning files in effect: none")
     for row in info["tuning_in_effect"]:
         print(f"  {row['op']} ({row['backend']}, {row['dtype']}): {row['path']}")

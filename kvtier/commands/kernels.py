@@ -8,7 +8,7 @@ import json
 import sys
 
 from kvtier.config import ConfigError, load_config
-from kvtier.machine import search_path_rows
+from kvtier.machine import search_path_note, search_path_rows
 from kvtier.paged_io import use_tuning_dir
 
 HELP = "kernel ops, backends available, what auto picks, tuning files in effect"
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ndevice: {where}")
     print(f"tuning files for backend {tuning_backend!r} on {name!r}, searched in order:")
     for row in report["tuning_search_path"]:
-        state = "" if row["exists"] else "  (missing)"
+        state = search_path_note(row)
         print(f"  {row['path']}  [{row['kind']}]{state}")
     print(f"\n  {'op':<16} {'backends':<26} {'auto':<8} tuning in effect")
     for op, row in ops.items():

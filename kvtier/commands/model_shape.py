@@ -1,9 +1,11 @@
-"""The model-shape flags that ``kvtier precompile`` and ``kvtier tune`` share, and the
-model shape they give."""
+"""The flags that ``kvtier precompile`` and ``kvtier tune`` share: the model shape they
+give, and the device ``--device`` names."""
 
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 
 def add_shape_arguments(shape) -> None:
@@ -40,3 +42,23 @@ def shape_from_args(args: argparse.Namespace, *, chunk_size: int, layout: str | 
         return model_shape_from_config(args.model_config, **overrides)
     defaults = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128}  # Llama-3-8B
     return ModelShape(**{**defaults, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def device_from_flag(requested: str) -> torch.device:
+    """The device ``--device requested`` names, checked before any work: a GPU index that
+    torch does not see is refused here, not by a traceback from the first allocation.
+
+    Raises:
+        ValueError: not a device name, or a GPU index past the GPUs torch sees.
+    """
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"--device {requested!r}: not a device (cuda, cuda:N or cpu)") from None
+    if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(
+                f"--device {requested!r}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvtier.commands.model_shape import add_shape_arguments, shape_from_args
+from kvtier.commands.model_shape import add_shape_arguments, device_from_flag, shape_from_args
 from kvtier.config import ConfigError, load_config
 from kvtier.paged_io import use_tuning_dir
 from kvtier.warmup import engine_ops, nothing_to_compile, numba_ops
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         unknown = sorted(set(ops or ()) - set(WARMABLE_OPS))
         if unknown or ops == ():
             raise ValueError(f"--ops: unknown {unknown}; warmable ops: {', '.join(WARMABLE_OPS)}")
-        device = torch.device(args.device)
+        device = device_from_flag(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             device = torch.device("cpu")  # said below: nothing to compile
     except (ConfigError, ValueError, RuntimeError) as error:

@@ -270,13 +270,13 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             for flag, set_ in (
                 ("--advertise", args.advertise is not None),
                 ("--peer-group", args.peer_group != DEFAULT_GROUP),
+                ("--peer-discovery-ttl", args.peer_discovery_ttl != DEFAULT_TTL_S),
             )
             if set_
         ]
         if given:
-            raise ConfigError(
-                f"{' and '.join(given)} need{'s' * (len(given) == 1)} --peer-discovery"
-            )
+            flags = " and ".join([", ".join(given[:-1]), given[-1]] if given[:-1] else given)
+            raise ConfigError(f"{flags} need{'s' * (len(given) == 1)} --peer-discovery")
         return config
     try:
         advertised(args.host, args.port, advertise_of(args))

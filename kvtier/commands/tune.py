@@ -7,7 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtier.commands.model_shape import add_shape_arguments, shape_from_args
+import torch
+
+from kvtier.commands.model_shape import add_shape_arguments, device_from_flag, shape_from_args
 from kvtier.commands.paths import why_not_writable
 
 HELP = "sweep the Triton kernels' launch parameters on the local GPU; write tuning files"
@@ -64,10 +66,9 @@ _NO_GPU = (
 )
 
 
-def _tuning_target(requested: str) -> tuple[object, str, object] | str:
-    """``(device, backend, timer)`` for ``kvtier tune``, or why there is none."""
-    import torch
-
+def _tuning_target(device: torch.device) -> tuple[object, str, object] | str:
+    """``(device, backend, timer)`` for ``kvtier tune`` on ``device`` (a GPU, or its
+    index checked by :func:`device_from_flag`), or why there is none."""
     from kvtier_kernels import registry
     from kvtier_kernels.tuning import sweep as tuning
 
@@ -75,12 +76,20 @@ def _tuning_target(requested: str) -> tuple[object, str, object] | str:
         return _NO_GPU.format(why="torch sees none (torch.cuda.is_available() is False)")
     if registry.available_backends()["triton"].startswith("triton not installed"):
         return _NO_GPU.format(why="triton is not installed")
-    device = torch.device(requested)
-    if device.type != "cuda":
-        return f"--device must be a GPU (cuda or cuda:N); got {requested!r}"
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device, "triton", tuning.event_timer(device)
+
+
+def _copy_engine_problem(max_mib: int, device: torch.device, skipped: bool) -> str | None:
+    """Why the copy-engine crossover could not time runs of up to ``max_mib`` MiB on
+    ``device`` (it holds them on the GPU and in pinned host memory), or None."""
+    if skipped or device.type != "cuda":
+        return None
+    memory = torch.cuda.get_device_properties(device).total_memory
+    if max_mib << 20 > memory:
+        return f"--copy-engine-max-mib {max_mib}: more than {device} holds ({memory >> 20} MiB)"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
         ):
             if value < least:
                 raise ValueError(f"{flag} {value}: expected an integer >= {least}")
+        device = device_from_flag(args.device)
+        if device.type != "cuda":
+            raise ValueError(f"--device {args.device!r}: tune times a GPU (cuda or cuda:N)")
         out_dir = Path(args.out) if args.out else tuning_lookup.user_dirs()[0]
         problem = why_not_writable(out_dir)
         if problem is not None:  # found now, not after the sweep
@@ -114,11 +126,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvtier tune: {error}", file=sys.stderr)
         return 2
-    target = _tuning_target(args.device)
+    target = _tuning_target(device)
     if isinstance(target, str):
         print(f"kvtier tune: {target}", file=sys.stderr)
         return 2
     device, backend, timer = target
+    problem = _copy_engine_problem(args.copy_engine_max_mib, device, args.no_copy_engine)
+    if problem is not None:  # found now, not after the sweep has written its files
+        print(f"kvtier tune: {problem}", file=sys.stderr)
+        return 2
     print(f"kvtier tune on {tuning_files.device_name(device)} ({device}, backend {backend})")
     print(f"shape: {shape.describe()}")
     report = tuning.tune(

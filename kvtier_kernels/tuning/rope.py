@@ -11,6 +11,7 @@ import torch
 from kvtier_kernels import registry
 from kvtier_kernels._launch import next_power_of_2
 from kvtier_kernels.dtypes import dtype_name
+from kvtier_kernels.layouts import get_layout
 from kvtier_kernels.rope.rerotation import (
     SUPPORTED_DTYPES,
     LaunchConfig,
@@ -185,11 +186,13 @@ def sweep(
     quick: bool = False,
 ) -> TuningProblem | str:
     """The sweep entry of ``rope_rerotate`` (``tuning.SWEEPS``): a note instead of a problem
-    for fp8 caches and models without RoPE. The keys are re-rotated where they are, so
-    ``chunk_memory`` does not apply."""
+    for fp8 caches, models without RoPE and latent (MLA) layouts, which kvtier never
+    re-rotates. The keys are re-rotated where they are, so ``chunk_memory`` does not apply."""
     del op, chunk_memory
     if shape.rope_dim == 0:
         return "rope_rerotate skipped: the model has no rotary dims to re-rotate"
+    if get_layout(shape.layout).kv_planes != 2:
+        return f"rope_rerotate skipped: layout {shape.layout!r} holds latent KV, never re-rotated"
     if shape.dtype not in SUPPORTED_DTYPES:
         return f"rope_rerotate skipped: it does not support {dtype_name(shape.dtype)} keys"
     return RopeProblem(shape, device, backend, quick=quick)

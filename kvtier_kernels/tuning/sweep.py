@@ -82,7 +82,8 @@ def build_problems(
     quick: bool = False,
 ) -> tuple[list[TuningProblem], list[str]]:
     """The problems :func:`tune` runs for ``shape``, and notes on ops it skips (RoPE for
-    fp8 caches or models without RoPE). Nothing is allocated on ``device`` yet.
+    fp8 caches or models without RoPE). Nothing is allocated on ``device`` yet. An op named
+    twice is one problem: two would write two entries of one key, a file no launcher reads.
 
     Raises:
         ValueError: an op that is not tunable.
@@ -90,7 +91,7 @@ def build_problems(
     device = torch.device(device)
     problems: list[TuningProblem] = []
     notes: list[str] = []
-    for op in ops:
+    for op in dict.fromkeys(ops):
         if op not in TUNABLES or op not in SWEEPS:
             raise ValueError(f"op {op!r} is not tunable; tunable ops: {', '.join(TUNABLES)}")
         found = SWEEPS[op](op, shape, device, backend, chunk_memory=chunk_memory, quick=quick)
