@@ -235,6 +235,22 @@ def test_every_blend_counter_has_help_and_docs():
         assert f"`kvtier_{name}_total`" in docs, name
 
 
+def test_every_counter_a_vllm_rank_names_has_help_and_docs():
+    """Counters the vLLM connector increments under a literal name (a worker rank's
+    ``producer_store_timeouts``, ...) are exported: each needs its HELP and a docs row."""
+    root = Path(__file__).resolve().parents[1]
+    names = {
+        name
+        for path in (root / "kvtier" / "integration" / "vllm").glob("*.py")
+        for name in re.findall(r'stats\.inc\(\s*"(\w+)"', path.read_text())
+    }
+    assert "producer_store_timeouts" in names
+    docs = (root / "docs" / "observability.md").read_text()
+    for name in sorted(names):
+        assert name in HELP, name
+        assert f"`kvtier_{name}_total`" in docs, name
+
+
 @pytest.mark.parametrize("record_events", [False, True])
 def test_an_engine_exports_only_the_kv_event_counters_it_counts(record_events):
     """``serve_engine_metrics``: an engine announces no KV events (vLLM's scheduler does),
