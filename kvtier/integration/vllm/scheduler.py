@@ -221,7 +221,7 @@ class SchedulerSide:
             self._looked_up.add(request.request_id)
             self.lookup_requests += 1
             self.lookup_tokens += num_tokens
-            self.lookup_hit_tokens += hit_tokens
+            self.lookup_hit_tokens += max(hit_tokens - num_computed_tokens, 0)
         if hits:
             self._on_chunks(request, 0, hashes[:hits], hit_tokens)
         load_end = min(hit_tokens, num_tokens - 1)
