@@ -391,9 +391,10 @@ class CacheEngine:
         """This engine's counters, histograms and tier gauges as plain data
         (``prometheus.export``), labelled with its rank; ``omit``: counters another
         process counts for it (a vLLM worker's lookups are counted by the scheduler).
-        The KV-event counters an engine never counts are left out: those of the events
-        vLLM's scheduler announces, and, without ``events``, the tier records dropped."""
-        uncounted = [*ANNOUNCED_EVENT_COUNTERS, *omit]
+        The counters an engine never counts are left out: those of the KV events vLLM's
+        scheduler announces, without ``events`` the tier records dropped, and those its
+        tiers cannot move (``StorageManager.uncounted``)."""
+        uncounted = [*ANNOUNCED_EVENT_COUNTERS, *omit, *self.storage.uncounted()]
         if self.events is None:
             uncounted.append(Counter.KV_EVENTS_DROPPED)
         return export(

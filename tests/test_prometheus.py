@@ -235,6 +235,43 @@ def test_every_blend_counter_has_help_and_docs():
         assert f"`kvtier_{name}_total`" in docs, name
 
 
+def test_every_counter_a_vllm_rank_names_has_help_and_docs():
+    """Counters the vLLM connector increments under a literal name (a worker rank's
+    ``producer_store_timeouts``, ...) are exported: each needs its HELP and a docs row."""
+    root = Path(__file__).resolve().parents[1]
+    names = {
+        name
+        for path in (root / "kvtier" / "integration" / "vllm").glob("*.py")
+        for name in re.findall(r'stats\.inc\(\s*"(\w+)"', path.read_text())
+    }
+    assert "producer_store_timeouts" in names
+    docs = (root / "docs" / "observability.md").read_text()
+    for name in sorted(names):
+        assert name in HELP, name
+        assert f"`kvtier_{name}_total`" in docs, name
+
+
+@pytest.mark.parametrize(
+    ("local_cpu", "disk", "uncounted"),
+    [
+        (True, False, {"prefetched_chunks", "cpu_writeback_chunks"}),
+        (True, True, set()),
+        (False, True, {"prefetched_chunks", "cpu_writeback_chunks", "evictions"}),
+    ],
+)
+def test_an_engine_exports_no_counter_its_tiers_cannot_move(tmp_path, local_cpu, disk, uncounted):
+    """Copies into the CPU tier need a lower tier and the CPU tier; evictions from it
+    need it to keep chunks: elsewhere these series would sit at 0 for want of counting."""
+    tiers = {"local_disk": str(tmp_path)} if disk else {}
+    engine = make_engine(local_cpu=local_cpu, **tiers)
+    try:
+        counters = set(engine.metrics()["counters"])
+    finally:
+        engine.close()
+    copies = {"prefetched_chunks", "cpu_writeback_chunks", "evictions"}
+    assert copies & counters == copies - uncounted
+
+
 @pytest.mark.parametrize("record_events", [False, True])
 def test_an_engine_exports_only_the_kv_event_counters_it_counts(record_events):
     """``serve_engine_metrics``: an engine announces no KV events (vLLM's scheduler does),

@@ -175,6 +175,17 @@ def test_scheduler_counts_each_lookup_it_asks_of_the_ranks() -> None:
     assert counters["lookup_hit_tokens"] == 2 * CHUNK
 
 
+def test_lookup_hits_count_only_what_vllm_does_not_hold() -> None:
+    """``lookup_hit_tokens``: tokens found in kvtier beyond vLLM's own prefix cache."""
+    config = load_config({"chunk_size": CHUNK}, env={})
+    side = SchedulerSide(config, lambda hashes, load_from: len(hashes), block_size=BLOCK)
+    assert side.get_num_new_matched_tokens(request("a", list(range(40))), 2 * BLOCK)[0] > 0
+    side.get_num_new_matched_tokens(request("b", list(range(50, 70))), 3 * BLOCK)
+    counters = side.counters()
+    assert (counters["lookup_requests"], counters["lookup_tokens"]) == (2, 60)
+    assert counters["lookup_hit_tokens"] == (40 - 2 * BLOCK) + (2 * CHUNK - 3 * BLOCK)
+
+
 def test_a_request_asked_again_while_it_waits_is_counted_once_per_scheduling() -> None:
     """vLLM asks again every step while a request waits for blocks: one lookup counted
     until it is scheduled; preempted and asked again, it counts again."""

@@ -89,6 +89,22 @@ def test_consumer_waits_for_the_producer_then_loads():
     )
 
 
+def test_the_scheduler_exports_only_the_counters_its_role_counts():
+    """A producer never looks up, and only a consumer with ``pd_wait_ms`` can wait: no
+    series sits at 0 for want of being counted (docs/observability.md)."""
+    lookups = {"lookup_requests", "lookup_tokens", "lookup_hit_tokens"}
+    held = HeldHashes()
+    producer = pd_side(held, "kv_producer", whole_blocks=False, pd_wait_ms=60_000)
+    producer.get_num_new_matched_tokens(make_request("p", 200), 0)
+    assert not (lookups | {"pd_waits"}) & set(producer.counters())
+    both = pd_side(held, "kv_both", whole_blocks=False, pd_wait_ms=60_000)
+    assert set(both.counters()) == lookups
+    consumer = pd_side(held, "kv_consumer", whole_blocks=False, pd_wait_ms=60_000)
+    assert consumer.get_num_new_matched_tokens(make_request("c", 200), 0) == (None, False)
+    assert consumer.counters() == dict.fromkeys(lookups, 0) | {"pd_waits": 1}
+    assert set(pd_side(held, "kv_consumer", whole_blocks=False).counters()) == lookups
+
+
 def test_consumer_wait_runs_out_into_a_partial_hit():
     held = HeldHashes()
     producer = pd_side(held, "kv_producer", whole_blocks=False)

@@ -69,6 +69,10 @@ HELP = {
     Counter.PREFETCHED_CHUNKS: "Chunks fetched from a lower tier into memory at lookup time.",
     Counter.WRITEBACK_CHUNKS: "Lower-tier hits copied into the CPU tier.",
     "pd_waits": "Lookups of kv_consumer requests told to look again later (pd_wait_ms).",
+    "producer_store_timeouts": (
+        "kv_producer steps whose stores had not reached every tier within "
+        "producer_store_timeout_ms."
+    ),
     Counter.KV_EVENTS_DROPPED: (
         "Tier records (worker ranks) or KV events (scheduler) dropped by a full buffer."
     ),

@@ -134,6 +134,15 @@ class StorageManager:
         """Names of the tiers below memory (disk, remote), in lookup order."""
         return [t.name for t in self.lower]
 
+    def uncounted(self) -> tuple[str, ...]:
+        """The engine counters these tiers can never move: copies from a lower tier into
+        the CPU tier (``prefetched_chunks``, ``cpu_writeback_chunks``) need both, and
+        evictions from the CPU tier need it to keep chunks (``local_cpu``)."""
+        copies = (Counter.PREFETCHED_CHUNKS, Counter.WRITEBACK_CHUNKS)
+        if not self.retain_in_cpu:
+            return (*copies, Counter.EVICTIONS)
+        return () if self.lower else copies
+
     @property
     def sole_disk(self) -> FileTier | SplitDisk | None:
         """The file tier when it is the only tier (no CPU tier, nothing else below) and

@@ -459,12 +459,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def metrics(self) -> dict:
         """kvtier's counters, histograms and tier gauges (``prometheus.export``), under the
         same names as in vLLM, labelled with the TP rank. The KV-event counters are left
-        out: kvtier announces no KV events to SGLang, so nothing here counts them."""
+        out (kvtier announces no KV events to SGLang, so nothing here counts them), and
+        those the tiers cannot move (``StorageManager.uncounted``)."""
         return export(
             self.stats,
             gauges=self.storage.gauges(),
             tiers=self.storage.lower_tier_names,
-            omit=KV_EVENT_COUNTERS,
+            omit=(*KV_EVENT_COUNTERS, *self.storage.uncounted()),
             rank=str(self.storage_config.tp_rank),
         )
 

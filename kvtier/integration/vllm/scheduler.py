@@ -221,7 +221,7 @@ class SchedulerSide:
             self._looked_up.add(request.request_id)
             self.lookup_requests += 1
             self.lookup_tokens += num_tokens
-            self.lookup_hit_tokens += hit_tokens
+            self.lookup_hit_tokens += max(hit_tokens - num_computed_tokens, 0)
         if hits:
             self._on_chunks(request, 0, hashes[:hits], hit_tokens)
         load_end = min(hit_tokens, num_tokens - 1)
@@ -439,13 +439,16 @@ class SchedulerSide:
         return [event for extension in self.extensions for event in extension.take_events()]
 
     def counters(self) -> dict[str, float]:
-        """This process's own counters: lookups (once for all ranks) and the extensions'."""
-        counters: dict[str, float] = {
-            "lookup_requests": self.lookup_requests,
-            "lookup_tokens": self.lookup_tokens,
-            "lookup_hit_tokens": self.lookup_hit_tokens,
-            "pd_waits": self.pd_waits,
-        }
+        """This process's own counters: lookups (once for all ranks) and the extensions'.
+        Only those it can count: no lookups where it loads nothing (``kv_producer``), no
+        ``pd_waits`` unless it waits for a producer (``kv_consumer`` with ``pd_wait_ms``)."""
+        counters: dict[str, float] = {}
+        if self.can_load:
+            counters["lookup_requests"] = self.lookup_requests
+            counters["lookup_tokens"] = self.lookup_tokens
+            counters["lookup_hit_tokens"] = self.lookup_hit_tokens
+        if self.pd_wait_s:
+            counters["pd_waits"] = self.pd_waits
         for extension in self.extensions:
             counters.update(extension.counters())
         return counters
