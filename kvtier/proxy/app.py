@@ -32,9 +32,9 @@ Failures (NOTE: the decode instance always gets the request unless none is up):
   ``kvtier_proxy_prefill_skipped_total``).
 - decode: a connection error marks the instance down and tries the next one; with none
   left the proxy answers 503 with ``Retry-After`` (at once, without a prefill leg, when
-  none is up or due for a retry when the request comes). A 5xx marks it down and is passed to
-  the client as it is (not retried: the request may be what failed). A timeout answers
-  504, or ends a stream that already started.
+  none is up or due for a retry as the request comes). A 5xx marks it down and is passed
+  to the client as it is (not retried: the request may be what failed). A timeout
+  answers 504, or ends a stream that already started.
 """
 
 from __future__ import annotations
