@@ -362,6 +362,17 @@ def test_down_decode_is_skipped_and_none_up_answers_503(engines, proxy):
     assert request(server.url, "GET", "/health")[0] == 503
 
 
+def test_no_decode_instance_up_answers_503_without_a_prefill_leg(engines, proxy):
+    prefill, decode = engines("prefill"), engines("decode")
+    server = proxy([prefill], [decode], retry_after_s=60)
+    decode.stop()
+    assert post(server.url, "/v1/completions", COMPLETION)[0] == 503, "the decode leg failed"
+    sent = len(prefill.received)
+    status, headers, _ = post(server.url, "/v1/completions", COMPLETION)
+    assert status == 503 and 59 <= int(headers["Retry-After"]) <= 60
+    assert len(prefill.received) == sent, "a prefill whose KV no decode instance would load"
+
+
 def test_models_5xx_marks_the_instance_down_until_its_health_probe_passes(engines, proxy):
     failing = engines("failing", models_status=500, health_status=503)
     live = engines("live")

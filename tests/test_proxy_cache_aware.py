@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -22,6 +23,7 @@ from support.openai_fakes import AppThread, Behaviour, FakeOpenAI, fake_tokens
 from test_proxy import get_json, metric, post, wait_until
 
 from kvtier.cli import main
+from kvtier.proxy import cache_aware
 from kvtier.proxy.app import Proxy, ProxySettings
 from kvtier.proxy.cache_aware import RoutingSettings
 from kvtier.routing.block_hashes import RequestKeys, VllmBlockHasher
@@ -234,6 +236,24 @@ def test_a_down_instance_and_a_disconnected_stream_are_skipped(engines, proxy):
     post(server.url, "/v1/completions", completion(SYSTEM + "Q2"))
     post(server.url, "/v1/completions", completion(SYSTEM + "Q3"))
     assert len(a.completions()) == 1 and len(b.completions()) == 2, "least loaded, in turn"
+
+
+def test_a_stream_is_silent_only_when_no_event_follows_a_request(engines, proxy, monkeypatch):
+    monkeypatch.setattr(cache_aware, "SILENT_AFTER_S", 0.2)
+    a = engines("a", delay_s=0.5)
+    server = proxy([a])
+    router = server.proxy.routing
+    publish_and_wait(server, a, "Earlier prompt. " * 2)  # the block size is known
+    asked = threading.Thread(target=post, args=(server.url, "/v1/completions", completion(SYSTEM)))
+    asked.start()
+    wait_until(lambda: a.completions())
+    publish_and_wait(server, a, SYSTEM)  # vLLM announces the blocks before it answers
+    asked.join()
+    time.sleep(0.4)
+    assert router.stream_state(a.url) == "connected", "the request's event came"
+    assert post(server.url, "/v1/completions", completion("Another prompt " * 4))[0] == 200
+    time.sleep(0.4)
+    assert router.stream_state(a.url) == "silent", "no event for the new blocks"
 
 
 def test_prefill_is_chosen_by_cache_and_decode_by_load(engines, proxy):

@@ -31,9 +31,10 @@ Failures (NOTE: the decode instance always gets the request unless none is up):
   alone: the decode instance computes the prompt itself (counted in
   ``kvtier_proxy_prefill_skipped_total``).
 - decode: a connection error marks the instance down and tries the next one; with none
-  left the proxy answers 503 with ``Retry-After``. A 5xx marks it down and is passed to
-  the client as it is (not retried: the request may be what failed). A timeout answers
-  504, or ends a stream that already started.
+  left the proxy answers 503 with ``Retry-After`` (at once, without a prefill leg, when
+  none is up or due for a retry as the request comes). A 5xx marks it down and is passed
+  to the client as it is (not retried: the request may be what failed). A timeout
+  answers 504, or ends a stream that already started.
 """
 
 from __future__ import annotations
@@ -194,6 +195,11 @@ class Proxy:
             return error_response(
                 400, "the request body is not a JSON object", "BadRequestError", request_id
             )
+        if self.decode.next_retry_s() > 0:
+            # NOTE: no decode instance to try: a prefill leg now would compute KV that
+            # nothing loads, and keep the client waiting for its 503 as long.
+            self.metrics.requests.labels(endpoint, "503").inc()
+            return self._unavailable("no decode instance is up", request_id)
         headers = self._leg_headers(request, request_id)
         try:
             decision = None

@@ -10,9 +10,10 @@ Per request, on the pool picked by cache (decode alone; prefill in PD mode)::
               (timed: kvtier_proxy_route_seconds; the /tokenize round trip is not)
 
 An instance holds nothing for scoring while its event stream is disconnected, or silent:
-connected, but no batch came within ``SILENT_AFTER_S`` of a request it answered that had
-blocks it did not hold (vLLM announces every block its prefix cache computes, so such a
-request must bring an event). Its entries stay; they count again when events flow.
+connected, but no batch came in the ``SILENT_AFTER_S`` since a request it answered, that
+had blocks it did not hold, was scored (vLLM announces every block its prefix cache
+computes, so such a request must bring an event, often before its answer ends). Its
+entries stay; they count again when events flow.
 
 Hash check: a ``BlockStored`` of a prompt's first block (no parent, no extra keys) is
 hashed here too. With ``--hash-algo auto`` the first such event picks the algorithm;
@@ -72,6 +73,7 @@ class Decision:
     block_size: int = 0
     routed: bool = False  # the first pick was made and counted in the metrics
     seconds: float = 0.0  # hashing and index walk; observed with the first pick's time
+    scored_at: float = 0.0  # time.monotonic() of the scoring, before the request is sent
 
     def predicted_tokens(self, url: str) -> int:
         """The prompt tokens the engine should find cached on ``url``: its matched
@@ -84,7 +86,7 @@ class Decision:
 
 @dataclass(slots=True)
 class _Expecting:
-    since: float  # a request with new blocks finished then; an event should follow
+    since: float  # a request with new blocks was scored then; an event should follow
 
 
 def by_instance(flag: str, values: Mapping[str, str], urls: Iterable[str]) -> dict[str, str]:
@@ -302,7 +304,9 @@ class CacheAwareRouter:
             and match is not None
             and match.blocks < decision.blocks
         ):
-            self._expecting.setdefault(instance.url, _Expecting(time.monotonic()))
+            # NOTE: since the scoring, not the answer: vLLM publishes a step's events as
+            # the step ends, so the request's event comes before its answer ends
+            self._expecting.setdefault(instance.url, _Expecting(decision.scored_at))
 
     # -- decisions -------------------------------------------------------------------
 
@@ -320,6 +324,7 @@ class CacheAwareRouter:
 
     def decision(self, tokens, body: dict) -> Decision:
         """The scoring of a request with token ids ``tokens`` (None: unknown)."""
+        scored_at = time.monotonic()
         started = time.perf_counter()
         names = [i.url for i in self.scored.instances]
         block_size = self.block_size
@@ -335,6 +340,7 @@ class CacheAwareRouter:
             matches = self.scorer.matches(keys, names, usable)
             decision = Decision(matches, len(tokens), len(keys), block_size)
         decision.seconds = time.perf_counter() - started
+        decision.scored_at = scored_at
         return decision
 
     def pick(self, pool: Pool, decision: Decision, exclude: list[Instance]) -> Instance | None:
