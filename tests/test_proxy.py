@@ -211,6 +211,9 @@ def test_stream_cut_by_decode_is_cut_for_the_client(engines, proxy):
         post(server.url, "/v1/completions", {**COMPLETION, "stream": True})
     assert cut.value.partial.startswith(b"data: ")
     assert get_json(server.url, "/health")["decode"][0]["up"] is False
+    requests = "kvtier_proxy_requests_total"
+    wait_until(lambda: metric(server.url, requests, endpoint="/v1/completions", status="504") == 1)
+    assert metric(server.url, requests, endpoint="/v1/completions", status="200") == 0
 
 
 def test_client_leaving_mid_stream_abandons_the_decode_stream(engines, proxy):

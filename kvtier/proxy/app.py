@@ -76,6 +76,10 @@ KEEPALIVE_S = 4.0
 MAX_BODY_BYTES = 256 << 20  # a long multimodal prompt; aiohttp's default is 1 MiB
 USAGE_TAIL_BYTES = 16 << 10  # the end of a stream kept to read its usage chunk
 CLIENT_GONE_STATUS = "499"  # requests_total's status of a request its client left
+# requests_total's status of a stream the decode instance broke off after its 200 went out:
+# the status a failed non-streamed answer gets
+STREAM_CUT_STATUS = "504"
+STREAM_CUT = "kvtier.stream_cut"  # request key set when the answer's stream was cut
 # An instance's /v1/models answers from memory, at once even under load: past this it is
 # marked down and the next decode instance is asked.
 MODELS_TIMEOUT_S = 10.0
@@ -221,7 +225,8 @@ class Proxy:
             )
             raise
         total_s = time.perf_counter() - started
-        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        status = STREAM_CUT_STATUS if request.get(STREAM_CUT) else str(response.status)
+        self.metrics.requests.labels(endpoint, status).inc()
         self.metrics.overhead_seconds.observe(max(0.0, total_s - prefill_s - decode_s))
         logger.info(
             "%s %s prefill=%s (%.1f ms) decode=%s %d (%.1f ms)",
@@ -450,6 +455,7 @@ class Proxy:
             logger.info("%s client disconnected before the end of the stream", request_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._instance_failed(self.decode, instance, exc, request_id)
+            request[STREAM_CUT] = True
             if request.transport is not None:
                 request.transport.abort()
         return response, tail
