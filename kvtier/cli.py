@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.commands import demo, info, kernels, precompile, proxy, serve, status, tune
+from kvtier.machine import dist_version
 
 COMMANDS = {
     "info": info,
@@ -39,6 +40,12 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvtier {dist_version('kvtier')}",
+        help="print kvtier's version (as `kvtier info` reports it) and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command_parser = sub.add_parser(name, help=command.HELP, description=command.DESCRIPTION)

@@ -34,6 +34,13 @@ def test_info_json_reports_versions_backends_and_config(capsys, tmp_path, monkey
     assert config["hash_algorithm"]["source"] == "default"
 
 
+def test_version_is_the_one_info_reports(capsys):
+    assert main(["info", "--json"]) == 0
+    version = json.loads(capsys.readouterr().out)["versions"]["kvtier"]
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"kvtier {version}\n"
+
+
 def test_info_text_and_bad_config(capsys, tmp_path):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
