@@ -295,6 +295,17 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["serve", "--port", "0", "--peer-discovery-ttl", "0"], "--peer-discovery-ttl needs --p"),
         (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
         (
+            ["serve", "--port", "0", "--host", "no-such-host.invalid"],
+            "--host 'no-such-host.invalid': the name does not resolve",
+        ),
+        (["serve", "--port", "0", "--host", ""], "--host '': empty"),
+        (["serve", "--port", "0", "--peer-cache", "off"], "--peer-cache needs peers: --peer"),
+        (["serve", "--port", "0", "--lookup-peers"], "--lookup-peers needs peers: --peer"),
+        (
+            ["serve", "--port", "0", "--peer-cache", "on", "--lookup-peers"],
+            "--peer-cache and --lookup-peers need peers",
+        ),
+        (
             ["serve", "--port", "0", "--max-local-cpu-size", "0.01", "--remote-url", "redis://h:x"],
             "kvtier serve: invalid kvtier configuration: --remote-url: remote_url 'redis://h:x': bad",
         ),
