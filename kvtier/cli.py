@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.commands import demo, info, kernels, precompile, proxy, serve, status, tune
+from kvtier.logs import set_kvtier_log_level
 from kvtier.machine import dist_version
 
 COMMANDS = {
@@ -62,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    try:
+        set_kvtier_log_level()
+    except ValueError as exc:
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except KeyboardInterrupt:
