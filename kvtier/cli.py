@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.commands import demo, info, kernels, precompile, proxy, serve, status, tune
+from kvtier.logs import set_kvtier_log_level
+from kvtier.machine import dist_version
 
 COMMANDS = {
     "info": info,
@@ -39,6 +41,12 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvtier {dist_version('kvtier')}",
+        help="print kvtier's version (as `kvtier info` reports it) and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command_parser = sub.add_parser(name, help=command.HELP, description=command.DESCRIPTION)
@@ -55,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    try:
+        set_kvtier_log_level()
+    except ValueError as exc:
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "kvtier.warn",
+            "kvtier.logs",
             "kvtier.config",
             "kvtier.hashing",
             "kvtier.keys",

@@ -34,6 +34,13 @@ def test_info_json_reports_versions_backends_and_config(capsys, tmp_path, monkey
     assert config["hash_algorithm"]["source"] == "default"
 
 
+def test_version_is_the_one_info_reports(capsys):
+    assert main(["info", "--json"]) == 0
+    version = json.loads(capsys.readouterr().out)["versions"]["kvtier"]
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"kvtier {version}\n"
+
+
 def test_info_text_and_bad_config(capsys, tmp_path):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
@@ -287,6 +294,17 @@ def test_status_writes_an_ipv6_server_in_brackets(capsys):
         (["serve", "--port", "0", "--advertise", "kvtier://h:1"], "--advertise needs --peer-"),
         (["serve", "--port", "0", "--peer-discovery-ttl", "0"], "--peer-discovery-ttl needs --p"),
         (["serve", "--port", "0", "--peer", "http://127.0.0.1:1"], "--peer / server_peers"),
+        (
+            ["serve", "--port", "0", "--host", "no-such-host.invalid"],
+            "--host 'no-such-host.invalid': the name does not resolve",
+        ),
+        (["serve", "--port", "0", "--host", ""], "--host '': empty"),
+        (["serve", "--port", "0", "--peer-cache", "off"], "--peer-cache needs peers: --peer"),
+        (["serve", "--port", "0", "--lookup-peers"], "--lookup-peers needs peers: --peer"),
+        (
+            ["serve", "--port", "0", "--peer-cache", "on", "--lookup-peers"],
+            "--peer-cache and --lookup-peers need peers",
+        ),
         (
             ["serve", "--port", "0", "--max-local-cpu-size", "0.01", "--remote-url", "redis://h:x"],
             "kvtier serve: invalid kvtier configuration: --remote-url: remote_url 'redis://h:x': bad",

@@ -565,3 +565,17 @@ def test_docs_generator_rewrites_only_the_generated_blocks(tmp_path: Path) -> No
     assert path.read_text() == DOC.read_text()
     with pytest.raises(ValueError, match="config_reference_markdown"):
         config_docs.regenerate("no blocks here")
+
+
+def test_docs_generator_has_a_help_and_refuses_a_file_without_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert config_docs.main(["--help"]) == 0
+    assert "default: docs/configuration.md" in capsys.readouterr().out
+    assert not Path("--help").exists()
+    path = write(tmp_path, "no blocks here", name="other.md")
+    assert config_docs.main([str(path)]) == 2
+    assert "no generated block" in capsys.readouterr().err
+    assert path.read_text() == "no blocks here"
+    assert config_docs.main([str(tmp_path / "missing.md")]) == 2
+    assert "missing.md" in capsys.readouterr().err

@@ -566,6 +566,23 @@ def test_a_file_store_keeps_names_under_prefixes_across_a_restart(tmp_path):
     assert not second.write("cc/" + "89ab" * 8, [bytes(10_001)])  # larger than the bound
 
 
+def test_a_killed_server_s_temp_file_is_removed_at_a_later_start_once_old(tmp_path):
+    """`kvtier serve --local-disk` killed mid-write leaves its temp file in the blob's
+    shard (under the namespace's directory): the next start removes it once it is an hour
+    old, and leaves a younger one (another process's write in progress) alone."""
+    disk = open_disk(str(tmp_path), 1 << 20)
+    assert write_to_disk(disk, ("ns", "k"), b"blob")
+    shard = Path(disk.path(disk_name(("ns", "k")))).parent
+    stale, fresh = shard / ".dead.1.2.tmp", shard / ".live.3.4.tmp"
+    stale.write_bytes(b"half a blob")
+    fresh.write_bytes(b"a write in progress elsewhere")
+    old = time.time() - files.STALE_TMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    restarted = open_disk(str(tmp_path), 1 << 20)
+    assert not stale.exists() and fresh.exists()
+    assert read_from_disk(restarted, ("ns", "k")) == b"blob" and len(restarted) == 1
+
+
 def test_the_server_disk_finds_a_blob_file_it_did_not_index(tmp_path):
     """Settled once for every bounded file store: a name the index does not know is
     asked of the filesystem and adopted (the engine's disk tier always did; the server's

@@ -595,6 +595,8 @@ def test_kvtier_tune_refuses_without_a_gpu(tmp_path: Path) -> None:
         (["--repeats", "0"], "--repeats 0"),
         (["--warmup", "-1"], "--warmup -1"),
         (["--out", "/dev/null/tuning"], "--out '/dev/null/tuning': /dev/null is not a directory"),
+        (["--out", ""], "--out is empty"),
+        (["--out", " "], "--out is empty"),
     ],
 )
 def test_kvtier_tune_names_a_bad_argument_on_any_machine(

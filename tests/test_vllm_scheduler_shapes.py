@@ -15,7 +15,8 @@ own prefix hit, nor blocks its window freed before the step (another request may
 them in the same step), so chunks that start before them are not stored.
 
 A ``chunk_size`` longer than vLLM's ``max_model_len`` never fills: kvtier says so at
-start-up.
+start-up. A request that reads no prefix cache (prompt logprobs) drops any hit: it is not
+looked up, only stored.
 """
 
 from __future__ import annotations
@@ -122,6 +123,39 @@ def test_a_chunk_longer_than_max_model_len_is_warned_about(
         f"chunk_size={chunk_size}, save_unfull_chunk={save_unfull_chunk}, max_model_len=2048: "
         f"warnings {messages}"
     )
+
+
+def test_a_request_that_reads_no_prefix_cache_is_stored_but_never_looked_up():
+    """vLLM computes every prompt token of a request with prompt logprobs (its
+    ``skip_reading_prefix_cache``) and drops an external hit: kvtier does not look it up
+    (a lookup prefetches what it finds on every rank), nor counts it, though it holds
+    every chunk; the request's chunks are still stored."""
+    lookups = []
+    config = load_config({"chunk_size": CHUNK}, env={})
+    side = SchedulerSide(
+        config, lambda hashes, load_from: lookups.append(hashes) or len(hashes), block_size=BLOCK
+    )
+    request = SimpleNamespace(
+        request_id="r",
+        all_token_ids=list(range(1000, 1000 + PROMPT)),
+        num_prompt_tokens=PROMPT,
+        skip_reading_prefix_cache=True,
+    )
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert lookups == [], "a request vLLM loads nothing for was looked up"
+    assert side.counters()["lookup_requests"] == 0 and side.counters()["lookup_hit_tokens"] == 0
+    blocks = list(range(100, 100 + -(-PROMPT // BLOCK)))
+    side.update_state_after_alloc(request, blocks, 0)
+    step = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="r", block_ids=(blocks,), num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={"r": PROMPT},
+        preempted_req_ids=set(),
+    )
+    plan = side.build_plan(step)
+    assert plan.loads == [] and [len(save.hashes) for save in plan.saves] == [4], plan.saves
 
 
 def saving_side(window: int | None = None) -> SchedulerSide:

@@ -25,6 +25,7 @@ import logging
 import math
 import sys
 
+from kvtier.logs import KVTIER_LOGGER
 from kvtier.proxy.instances import POLICIES, normalize_url
 
 HELP = "an OpenAI-compatible prefill/decode router in front of vLLM instances"
@@ -112,9 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-level",
-        default="info",
         choices=("debug", "info", "warning", "error"),
-        help="info logs one line per request with its request id (default info)",
+        help="info logs one line per request with its request id (default info; "
+        "KVTIER_LOG_LEVEL, when set, for kvtier's own loggers); given, it wins over "
+        "KVTIER_LOG_LEVEL",
     )
 
 
@@ -191,9 +193,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.proxy.app import Proxy, ProxySettings
     from kvtier.proxy.serving import serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    level = (args.log_level or "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.log_level is not None:  # over the level KVTIER_LOG_LEVEL gave kvtier's loggers
+        logging.getLogger(KVTIER_LOGGER).setLevel(level)
     try:
         settings = ProxySettings(
             prefill=tuple(args.prefill),

@@ -23,6 +23,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import socket
 import sys
 
 from kvtier.config import CONFIG_KEYS, ConfigError, KVTierConfig, load_config
@@ -150,13 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-cache",
         choices=("on", "off"),
-        default="on",
-        help="keep chunks pulled from peers in the memory tier (default on)",
+        help="keep chunks pulled from peers in the memory tier (default on); needs peers",
     )
     parser.add_argument(
         "--lookup-peers",
         action="store_true",
-        help="POST /lookup counts chunks the peers hold (per request: /lookup?peers=1)",
+        help="POST /lookup counts chunks the peers hold (per request: /lookup?peers=1); "
+        "needs peers",
     )
     parser.add_argument(
         "--peer-discovery",
@@ -205,6 +206,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def unresolvable(host: str) -> str | None:
+    """Why ``host`` names no address to bind (an empty name, or a name the resolver does
+    not know), or None."""
+    if not host.strip():
+        return "empty: give an address or a name to bind (0.0.0.0: every address)"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"the name does not resolve ({getattr(exc, 'strerror', None) or exc})"
+    return None
+
+
 def server_config(args: argparse.Namespace) -> KVTierConfig:
     """The config of ``args``: flags over ``--config`` over ``KVTIER_*`` over defaults.
 
@@ -222,6 +240,9 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
     if problems:
         raise ConfigError(problems)
     config = load_config(overrides=overrides, config_file=args.config)
+    problem = unresolvable(args.host)
+    if problem is not None:
+        raise ConfigError(f"--host {args.host!r}: {problem}")
     if not is_loopback(args.host) and config.server_token is None:
         raise ConfigError(
             f"--host {args.host} is not a loopback address: give --auth-token (or "
@@ -264,6 +285,20 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
             raise ConfigError(
                 f"--peer / server_peers {url!r}: expected kvtier://host:port"
             ) from None
+    if not peer_urls(args, config) and discovery_url(args, config) is None:
+        given = [
+            flag
+            for flag, set_ in (
+                ("--peer-cache", args.peer_cache is not None),
+                ("--lookup-peers", args.lookup_peers),
+            )
+            if set_
+        ]
+        if given:
+            raise ConfigError(
+                f"{' and '.join(given)} need{'s' * (len(given) == 1)} peers: --peer (or the "
+                "server_peers key) or --peer-discovery (or the server_peer_discovery key)"
+            )
     if discovery_url(args, config) is None:
         given = [
             flag
@@ -370,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
                 peers=PeerOptions(
                     peer_urls(args, config),
                     transport=args.peer_transport,
-                    keep=args.peer_cache == "on",
+                    keep=args.peer_cache != "off",
                     lookup=args.lookup_peers,
                     discovery=discovery_url(args, config),
                     advertise=advertise_of(args),

@@ -116,11 +116,18 @@ def run(args: argparse.Namespace) -> int:
         device = device_from_flag(args.device)
         if device.type != "cuda":
             raise ValueError(f"--device {args.device!r}: tune times a GPU (cuda or cuda:N)")
-        out_dir = Path(args.out) if args.out else tuning_lookup.user_dirs()[0]
+        if args.out is not None and not args.out.strip():
+            raise ValueError(
+                "--out is empty: give the directory to write into, or leave the flag out "
+                f"({tuning_lookup.TUNING_DIR_ENV} or ~/.cache/kvtier/tuning)"
+            )
+        out_dir = Path(args.out) if args.out is not None else tuning_lookup.user_dirs()[0]
         problem = why_not_writable(out_dir)
         if problem is not None:  # found now, not after the sweep
             where = (
-                "--out" if args.out else f"the tuning directory ({tuning_lookup.TUNING_DIR_ENV})"
+                "--out"
+                if args.out is not None
+                else f"the tuning directory ({tuning_lookup.TUNING_DIR_ENV})"
             )
             raise ValueError(f"{where} {str(out_dir)!r}: {problem}")
     except ValueError as error:

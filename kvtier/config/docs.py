@@ -10,9 +10,10 @@ test checks that they are current.
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,36 @@ def regenerate(doc: str) -> str:
     return doc
 
 
-def main(argv: list[str]) -> int:
-    """Rewrite the generated blocks of the file ``argv[0]`` (default docs/configuration.md)."""
-    path = Path(argv[0]) if argv else DEFAULT_DOC
-    text = path.read_text(encoding="utf-8")
-    fresh = regenerate(text)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvtier.config.docs",
+        description="Rewrite the generated blocks of kvtier's configuration reference "
+        "(the key table and the LMCache key lists) from the code, in place.",
+    )
+    parser.add_argument(
+        "path",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_DOC,
+        help=f"the Markdown file to rewrite (default: {DEFAULT_DOC})",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Rewrite the generated blocks of the file ``argv`` names (default
+    docs/configuration.md); 0 when done, 2 on bad arguments or a file without the blocks."""
+    parser = build_parser()
+    try:
+        path = parser.parse_args(argv).path
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    try:
+        text = path.read_text(encoding="utf-8")
+        fresh = regenerate(text)
+    except (OSError, ValueError) as exc:
+        print(f"{parser.prog}: {path}: {exc}", file=sys.stderr)
+        return 2
     if fresh != text:
         path.write_text(fresh, encoding="utf-8")
     print(f"{path}: {'regenerated' if fresh != text else 'up to date'}")
@@ -136,4 +162,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -25,6 +25,7 @@ from kvtier.config.lmcache import (
     is_lmcache_feature_key,
     lmcache_aliases,
 )
+from kvtier.logs import LOG_LEVEL_ENV_VAR
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,12 @@ CONFIG_FILE_KEY = "config_file"
 CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
 # LMCache's own variable naming its YAML file; read when kvtier is given no file.
 LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
-# KVTIER_* variables that are not config keys; load_config accepts them without a value check.
-# Not config keys. KVTIER_TUNING_DIR is the kernels' own variable, read by
+# KVTIER_* variables that are not config keys; load_config leaves their values to their
+# readers. KVTIER_LOG_LEVEL is ``kvtier.logs``' (checked as each process sets its logging
+# up). KVTIER_TUNING_DIR is the kernels' own variable, read by
 # ``kvtier_kernels.tuning.lookup`` alone; the ``tuning_dir`` key (extra config or YAML)
 # goes before it on the search path.
-RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, "KVTIER_LOG_LEVEL", "KVTIER_TUNING_DIR"})
+RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, LOG_LEVEL_ENV_VAR, "KVTIER_TUNING_DIR"})
 
 # One source's settings: kvtier key -> (validated value, source label).
 Settings = dict[str, tuple[Any, str]]

@@ -46,6 +46,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.config import KVTierConfig, load_config
 from kvtier.integration.sglang.page_store import Moved, PageBuffers, PageStore
 from kvtier.integration.sglang.pages import HostPool, PageFormat, PageKeys, split_extra_config
+from kvtier.logs import set_kvtier_log_level
 from kvtier.observability.prometheus import ANNOUNCED_EVENT_COUNTERS, MetricsServer, export
 from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.manager import StorageManager
@@ -123,9 +124,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     Raises:
         ConfigError: an unknown kvtier key or a bad value (the message names it).
+        ValueError: ``KVTIER_LOG_LEVEL`` is not a log level.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        set_kvtier_log_level()  # SGLang configures the logging; kvtier's level is its own
         self.storage_config = storage_config
         self.config: KVTierConfig = load_config(
             overrides=split_extra_config(storage_config.extra_config)

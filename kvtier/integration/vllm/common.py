@@ -7,7 +7,6 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -182,16 +181,3 @@ def slot_mapping(
     valid = (positions >= start) & (positions < end) & (block_index < len(block_ids))
     slots = blocks[block_index.clamp(max=len(blocks) - 1)] * block_size + positions % block_size
     return torch.where(valid, slots, torch.full_like(slots, -1))
-
-
-def show_kvtier_logs() -> None:
-    """Give kvtier's loggers a handler when nothing else configured one: vLLM configures
-    only its own, and kvtier's start-up lines (the config in effect, the layout found)
-    belong in the engine's log."""
-    root = logging.getLogger("kvtier")
-    if root.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("(kvtier) %(levelname)s %(asctime)s %(message)s"))
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)

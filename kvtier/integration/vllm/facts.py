@@ -52,6 +52,14 @@ def request_extras(request: Any, mm_scope: str | None = None) -> RequestExtras |
     )
 
 
+def reads_no_prefix_cache(request: Any) -> bool:
+    """Whether vLLM computes every prompt token of ``request`` itself and so drops any
+    hit offered for it: its ``skip_reading_prefix_cache``, which vLLM sets for prompt
+    logprobs (every prompt token's logits are needed), for most pooling requests, and
+    where a request asks for it."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
+
+
 def mm_identifier_scope(vllm_config: VllmConfig) -> str | None:
     """None when vLLM names a multimodal item by its content (a hash, or the uuid the
     request gave); else a name of this process to scope the identifiers with.

@@ -193,7 +193,13 @@ class SchedulerSide:
 
         A consumer with ``pd_wait_ms`` answers None (vLLM: "not known yet, ask again in a
         later step"; other requests run meanwhile) while its prompt is not fully held and
-        the wait has not run out."""
+        the wait has not run out.
+
+        NOTE: a request that reads no prefix cache (prompt logprobs) is not looked up:
+        vLLM would drop the hit, and the lookup would only count it and prefetch its
+        chunks for nothing. Its chunks are still stored."""
+        if facts.reads_no_prefix_cache(request):
+            return 0, False
         hit = self._prefix_hit(request, num_computed_tokens)
         if hit != (0, False):
             return hit

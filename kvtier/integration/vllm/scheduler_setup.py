@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
 from kvtier.integration.vllm import facts
-from kvtier.integration.vllm.common import show_kvtier_logs
 from kvtier.integration.vllm.extensions import scheduler_extensions
 from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
 from kvtier.integration.vllm.scheduler import SchedulerSide
+from kvtier.logs import show_kvtier_logs
 from kvtier.observability.prometheus import MetricsServer
 
 if TYPE_CHECKING:

@@ -44,12 +44,12 @@ from kvtier.integration.vllm.common import (
     StatsDelta,
     StepPlan,
     WorkerExtension,
-    show_kvtier_logs,
     slot_mapping,
 )
 from kvtier.integration.vllm.extensions import worker_extensions
 from kvtier.integration.vllm.rpc import RpcServer, endpoint_for
 from kvtier.keys import geometry_tag
+from kvtier.logs import show_kvtier_logs
 from kvtier.machine import PoolTooLarge
 from kvtier.observability.stats import Counter, Stats
 from kvtier.observability.tier_events import TierEvent, TierEventLog
