@@ -136,6 +136,26 @@ def test_subnormal_values_within_the_bound_and_its_absolute_terms(dtype, out_dty
     assert bool(((out.float() - x).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_values_at_the_top_of_a_dtypes_range_decode_finite(backend, dtype):
+    """Tokens whose absmax is their dtype's largest finite value: ``n * (scale / n)`` may
+    round above it (float32's at n = 25, 31, 127 among others), and the decoder gives
+    that largest value, never inf."""
+    if backend == "numba" and importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    levels = [1, 8, 25, 31, 127]
+    top = float(torch.finfo(dtype).max)
+    chunk = torch.zeros(2, len(levels), 2, 4)
+    chunk[..., 0], chunk[..., 1], chunk[..., 2] = top, -top, 0.7 * top
+    chunk = chunk.to(dtype)
+    payload, params = encode_chunk(chunk, levels, levels, backend=backend)
+    out = torch.empty_like(chunk)
+    decode_chunk(payload, params, out, backend=backend)
+    assert bool(torch.isfinite(out).all())
+    assert_within_bound(chunk, out, params)
+
+
 @pytest.mark.parametrize(("tokens", "count_bytes"), [(255, 1), (256, 1), (257, 2)])
 def test_counts_table_layout(tokens, count_bytes):
     """The histogram model's tables: a lane with one symbol stores no counts (its count is

@@ -465,7 +465,9 @@ def test_cachegen_levels_accept_one_int_or_one_per_layer(value: object, expected
     assert load_config(env={"KVTIER_CACHEGEN_V_LEVELS": expected}).cachegen_v_levels == expected
 
 
-@pytest.mark.parametrize("value", ["0", "128", "8,", "8,x", "-1", [8, True], 8.5, True])
+@pytest.mark.parametrize(
+    "value", ["0", "128", "8,", "8,x", "-1", [8, True], 8.5, True, "\u00b2", "8,\u00b9\u2076"]
+)
 def test_cachegen_levels_reject_what_is_not_a_schedule(value: object) -> None:
     with pytest.raises(ConfigError, match=r"cachegen_k_levels.*integers from 1 to 127"):
         load_config({"cachegen_k_levels": value}, env={})

@@ -36,7 +36,7 @@ def valid_levels_text(text: str) -> bool:
     if not text:
         return True
     parts = text.split(",")
-    return all(p.isdigit() and 1 <= int(p) <= 127 for p in parts)
+    return all(p.isdecimal() and 1 <= int(p) <= 127 for p in parts)
 
 
 def parse_levels(text: str, num_layers: int, key: str) -> list[int] | None:

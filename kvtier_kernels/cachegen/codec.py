@@ -404,7 +404,8 @@ def decode_chunk(
     step = torch.from_numpy(scale).to(dev).view(2, num_layers, num_tokens) / levels
     codes = symbols.view(2, num_layers, hidden, num_tokens).permute(0, 1, 3, 2)
     x_hat = (codes.to(torch.float32) - levels[..., None]) * step[..., None]
-    out.copy_(x_hat)
+    top = torch.finfo(out.dtype).max  # n * (scale / n) may round above the dtype's largest
+    out.copy_(x_hat.clamp_(-top, top))
 
 
 def _stored_histograms(

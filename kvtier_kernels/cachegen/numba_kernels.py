@@ -270,6 +270,7 @@ def dequantize_kernel(
     levels,  # [planes] float32: levels_half n of each plane
     out,  # [planes, T, D] float32, or uint16 for bf16 bits (out)
     bf16,  # whether out holds bf16 bits (rounded to nearest even from float32)
+    top,  # float32: the largest finite value of out's dtype, where values are clamped
     bad,  # [planes] uint8 (out): 1 where a lane's symbols disagree with its model
 ):  # out is written only when no plane is bad
     lanes, tokens = symbols.shape
@@ -308,7 +309,8 @@ def dequantize_kernel(
         for t in range(tokens):
             step = scale[p, t] / n
             for d in range(hidden):  # reads across lanes: the plane's symbols stay cached
-                row[d] = (np.float32(symbols[p * hidden + d, t]) - n) * step
+                value = (np.float32(symbols[p * hidden + d, t]) - n) * step
+                row[d] = min(max(value, -top), top)  # n * step may round above ``top``
             if bf16:
                 for d in range(hidden):
                     out[p, t, d] = (bits[d] + 0x7FFF + ((bits[d] >> 16) & 1)) >> 16
@@ -467,6 +469,7 @@ def dequantize(
         _plane_levels(k_levels, v_levels),  # [planes]
         values.reshape(planes, num_tokens, hidden),  # [planes, T, D]
         bf16,
+        np.float32(torch.finfo(out.dtype).max),
         bad,  # [planes]
         work=symbols.numel(),
     )
