@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -215,39 +215,54 @@ class RetrieveTransfer:
         self._busy = time.perf_counter() - started
 
     def _accept(self, chunks: Sequence[Chunk], slot_mapping: torch.Tensor) -> None:
-        checked, paged_io = self.checked, self.paged_io
+        paged_io = self.paged_io
         self.end = chunks[0].start if chunks else 0
         end = _end_of(chunks)
         slots = _checked_slots(slot_mapping, end)
         self._slots = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
         usable = True
-        for chunk, obj in self._fetched(chunks):
-            if obj is None:
-                usable = False
-            elif not usable:
-                obj.ref_down()  # after a gap: not loadable, the engine needs a prefix
-            elif not checked.accept(
-                chunk.key, obj, paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype
-            ):
-                obj.ref_down()
-                usable = False
-            else:
-                self._held.append((chunk, obj))
-                self.end = chunk.end
-                if self._scattered:
-                    paged_io.to_engine(obj.tensor, self._slots[chunk.start : chunk.end])
+        for group in self._groups(chunks):
+            objs = self.checked.get_many([chunk.key for chunk in group])
+            for i, (chunk, obj) in enumerate(zip(group, objs, strict=True)):
+                try:
+                    usable = self._take(chunk, obj, usable)
+                except BaseException:
+                    for later in objs[i + 1 :]:  # fetched, never looked at
+                        if later is not None:
+                            later.ref_down()
+                    raise
 
-    def _fetched(self, chunks: Sequence[Chunk]) -> Iterator[tuple[Chunk, MemoryObj | None]]:
-        """Each chunk with its object from the tiers (None: a miss). A first chunk the CPU
-        tier holds is fetched alone, so that its copy is queued before the rest are
-        hashed and fetched; the rest (or all, when the first is not in memory) in one
-        ``get_many``: one batched call per lower tier."""
-        checked, first = self.checked, 0
-        if chunks and checked.storage.contains(chunks[0].key):
-            yield chunks[0], checked.get_many([chunks[0].key])[0]
-            first = 1
-        rest = [chunks[i] for i in range(first, len(chunks))]
-        yield from zip(rest, checked.get_many([chunk.key for chunk in rest]), strict=True)
+    def _groups(self, chunks: Sequence[Chunk]) -> list[Sequence[Chunk]]:
+        """The chunks in the order they are fetched: a first chunk the CPU tier holds
+        alone, so that its copy is queued before the rest are hashed and fetched; the rest
+        (or all, when the first is not in memory) in one ``get_many``: one batched call
+        per lower tier."""
+        if chunks and self.checked.storage.contains(chunks[0].key):
+            return [chunks[:1], chunks[1:]]
+        return [chunks]
+
+    def _take(self, chunk: Chunk, obj: MemoryObj | None, usable: bool) -> bool:
+        """Hold ``obj`` (scattered now with ``scatter_now``) when the run is still
+        ``usable`` and it is accepted, else release it; whether the run goes on."""
+        if obj is None:
+            return False
+        paged_io = self.paged_io
+        try:
+            # after a gap a chunk is not loadable: the engine needs a prefix
+            taken = usable and self.checked.accept(
+                chunk.key, obj, paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype
+            )
+        except BaseException:
+            obj.ref_down()
+            raise
+        if not taken:
+            obj.ref_down()
+            return False
+        self._held.append((chunk, obj))  # released with the rest held, whatever happens
+        self.end = chunk.end
+        if self._scattered:
+            paged_io.to_engine(obj.tensor, self._slots[chunk.start : chunk.end])
+        return True
 
     @property
     def num_chunks(self) -> int:

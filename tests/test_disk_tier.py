@@ -263,6 +263,24 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, capl
     tier.close()
 
 
+def test_a_chunk_file_that_cannot_be_deleted_is_warned_about_not_raised(
+    tmp_path, pool, monkeypatch, caplog
+):
+    """Dropping a chunk (a load found it corrupt) from a tree that refuses the delete: a
+    warning, and the chunk is forgotten; no exception reaches the load."""
+    tier = make_tier(tmp_path)
+    put_all(tier, pool, [0])
+
+    def refused(name):
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(tier.files, "delete", refused)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+        assert tier.remove(key(0)) is False
+    assert "cannot delete" in caplog.text and "Permission denied" in caplog.text
+    tier.close()
+
+
 @pytest.mark.parametrize("capacity", [1 << 30, None], ids=["disk", "fs"])
 def test_a_directory_in_a_chunk_files_place_is_a_miss(tmp_path, pool, capacity):
     """Something else at a chunk's path (here a directory) is no chunk: a lookup misses,

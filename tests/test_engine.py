@@ -368,6 +368,30 @@ def test_a_store_releases_the_chunks_it_pinned_even_when_their_keys_were_stored_
     assert engine.storage.cpu.pool.used_bytes() == 0
 
 
+def test_a_load_that_fails_midway_returns_every_chunk_it_fetched(monkeypatch):
+    """A check that raises on the third chunk (a tier that cannot drop a corrupt chunk,
+    say): the load fails, and the chunks fetched after it go back to the pool too."""
+    engine = make_engine(local_cpu=True)
+    tokens = torch.arange(40)  # five chunks
+    engine.store(tokens, slot_mapping=torch.arange(40))
+    held = engine.storage.cpu.pool.used_bytes()
+    accept, seen = engine.checked.accept, []
+
+    def failing_on_the_third(key, *args):
+        seen.append(key)
+        if len(seen) == 3:
+            raise OSError("cannot drop it")
+        return accept(key, *args)
+
+    monkeypatch.setattr(engine.checked, "accept", failing_on_the_third)
+    with pytest.raises(OSError, match="cannot drop it"):
+        engine.retrieve(tokens, slot_mapping=torch.arange(100, 140))
+    assert engine.storage.cpu.pool.used_bytes() == held
+    assert engine.storage.gauges()["cpu_pinned_chunks"] == 0
+    engine.clear()
+    assert engine.storage.cpu.pool.used_bytes() == 0
+
+
 def test_parallel_ranks_on_one_disk_keep_their_own_chunks_across_a_restart(tmp_path):
     """The ranks of a tensor-parallel engine share ``local_disk``, each bounded to
     ``max_local_disk_size``. A restarted rank rebuilds its index from its own files only:

@@ -365,10 +365,17 @@ class FileTier:
     # -- management ------------------------------------------------------------------
 
     def remove(self, key: CacheKey) -> bool:
+        """Forget ``key`` and delete its file; whether there was one. A file the tree
+        does not let kvtier delete (read-only) is warned about once, not raised: the
+        caller is a load dropping a corrupt chunk."""
         file_name = self.file_name(key)
         with self._lock:
             self._record_removed(file_name)
-        return self.files.delete(file_name)
+        try:
+            return self.files.delete(file_name)
+        except OSError as exc:
+            warn_once(logger, f"kvtier {self.name} tier: cannot delete {file_name} ({exc})")
+            return False
 
     def clear(self) -> None:
         """Delete every chunk file in the tree (queued writes finish first)."""
