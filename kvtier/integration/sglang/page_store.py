@@ -195,13 +195,14 @@ class PageStore:
         """Copy page ``read(i)`` of each ``i`` in ``todo`` into a chunk buffer, put it
         (``stored[i]``) and wait for the lower tiers; returns the pages left out for
         want of memory."""
-        no_memory = 0
+        no_memory, stalled = 0, False
         for i in todo:
             obj = self.checked.allocate(fmt.shape, fmt.dtype)
-            if obj is None and any(stored[j] for j in todo):
+            if obj is None and not stalled and any(stored[j] for j in todo):
                 # The pool is full of this batch's pages still being written below: once
-                # written, they can be evicted.
-                self.storage.flush(FLUSH_TIMEOUT_S)
+                # written, they can be evicted. A tier that outlasts the wait is not
+                # waited for again.
+                stalled = not self.storage.flush(FLUSH_TIMEOUT_S)
                 obj = self.checked.allocate(fmt.shape, fmt.dtype)
             if obj is None:
                 no_memory += 1
@@ -213,6 +214,6 @@ class PageStore:
                 stored[i] = self.checked.put(keys[i], obj) or self.storage.contains(keys[i])
             finally:
                 obj.ref_down()
-        if any(stored[i] for i in todo) and not self.storage.flush(FLUSH_TIMEOUT_S):
+        if any(stored[i] for i in todo) and (stalled or not self.storage.flush(FLUSH_TIMEOUT_S)):
             warn_once(logger, f"kvtier: lower tiers still writing after {FLUSH_TIMEOUT_S:.0f} s")
         return no_memory
