@@ -166,8 +166,8 @@ def test_batch_exists_counts_leading_pages(cpu_only):
 
 
 def test_a_lookup_prefetches_no_more_pages_than_one_load_can_stage(tmp_path):
-    """A load fetches all of its pages into the CPU pool before writing any into the host
-    pool, so a lookup moves at most as many pages into it as it holds (here 3 of 6)."""
+    """A lookup moves at most as many pages into the CPU pool as it holds (here 3 of 6):
+    a load reads no more at once."""
     pool = mha_pool("layer_first")
     writer = make_backend(pool, disk(tmp_path))
     assert all(writer.batch_set_v1(KEYS[:6], page_indices(pool, [1, 2, 3, 4, 5, 6])))
@@ -215,6 +215,35 @@ def test_lookups_in_a_row_prefetch_no_more_pages_than_the_pool_holds(tmp_path):
         slots = [11 + first, 12 + first, 13 + first]
         assert reader.batch_get_v1(KEYS[first : first + 3], page_indices(pool, slots)) == [True] * 3
         assert_pages_equal(pool, [1 + first, 2 + first, 3 + first], pool, slots)
+    writer.close()
+    reader.close()
+
+
+PAGE_BYTES = 2 * 2 * 4 * 160 * 2  # mha_pool's: K/V x layers x tokens x heads*head size x bf16
+
+
+def test_a_store_of_more_pages_than_the_cpu_pool_holds_is_whole(tmp_path):
+    """SGLang's controller stores many pages per call (``STORAGE_BATCH_SIZE``): each goes
+    to the disk, however few of them the CPU pool holds at once (here 3 of 8)."""
+    pool = mha_pool("layer_first")
+    writer = make_backend(pool, disk(tmp_path, max_local_cpu_size=3 * PAGE_BYTES / 2**30))
+    assert writer.batch_set_v1(KEYS, page_indices(pool, range(1, 9))) == [True] * 8
+    assert writer.metrics()["counters"]["disk_put_chunks"] == 8
+    writer.close()
+
+
+def test_a_load_of_more_pages_than_the_cpu_pool_holds_is_whole(tmp_path):
+    """A load reads its disk pages into the CPU pool in rounds it holds (here 3 of 8),
+    each written into the host pool before the next, so no page past the pool's size
+    fails."""
+    pool = mha_pool("layer_first")
+    writer = make_backend(pool, disk(tmp_path))
+    assert all(writer.batch_set_v1(KEYS, page_indices(pool, range(1, 9))))
+    reader = make_backend(pool, disk(tmp_path, max_local_cpu_size=3 * PAGE_BYTES / 2**30))
+    assert reader.batch_exists(KEYS) == 8
+    assert reader.batch_get_v1(KEYS, page_indices(pool, range(11, 19))) == [True] * 8
+    assert_pages_equal(pool, range(1, 9), pool, range(11, 19))
+    assert reader.metrics()["counters"]["retrieve_hit_tokens"] == 8 * 4
     writer.close()
     reader.close()
 

@@ -115,16 +115,22 @@ class PageStore:
             loaded = [results.get(i) is DirectRead.LOADED for i in staged]
             other = DirectRead.OTHER_FORMAT  # and pages with no buffers: read staged
             staged = [i for i in staged if results.get(i, other) is other]
-        objs = self.checked.get_many([keys[i] for i in staged]) if staged else []
-        for i, obj in zip(staged, objs, strict=True):
-            if obj is None:
-                continue
-            try:
-                if all(loaded[:i]) and self.checked.accept(keys[i], obj, fmt.shape, fmt.dtype):
-                    write(i, obj.tensor)
-                    loaded[i] = True
-            finally:
-                obj.ref_down()
+        # A lower tier's page is read into the CPU pool: the staged pages come in rounds
+        # the pool holds at once, each written into the host pool before the next.
+        most = max(self.storage.cpu.fitting(fmt.shape, fmt.dtype), 1)
+        for start in range(0, len(staged), most):
+            part = staged[start : start + most]
+            if not all(loaded[: part[0]]):
+                break
+            for i, obj in zip(part, self.checked.get_many([keys[i] for i in part]), strict=True):
+                if obj is None:
+                    continue
+                try:
+                    if all(loaded[:i]) and self.checked.accept(keys[i], obj, fmt.shape, fmt.dtype):
+                        write(i, obj.tensor)
+                        loaded[i] = True
+                finally:
+                    obj.ref_down()
         hits = loaded.index(False) if False in loaded else len(loaded)
         seconds = time.perf_counter() - started
         s = self.stats
@@ -189,9 +195,15 @@ class PageStore:
         """Copy page ``read(i)`` of each ``i`` in ``todo`` into a chunk buffer, put it
         (``stored[i]``) and wait for the lower tiers; returns the pages left out for
         want of memory."""
-        no_memory = 0
+        no_memory, stalled = 0, False
         for i in todo:
             obj = self.checked.allocate(fmt.shape, fmt.dtype)
+            if obj is None and not stalled and any(stored[j] for j in todo):
+                # The pool is full of this batch's pages still being written below: once
+                # written, they can be evicted. A tier that outlasts the wait is not
+                # waited for again.
+                stalled = not self.storage.flush(FLUSH_TIMEOUT_S)
+                obj = self.checked.allocate(fmt.shape, fmt.dtype)
             if obj is None:
                 no_memory += 1
                 continue
@@ -202,6 +214,6 @@ class PageStore:
                 stored[i] = self.checked.put(keys[i], obj) or self.storage.contains(keys[i])
             finally:
                 obj.ref_down()
-        if any(stored[i] for i in todo) and not self.storage.flush(FLUSH_TIMEOUT_S):
+        if any(stored[i] for i in todo) and (stalled or not self.storage.flush(FLUSH_TIMEOUT_S)):
             warn_once(logger, f"kvtier: lower tiers still writing after {FLUSH_TIMEOUT_S:.0f} s")
         return no_memory
