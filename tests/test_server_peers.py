@@ -6,12 +6,14 @@ a miss within the timeout, and server b goes on serving."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import cbor2
 import pytest
@@ -191,6 +193,29 @@ def test_a_list_of_peers_shared_by_every_server_leaves_each_server_out_of_its_ow
     with server(*flags, port=ports[0]) as a, server(*flags, port=ports[1]) as b:
         assert set(health(a)["tiers"]["peers"]) == {b.url}
         assert set(health(b)["tiers"]["peers"]) == {a.url}
+
+
+def sockets_of(process) -> int:
+    fds = Path(f"/proc/{process.pid}/fd")
+    return sum(os.readlink(fd).startswith("socket:") for fd in fds.iterdir())
+
+
+def test_namespaces_asked_once_keep_no_connection_to_the_peer_past_its_idle_timeout():
+    with server("--idle-timeout", "1") as a, server(peers=[a]) as b:
+        clients = [b.client(namespace=f"model-{i}") for i in range(11)]
+        try:
+            first, *others = clients
+            assert first.exists_many(["0" * 32]) == [False]  # b dials a for model-0
+            before = sockets_of(b.process)
+            for client in others:
+                assert client.exists_many(["0" * 32]) == [False]
+                client.close()
+            time.sleep(1.2)  # a closed its ends of b's idle connections
+            assert first.exists_many(["0" * 32]) == [False]
+            assert sockets_of(b.process) <= before
+        finally:
+            for client in clients:
+                client.close()
 
 
 # -- faults ----------------------------------------------------------------------------

@@ -63,6 +63,9 @@ PING_NAMESPACE = "kvtier-ping"
 # Calls to peers at once; the pool starts a thread only when none is idle, so discovered
 # peers find room without a thread per peer held from the start.
 MAX_CALLS = 64
+# How often a call to a peer closes the connections its other namespaces' stores hold
+# past half the peer's idle timeout (the peer has closed, or is closing, its end).
+SWEEP_S = 1.0
 
 
 def verify_blob(blob: memoryview, name: str) -> bool:
@@ -88,6 +91,7 @@ class Peer:
     nixl: bool = True  # False: pulled over TCP (it has no NIXL, or the handshake failed)
     static: bool = True  # False: found by discovery, dropped when no longer registered
     closed: bool = False  # no longer a peer: every call to it fails
+    swept_at: float = 0.0  # when the other namespaces' stores last closed stale connections
 
     @property
     def is_up(self) -> bool:
@@ -210,7 +214,14 @@ class Peers:
                     shm=False,
                     peer=True,
                 )
-            return store
+            others = []
+            now = time.monotonic()
+            if now - peer.swept_at >= SWEEP_S:
+                peer.swept_at = now
+                others = [s for name, s in peer.stores.items() if name != namespace]
+        for other in others:  # a namespace asked once must not keep its sockets open
+            other.close_stale()
+        return store
 
     def _forget_pool(self, peer: Peer) -> None:
         """A peer back up may be another process: handshake again before its next READ."""

@@ -151,14 +151,21 @@ class KVTierStore:
         connection past half the server's idle timeout is closed here too, with its
         segment: the server is about to close it."""
         while True:
+            self.close_stale()
             with self._lock:
-                stale = [conn for conn in self._idle if conn.stale()]
-                self._idle = [conn for conn in self._idle if conn not in stale]
                 conn = self._idle.pop() if self._idle else None
-            for old in stale:
-                old.close()
             if conn is None or self._settled(conn):
                 return conn
+            conn.close()
+
+    def close_stale(self) -> None:
+        """Close every pooled connection idle past half the server's idle timeout, with
+        its segment: the server closes its end at the timeout, and a store nobody calls
+        would otherwise hold the socket until its next call."""
+        with self._lock:
+            stale = [conn for conn in self._idle if conn.stale()]
+            self._idle = [conn for conn in self._idle if conn not in stale]
+        for conn in stale:
             conn.close()
 
     def _settled(self, conn: Connection) -> bool:
