@@ -79,7 +79,8 @@ CLIENT_GONE_STATUS = "499"  # requests_total's status of a request its client le
 # requests_total's status of a stream the decode instance broke off after its 200 went out:
 # the status a failed non-streamed answer gets
 STREAM_CUT_STATUS = "504"
-STREAM_CUT = "kvtier.stream_cut"  # request key set when the answer's stream was cut
+# Set on a request whose answer's stream was cut (aiohttp >= 3.12 types request keys).
+STREAM_CUT = web.RequestKey("stream_cut", bool) if hasattr(web, "RequestKey") else "stream_cut"
 # An instance's /v1/models answers from memory, at once even under load: past this it is
 # marked down and the next decode instance is asked.
 MODELS_TIMEOUT_S = 10.0
