@@ -110,12 +110,18 @@ def new_step(req_id: str, blocks: list[int], computed: int, scheduled: int, pree
     )
 
 
-def test_scheduler_hooks_reach_every_extension() -> None:
-    config = load_config({"chunk_size": CHUNK}, env={})
+def recorded_side() -> tuple[SchedulerSide, Recorder]:
+    """A scheduler side that finds nothing in kvtier, with a ``Recorder`` extension."""
     recorder = Recorder()
+    config = load_config({"chunk_size": CHUNK}, env={})
     side = SchedulerSide(
         config, lambda hashes, load_from: 0, block_size=BLOCK, extensions=[recorder]
     )
+    return side, recorder
+
+
+def test_scheduler_hooks_reach_every_extension() -> None:
+    side, recorder = recorded_side()
 
     # no prefix hit: the extension's claim is the answer; a claimed prompt is never stored
     claimed = request("claim-1", list(range(20)))
@@ -150,11 +156,7 @@ def test_scheduler_hooks_reach_every_extension() -> None:
 def test_a_request_resumed_in_the_step_it_was_preempted_keeps_its_claim() -> None:
     """A request preempted between steps (``reset_prefix_cache`` with
     ``reset_running_requests``) resumes in the next: the claim it made since is its own."""
-    config = load_config({"chunk_size": CHUNK}, env={})
-    recorder = Recorder()
-    side = SchedulerSide(
-        config, lambda hashes, load_from: 0, block_size=BLOCK, extensions=[recorder]
-    )
+    side, recorder = recorded_side()
     resumed = request("claim-resumed", list(range(20)))
     assert side.get_num_new_matched_tokens(resumed, 0) == (19, False)
     side.update_state_after_alloc(resumed, [5, 6, 7, 8, 9], 19)
