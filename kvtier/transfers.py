@@ -10,10 +10,11 @@ request and step, filled layer by layer)::
 With ``gather_now`` / ``scatter_now`` each chunk's copy is queued as soon as its buffer is
 staged (fetched): given a ``PromptChunks``, the first chunk's copy is queued after hashing
 that chunk alone, and the rest are hashed, checked and staged while it runs. A store's
-"already stored?" check is the CPU tier's own (``StorageManager.contains``, no disk or
-network access), so checking chunk by chunk costs no round trip; a load fetches a first
-chunk that the CPU tier holds on its own and every other chunk in one ``get_many`` (one
-batched call per lower tier).
+"already stored?" check is answered from memory (``StorageManager.stored``: the CPU tier,
+or without one the index of a local disk that is the only tier; no disk or network
+access), so checking chunk by chunk costs no round trip; a load fetches a first chunk
+that the CPU tier holds on its own and every other chunk in one ``get_many`` (one batched
+call per lower tier).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class StoreTransfer:
         slots = _checked_slots(slot_mapping, end)
         placed = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
         for chunk in chunks:
-            if storage.contains(chunk.key):
+            if storage.stored(chunk.key):
                 self.result.skipped_existing += 1
                 self._pinned_existing += storage.pin([chunk.key])
                 continue
@@ -118,7 +119,7 @@ class StoreTransfer:
             obj = storage.allocate(paged_io.chunk_shape(chunk.num_tokens), paged_io.dtype)
             if obj is None:
                 self.result.skipped_no_memory = sum(
-                    1 for c in chunks if c.index >= chunk.index and not storage.contains(c.key)
+                    1 for c in chunks if c.index >= chunk.index and not storage.stored(c.key)
                 )
                 break
             obj.pin()

@@ -426,3 +426,38 @@ def test_parallel_ranks_on_one_disk_keep_their_own_chunks_across_a_restart(tmp_p
         assert disk.contains_many([key(i, rank=rank) for i in range(per_rank)]) == [True] * per_rank
         engine.close()
     pool.close()
+
+
+def test_without_a_cpu_tier_a_store_copies_out_no_chunk_the_disk_already_holds(
+    tmp_path, monkeypatch
+):
+    """``local_cpu: false`` over a local disk alone: storing a prompt again skips the
+    chunks the disk's index holds (counted as existing) without copying them out of the
+    engine, and still marks each of their files used, for eviction order."""
+    engine = make_engine(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=0.01)
+    tokens, slots = torch.arange(32), torch.arange(32)  # 4 chunks
+    assert engine.store(tokens[:16], slot_mapping=slots[:16]).stored_chunks == 2
+    assert engine.flush(10)
+    (disk,) = engine.storage.lower
+    copies, used = [], []
+    monkeypatch.setattr(engine.paged_io, "from_engine", spy(engine.paged_io.from_engine, copies))
+    monkeypatch.setattr(disk.files, "touch", spy(disk.files.touch, used))
+
+    result = engine.store(tokens, slot_mapping=slots)
+    assert engine.flush(10)
+    assert (result.stored_chunks, result.skipped_existing, len(copies)) == (2, 2, 2)
+    held = [disk.file_name(chunk.key) for chunk in engine.chunker.chunks(tokens[:16])]
+    assert set(held) <= {args[0] for args in used}
+    assert engine.stats.get(Counter.STORE_SKIPPED_EXISTING) == 2
+    assert engine.retrieve(tokens, slot_mapping=torch.arange(100, 132)) == 32
+    engine.close()
+
+
+def spy(fn, calls: list):
+    """``fn``, recording the arguments of each call in ``calls``."""
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    return recorded

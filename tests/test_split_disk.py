@@ -67,3 +67,17 @@ def test_one_rank_writes_and_bounds_the_shared_chunks_every_rank_reads(tmp_path,
     assert files(tmp_path) == 3 and files(tmp_path / "rank1of2") == 0
     writer.close()
     reader.close()
+
+
+def test_a_rank_indexes_its_own_chunks_and_the_writer_the_shared_ones(tmp_path, pool):
+    """``indexed`` (what a store without a CPU tier skips) answers from a rank's own
+    index: the writer's for shared chunks; a reader, which indexes none of them, stores
+    (and its disk skips) them as before."""
+    writer, reader = (open_rank(tmp_path, r, Stats(), chunks=3.5) for r in (0, 1))
+    obj = fill(pool, 0)
+    assert writer.submit_put(key(0, rank=0), obj) and reader.submit_put(key(9, rank=1), obj)
+    assert writer.flush(30) and reader.flush(30)
+    assert [writer.indexed(key(0, rank=0)), writer.indexed(key(1, rank=0))] == [True, False]
+    assert [reader.indexed(key(0, rank=0)), reader.indexed(key(9, rank=1))] == [False, True]
+    writer.close()
+    reader.close()

@@ -193,6 +193,27 @@ def test_store_of_a_chunk_already_on_disk_rewrites_nothing(tmp_path):
     second.close()
 
 
+@pytest.mark.parametrize("tiers", ["fs", "disk+fs"])
+def test_without_a_cpu_tier_a_disk_beside_another_tier_or_no_index_gets_every_chunk(
+    tmp_path, tiers
+):
+    """Only a local disk that is the only tier lets a store skip what its index holds:
+    the shared-filesystem tier has no index (a lookup per chunk would be I/O), and a
+    tier beside the disk may lack what the disk holds. The disk still writes no chunk
+    twice."""
+    disk = {"local_disk": str(tmp_path / "disk")} if tiers == "disk+fs" else {}
+    engine = make_engine(local_cpu=False, remote_url=f"fs://{tmp_path}/fs", **disk)
+    tokens, slots = torch.arange(16), torch.arange(16)
+    for _ in range(2):
+        result = engine.store(tokens, slot_mapping=slots)
+        assert (result.stored_chunks, result.skipped_existing) == (2, 0)
+        assert engine.storage.flush(30)
+    assert engine.stats.get(tier_counter("fs", TierCounter.PUT_CHUNKS)) == 2
+    if disk:
+        assert engine.stats.get(tier_counter("disk", TierCounter.PUT_CHUNKS)) == 2
+    engine.close()
+
+
 def test_two_stores_of_the_same_prompt_at_once_count_it_stored_once(tmp_path):
     """Two threads stage the same new chunks before either commits (both see them
     missing): the second commit finds them held, so they count as skipped, not as

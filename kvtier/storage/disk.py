@@ -174,6 +174,13 @@ class FileTier:
         self.stats.inc(tier_counter(self.name, TierCounter.LOOKUP_HITS), sum(present))
         return present
 
+    def indexed(self, key: CacheKey) -> bool:
+        """Whether this tier's index holds ``key``'s file, answered from memory (no I/O):
+        False for an unbounded tier, which has no index, and for a file another process
+        wrote that no lookup has adopted yet. A hit is a use, for eviction order, as a
+        write of a file already there is."""
+        return self.files.touch(self.file_name(key))
+
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
         with self._batched_get(keys):
             return self._map(lambda key: self._read(key, allocate), keys)

@@ -163,11 +163,13 @@ class FileStore:
             ]
         return present
 
-    def touch(self, name: str) -> None:
-        """A use of ``name`` (a read), for eviction order."""
-        if self.bounded:
-            with self._lock:
-                self._index.touch(name)
+    def touch(self, name: str) -> bool:
+        """A use of ``name`` (a read), for eviction order; whether the index knows it,
+        from memory alone (always False for an unbounded store, which has no index)."""
+        if not self.bounded:
+            return False
+        with self._lock:
+            return self._index.touch(name)
 
     def forget(self, name: str) -> None:
         """``name``'s file is gone (deleted behind the index's back)."""

@@ -149,11 +149,16 @@ class StorageManager:
         stores chunks verbatim: a caller may then move chunks between its own memory and
         the files directly (``FileTier.put_buffers`` / ``get_into``), as no tier needs a
         copy in kvtier's pool."""
+        tier = self._only_files
+        return tier if tier is not None and tier.serde.verbatim else None
+
+    @property
+    def _only_files(self) -> FileTier | SplitDisk | None:
+        """The file tier when it is the only tier (no CPU tier, nothing else below)."""
         if self.retain_in_cpu or len(self.lower) != 1:
             return None
         tier = self.lower[0]
-        direct = isinstance(tier, FileTier | SplitDisk) and tier.serde.verbatim
-        return tier if direct else None
+        return tier if isinstance(tier, FileTier | SplitDisk) else None
 
     def gauges(self) -> dict[str, float]:
         """What the tiers hold now: the CPU pool's capacity and use, chunks (and pinned
@@ -209,6 +214,17 @@ class StorageManager:
     def contains(self, key: CacheKey) -> bool:
         """Whether the CPU tier holds ``key`` (no disk or network access)."""
         return self.cpu.contains(key)
+
+    def stored(self, key: CacheKey) -> bool:
+        """Whether a store may leave ``key`` out: the CPU tier holds it, or, with no CPU
+        tier, the only tier is a file tier whose index holds it (``FileTier.indexed``: a
+        use, for eviction order). Answered from memory, never a disk or network access.
+        With several lower tiers a chunk is stored again even where the disk holds it,
+        as each of them must get it (the disk then finds its file and marks the use)."""
+        if self.cpu.contains(key):
+            return True
+        files = self._only_files
+        return files is not None and files.indexed(key)
 
     def lookup_prefix(
         self,

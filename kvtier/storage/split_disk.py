@@ -121,6 +121,11 @@ class SplitDisk:
     def contains_many(self, keys: Sequence[CacheKey]) -> list[bool]:
         return self._split(keys, lambda key: key, lambda tier, part: tier.contains_many(part))
 
+    def indexed(self, key: CacheKey) -> bool:
+        """``FileTier.indexed`` of the key's directory: never for a reader's shared chunk
+        (that directory is unbounded for it, with no index)."""
+        return self._tier(key).indexed(key)
+
     def get_many(self, keys: Sequence[CacheKey], allocate: Allocate) -> list[MemoryObj | None]:
         return self._split(keys, lambda key: key, lambda tier, part: tier.get_many(part, allocate))
 
