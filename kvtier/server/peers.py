@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -415,10 +416,8 @@ class Peers:
             obj.ref_down()
             corrupt.append(name)
         if corrupt:
-            try:
+            with suppress(RuntimeError):  # closing: nobody to tell
                 self._calls.submit(self._report_corrupt, peer, namespace, corrupt)
-            except RuntimeError:  # closing: nobody to tell
-                pass
         return out
 
     def _report_corrupt(self, peer: Peer, namespace: str, names: list[str]) -> None:
