@@ -17,6 +17,7 @@ from pathlib import Path
 
 import cbor2
 import pytest
+import torch
 from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, free_port, nixl_installed
 from support.tiers import check_served as served
 from support.tiers import key, make_pool, remote_manager, store_chunks, wait_until
@@ -26,6 +27,8 @@ from kvtier.server.peers import Peers
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.node_connection import recv
+from kvtier.storage.serde import make_serde
+from kvtier.storage.wire import encode
 
 TIMEOUT_MS = 1000  # the servers' remote_timeout_ms, under their readers' (READER_TIMEOUT_MS)
 READER_TIMEOUT_MS = 3000  # a loaded 2-core CI machine: a peer's answer may take a second
@@ -235,6 +238,52 @@ def test_a_killed_peer_is_a_miss_and_its_restart_is_found_again(tmp_path, transp
         wait_until(lambda: stats(b)["peers_up"] == 1)
         check_served(b.url, objs)
         assert b.process.poll() is None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_blob_corrupt_on_the_peers_disk_is_one_miss_and_the_peer_drops_it(
+    tmp_path, transport, pool
+):
+    disk = ["--local-disk", str(tmp_path), "--max-local-disk-size", "1"]
+    with server(*disk, transport=transport) as a, server(peers=[a], transport=transport) as b:
+        writer = remote_manager(a.url)
+        objs = store_chunks(writer, pool, [1])
+        before = set(tmp_path.rglob("*.kvt"))
+        store_chunks(writer, pool, [0])
+        writer.close()
+        (file,) = set(tmp_path.rglob("*.kvt")) - before
+        data = bytearray(file.read_bytes())
+        data[-100] ^= 0x01  # a bit of the payload, under its checksum
+        file.write_bytes(data)
+        a.kill()
+        a.start()  # memory empty: a serves the file as it is on disk
+        wait_until(lambda: stats(b)["peers_up"] == 1)
+        check_misses_in_time(b.url, [0], budget_s=3 * TIMEOUT_MS / 1000 + 1)
+        assert stats(b)["peer_corrupt"] == 1
+        wait_until(lambda: stats(a).get("corrupt_dropped", 0) == 1)
+        assert not file.exists() and stats(b)["peer_corrupt_reported"] == 1
+        check_misses_in_time(b.url, [0], budget_s=3 * TIMEOUT_MS / 1000 + 1)
+        assert stats(b)["peer_corrupt"] == 1  # a plain miss now: a holds it no more
+        check_served(b.url, objs)  # the intact blob of a stays
+        assert stats(a)["corrupt_dropped"] == 1
+
+
+def test_a_report_of_corrupt_blobs_drops_only_those_whose_bytes_fail_on_the_holder(tmp_path):
+    names = [f"kvtier1@org%2Fmodel-a@1@0@bfloat16@{i:032x}" for i in range(3)]
+    tensor = torch.ones((2, 1, 64, 128), dtype=torch.bfloat16)
+    intact = b"".join(bytes(p) for p in encode(names[0], tensor, make_serde("naive")))
+    flipped = bytearray(intact)
+    flipped[-100] ^= 0x01
+    with server("--local-disk", str(tmp_path)) as a:
+        client = a.client("org%2Fmodel-a")
+        client.put_many([(names[0], [intact]), (names[1], [bytes(flipped)])])
+        reply = client.call(protocol.Op.CORRUPT, {"names": names})  # names[2]: never stored
+        assert reply["dropped"] == 1
+        assert client.exists_many(names) == [True, False, False]
+        assert len(list(tmp_path.rglob("*.kvt"))) == 1  # the intact blob's file
+        assert bytes(client.get_many([names[0]])[0]) == intact
+        client.close()
+        assert stats(a)["corrupt_dropped"] == 1
 
 
 def test_a_peer_killed_mid_pull_is_a_miss_in_time(pool):

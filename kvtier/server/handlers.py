@@ -8,7 +8,9 @@ connection that stays open), ``ShmRefError`` for a bad reference into shared mem
 
 Peers: EXISTS and GET from another server (``Session.peer``) are answered from this
 server's memory and disk only; PEER hands out this server's NIXL handshake, LEASE and
-RELEASE pin and unpin blobs for one-sided reads (``kvtier.server.leases``).
+RELEASE pin and unpin blobs for one-sided reads (``kvtier.server.leases``); CORRUPT drops
+the named blobs whose copies here fail their checksum (``kvtier.server.blobs.drop_corrupt``),
+a peer's report of a corrupt pull, so no puller finds them again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from kvtier.observability.stats import Stats
 from kvtier.server import shm
-from kvtier.server.blobs import view_of
+from kvtier.server.blobs import drop_corrupt, view_of
 from kvtier.server.cache import BlobCache
 from kvtier.server.leases import Leases
 from kvtier.server.nixl import NixlPlane
@@ -228,6 +230,13 @@ class RequestHandlers:
         session.leases.discard(lease)
         return Reply({"held": self.leases.release(lease)})
 
+    def _corrupt(self, frame: Frame, session: Session):
+        names = protocol.names_of(frame.header, self.max_names)
+        cache = self.cache
+        dropped = sum(drop_corrupt(cache.memory, cache.disk, (session.namespace, n)) for n in names)
+        self.stats.inc("corrupt_dropped", dropped)
+        return Reply({"dropped": dropped})
+
     def _stats(self, frame: Frame, session: Session):
         return Reply(self._snapshot())
 
@@ -245,4 +254,5 @@ _HANDLERS: dict[Op, _Handler] = {
     Op.PEER: RequestHandlers._peer,
     Op.LEASE: RequestHandlers._lease,
     Op.RELEASE: RequestHandlers._release,
+    Op.CORRUPT: RequestHandlers._corrupt,
 }

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 from kvtier.config.node_address import parse_server_address
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Stats
+from kvtier.server.blobs import verify_blob
 from kvtier.server.discovery import Discovery, peer_url
 from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
 from kvtier.storage.blob_store import StoreUnavailable
@@ -53,8 +55,7 @@ from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.node_protocol import Op
 from kvtier.storage.node_store import KVTierStore
-from kvtier.storage.serde import CorruptObject, tensor_bytes
-from kvtier.storage.wire import split, verify_payload
+from kvtier.storage.serde import tensor_bytes
 from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -66,16 +67,6 @@ MAX_CALLS = 64
 # How often a call to a peer closes the connections its other namespaces' stores hold
 # past half the peer's idle timeout (the peer has closed, or is closing, its end).
 SWEEP_S = 1.0
-
-
-def verify_blob(blob: memoryview, name: str) -> bool:
-    """Whether ``blob`` is an intact wire-format object of key ``name``."""
-    try:
-        header, payload = split(blob, name)
-        verify_payload(header, payload)
-    except CorruptObject:
-        return False
-    return True
 
 
 @dataclass(eq=False)
@@ -324,7 +315,9 @@ class Peers:
             for obj in taken:
                 obj.ref_down()
             raise
-        out = self._verified(peer, {n: o for n, o in zip(names, found, strict=True) if o})
+        out = self._verified(
+            peer, namespace, {n: o for n, o in zip(names, found, strict=True) if o}
+        )
         self.stats.inc("peer_bytes_tcp", sum(obj.data_nbytes - 1 for obj in out.values()))
         return out
 
@@ -384,7 +377,7 @@ class Peers:
                 if held and time.monotonic() < deadline:  # the peer answers; its READs fail
                     return self._fall_back(peer, namespace, names, deadline, "a READ failed")
             return {}
-        out = self._verified(peer, objs)
+        out = self._verified(peer, namespace, objs)
         self.stats.inc("peer_bytes_nixl", sum(obj.data_nbytes - 1 for obj in out.values()))
         return out
 
@@ -408,9 +401,12 @@ class Peers:
             self.stats.inc("peer_no_room")
         return obj
 
-    def _verified(self, peer: Peer, objs: dict[str, MemoryObj]) -> dict[str, MemoryObj]:
-        """The pulled blobs that verify; the others are counted and let go (misses)."""
-        out = {}
+    def _verified(
+        self, peer: Peer, namespace: str, objs: dict[str, MemoryObj]
+    ) -> dict[str, MemoryObj]:
+        """The pulled blobs that verify; the others are counted, let go (misses) and
+        reported to the peer, which drops those that fail there too."""
+        out, corrupt = {}, []
         for name, obj in objs.items():
             if verify_blob(tensor_bytes(obj.tensor)[:-1], name):
                 out[name] = obj
@@ -418,7 +414,21 @@ class Peers:
             self.stats.inc("peer_corrupt")
             warn_once(logger, f"kvtier server: peer {peer.url} sent a corrupt {name}: a miss")
             obj.ref_down()
+            corrupt.append(name)
+        if corrupt:
+            with suppress(RuntimeError):  # closing: nobody to tell
+                self._calls.submit(self._report_corrupt, peer, namespace, corrupt)
         return out
+
+    def _report_corrupt(self, peer: Peer, namespace: str, names: list[str]) -> None:
+        """Tell the peer which blobs it sent corrupt (off the pull's path; a report that
+        fails is only logged: the next pull finds them again)."""
+        try:
+            self._store(peer, namespace).call(Op.CORRUPT, {"names": names})
+        except StoreUnavailable as exc:
+            warn_once(logger, f"kvtier server: peer {peer.url}: corrupt blobs not reported: {exc}")
+            return
+        self.stats.inc("peer_corrupt_reported", len(names))
 
     # -- status ------------------------------------------------------------------------
 

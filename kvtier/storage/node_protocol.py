@@ -39,13 +39,16 @@ are answered from the server's own memory and disk, never passed on to its peers
     PEER    [metadata]             → agent, epoch, metadata, base   (NIXL handshake)
     LEASE   names                  → lease, agent, epoch, sizes, offsets
     RELEASE lease                  → held: bool
+    CORRUPT names                  → dropped: int   (names a pull found corrupt)
 
 PEER returns the server's NIXL agent name, the epoch of its memory registration, its
 agent metadata and the pool's base address (or ``error`` without NIXL). LEASE pins the
 named blobs held in memory (-1 where not) for a bounded time, giving each one's offset
 in the pool; RELEASE ends the lease and says whether it was held throughout, so a
 puller that read the pool one-sidedly meanwhile knows whether the bytes it read were
-still the blobs it asked for.
+still the blobs it asked for. CORRUPT tells the server which blobs a pull found corrupt:
+it drops each copy of them in its memory and on disk whose own bytes fail their checksum
+(it verifies them itself: the damage may have been on the way), and says how many.
 
 The HELLO reply announces the server's limits: ``max_frame`` (payload bytes per frame),
 ``max_names`` (names per request: a request with more is an error reply, so a client
@@ -98,6 +101,7 @@ class Op(enum.IntEnum):
     PEER = 9
     LEASE = 10
     RELEASE = 11
+    CORRUPT = 12
 
 
 class ProtocolError(Exception):
