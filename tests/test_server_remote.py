@@ -26,11 +26,18 @@ def remote_blobs(store: FlakyStore, stats: Stats) -> RemoteBlobs:
     )
 
 
+def remote_holding_a(store: FlakyStore, stats: Stats, blob: bytes = b"1") -> RemoteBlobs:
+    """A remote on ``store`` that has written ``a`` (``blob``) through: its namespace's
+    store is open, so pings use it."""
+    remote = remote_blobs(store, stats)
+    remote.submit_put("ns", "a", blob)
+    wait_until(lambda: stats.get("remote_puts") == 1)
+    return remote
+
+
 def test_a_failing_remote_is_down_until_a_ping_answers(caplog):
     store, stats = FlakyStore(), Stats()
-    remote = remote_blobs(store, stats)
-    remote.submit_put("ns", "a", b"123")
-    wait_until(lambda: stats.get("remote_puts") == 1)
+    remote = remote_holding_a(store, stats, b"123")
     store.mode = "down"
     with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
         assert remote.get("ns", "a") is None
@@ -67,9 +74,7 @@ def test_a_failed_write_takes_the_remote_down_too():
 
 def test_a_write_refused_for_room_is_dropped_and_the_remote_stays_up(caplog):
     store, stats = FlakyStore(), Stats()
-    remote = remote_blobs(store, stats)
-    remote.submit_put("ns", "a", b"1")
-    wait_until(lambda: stats.get("remote_puts") == 1)
+    remote = remote_holding_a(store, stats)
     store.mode = "full"
     with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
         remote.submit_put("ns", "b", b"2")
@@ -85,9 +90,7 @@ def test_a_write_refused_for_room_is_dropped_and_the_remote_stays_up(caplog):
 
 def test_a_throttling_remote_stays_up_its_writes_dropped_and_reads_missed(caplog):
     store, stats = FlakyStore(), Stats()
-    remote = remote_blobs(store, stats)
-    remote.submit_put("ns", "a", b"1")
-    wait_until(lambda: stats.get("remote_puts") == 1)
+    remote = remote_holding_a(store, stats)
     store.mode = "throttled"
     with caplog.at_level(logging.WARNING, logger="kvtier.server.cache"):
         remote.submit_put("ns", "b", b"2")
@@ -121,9 +124,7 @@ def test_a_remote_that_goes_down_while_idle_is_seen_without_a_request():
     """The periodic ping: ``/health`` and ``kvtier status`` (both read ``is_up``) follow
     the remote, not the last request that happened to touch it."""
     store, stats = FlakyStore(), Stats()
-    remote = remote_blobs(store, stats)
-    remote.submit_put("ns", "a", b"1")  # opens the namespace's store, which pings then use
-    wait_until(lambda: stats.get("remote_puts") == 1)
+    remote = remote_holding_a(store, stats)
     remote.watch(interval_s=0.05)
     assert remote.is_up
     store.mode = "down"
