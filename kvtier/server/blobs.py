@@ -174,8 +174,8 @@ def drop_corrupt(memory: LocalCPUTier, disk: FileStore | None, blob_id: BlobId) 
     dropped = False
     if read_in_memory(memory, blob_id, lambda blob: not verify_blob(blob, name)):
         dropped = memory.remove(blob_id)
-    data = read_from_disk(disk, blob_id) if disk is not None else None
-    if data is not None and not verify_blob(memoryview(data), name):
-        assert disk is not None
-        dropped = disk.delete(disk_name(blob_id)) or dropped
+    if disk is not None:
+        data = read_from_disk(disk, blob_id)
+        if data is not None and not verify_blob(memoryview(data), name):
+            dropped = disk.delete(disk_name(blob_id)) or dropped
     return dropped
