@@ -7,6 +7,8 @@ a cached rANS decode still rejects every stream the reference rejects."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -318,6 +320,30 @@ def test_rans_plans_are_rebuilt_after_clear_plans() -> None:
     assert rans_plans.cached_plan(key) not in (None, first)
 
 
+def test_cpu_encodes_take_their_scratch_from_one_buffer_per_thread() -> None:
+    """On the CPU a thread's encodes reuse one scratch, grown to its largest call, whatever
+    their plans; each stays bit-exact against the reference, another thread has its own."""
+    small, large = coded(3, 5, 4, seed=21)[:2], coded(6, 40, 9, seed=22)[:2]
+    for case in (small, large, small, large, small):  # data a larger call left behind
+        round_trip(*case)
+    calls = [
+        (rans_plans.cached_plan(rans_plans.encode_key(BACKEND, *c, 1)), c) for c in (large, small)
+    ]
+
+    def scratch_addresses() -> list[int]:  # the larger call first, then the smaller
+        with record_launches():
+            scratches = [plan.enqueue(*case)[0] for plan, case in calls]  # all held at once
+        return [scratch.data_ptr() for scratch in scratches]
+
+    here = scratch_addresses()
+    assert here[0] == here[1] == scratch_addresses()[0]
+    elsewhere: list[int] = []
+    thread = threading.Thread(target=lambda: elsewhere.extend(scratch_addresses()))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] == elsewhere[1] != here[0]
+
+
 def test_a_rans_plan_built_while_recording_runs_for_real_afterwards() -> None:
     rans_plans.clear_plans()
     sym_t, freq_t, words, lengths = coded(6, 5, 9, seed=5)
@@ -398,7 +424,8 @@ def test_a_cached_rans_call_reads_back_only_after_its_launch() -> None:
     assert recorder.calls == 2
     for ops in (encoding.ops, decoding.ops):
         assert "_local_scalar_dense" not in ops and "item" not in ops, ops
-    assert set(encoding.ops) <= {"cumsum", "sub_", "_to_copy", "empty", "zeros", "zero_"}
+    encode_ops = {"cumsum", "sub_", "_to_copy", "empty", "zeros", "zero_", "slice", "view"}
+    assert set(encoding.ops) <= encode_ops  # slice, view: the CPU's scratch
     assert set(decoding.ops) <= {"cumsum", "sub_", "full", "slice", "empty", "zeros", "zero_"}
 
 

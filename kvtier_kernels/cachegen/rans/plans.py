@@ -23,8 +23,9 @@ where a count is not zero does the host look further, to raise the error the ref
 raises (the first bad row or lane), in the reference's order. The buffers are allocated
 per call (the caching allocator's blocks): a buffer kept in the plan would be shared by
 callers on other threads or streams, and the encoder's scratch is still read by the
-compaction queued after the call returns. Each op keeps its one host sync: a corrupt
-stream raises :class:`~kvtier_kernels.cachegen.rans.common.CodecError` before any symbol is
+compaction queued after the call returns. On the CPU, whose allocator caches nothing, the
+encoder's scratch is the calling thread's own (:func:`_cpu_scratch`). Each op keeps its
+one host sync: a corrupt stream raises :class:`~kvtier_kernels.cachegen.rans.common.CodecError` before any symbol is
 returned, and the encoder needs the stream's total length to size its output.
 :meth:`EncodePlan.enqueue` / :meth:`DecodePlan.enqueue` are the part before the sync and
 :meth:`EncodePlan.compact` the encoder's part after it (the host-cost benchmark times them
@@ -33,6 +34,7 @@ apart).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -173,6 +175,22 @@ def _bind_kernel(
 # encode
 # ---------------------------------------------------------------------------------------
 
+_cpu_scratches = threading.local()
+
+
+def _cpu_scratch(numel: int) -> torch.Tensor:
+    """``numel`` int32 of this thread's encoder scratch on the CPU (the head of one buffer,
+    grown to the largest call the thread made). A GPU call takes its scratch from the
+    caching allocator; the CPU's allocator caches nothing, and a chunk's scratch (76 MB for
+    32 layers x 8 heads x 128) lies past glibc's mmap threshold, so every call mapped,
+    faulted in and unmapped it (22 of a call's 37 us). A CPU call runs to its end before
+    it returns (interpreted, or recorded: nothing runs), so the thread's next call finds
+    the buffer free; the encoder writes every word of it that it or the compaction reads."""
+    buffer = getattr(_cpu_scratches, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _cpu_scratches.buffer = torch.empty(numel, dtype=torch.int32)
+    return buffer[:numel]
+
 
 class EncodePlan:
     """One encode bound to its shapes: ``plan(symbols, freq)`` returns ``(words, lengths)``
@@ -199,7 +217,11 @@ class EncodePlan:
         lane's stream at the end of its row of ``scratch`` and the summary the kernel
         leaves (:mod:`~kvtier_kernels.cachegen.rans.kernels`; nothing is checked yet)."""
         device = self.device
-        scratch = torch.empty((self.lanes, self.width), dtype=torch.int32, device=device)
+        shape = (self.lanes, self.width)
+        if device.type == "cpu":
+            scratch = _cpu_scratch(self.lanes * self.width).view(shape)
+        else:
+            scratch = torch.empty(shape, dtype=torch.int32, device=device)
         summary = torch.zeros(self.summary_size, dtype=torch.int64, device=device)
         self.launch(symbols, freq, scratch, summary)
         return scratch, summary
