@@ -42,6 +42,7 @@ class StoreResult:
     stored_bytes: int = 0
     skipped_existing: int = 0
     skipped_no_memory: int = 0
+    skipped_replica: int = 0  # left to the replica that writes them (never copied out)
     seconds: float = 0.0
 
 
@@ -70,7 +71,9 @@ def _end_of(chunks: Sequence[Chunk]) -> int:
 
 
 class StoreTransfer:
-    """A store in flight: staged buffers for the chunks not yet stored.
+    """A store in flight: staged buffers for the chunks not yet stored. A chunk that no
+    tier of this rank keeps, as a replica peer writes it (``StorageManager.skip_for_replica``),
+    is neither staged nor copied out of the engine.
 
     ``gather_now``: gather each chunk as soon as it is staged (``gather`` is then a no-op).
 
@@ -112,6 +115,9 @@ class StoreTransfer:
             if storage.stored(chunk.key):
                 self.result.skipped_existing += 1
                 self._pinned_existing += storage.pin([chunk.key])
+                continue
+            if storage.skip_for_replica(chunk.key):
+                self.result.skipped_replica += 1
                 continue
             if bool((slots[chunk.start : chunk.end] < 0).any()):
                 break

@@ -172,6 +172,29 @@ def test_rank_1_leaves_the_remote_to_rank_0_and_loads_what_it_wrote(engine_ranks
     assert_same_blocks(paged1, DST, SRC, "rank 1 loading rank 0's chunks from the remote")
 
 
+def test_a_rank_that_keeps_nothing_of_its_own_copies_nothing_out(engine_ranks, monkeypatch):
+    (rank0, paged0), (rank1, paged1) = engine_ranks("mla", tp=2, local_cpu=False, local_disk=None)
+    copies = {0: 0, 1: 0}
+    for rank, (worker, _) in enumerate([(rank0, paged0), (rank1, paged1)]):
+        io = worker.engine.paged_io
+        gather = io.from_engine
+
+        def counted(*args, rank=rank, gather=gather, **kwargs):
+            copies[rank] += 1
+            return gather(*args, **kwargs)
+
+        monkeypatch.setattr(io, "from_engine", counted)
+    hashes = chunk_hashes(rank0)
+    for worker in (rank0, rank1):
+        save(worker, hashes)
+        assert worker.engine.flush(10)
+    assert copies == {0: 3, 1: 0}, "rank 1 copied out chunks only rank 0 writes"
+    assert (rank0.stats.get(SKIPPED), rank1.stats.get(SKIPPED)) == (0, 3)
+    assert rank1.stats.get(Counter.STORED_CHUNKS) == rank1.stats.get(Counter.STORED_BYTES) == 0
+    assert load(rank1, hashes) == set()
+    assert_same_blocks(paged1, DST, SRC, "rank 1 loading rank 0's chunks from the remote")
+
+
 def test_a_chunk_is_a_hit_only_where_every_rank_can_load_it(engine_ranks):
     (rank0, _), (rank1, _) = engine_ranks("mla", tp=2, remote_url=None, local_disk=None)
     hashes = chunk_hashes(rank0)

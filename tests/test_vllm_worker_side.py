@@ -292,6 +292,28 @@ def test_layerwise_layers_without_hooks_move_at_wait_for_save(
     layerwise_round_trip(make_worker, layout, backend, save_hooks, load_hooks)
 
 
+@pytest.mark.parametrize(("layout", "backend"), LAYOUT_BACKENDS)
+def test_layerwise_saves_copy_each_layer_at_its_hook_when_loads_start_late(
+    make_worker, layout, backend
+):
+    """On a step with no sync load vLLM binds the plan, runs the forward pass, then calls
+    ``start_load``: each layer is still copied out at its hook (what changes after it,
+    zeroed here, is not what is stored)."""
+    worker, paged = make_worker(layout, backend, use_layerwise=True)
+    hashes = chunk_hashes(worker)
+    expected = blocks_kv(paged, SRC)
+    plan = StepPlan(saves=[SaveSpec("req-a", 0, hashes, NUM_TOKENS, list(SRC))])
+    worker.bind(plan)
+    for name in layer_names():
+        worker.wait_for_layer_load(name)
+        worker.save_layer(name)
+    zero_cache(paged)
+    worker.start_load(plan)
+    worker.wait_for_save()
+    load(worker, "sync", hashes)
+    assert_blocks_hold(paged, DST, expected, f"{layout}: layers saved at their hooks")
+
+
 @pytest.mark.parametrize("load_hooks", [[2], [1, 2], [2, 0, 1]], ids=["last", "skip-0", "2-0-1"])
 def test_layerwise_load_when_the_last_layer_is_waited_for_early(make_worker, load_hooks):
     layerwise_round_trip(make_worker, "vllm_hnd", "FLASH_ATTN", [0, 1, 2], load_hooks)

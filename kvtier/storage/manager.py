@@ -196,9 +196,7 @@ class StorageManager:
         if self.retain_in_cpu and not self.cpu.put(key, obj):
             return False
         took = self.retain_in_cpu
-        write_shared = self.write_shared
-        if not isinstance(write_shared, bool):
-            write_shared = write_shared(key)
+        write_shared = self._writes_shared(key)
         for tier in self.lower:
             if not write_shared and is_shared(tier):
                 # NOTE: the peer replica writes these bytes under this key; a put skipped
@@ -208,6 +206,30 @@ class StorageManager:
                 continue
             took = tier.submit_put(key, obj) or took
         return took
+
+    def skip_for_replica(self, key: CacheKey) -> bool:
+        """Skip a store of ``key`` that no tier of this rank would keep, as a replica peer
+        writes it: no CPU tier (``local_cpu: false``), and every lower tier is one the peer
+        writes (an MLA engine's tensor-parallel rank > 0 whose tiers are all shared).
+        Returns whether it was skipped; each tier then counts the put it left to the peer
+        (``<tier>_puts_skipped_replica``), as ``put`` does, and the caller need not copy
+        the chunk out of the engine at all."""
+        if self.retain_in_cpu or not self.lower:
+            return False
+        write_shared = self._writes_shared(key)
+        for tier in self.lower:
+            if isinstance(tier, SplitDisk):
+                if not tier.leaves_to_writer(key):
+                    return False
+            elif write_shared or not is_shared(tier):
+                return False
+        for tier in self.lower:
+            self.stats.inc(tier_counter(tier.name, TierCounter.SKIPPED_REPLICA))
+        return True
+
+    def _writes_shared(self, key: CacheKey) -> bool:
+        write_shared = self.write_shared
+        return write_shared if isinstance(write_shared, bool) else write_shared(key)
 
     # -- reads -----------------------------------------------------------------------
 

@@ -112,6 +112,10 @@ class SplitDisk:
                     out[i] = answer
         return out
 
+    def leaves_to_writer(self, key: CacheKey) -> bool:
+        """Whether a put of ``key`` is left to the writer: a shared chunk, on a reader."""
+        return self._tier(key) is self.shared and not self.writer
+
     def _skipped(self, writes: int = 1) -> None:
         """Writes of shared chunks left to the writer: a skipped write is no failed one."""
         self.stats.inc(tier_counter(self.name, TierCounter.SKIPPED_REPLICA), writes)
@@ -135,11 +139,10 @@ class SplitDisk:
     # -- writes ----------------------------------------------------------------------
 
     def submit_put(self, key: CacheKey, obj: MemoryObj) -> bool:
-        tier = self._tier(key)
-        if tier is self.shared and not self.writer:
+        if self.leaves_to_writer(key):
             self._skipped()
             return True
-        return tier.submit_put(key, obj)
+        return self._tier(key).submit_put(key, obj)
 
     def put_buffers(self, items: Sequence[tuple[CacheKey, ChunkBuffers]]) -> list[bool]:
         def put(tier: FileTier, part: list[tuple[CacheKey, ChunkBuffers]]) -> list[bool]:

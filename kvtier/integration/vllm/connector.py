@@ -191,6 +191,13 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # NOTE: on a step without sync loads vLLM calls start_load_kv after the forward
+        # launch, so the layer hooks of that forward learn the step's saves from here
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTierConnectorMetadata):
+            self._worker.bind(connector_metadata.plan)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         metadata = self._get_connector_metadata()

@@ -4,10 +4,13 @@ It runs in each vLLM worker process (one per tensor/pipeline-parallel rank), own
 rank's ``CacheEngine`` (tiers + kernels) and serves the scheduler's lookups over a local
 RPC socket. Per engine step it executes the ``StepPlan`` the scheduler side built:
 
+    bind_connector_metadata
+                        take the step's plan, before the forward pass
     start_load_kv       sync loads: fetch + verify chunks, then scatter (all layers now,
                         or one layer per ``wait_for_layer_load`` when layer-wise)
                         async loads: handed to a background thread, reported through
-                        ``get_finished`` once written
+                        ``get_finished`` once written (on a step with no sync load,
+                        vLLM calls this hook after the forward launch)
     save_kv_layer       layer-wise only: copy this layer of the chunks to save
     wait_for_save       copy (or finish copying) the chunks to save and publish them
     (after the step)    with KV events on, hand over what the tiers recorded since the
@@ -300,9 +303,15 @@ class WorkerSide:
             transfer.close()
         return self._reported(load, failed)
 
+    def bind(self, plan: StepPlan) -> None:
+        """Take this step's plan as vLLM binds it, before the forward pass: the layer hooks
+        (``save_layer``) may run before ``start_load``, which vLLM calls after the forward
+        launch on a step that has no sync load."""
+        self._plan = plan
+
     def start_load(self, plan: StepPlan) -> None:
-        """Before the forward pass: run (or start) this step's loads, then the extensions'
-        part of the plan."""
+        """Before the forward pass (after it on a step with async loads only): run (or
+        start) this step's loads, then the extensions' part of the plan."""
         self._plan = plan
         for load in plan.loads:
             if load.is_async:
