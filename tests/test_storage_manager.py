@@ -182,6 +182,34 @@ def test_a_lookup_prefetches_only_what_one_load_can_take(
     second.close()
 
 
+def test_a_prefetch_counts_only_the_chunks_it_put_into_memory(tmp_path, monkeypatch):
+    """A chunk another reader puts into memory while the prefetch reads it from disk
+    is read, but not prefetched: memory keeps the other reader's copy."""
+    first = make_engine(local_disk=str(tmp_path))
+    tokens = torch.arange(32)
+    first.store(tokens, slot_mapping=torch.arange(32))
+    first.close()
+    second = make_engine(local_disk=str(tmp_path))
+    storage, disk = second.storage, second.storage.lower[0]
+    read_from_disk = disk.get_many
+
+    def another_reader_first(keys, allocate):
+        objs = read_from_disk(keys, allocate)
+        for k, obj in zip(keys[:1], objs, strict=False):
+            storage.cpu.put(k, obj)
+        return objs
+
+    monkeypatch.setattr(disk, "get_many", another_reader_first)
+    keys = [c.key for c in second.chunker.chunks(tokens)]
+    assert second.lookup(tokens) == 32
+    wait_until(lambda: storage.cpu.prefix_length(keys) == 4)
+    wait_until(lambda: not storage._prefetching)
+    assert second.stats.get(tier_counter("disk", TierCounter.GET_HITS)) == 4
+    assert second.stats.get(Counter.PREFETCHED_CHUNKS) == 3
+    assert second.stats.get(Counter.WRITEBACK_CHUNKS) == 3
+    second.close()
+
+
 def test_store_of_a_chunk_already_on_disk_rewrites_nothing(tmp_path):
     first = make_engine(local_disk=str(tmp_path))
     first.store(torch.arange(16), slot_mapping=torch.arange(16))

@@ -294,6 +294,16 @@ class StorageManager:
             for i in missing:
                 out[i] = self.cpu.get(keys[i])
             missing = [i for i in missing if out[i] is None]
+        self._read_below(keys, out, missing)
+        return out
+
+    def _read_below(
+        self, keys: Sequence[CacheKey], out: list[MemoryObj | None], missing: list[int]
+    ) -> int:
+        """Read ``keys[i]`` of each ``i`` in ``missing`` into ``out[i]`` from the lower
+        tiers in order, each hit written back to the CPU tier; returns how many of those
+        write-backs the CPU tier took (not one whose key another thread put there first)."""
+        landed = 0
         for tier in self.lower:
             if not missing:
                 break
@@ -301,13 +311,15 @@ class StorageManager:
             for i, obj in zip(missing, objs, strict=True):
                 if obj is not None:
                     out[i] = obj
-                    self._write_back(keys[i], obj)
+                    landed += self._write_back(keys[i], obj)
             missing = [i for i in missing if out[i] is None]
-        return out
+        return landed
 
-    def _write_back(self, key: CacheKey, obj: MemoryObj) -> None:
+    def _write_back(self, key: CacheKey, obj: MemoryObj) -> bool:
         if self.retain_in_cpu and self.cpu.put(key, obj):
             self.stats.inc(Counter.WRITEBACK_CHUNKS)
+            return True
+        return False
 
     # -- prefetch --------------------------------------------------------------------
 
@@ -334,10 +346,15 @@ class StorageManager:
         future.add_done_callback(lambda _: self._prefetch_done(todo))
 
     def _fetch_into_cpu(self, keys: list[CacheKey]) -> None:
+        """Read ``keys`` the CPU tier lacks from the lower tiers into it; counts as
+        prefetched the chunks that landed there (a read whose key another thread put
+        there meanwhile is not one)."""
         keys = [k for k in keys if not self.cpu.contains(k)]
-        for obj in self.get_many(keys):
+        out: list[MemoryObj | None] = [None] * len(keys)
+        landed = self._read_below(keys, out, list(range(len(keys))))
+        self.stats.inc(Counter.PREFETCHED_CHUNKS, landed)
+        for obj in out:
             if obj is not None:
-                self.stats.inc(Counter.PREFETCHED_CHUNKS)
                 obj.ref_down()  # the CPU tier keeps its own reference
 
     def _prefetch_done(self, keys: list[CacheKey]) -> None:
