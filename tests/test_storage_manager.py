@@ -517,6 +517,25 @@ def test_shared_filesystem_remote_through_config(tmp_path, pool):
     reader.close()
 
 
+def test_held_everywhere_is_answered_from_memory(tmp_path, pool, monkeypatch):
+    """Memory, or the index of every lower tier; a remote (no index) is never sure."""
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 1}
+    fs = {"remote_url": f"fs://{tmp_path}/fs"}
+    writer = StorageManager(load_config({**disk, **fs}, env={}), Stats(), pin_memory=False)
+    obj = fill(pool, 0)
+    assert not writer.held_everywhere(key(0))
+    writer.put(key(0), obj)
+    assert writer.held_everywhere(key(0)), "in memory"
+    writer.close()
+    for settings, held in (({**disk, **fs}, False), (disk, True), (fs, False)):
+        config = load_config({"local_cpu": False, **settings}, env={})
+        restarted = StorageManager(config, Stats(), pin_memory=False)
+        for tier in restarted.lower:
+            monkeypatch.setattr(tier, "contains_many", None)  # no lookup
+        assert restarted.held_everywhere(key(0)) is held, settings
+        restarted.close()
+
+
 def test_unusable_local_disk_is_a_clear_error_at_start_up(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -226,6 +226,18 @@ class StorageManager:
         files = self._only_files
         return files is not None and files.indexed(key)
 
+    def held_everywhere(self, key: CacheKey) -> bool:
+        """Whether a store of ``key`` would add nothing, answered from memory: the CPU
+        tier holds it (whoever put it there queued its lower-tier writes), or every lower
+        tier is a file tier whose index holds it (a use, for eviction order). A remote
+        tier keeps no index in memory, so a chunk it may lack is never held everywhere:
+        its writer leaves out what it has already, one batched lookup per write."""
+        if self.cpu.contains(key):
+            return True
+        return bool(self.lower) and all(
+            isinstance(tier, FileTier | SplitDisk) and tier.indexed(key) for tier in self.lower
+        )
+
     def lookup_prefix(
         self,
         keys: Sequence[CacheKey],
