@@ -544,6 +544,16 @@ def test_one_rank_writes_the_pages_an_mla_models_ranks_share(tmp_path):
     reader.close()
 
 
+def test_storage_metrics_follow_sglangs_flag_not_the_extra_config(cpu_only, caplog):
+    """SGLang reads no ``enable_storage_metrics`` from the extra config: kvtier says so."""
+    pool = mha_pool("page_first")
+    backend = make_backend(pool, {**cpu_only, "enable_storage_metrics": True}, metrics=False)
+    assert "enable_storage_metrics" in caplog.text and "--enable-metrics" in caplog.text
+    assert backend.batch_set_v1(KEYS[:2], page_indices(pool, [1, 2])) == [True] * 2
+    assert backend.get_stats().backup_pgs == [], "SGLang runs without --enable-metrics"
+    backend.close()
+
+
 def test_stats_and_metrics_keep_kvtiers_names(cpu_only):
     pool = mla_pool("page_first")
     backend = make_backend(pool, cpu_only)
