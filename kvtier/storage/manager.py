@@ -163,7 +163,7 @@ class StorageManager:
     def gauges(self) -> dict[str, float]:
         """What the tiers hold now: the CPU pool's capacity and use, chunks (and pinned
         ones) in memory, and per lower tier whether it is up, its queued writes and (when
-        capped) the bytes it holds."""
+        capped) the bytes of its files and the directories of their tree."""
         pool = self.cpu.pool
         gauges = {
             "cpu_pool_capacity_bytes": float(pool.capacity),
@@ -174,9 +174,9 @@ class StorageManager:
         for tier in self.lower:
             gauges[f"{tier.name}_up"] = float(getattr(tier, "is_up", True))
             gauges[f"{tier.name}_pending_writes"] = float(tier.pending_writes)
-            used = getattr(tier, "used_bytes", None)
-            if used is not None and getattr(tier, "capacity_bytes", None) is not None:
-                gauges[f"{tier.name}_used_bytes"] = float(used)
+            if isinstance(tier, FileTier | SplitDisk) and tier.capacity_bytes is not None:
+                gauges[f"{tier.name}_used_bytes"] = float(tier.used_bytes)
+                gauges[f"{tier.name}_directories"] = float(tier.directories)
         return gauges
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
