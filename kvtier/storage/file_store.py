@@ -9,13 +9,14 @@ directory grows huge::
 
 A bounded store keeps an index (``policy.SizedIndex``: name → size, in eviction-policy
 order), rebuilt at start-up from the files present, oldest first, and evicts in policy
-order to stay within the bound; a file larger than the whole bound is refused. The bound
-is on the files' bytes: the tree's directories stay once made (``directories`` counts
-them, beside ``used_bytes``). The index
+order to stay within the bound; a file larger than the whole bound is refused. The index
 answers for the names it knows without a filesystem call; a name it does not know is
 looked up on the filesystem and, when found (another process wrote it into the
 directory), adopted within the bound (evicting as a write does). An unbounded store has
 no index: the directory is the index.
+
+The bound is on the files' bytes. The tree's directories stay once made (``directories``
+counts them, beside ``used_bytes``).
 
 NOTE: a file appears only complete (``files.write_whole``: a temp file renamed over its
 name), so a reader sees a whole file or none; ``clear`` deletes only whole files and
@@ -77,7 +78,7 @@ class FileStore:
         self.evictions = 0
         self._on_evict = on_evict
         self._index = SizedIndex(capacity_bytes, policy)  # bounded store only
-        self._directories: set[str] = set()  # below ``dir``, known to exist
+        self._directories: set[str] = set()  # relative to ``dir``: those known to exist
         self._lock = threading.Lock()
         probe_writable(self.dir)
         if self.bounded:
@@ -100,7 +101,7 @@ class FileStore:
         """Rebuild the index from the files present, oldest first (start-up)."""
         found, directories = scan_tree(self.dir)
         with self._lock:
-            self._directories |= directories
+            self._directories |= {os.path.relpath(d, self.dir) for d in directories}
         for _, name, size in found:
             self._index.add(name, size)
         if found:
@@ -219,9 +220,9 @@ class FileStore:
     def _made_directories(self, path: str) -> None:
         """Note the directories of ``path``, a file just written, below ``dir`` (the
         write made those that were missing)."""
-        parent = os.path.dirname(path)
+        parent = os.path.dirname(path[len(self._dir_str) + 1 :])
         with self._lock:
-            while parent != self._dir_str and parent not in self._directories:
+            while parent and parent not in self._directories:
                 self._directories.add(parent)
                 parent = os.path.dirname(parent)
 
