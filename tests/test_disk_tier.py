@@ -174,6 +174,28 @@ def test_capacity_evicts_in_lru_order(tmp_path, pool):
     tier.close()
 
 
+def test_the_tree_s_directories_are_counted_beside_the_files_bytes(tmp_path, pool):
+    """The bound is on the files' bytes; the directories, which stay as files are
+    evicted or deleted, are counted as they are on disk, after a restart too."""
+
+    def on_disk() -> int:
+        return sum(len(dirs) for _, dirs, _ in os.walk(tmp_path / "kvtier-v1"))
+
+    tier = make_tier(tmp_path, capacity_bytes=int(2.5 * CHUNK_FILE_BYTES))
+    for seed in range(6):
+        put_all(tier, pool, [seed])
+    assert len(chunk_files(tmp_path)) == 2
+    assert tier.directories == on_disk() > 2 * 2, "the evicted files' too"
+    tier.remove(key(5))
+    assert tier.directories == on_disk()
+    tier.close()
+    restarted = make_tier(tmp_path, capacity_bytes=int(2.5 * CHUNK_FILE_BYTES))
+    assert restarted.directories == on_disk()
+    put_all(restarted, pool, [6])
+    assert restarted.directories == on_disk()
+    restarted.close()
+
+
 def test_a_chunk_stored_again_is_a_use_for_eviction_order(tmp_path, pool):
     """A prefill engine that never loads stores its hot prefix again and again: each
     store is a use, so the prefix outlives chunks stored once since."""

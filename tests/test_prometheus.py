@@ -93,6 +93,8 @@ def test_numbers_match_a_scripted_workload(tmp_path):
     assert value(samples, "kvtier_tier_pending_writes", tier="disk") == 0
     disk_files = sum(p.stat().st_size for p in tmp_path.rglob("*.kvt"))
     assert value(samples, "kvtier_tier_used_bytes", tier="disk") == disk_files
+    directories = sum(1 for p in tmp_path.rglob("*") if p.is_dir()) - 1  # below kvtier-v1
+    assert value(samples, "kvtier_tier_directories", tier="disk") == directories
     assert value(samples, "kvtier_corrupt_chunks_rejected_total") == 0
     engine.close()
 

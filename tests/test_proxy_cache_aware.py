@@ -8,6 +8,7 @@ are skipped, PD mode scores the prefill pool, and the metrics and /health fields
 from __future__ import annotations
 
 import contextlib
+import http.client
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -254,6 +255,25 @@ def test_a_stream_is_silent_only_when_no_event_follows_a_request(engines, proxy,
     assert post(server.url, "/v1/completions", completion("Another prompt " * 4))[0] == 200
     time.sleep(0.4)
     assert router.stream_state(a.url) == "silent", "no event for the new blocks"
+
+
+def test_a_stream_cut_before_its_end_is_no_answer(engines, proxy, monkeypatch):
+    """A decode stream broken off after its usage chunk (before [DONE]) is recorded as
+    504: neither its cached tokens count nor does its instance owe an event."""
+    monkeypatch.setattr(cache_aware, "SILENT_AFTER_S", 0.2)
+    a = engines("a", cached_tokens=32, chunks=2, cut_after=3)
+    server = proxy([a])
+    router = server.proxy.routing
+    publish_and_wait(server, a, "Earlier prompt. " * 2)  # the block size is known
+    body = {**completion(SYSTEM), "stream": True, "stream_options": {"include_usage": True}}
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        post(server.url, "/v1/completions", body)
+    assert b"cached_tokens" in cut.value.partial, "cut after the usage chunk"
+    requests = {"endpoint": "/v1/completions", "status": "504"}
+    wait_until(lambda: metric(server.url, "kvtier_proxy_requests_total", **requests) == 1)
+    assert metric(server.url, "kvtier_proxy_actual_cached_tokens_total") == 0
+    time.sleep(0.4)
+    assert router.stream_state(a.url) == "connected"
 
 
 def test_prefill_is_chosen_by_cache_and_decode_by_load(engines, proxy):

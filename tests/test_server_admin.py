@@ -17,6 +17,7 @@ from support.kvtier_server import KVTierServerProcess, free_port
 
 from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.cli import main
+from kvtier.commands.status import render
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
 from kvtier.server.admin import MAX_BODY_BYTES, AdminHooks, AdminServer
@@ -355,7 +356,7 @@ def kvtier_status(*args):
     )
 
 
-def test_status_prints_the_servers_counters(server):
+def test_status_prints_the_servers_counters(server, tmp_path):
     put(server, names(chunk_hashes(TOKENS)))
     done = kvtier_status("--server", f"127.0.0.1:{server.port}")
     assert done.returncode == 0, done.stderr
@@ -364,6 +365,30 @@ def test_status_prints_the_servers_counters(server):
     done = kvtier_status("--server", f"kvtier://127.0.0.1:{server.port}", "--json")
     values = json.loads(done.stdout)
     assert values["puts"] == 6 and values["disk_blobs"] == 6
+    tree = tmp_path / "disk" / "kvtier-server-v1"
+    files = list(tree.rglob("*.kvt"))
+    assert values["disk_bytes_used"] == sum(f.stat().st_size for f in files)
+    assert values["disk_directories"] == sum(1 for p in tree.rglob("*") if p.is_dir())
+
+
+def test_status_shows_a_small_tier_s_use_and_the_disk_s_directories():
+    values = {"disk_blobs": 9, "disk_bytes_used": 2.7e6, "disk_bytes_capacity": 2**32}
+    values |= {"disk_directories": 59, "disk_evictions": 16}
+    line = render("h:1", values).splitlines()[-1]
+    assert line.split() == [
+        "disk",
+        "9",
+        "blobs,",
+        "2.6",
+        "MiB",
+        "of",
+        "4.00",
+        "GiB,",
+        "59",
+        "directories,",
+        "16",
+        "evictions",
+    ]
 
 
 def test_status_refuses_a_server_address_of_another_scheme(server, capsys):

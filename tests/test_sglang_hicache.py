@@ -263,6 +263,30 @@ def test_a_page_twice_in_one_batch_is_stored_once_and_reported_stored(tmp_path, 
     backend.close()
 
 
+def test_a_store_asks_no_lower_tier_and_fills_the_one_that_lacks_a_page(tmp_path):
+    """What a store leaves out is answered from memory (no lookup on SGLang's backup
+    thread); each tier's writer leaves out what it has. So a remote added beside a disk
+    that holds pages gets them at their next store."""
+    pool = mha_pool("page_first")
+    first = make_backend(pool, disk(tmp_path))
+    assert first.batch_set_v1(KEYS[:3], page_indices(pool, [1, 2, 3])) == [True] * 3
+    first.close()
+    fs = f"fs://{tmp_path}/fs"
+    second = make_backend(pool, disk(tmp_path, remote_url=fs))  # restarted, with a remote
+    assert second.batch_set_v1(KEYS[:4], page_indices(pool, [1, 2, 3, 4])) == [True] * 4
+    counters = second.metrics()["counters"]
+    assert counters["disk_lookup_hit_chunks"] == counters["fs_lookup_hit_chunks"] == 0
+    assert counters["disk_put_chunks"] == 1 and counters["fs_put_chunks"] == 4
+    second.close()
+    third = make_backend(pool, {"local_cpu": False, "remote_url": fs})
+    assert third.batch_set_v1(KEYS[:4], page_indices(pool, [1, 2, 3, 4])) == [True] * 4
+    counters = third.metrics()["counters"]
+    assert counters["fs_lookup_hit_chunks"] == counters["fs_put_chunks"] == 0, "held: not sent"
+    assert third.batch_get_v1(KEYS[:4], page_indices(pool, [9, 10, 11, 12])) == [True] * 4
+    assert_pages_equal(pool, [1, 2, 3, 4], pool, [9, 10, 11, 12])
+    third.close()
+
+
 def _page_files(root: Path) -> list[Path]:
     return sorted(root.rglob("*.kvt"))
 
@@ -518,6 +542,16 @@ def test_one_rank_writes_the_pages_an_mla_models_ranks_share(tmp_path):
     assert len(list(tmp_path.glob("disk/rank0of2/**/*.kvt"))) == 0
     writer.close()
     reader.close()
+
+
+def test_storage_metrics_follow_sglangs_flag_not_the_extra_config(cpu_only, caplog):
+    """SGLang reads no ``enable_storage_metrics`` from the extra config: kvtier says so."""
+    pool = mha_pool("page_first")
+    backend = make_backend(pool, {**cpu_only, "enable_storage_metrics": True}, metrics=False)
+    assert "enable_storage_metrics" in caplog.text and "--enable-metrics" in caplog.text
+    assert backend.batch_set_v1(KEYS[:2], page_indices(pool, [1, 2])) == [True] * 2
+    assert backend.get_stats().backup_pgs == [], "SGLang runs without --enable-metrics"
+    backend.close()
 
 
 def test_stats_and_metrics_keep_kvtiers_names(cpu_only):

@@ -182,6 +182,34 @@ def test_a_lookup_prefetches_only_what_one_load_can_take(
     second.close()
 
 
+def test_a_prefetch_counts_only_the_chunks_it_put_into_memory(tmp_path, monkeypatch):
+    """A chunk another reader puts into memory while the prefetch reads it from disk
+    is read, but not prefetched: memory keeps the other reader's copy."""
+    first = make_engine(local_disk=str(tmp_path))
+    tokens = torch.arange(32)
+    first.store(tokens, slot_mapping=torch.arange(32))
+    first.close()
+    second = make_engine(local_disk=str(tmp_path))
+    storage, disk = second.storage, second.storage.lower[0]
+    read_from_disk = disk.get_many
+
+    def another_reader_first(keys, allocate):
+        objs = read_from_disk(keys, allocate)
+        for k, obj in zip(keys[:1], objs, strict=False):
+            storage.cpu.put(k, obj)
+        return objs
+
+    monkeypatch.setattr(disk, "get_many", another_reader_first)
+    keys = [c.key for c in second.chunker.chunks(tokens)]
+    assert second.lookup(tokens) == 32
+    wait_until(lambda: storage.cpu.prefix_length(keys) == 4)
+    wait_until(lambda: not storage._prefetching)
+    assert second.stats.get(tier_counter("disk", TierCounter.GET_HITS)) == 4
+    assert second.stats.get(Counter.PREFETCHED_CHUNKS) == 3
+    assert second.stats.get(Counter.WRITEBACK_CHUNKS) == 3
+    second.close()
+
+
 def test_store_of_a_chunk_already_on_disk_rewrites_nothing(tmp_path):
     first = make_engine(local_disk=str(tmp_path))
     first.store(torch.arange(16), slot_mapping=torch.arange(16))
@@ -487,6 +515,25 @@ def test_shared_filesystem_remote_through_config(tmp_path, pool):
         obj.ref_down()
     writer.close()
     reader.close()
+
+
+def test_held_everywhere_is_answered_from_memory(tmp_path, pool, monkeypatch):
+    """Memory, or the index of every lower tier; a remote (no index) is never sure."""
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 1}
+    fs = {"remote_url": f"fs://{tmp_path}/fs"}
+    writer = StorageManager(load_config({**disk, **fs}, env={}), Stats(), pin_memory=False)
+    obj = fill(pool, 0)
+    assert not writer.held_everywhere(key(0))
+    writer.put(key(0), obj)
+    assert writer.held_everywhere(key(0)), "in memory"
+    writer.close()
+    for settings, held in (({**disk, **fs}, False), (disk, True), (fs, False)):
+        config = load_config({"local_cpu": False, **settings}, env={})
+        restarted = StorageManager(config, Stats(), pin_memory=False)
+        for tier in restarted.lower:
+            monkeypatch.setattr(tier, "contains_many", None)  # no lookup
+        assert restarted.held_everywhere(key(0)) is held, settings
+        restarted.close()
 
 
 def test_unusable_local_disk_is_a_clear_error_at_start_up(tmp_path):

@@ -4,7 +4,7 @@ over its cache protocol (the ``STATS`` request), so it works without the admin p
     $ kvtier status --server 127.0.0.1:65432
     kvtier server 127.0.0.1:65432: ok
       clients connected   2
-      memory              1 234 blobs, 3.10 of 40.00 GiB, 12 evictions
+      memory              1 234 blobs, 3.10 GiB of 40.00 GiB, 12 evictions
       ...
 
 ``--json`` prints the raw counters instead (the admin API's ``/stats``). Exit codes: 0
@@ -118,6 +118,11 @@ def _what_to_check(error: str, address: str) -> str:
     )
 
 
+def size(nbytes: float) -> str:
+    """``nbytes`` in GiB, or in MiB below one GiB (so a small tier does not read 0.00)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def render(address: str, values: dict[str, Any]) -> str:
     """The human summary of a server's counters."""
 
@@ -137,11 +142,11 @@ def render(address: str, values: dict[str, Any]) -> str:
     ]
     for tier in ("memory", "disk"):
         if f"{tier}_bytes_capacity" in values:
+            directories = f"{int(v('disk_directories'))} directories, " * (tier == "disk")
             lines.append(
                 f"  {tier:<20}{int(v(f'{tier}_blobs'))} blobs, "
-                f"{v(f'{tier}_bytes_used') / 2**30:.2f} of "
-                f"{v(f'{tier}_bytes_capacity') / 2**30:.2f} GiB, "
-                f"{int(v(f'{tier}_evictions'))} evictions"
+                f"{size(v(f'{tier}_bytes_used'))} of {size(v(f'{tier}_bytes_capacity'))}, "
+                f"{directories}{int(v(f'{tier}_evictions'))} evictions"
             )
     if "remote_up" in values:
         state = "up" if v("remote_up") == 1 else "DOWN"

@@ -162,6 +162,7 @@ TIER_HELP = {
     "pool_used_bytes": "Bytes of the CPU pool in use.",
     "pool_capacity_bytes": "Bytes of the CPU pool.",
     "used_bytes": "Bytes of chunk files the tier holds.",
+    "directories": "Directories of the tier's file tree (beside the chunk files' bytes).",
     "up": "1 while the tier answers, 0 while it is down.",
     "pending_writes": "Writes queued or in flight.",
 }

@@ -362,7 +362,8 @@ class Proxy:
                     )
                 except LegFailed:
                     continue
-                if response.status < 400 and decision is not None:
+                answered = response.status < 400 and not request.get(STREAM_CUT)
+                if answered and decision is not None:
                     self.routing.answered(self.decode, instance, decision, cached)
                 return response, instance.url, time.perf_counter() - leg_started
         message = "no decode instance is up" if not tried else "every decode instance failed"

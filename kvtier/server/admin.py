@@ -92,6 +92,7 @@ HELP = {
     "memory_evictions": "Blobs evicted from the memory tier (least recently used) for room.",
     "disk_blobs": "Blob files in the disk tier.",
     "disk_bytes_used": "Bytes the disk tier's files take.",
+    "disk_directories": "Directories of the disk tier's tree, beside its files' bytes.",
     "disk_bytes_capacity": "The disk tier's bound in bytes (max_local_disk_size).",
     "disk_evictions": "Blob files deleted to stay under max_local_disk_size.",
     "remote_up": "1 while the remote behind the server answers, else 0.",

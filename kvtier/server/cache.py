@@ -514,6 +514,7 @@ class BlobCache:
             out |= {
                 "disk_blobs": len(self.disk),
                 "disk_bytes_used": self.disk.used_bytes,
+                "disk_directories": self.disk.directories,
                 "disk_bytes_capacity": self.disk.capacity_bytes,
                 "disk_evictions": self.disk.evictions,
             }

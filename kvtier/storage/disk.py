@@ -406,6 +406,11 @@ class FileTier:
         """Bytes of the chunk files this process knows (bounded tier only)."""
         return self.files.used_bytes
 
+    @property
+    def directories(self) -> int:
+        """Directories of the tier's tree (``FileStore.directories``)."""
+        return self.files.directories
+
     def __len__(self) -> int:
         return len(self.files)
 

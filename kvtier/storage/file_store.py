@@ -15,6 +15,9 @@ looked up on the filesystem and, when found (another process wrote it into the
 directory), adopted within the bound (evicting as a write does). An unbounded store has
 no index: the directory is the index.
 
+The bound is on the files' bytes. The tree's directories stay once made (``directories``
+counts them, beside ``used_bytes``).
+
 NOTE: a file appears only complete (``files.write_whole``: a temp file renamed over its
 name), so a reader sees a whole file or none; ``clear`` deletes only whole files and
 leaves other writers' temp files alone.
@@ -75,6 +78,7 @@ class FileStore:
         self.evictions = 0
         self._on_evict = on_evict
         self._index = SizedIndex(capacity_bytes, policy)  # bounded store only
+        self._directories: set[str] = set()  # relative to ``dir``: those known to exist
         self._lock = threading.Lock()
         probe_writable(self.dir)
         if self.bounded:
@@ -95,7 +99,9 @@ class FileStore:
 
     def _scan(self) -> None:
         """Rebuild the index from the files present, oldest first (start-up)."""
-        found = scan_tree(self.dir)
+        found, directories = scan_tree(self.dir)
+        with self._lock:
+            self._directories |= {os.path.relpath(d, self.dir) for d in directories}
         for _, name, size in found:
             self._index.add(name, size)
         if found:
@@ -193,11 +199,13 @@ class FileStore:
                 if victims is None:
                     return False
                 self._evict(victims)
+        path = self.path(name)
         try:
-            refused = write_whole(Path(self.path(name)), parts, o_direct=self.o_direct)
+            refused = write_whole(Path(path), parts, o_direct=self.o_direct)
         except OSError:
             self.forget(name)
             raise
+        self._made_directories(path)
         if self.bounded:
             self._drop_if_gone(name)
         if refused is not None:
@@ -208,6 +216,15 @@ class FileStore:
                 "using buffered I/O",
             )
         return True
+
+    def _made_directories(self, path: str) -> None:
+        """Note the directories of ``path``, a file just written, below ``dir`` (the
+        write made those that were missing)."""
+        parent = os.path.dirname(path[len(self._dir_str) + 1 :])
+        with self._lock:
+            while parent and parent not in self._directories:
+                self._directories.add(parent)
+                parent = os.path.dirname(parent)
 
     def _drop_if_gone(self, name: str) -> None:
         """Delete the file of ``name``, just written, if another thread evicted or deleted
@@ -249,6 +266,15 @@ class FileStore:
         """Bytes of the files this store knows (bounded store only)."""
         with self._lock:
             return self._index.used
+
+    @property
+    def directories(self) -> int:
+        """Directories of the tree, each a filesystem block beside the files: those found
+        at start-up (bounded store) and those writes made since. They are not removed
+        as their files go: a bounded tree keeps up to 65,792 per prefix
+        (``<h[0:2]>/`` and ``<h[0:2]>/<h[2:4]>/``)."""
+        with self._lock:
+            return len(self._directories)
 
     def __len__(self) -> int:
         with self._lock:

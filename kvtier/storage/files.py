@@ -48,15 +48,18 @@ def sharded_path(directory: str, file_name: str) -> str:
     return f"{directory}/{file_name[:2]}/{file_name[2:4]}/{file_name}{SUFFIX}"
 
 
-def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
+def scan_tree(directory: Path) -> tuple[list[tuple[float, str, int]], set[str]]:
     """``(mtime, name, size)`` of every file in a sharded tree, oldest first, where
     ``name`` is the file's as ``sharded_path`` places it (``<prefix>/<h>`` for
     ``<directory>/<prefix>/<h[0:2]>/<h[2:4]>/<h>.kvt``, ``<h>`` without a prefix); a file
-    elsewhere is not one of the tree's. Temp files older than ``STALE_TMP_SECONDS`` (left
+    elsewhere is not one of the tree's. And the paths of the directories below
+    ``directory``, empty ones too. Temp files older than ``STALE_TMP_SECONDS`` (left
     behind by a writer that crashed) are removed."""
     found: list[tuple[float, str, int]] = []
+    directories: set[str] = set()
     now = time.time()
-    for dirpath, _, files in os.walk(directory):
+    for dirpath, subdirs, files in os.walk(directory):
+        directories.update(os.path.join(dirpath, d) for d in subdirs)
         parts = Path(dirpath).relative_to(directory).parts
         prefix, shards = "/".join(parts[:-2]), parts[-2:]
         for file in files:
@@ -72,7 +75,7 @@ def scan_tree(directory: Path) -> list[tuple[float, str, int]]:
                     os.unlink(path)
             except OSError:
                 continue
-    return sorted(found)
+    return sorted(found), directories
 
 
 def write_all(fd: int, parts: Sequence[Buffer]) -> None:

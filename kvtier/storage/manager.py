@@ -163,7 +163,7 @@ class StorageManager:
     def gauges(self) -> dict[str, float]:
         """What the tiers hold now: the CPU pool's capacity and use, chunks (and pinned
         ones) in memory, and per lower tier whether it is up, its queued writes and (when
-        capped) the bytes it holds."""
+        capped) the bytes of its files and the directories of their tree."""
         pool = self.cpu.pool
         gauges = {
             "cpu_pool_capacity_bytes": float(pool.capacity),
@@ -174,9 +174,9 @@ class StorageManager:
         for tier in self.lower:
             gauges[f"{tier.name}_up"] = float(getattr(tier, "is_up", True))
             gauges[f"{tier.name}_pending_writes"] = float(tier.pending_writes)
-            used = getattr(tier, "used_bytes", None)
-            if used is not None and getattr(tier, "capacity_bytes", None) is not None:
-                gauges[f"{tier.name}_used_bytes"] = float(used)
+            if isinstance(tier, FileTier | SplitDisk) and tier.capacity_bytes is not None:
+                gauges[f"{tier.name}_used_bytes"] = float(tier.used_bytes)
+                gauges[f"{tier.name}_directories"] = float(tier.directories)
         return gauges
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
@@ -248,6 +248,18 @@ class StorageManager:
         files = self._only_files
         return files is not None and files.indexed(key)
 
+    def held_everywhere(self, key: CacheKey) -> bool:
+        """Whether a store of ``key`` would add nothing, answered from memory: the CPU
+        tier holds it (whoever put it there queued its lower-tier writes), or every lower
+        tier is a file tier whose index holds it (a use, for eviction order). A remote
+        tier keeps no index in memory, so a chunk it may lack is never held everywhere:
+        its writer leaves out what it has already, one batched lookup per write."""
+        if self.cpu.contains(key):
+            return True
+        return bool(self.lower) and all(
+            isinstance(tier, FileTier | SplitDisk) and tier.indexed(key) for tier in self.lower
+        )
+
     def lookup_prefix(
         self,
         keys: Sequence[CacheKey],
@@ -316,6 +328,16 @@ class StorageManager:
             for i in missing:
                 out[i] = self.cpu.get(keys[i])
             missing = [i for i in missing if out[i] is None]
+        self._read_below(keys, out, missing)
+        return out
+
+    def _read_below(
+        self, keys: Sequence[CacheKey], out: list[MemoryObj | None], missing: list[int]
+    ) -> int:
+        """Read ``keys[i]`` of each ``i`` in ``missing`` into ``out[i]`` from the lower
+        tiers in order, each hit written back to the CPU tier; returns how many of those
+        write-backs the CPU tier took (not one whose key another thread put there first)."""
+        landed = 0
         for tier in self.lower:
             if not missing:
                 break
@@ -323,13 +345,15 @@ class StorageManager:
             for i, obj in zip(missing, objs, strict=True):
                 if obj is not None:
                     out[i] = obj
-                    self._write_back(keys[i], obj)
+                    landed += self._write_back(keys[i], obj)
             missing = [i for i in missing if out[i] is None]
-        return out
+        return landed
 
-    def _write_back(self, key: CacheKey, obj: MemoryObj) -> None:
+    def _write_back(self, key: CacheKey, obj: MemoryObj) -> bool:
         if self.retain_in_cpu and self.cpu.put(key, obj):
             self.stats.inc(Counter.WRITEBACK_CHUNKS)
+            return True
+        return False
 
     # -- prefetch --------------------------------------------------------------------
 
@@ -356,10 +380,15 @@ class StorageManager:
         future.add_done_callback(lambda _: self._prefetch_done(todo))
 
     def _fetch_into_cpu(self, keys: list[CacheKey]) -> None:
+        """Read ``keys`` the CPU tier lacks from the lower tiers into it; counts as
+        prefetched the chunks that landed there (a read whose key another thread put
+        there meanwhile is not one)."""
         keys = [k for k in keys if not self.cpu.contains(k)]
-        for obj in self.get_many(keys):
+        out: list[MemoryObj | None] = [None] * len(keys)
+        landed = self._read_below(keys, out, list(range(len(keys))))
+        self.stats.inc(Counter.PREFETCHED_CHUNKS, landed)
+        for obj in out:
             if obj is not None:
-                self.stats.inc(Counter.PREFETCHED_CHUNKS)
                 obj.ref_down()  # the CPU tier keeps its own reference
 
     def _prefetch_done(self, keys: list[CacheKey]) -> None:

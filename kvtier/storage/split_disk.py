@@ -97,6 +97,12 @@ class SplitDisk:
         them."""
         return self.own.used_bytes + (self.shared.used_bytes if self.writer else 0)
 
+    @property
+    def directories(self) -> int:
+        """Directories of the trees this rank bounds: its own, and the shared one if it
+        writes it."""
+        return self.own.directories + (self.shared.directories if self.writer else 0)
+
     def _tier(self, key: CacheKey) -> FileTier:
         return self.own if self.owns(key) else self.shared
 

@@ -135,23 +135,31 @@ class FakeOpenAI:
     def close(self) -> None:
         self.server.close()
 
-    def events(self, request_id: str) -> list[bytes]:
-        """The SSE events this engine streams for ``request_id``, [DONE] last."""
+    def events(self, request_id: str, include_usage: bool = False) -> list[bytes]:
+        """The SSE events this engine streams for ``request_id``, [DONE] last; with
+        ``include_usage`` (the request's ``stream_options``) and ``cached_tokens``, a usage
+        chunk before it, as vLLM sends one."""
         events = []
         for i in range(self.behaviour.chunks):
             choice = {"index": 0, "text": f"{self.name}-{i} ", "finish_reason": None}
             chunk = {"id": f"cmpl-{request_id}", "model": self.name, "choices": [choice]}
             events.append(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = self.usage()
+        if include_usage and usage is not None:
+            chunk = {"id": f"cmpl-{request_id}", "model": self.name, "choices": [], **usage}
+            events.append(f"data: {json.dumps(chunk)}\n\n".encode())
         return [*events, b"data: [DONE]\n\n"]
+
+    def usage(self) -> dict | None:
+        if self.behaviour.cached_tokens is None:
+            return None
+        return {"usage": {"prompt_tokens_details": {"cached_tokens": self.behaviour.cached_tokens}}}
 
     def answer(self, request_id: str) -> dict:
         text = "".join(f"{self.name}-{i} " for i in range(self.behaviour.chunks))
         choice = {"index": 0, "text": text, "finish_reason": "length"}
         answer = {"id": f"cmpl-{request_id}", "model": self.name, "choices": [choice]}
-        if self.behaviour.cached_tokens is not None:
-            details = {"cached_tokens": self.behaviour.cached_tokens}
-            answer["usage"] = {"prompt_tokens_details": details}
-        return answer
+        return {**answer, **(self.usage() or {})}
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -172,11 +180,13 @@ class FakeOpenAI:
         if behaviour.status != 200:
             error = {"message": f"{self.name} says no", "type": "BadRequestError"}
             return web.json_response({"error": error}, status=behaviour.status)
-        if not json.loads(raw).get("stream"):
+        body = json.loads(raw)
+        if not body.get("stream"):
             return web.json_response(self.answer(request_id))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for i, event in enumerate(self.events(request_id)):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for i, event in enumerate(self.events(request_id, include_usage)):
             if behaviour.cut_after is not None and i == behaviour.cut_after:
                 request.transport.close()
                 return response

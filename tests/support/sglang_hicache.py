@@ -141,9 +141,11 @@ def storage_config(
     model="org/model",
     dcp_size: int = 1,
     logical_page_size: int | None = None,
+    metrics: bool = True,
 ) -> HiCacheStorageConfig:
     """What SGLang's cache controller passes a storage backend (``_generate_storage_config``);
-    with ``dcp_size`` > 1 the DCP rank is the TP rank's place in its DCP group."""
+    with ``dcp_size`` > 1 the DCP rank is the TP rank's place in its DCP group; ``metrics``:
+    SGLang runs with ``--enable-metrics``."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -152,7 +154,7 @@ def storage_config(
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
-        enable_storage_metrics=True,
+        enable_storage_metrics=metrics,
         is_page_first_layout=False,
         model_name=model,
         extra_config={**BACKEND_KEYS, **extra},

@@ -155,10 +155,16 @@ class PageStore:
         """Store each page not yet held: ``read(i)`` (the page in the chunk layout) copied
         into a chunk buffer (staged), or written straight from ``buffers(i)`` (direct).
         A page whose key comes twice in the batch is stored once. Returns once the lower
-        tiers have written them."""
+        tiers have written them.
+
+        NOTE: "held" is answered from memory (``StorageManager.held_everywhere``: the CPU
+        tier, the disk tier's index), never by a disk or network access on SGLang's
+        backup thread; any other page is put, and each lower tier's writer leaves out
+        what it has already (the disk: its file is there; a remote: one batched lookup
+        per write). So a remote lacking a page the disk holds still gets it."""
         started = time.perf_counter()
         keys = [self.keys.key(k, fmt, pool_name) for k in page_keys]
-        stored = self.storage.contains_many(keys)
+        stored = [self.storage.held_everywhere(key) for key in keys]
         skipped_existing = sum(stored)
         first = {key: i for i, key in reversed(list(enumerate(keys)))}  # each key's first page
         todo = [i for i, held in enumerate(stored) if not held and first[keys[i]] == i]

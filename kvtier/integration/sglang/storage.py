@@ -133,6 +133,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.config: KVTierConfig = load_config(
             overrides=split_extra_config(storage_config.extra_config)
         )
+        if "enable_storage_metrics" in (storage_config.extra_config or {}):
+            logger.warning(
+                "kvtier HiCache storage: enable_storage_metrics in the storage backend's "
+                "extra config does nothing (SGLang does not read it there); SGLang's "
+                "storage metrics, kvtier's get_stats among them, follow --enable-metrics"
+            )
         c = storage_config
         model = self.config.model_name or c.model_name or "default"
         shard = tuple((name, f"{r}of{n}") for name, r, n in _shards(c) if n > 1)
@@ -455,7 +461,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def get_stats(self) -> StorageMetrics:
         """Pages per call and GB/s of the loads (prefetch) and stores (backup) since the
-        last call, for SGLang's storage metrics (``--enable-cache-report``)."""
+        last call, for SGLang's storage metrics (``--enable-metrics``, which sets
+        ``HiCacheStorageConfig.enable_storage_metrics``; without it none are noted)."""
         recent, self._recent = self._recent, StorageMetrics()
         return recent
 
