@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.tiers import counter, fill, key, make_pool, make_tier, same_bytes
+from support.tiers import counter, fill, in_a_newer_format, key, make_pool, make_tier, same_bytes
 
 from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
 from kvtier.server.blobs import disk_name, open_disk, read_from_disk, write_to_disk
@@ -282,6 +282,29 @@ def test_damaged_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage, capl
     assert not path.exists()
     assert tier.contains_many([key(1), key(2)]) == [False, True]
     assert any("corrupt" in r.message for r in caplog.records)
+    tier.close()
+
+
+@pytest.mark.parametrize("capacity", [1 << 30, None], ids=["disk", "fs"])
+def test_files_of_a_newer_kvtier_are_misses_said_once_and_deleted(tmp_path, pool, capacity, caplog):
+    """A disk written by a newer kvtier (a downgrade, or an fs:// tree a newer engine
+    shares): every file is a miss and is deleted, counted apart from damage, with one
+    warning for all of them."""
+    stats = Stats()
+    name = "fs" if capacity is None else "disk"  # each warned once in the process
+    tier = make_tier(tmp_path, stats, capacity_bytes=capacity, name=name)
+    put_all(tier, pool, range(4))
+    paths = [tier.path_of(tier.file_name(key(i))) for i in range(4)]
+    for path in paths:
+        path.write_bytes(in_a_newer_format(path.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert tier.get_many([key(i) for i in range(4)], pool.allocate) == [None] * 4
+    assert counter(stats, TierCounter.NEWER_FORMAT, tier.name) == 4
+    assert counter(stats, TierCounter.CORRUPT, tier.name) == 0
+    assert stats.get(Counter.CORRUPT_CHUNKS) == 0
+    assert not any(path.exists() for path in paths)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "stored by a newer kvtier" in warnings[0], warnings
     tier.close()
 
 

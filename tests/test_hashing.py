@@ -7,13 +7,30 @@ import pytest
 import torch
 from support.hash_seeds import same_output_under_hash_seeds
 
+from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.hashing import HASH_ALGORITHMS, ChunkHasher
+from kvtier.keys import CacheKey
 
 # Golden values computed with vLLM 0.32's own code:
 #   init_none_hash(sha256_cbor); hash_block_tokens(sha256_cbor, parent, tokens, extra)
 VLLM_NONE_HASH = "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
 VLLM_BLOCK_0 = "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749"
 VLLM_BLOCK_1_WITH_EXTRA = "e5fad6a42ee967f5016f0b34a82fe97a47379048f8b997d6ac84b1c69e2cdffb"
+
+# Chunk hashes and a key of one prompt with every kind of extra key, as every kvtier
+# version since the first computes them (docs/upgrading.md#mixed-versions).
+KVTIER_CHUNK_HASHES = {
+    "sha256_cbor": [
+        "62a4f91670c88b2b316b356a8e168a8b57b87d0ec0d4e36243d89f73a3911ff9",
+        "d0e43344a01e7e1fa4b2ab4ee6516393f786b873a14abe826e705526affc7cd1",
+        "422788258169a39a9fe94d7d0fc625475eec1a575e725244d1e08c9a870be982",
+    ],
+    "xxh3_128": [
+        "dcef1dc6070908e548e7c3a34bcfaf83",
+        "274e9e62ee31c1ecfa344cf135c73a00",
+        "886abd9557304bdf589d30e27de1a0d6",
+    ],
+}
 
 
 def test_sha256_cbor_matches_vllm_golden_values():
@@ -270,3 +287,22 @@ def test_token_array_reads_lists_and_rejects_what_is_not_token_ids():
     for bad, message in (([1.5, 2.0], "integers"), ([[1, 2]], "one-dimensional"), (b"ab", "one")):
         with pytest.raises(ValueError, match=message):
             token_array(bad)
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_chunk_hashes_and_keys_are_those_of_every_earlier_kvtier(algorithm):
+    """Engines of two kvtier versions share stores during an upgrade: a change here turns
+    every cache cold, and could let one version read another's chunk as the KV of other
+    tokens. These values are what every kvtier so far computes; change them only with a
+    note in docs/upgrading.md that the cache turns cold."""
+    tokens = [i * 997 % 200_000 for i in range(300)]  # ids of every CBOR width
+    extras = RequestExtras(
+        lora_name="ad", lora_path="/p/ad", mm=(MultiModalSpan("img", 100, 50),), cache_salt="t"
+    )
+    template = CacheKey("org/m", 2, 1, "bfloat16", b"\0")
+    chunker = Chunker(128, ChunkHasher(algorithm, "vllm-none-hash"), template)
+    hashes = [h.hex() for h in chunker.chunk_hashes(tokens, extras, include_partial=True)]
+    assert hashes == KVTIER_CHUNK_HASHES[algorithm]
+    assert chunker.chunks(tokens, None, extras)[-1].key.to_string() == (
+        f"kvtier1@org%2Fm@2@1@bfloat16@{hashes[1]}"
+    )

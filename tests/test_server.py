@@ -494,6 +494,20 @@ def test_a_request_over_the_names_limit_is_an_error_reply_on_an_open_connection(
     assert stats.get("puts", 0) == 0
 
 
+def test_a_client_knows_the_ops_its_server_announced(limited):
+    """The HELLO reply lists the ops the server answers; a server that lists none is one
+    from before the list, which answers every op but those added since (CORRUPT)."""
+    client = limited.client()
+    assert not client.answers(Op.CORRUPT)  # no HELLO yet: only what every server answers
+    client.ping()
+    assert client.answers(Op.CORRUPT) and client.answers(Op.GET)
+    client.close()
+    assert protocol.ops_of({}) == protocol.UNANNOUNCED_OPS == frozenset(Op) - {Op.CORRUPT}
+    assert protocol.ops_of({"ops": [1, 4, 99]}) == {Op.HELLO, Op.GET}  # 99: a newer op
+    with pytest.raises(protocol.ProtocolError, match="'ops'"):
+        protocol.ops_of({"ops": "all"})
+
+
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
 def test_clients_split_their_batches_to_the_servers_names_limit(limited, shm):
     client = KVTierStore("127.0.0.1", limited.port, namespace=f"split-{shm}", shm=shm)
@@ -520,7 +534,13 @@ def test_an_idle_connection_is_closed_and_the_client_dials_again_unnoticed(limit
             got += chunk
         assert 2.5 < time.monotonic() - started < 9
     assert _replies(got) == [
-        {"max_frame": 256 << 20, "max_names": 8, "idle_timeout_s": 3.0, "version": 1}
+        {
+            "max_frame": 256 << 20,
+            "max_names": 8,
+            "idle_timeout_s": 3.0,
+            "version": 1,
+            "ops": [int(op) for op in Op],
+        }
     ]
     wait_until(lambda: limited.admin("/stats")[1].get("connections_idle_closed", 0) >= 1)
     client = limited.client()

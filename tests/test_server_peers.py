@@ -5,7 +5,9 @@ a miss within the timeout, and server b goes on serving."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,7 +22,14 @@ import pytest
 import torch
 from support.kvtier_server import NIXL_MISSING, KVTierServerProcess, free_port, nixl_installed
 from support.tiers import check_served as served
-from support.tiers import key, make_pool, remote_manager, store_chunks, wait_until
+from support.tiers import (
+    in_a_newer_format,
+    key,
+    make_pool,
+    remote_manager,
+    store_chunks,
+    wait_until,
+)
 
 from kvtier.observability.stats import Stats
 from kvtier.server.peers import Peers
@@ -286,6 +295,24 @@ def test_a_report_of_corrupt_blobs_drops_only_those_whose_bytes_fail_on_the_hold
         assert stats(a)["corrupt_dropped"] == 1
 
 
+def test_a_blob_of_a_newer_kvtier_passes_between_peers_and_is_never_dropped_as_corrupt():
+    """A blob in a format newer than this kvtier's (engines of a newer version share the
+    servers) is no damage: a pull passes it on as it is, for the engine that reads it to
+    check, and a report naming it leaves it where it is."""
+    name = "kvtier1@org%2Fmodel-a@1@0@bfloat16@" + "7" * 32
+    tensor = torch.ones((2, 1, 64, 128), dtype=torch.bfloat16)
+    newer = in_a_newer_format(b"".join(bytes(p) for p in encode(name, tensor, make_serde("naive"))))
+    with server() as a, server(peers=[a]) as b:
+        holder, puller = a.client("org%2Fmodel-a"), b.client("org%2Fmodel-a")
+        holder.put_many([(name, [newer])])
+        assert bytes(puller.get_many([name])[0]) == newer
+        assert stats(b).get("peer_corrupt", 0) == 0 and stats(b)["peer_hits"] == 1
+        assert holder.call(protocol.Op.CORRUPT, {"names": [name]})["dropped"] == 0
+        assert holder.exists_many([name]) == [True]
+        holder.close()
+        puller.close()
+
+
 def test_a_peer_killed_mid_pull_is_a_miss_in_time(pool):
     with server() as a, server("--peer-cache", "off", peers=[a]) as b:
         writer = remote_manager(a.url)
@@ -305,6 +332,53 @@ def test_a_peer_killed_mid_pull_is_a_miss_in_time(pool):
         reader.close()
         assert b.process.poll() is None
         assert stats(b)["peers_up"] == 0
+
+
+def test_a_corrupt_pull_is_not_reported_to_a_peer_of_an_earlier_kvtier(caplog):
+    """An earlier ``kvtier serve`` lists no ops in its HELLO reply and takes one it does
+    not know (CORRUPT) for a broken frame, closing the connection. A corrupt blob pulled
+    from it is a miss, and no report is sent, so it sees only ops it answers."""
+    name = "kvtier1@ns@1@0@bfloat16@" + "5" * 32
+    tensor = torch.ones((2, 1, 16, 64), dtype=torch.bfloat16)
+    blob = bytearray(b"".join(bytes(p) for p in encode(name, tensor, make_serde("naive"))))
+    blob[-1] ^= 0x01
+    listener = socket.create_server(("127.0.0.1", 0))
+    ops = []
+
+    def answer() -> None:  # HELLO (no ops), a GET of the corrupt blob, then whatever comes
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(5)
+            for header, payload in (({"max_frame": 1 << 20}, b""), ({"sizes": [len(blob)]}, blob)):
+                prefix = protocol.decode_prefix(bytes(recv(conn, protocol.PREFIX_SIZE)), 1 << 20)
+                recv(conn, prefix.header_len + prefix.payload_len)
+                ops.append(prefix.op)
+                head = cbor2.dumps(header)
+                reply = protocol.encode_prefix(
+                    prefix.op, prefix.request_id, len(head), len(payload), protocol.REPLY
+                )
+                conn.sendall(reply + head + bytes(payload))
+            with contextlib.suppress(OSError):
+                ops.append(protocol.decode_prefix(bytes(recv(conn, protocol.PREFIX_SIZE)), 0).op)
+
+    peer = threading.Thread(target=answer)
+    peer.start()
+    stats, url = Stats(), f"kvtier://127.0.0.1:{listener.getsockname()[1]}"
+    memory = LocalCPUTier(8 << 20, "LRU", alignment=64, pin_memory=False)
+    peers = Peers(
+        [url], memory=memory, stats=stats, token=None, timeout_s=2.0, reconnect_max_s=0.2,
+        plane=None,
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.server.peers"):
+            assert peers.pull("ns", [name]) == {}
+            wait_until(lambda: "takes no reports of corrupt blobs" in caplog.text)
+        assert stats.get("peer_corrupt") == 1 and stats.get("peer_corrupt_reported") == 0
+    finally:
+        peers.close()
+        peer.join(10)
+        listener.close()
+    assert ops == [protocol.Op.HELLO, protocol.Op.GET]
 
 
 def test_a_peer_gone_mid_reply_is_a_miss_and_takes_no_buffer_along():

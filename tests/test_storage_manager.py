@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from support.tiers import FlakyStore, fill, key, make_pool, same_bytes
+from support.tiers import FlakyStore, fill, in_a_newer_format, key, make_pool, same_bytes
 from test_engine import assert_kv_equal, kv_at, make_engine
 
 from kvtier.config import load_config
@@ -445,6 +445,28 @@ def test_corrupt_remote_object_is_a_counted_miss_and_deleted(pool):
     assert count(stats, TierCounter.CORRUPT) == 1 and stats.get(Counter.CORRUPT_CHUNKS) == 1
     wait_until(lambda: name not in store.blobs)
     assert tier.is_up  # a bad object is not a bad server
+    tier.close()
+
+
+def test_objects_of_a_newer_kvtier_are_misses_said_once_and_not_counted_corrupt(pool, caplog):
+    """A rolling upgrade: a newer engine stored these chunks in a format this kvtier does
+    not read. Each is a miss, deleted (so this kvtier stores it again in a format both
+    read), counted as a newer format rather than as damage, and logged once, not per
+    chunk."""
+    store, stats = FlakyStore(), Stats()
+    tier = remote(store, stats)
+    for i in range(5):
+        tier.submit_put(key(i), fill(pool, i))
+    assert tier.flush(10)
+    store.blobs = {name: in_a_newer_format(blob) for name, blob in store.blobs.items()}
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert tier.get_many([key(i) for i in range(5)], pool.allocate) == [None] * 5
+    assert count(stats, TierCounter.NEWER_FORMAT) == 5
+    assert count(stats, TierCounter.CORRUPT) == 0 and stats.get(Counter.CORRUPT_CHUNKS) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "newer kvtier (format version 2" in warnings[0], warnings
+    wait_until(lambda: not store.blobs)
+    assert tier.is_up
     tier.close()
 
 

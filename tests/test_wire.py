@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.tiers import fill, key, make_pool, same_bytes
+from support.tiers import fill, in_a_newer_format, key, make_pool, same_bytes
 
 from kvtier.config import load_config
 from kvtier.storage import wire
-from kvtier.storage.serde import CorruptObject, NaiveSerde, make_serde, tensor_bytes
+from kvtier.storage.serde import CorruptObject, NaiveSerde, NewerFormat, make_serde, tensor_bytes
 from kvtier.storage.wire import checksum_of
 from kvtier_kernels import registry
 
@@ -405,6 +405,50 @@ def test_damaged_cachegen_payload_is_a_corrupt_object(pool):
     forged = header[:6] + struct.pack("<IQ", len(new), checksum_of(new)) + new + bytes(payload)
     with pytest.raises(CorruptObject):
         wire.decode(forged, name, pool.allocate)
+
+
+def _forged(name: str, blob: bytes, **fields) -> bytes:
+    """``blob`` with its header's ``fields`` replaced (and its checksums made to hold)."""
+    header_len, _ = wire.read_prefix(blob[: wire.PREFIX_SIZE])
+    end = wire.PREFIX_SIZE + header_len
+    header = cbor2.loads(blob[wire.PREFIX_SIZE : end])
+    header.update(fields)
+    payload = blob[end:]
+    codec_params = header["codec_params"]
+    return wire.encode_header(
+        name, header["layout"], torch.bfloat16, tuple(header["shape"]), header["codec"],
+        codec_params, payload_len=len(payload), checksum=checksum_of(payload), aligned=False,
+    ) + payload  # fmt: skip
+
+
+@pytest.mark.parametrize("what", ["version", "layout", "codec", "cachegen_version"])
+def test_an_object_of_a_newer_kvtier_is_a_newer_format_saying_what(pool, what):
+    """What a newer kvtier may write is a miss that says what this one does not know,
+    raised as ``NewerFormat`` (a ``CorruptObject``, so every reader's miss path holds),
+    which the tiers count and log apart from damage."""
+    obj = _kv_like(pool, 6)
+    name = key(6).to_string()
+    serde = make_serde("cachegen" if what == "cachegen_version" else "naive")
+    blob = blob_of(wire.encode(name, obj.tensor, serde))
+    if what == "version":
+        blob = in_a_newer_format(blob)
+    elif what == "layout":
+        blob = _forged(name, blob, layout="KV_2TLD_PAGED")
+    elif what == "codec":
+        blob = _forged(name, blob, codec="zstd_kv")
+    else:
+        params = cbor2.loads(blob[wire.PREFIX_SIZE :])["codec_params"]
+        blob = _forged(name, blob, codec_params={**params, "version": 6})
+    said = {
+        "version": "format version 2; this kvtier reads up to 1",
+        "layout": "chunk layout 'KV_2TLD_PAGED'",
+        "codec": "codec 'zstd_kv'",
+        "cachegen_version": "cachegen bitstream version 6; this kvtier reads up to 5",
+    }[what]
+    used = pool.used_bytes()
+    with pytest.raises(NewerFormat, match=said):
+        wire.decode(blob, name, pool.allocate)
+    assert pool.used_bytes() == used
 
 
 def test_cachegen_levels_come_from_the_config(pool):

@@ -154,6 +154,7 @@ TIER_HELP = {
     TierCounter.RECONNECTS: "Times the tier came back after being down.",
     TierCounter.EVICTIONS: "Objects evicted from the tier to stay under its size.",
     TierCounter.CORRUPT: "Objects refused by the wire-format checks.",
+    TierCounter.NEWER_FORMAT: "Objects of a format a newer kvtier writes (misses, deleted).",
     Histogram.TIER_GET: "Seconds per batched get from the tier.",
     Histogram.TIER_PUT: "Seconds per batch of writes to the tier.",
     "hit_ratio": "Chunk reads served / asked of the tier.",

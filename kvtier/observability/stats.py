@@ -70,6 +70,7 @@ class TierCounter:
     RECONNECTS = "reconnects"
     EVICTIONS = "evictions"
     CORRUPT = "corrupt_rejected"
+    NEWER_FORMAT = "newer_format_rejected"
 
 
 def tier_counter(tier: str, what: str) -> str:

@@ -8,7 +8,8 @@ when it connected (its model, percent-encoded), the name is the client's (a kvti
 string). Neither tier looks inside a blob; kvtier clients send wire-format objects
 (``kvtier.storage.wire``), which carry their own checksums and are verified by the
 client that reads them (a peer's pull verifies them too, and asks the holder to drop a
-blob that fails: ``drop_corrupt``, which checks the bytes itself first). On disk a blob is the file
+blob that fails: ``drop_corrupt``, which checks the bytes itself first; a blob in a
+newer kvtier's format passes both, unchecked: ``damaged``). On disk a blob is the file
 ``<root>/kvtier-server-v1/<ns>/<h[0:2]>/<h[2:4]>/<h>.kvt`` (``disk_name``).
 
 Both tiers are thread-safe and never hold more than their bound: a blob larger than the
@@ -31,7 +32,7 @@ from kvtier.memory import MemoryObj
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.file_store import FileStore
-from kvtier.storage.serde import CorruptObject, tensor_bytes
+from kvtier.storage.serde import CorruptObject, NewerFormat, tensor_bytes
 from kvtier.storage.wire import split, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -156,26 +157,30 @@ def write_to_disk(disk: FileStore, blob_id: BlobId, data: Buffer) -> bool:
         return False
 
 
-def verify_blob(blob: memoryview, name: str) -> bool:
-    """Whether ``blob`` is an intact wire-format object of key ``name``."""
+def damaged(blob: memoryview, name: str) -> bool:
+    """Whether ``blob`` fails the checks of a wire-format object of key ``name``. An
+    object in a newer kvtier's format (``NewerFormat``) is not taken for damaged: this
+    server cannot check it, and the engines that read it check it themselves."""
     try:
         header, payload = split(blob, name)
         verify_payload(header, payload)
-    except CorruptObject:
+    except NewerFormat:
         return False
-    return True
+    except CorruptObject:
+        return True
+    return False
 
 
 def drop_corrupt(memory: LocalCPUTier, disk: FileStore | None, blob_id: BlobId) -> bool:
     """Remove the copy of ``blob_id`` in memory and the one on disk, each only if its own
-    bytes fail ``verify_blob`` (whoever reported it corrupt is not trusted: the bytes may
-    have been damaged on their way); whether one was removed."""
+    bytes are ``damaged`` (whoever reported it corrupt is not trusted: the bytes may have
+    been damaged on their way); whether one was removed."""
     name = blob_id[1]
     dropped = False
-    if read_in_memory(memory, blob_id, lambda blob: not verify_blob(blob, name)):
+    if read_in_memory(memory, blob_id, lambda blob: damaged(blob, name)):
         dropped = memory.remove(blob_id)
     if disk is not None:
         data = read_from_disk(disk, blob_id)
-        if data is not None and not verify_blob(memoryview(data), name):
+        if data is not None and damaged(memoryview(data), name):
             dropped = disk.delete(disk_name(blob_id)) or dropped
     return dropped

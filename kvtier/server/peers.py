@@ -47,7 +47,7 @@ import torch
 from kvtier.config.node_address import parse_server_address
 from kvtier.memory import MemoryObj
 from kvtier.observability.stats import Stats
-from kvtier.server.blobs import verify_blob
+from kvtier.server.blobs import damaged
 from kvtier.server.discovery import Discovery, peer_url
 from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
 from kvtier.storage.blob_store import StoreUnavailable
@@ -404,11 +404,12 @@ class Peers:
     def _verified(
         self, peer: Peer, namespace: str, objs: dict[str, MemoryObj]
     ) -> dict[str, MemoryObj]:
-        """The pulled blobs that verify; the others are counted, let go (misses) and
-        reported to the peer, which drops those that fail there too."""
+        """The pulled blobs that are not ``damaged`` (those of a newer kvtier's format
+        pass: the engines that read them check them); the others are counted, let go
+        (misses) and reported to the peer, which drops those that fail there too."""
         out, corrupt = {}, []
         for name, obj in objs.items():
-            if verify_blob(tensor_bytes(obj.tensor)[:-1], name):
+            if not damaged(tensor_bytes(obj.tensor)[:-1], name):
                 out[name] = obj
                 continue
             self.stats.inc("peer_corrupt")
@@ -422,9 +423,18 @@ class Peers:
 
     def _report_corrupt(self, peer: Peer, namespace: str, names: list[str]) -> None:
         """Tell the peer which blobs it sent corrupt (off the pull's path; a report that
-        fails is only logged: the next pull finds them again)."""
+        fails is only logged: the next pull finds them again). A peer of an earlier
+        kvtier, which takes no reports, is not sent one."""
         try:
-            self._store(peer, namespace).call(Op.CORRUPT, {"names": names})
+            store = self._store(peer, namespace)
+            if not store.answers(Op.CORRUPT):
+                warn_once(
+                    logger,
+                    f"kvtier server: peer {peer.url} (an earlier kvtier) "
+                    "takes no reports of corrupt blobs: none sent",
+                )
+                return
+            store.call(Op.CORRUPT, {"names": names})
         except StoreUnavailable as exc:
             warn_once(logger, f"kvtier server: peer {peer.url}: corrupt blobs not reported: {exc}")
             return

@@ -273,6 +273,7 @@ class KVTierServer:
                         "max_names": self.max_names,
                         "idle_timeout_s": self.idle_timeout_s,
                         "version": protocol.VERSION,
+                        "ops": [int(op) for op in protocol.Op],
                     }
                     if "shm" in frame.header:
                         reply |= await self._attach(session, frame.header["shm"])

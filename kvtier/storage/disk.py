@@ -47,13 +47,13 @@ import xxhash
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Histogram, Stats, TierCounter, tier_counter
 from kvtier.observability.tier_events import TierEventLog
 from kvtier.storage import files, wire
 from kvtier.storage.blob_store import Buffer
 from kvtier.storage.file_store import FileStore
 from kvtier.storage.serde import CorruptObject, Serde
-from kvtier.storage.tier import PendingWrite, WriteQueue
+from kvtier.storage.tier import PendingWrite, WriteQueue, count_refused
 from kvtier.storage.wire import Allocate, ChunkBuffers
 from kvtier.warn import warn_once
 
@@ -268,9 +268,7 @@ class FileTier:
         self.stats.inc(tier_counter(self.name, TierCounter.GET_BYTES), nbytes)
 
     def _reject(self, file_name: str, path: Path, exc: CorruptObject) -> None:
-        self.stats.inc(tier_counter(self.name, TierCounter.CORRUPT))
-        self.stats.inc(Counter.CORRUPT_CHUNKS)
-        warn_once(logger, f"kvtier {self.name} tier: {path} is corrupt ({exc}): deleted, a miss")
+        count_refused(self.stats, self.name, str(path), exc)
         with contextlib.suppress(OSError):
             self.files.delete(file_name)
         with self._lock:

@@ -16,8 +16,8 @@ Every message, request or reply, is one frame::
 Requests (header fields → reply header fields; names are relative to the connection's
 namespace, which the server prefixes to every name it stores):
 
-    HELLO   token, namespace[, shm] → max_frame, max_names, idle_timeout_s[, shm, shm_error]
-                                     (first frame)
+    HELLO   token, namespace[, shm] → max_frame, max_names, idle_timeout_s, ops[, shm,
+                                     shm_error] (first frame)
     PING    -                      → -
     EXISTS  names                  → present: [bool]
     GET     names[, shm]           → sizes: [int, -1 where absent][, shm]; payload: the blobs
@@ -54,6 +54,12 @@ The HELLO reply announces the server's limits: ``max_frame`` (payload bytes per 
 ``max_names`` (names per request: a request with more is an error reply, so a client
 splits its batches to fit) and ``idle_timeout_s`` (how long the server keeps a connection
 that sends nothing; 0: for ever). A server that leaves one out has no such limit.
+
+It also lists the ops the server answers (``ops``, their numbers), so that an op added
+since (CORRUPT) is never sent to a server that predates it: such a server takes an
+unknown op for a broken frame and closes the connection. A server that leaves ``ops``
+out is one of those and answers ``UNANNOUNCED_OPS``. Ops are only ever added, so the
+version stays 1.
 
 A reply's header has ``error`` (a string) when the request failed; after an error
 about the frame itself (bad magic, version, size, CBOR, authentication) the server
@@ -102,6 +108,10 @@ class Op(enum.IntEnum):
     LEASE = 10
     RELEASE = 11
     CORRUPT = 12
+
+
+UNANNOUNCED_OPS = frozenset(Op) - {Op.CORRUPT}
+"""What a server that announces no ``ops`` answers: every op but those added since."""
 
 
 class ProtocolError(Exception):
@@ -248,6 +258,22 @@ def split_payload(payload: bytes | memoryview, sizes: Sequence[int]) -> list[mem
         out.append(view[offset : offset + size])
         offset += size
     return out
+
+
+def ops_of(hello: dict[str, Any]) -> frozenset[Op]:
+    """The ops a HELLO reply says the server answers (``UNANNOUNCED_OPS`` where it says
+    none); numbers this end does not know (a newer server's ops) are left out.
+
+    Raises:
+        ProtocolError: ``ops`` is not a list of integers.
+    """
+    ops = hello.get("ops")
+    if ops is None:
+        return UNANNOUNCED_OPS
+    if not isinstance(ops, list) or not all(type(op) is int for op in ops):
+        raise ProtocolError(f"HELLO: 'ops' {ops!r} is not a list of op numbers")
+    known = {int(op) for op in Op}
+    return frozenset(Op(op) for op in ops if op in known)
 
 
 def valid_namespace(namespace: Any) -> bool:

@@ -103,6 +103,7 @@ class KVTierStore:
         # the most names per request, as the latest HELLO reply said (None: no limit, or
         # no connection yet); every batched call here keeps to it by itself
         self.max_names: int | None = None
+        self._ops = protocol.UNANNOUNCED_OPS  # what the latest HELLO reply says it answers
         self._in_place = False  # whether it maps the server's memory tier
 
     # -- connections -------------------------------------------------------------------
@@ -128,7 +129,7 @@ class KVTierStore:
                 raise _hello_refused(exc, sent_token=self._token is not None) from None
             conn.max_frame = int(reply.get("max_frame", conn.max_frame))
             conn.max_names, conn.idle_timeout_s = _limits(reply)
-            self.max_names = conn.max_names
+            self.max_names, self._ops = conn.max_names, protocol.ops_of(reply)
             if conn.segment is not None and reply.get("shm") is not True:
                 logger.debug("kvtier server %s: TCP only (%s)", self.url, reply.get("shm_error"))
                 conn.segment.close()
@@ -442,6 +443,11 @@ class KVTierStore:
 
     def ping(self) -> None:
         self._request(Op.PING, {})
+
+    def answers(self, op: Op) -> bool:
+        """Whether the server answers ``op``, as its HELLO reply said (before the first
+        connection: the ops every server answers)."""
+        return op in self._ops
 
     def call(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
         """One request without payload and the reply's header (the peer requests).

@@ -42,7 +42,7 @@ from urllib.parse import quote
 from kvtier.config import KVTierConfig
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.observability.stats import Counter, Histogram, Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Histogram, Stats, TierCounter, tier_counter
 from kvtier.storage import wire
 from kvtier.storage.blob_store import (
     BlobStore,
@@ -56,7 +56,7 @@ from kvtier.storage.blob_store import (
 from kvtier.storage.health import Health, fault_reason
 from kvtier.storage.schemes import redact_url
 from kvtier.storage.serde import CorruptObject, Serde
-from kvtier.storage.tier import LowerTier, PendingWrite, WriteQueue
+from kvtier.storage.tier import LowerTier, PendingWrite, WriteQueue, count_refused
 from kvtier.storage.wire import Allocate
 from kvtier.warn import warn_once
 
@@ -322,12 +322,7 @@ class RemoteTier:
         try:
             return wire.decode(blob, name, allocate, self.serde)
         except CorruptObject as exc:
-            self._count(TierCounter.CORRUPT)
-            self.stats.inc(Counter.CORRUPT_CHUNKS)
-            warn_once(
-                logger,
-                f"kvtier {self.name} tier: object {name} is corrupt ({exc}): deleted, a miss",
-            )
+            count_refused(self.stats, self.name, f"object {name}", exc)
             with contextlib.suppress(RuntimeError):  # closed meanwhile: deleted another time
                 self._submit(self._io, self._delete_quietly, [name])
             return None

@@ -36,6 +36,13 @@ class CorruptObject(ValueError):
     the key asked for, or with the wire format. Readers treat it as a miss."""
 
 
+class NewerFormat(CorruptObject):
+    """A stored object in a format this kvtier does not read, as a newer kvtier writes
+    it: a wire format version, a chunk layout, a codec or a codec version it does not
+    know. A miss like any object refused, but no sign of damage: a rolling upgrade
+    writes many, so readers count and log it apart from corrupt ones."""
+
+
 class NotAKVChunk(ValueError):
     """A tensor a KV codec does not code by design, as it is no KV chunk
     (``[planes, layers, tokens, width]``): CacheBlend's segment positions, say. It is
@@ -168,8 +175,13 @@ class CachegenSerde:
         return [payload], params
 
     def decode(self, payload: memoryview, params: dict[str, Any], out: torch.Tensor) -> None:
-        from kvtier_kernels.cachegen import CodecError, decode_chunk
+        from kvtier_kernels.cachegen import VERSION, CodecError, decode_chunk
 
+        version = params.get("version")
+        if type(version) is int and version > VERSION:
+            raise NewerFormat(
+                f"cachegen bitstream version {version}; this kvtier reads up to {VERSION}"
+            )
         try:
             with self._stream():
                 decode_chunk(payload, params, out, backend=self.backend, device=self.device)

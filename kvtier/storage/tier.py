@@ -20,8 +20,10 @@ from typing import Generic, Protocol, TypeVar
 
 from kvtier.keys import CacheKey
 from kvtier.memory import MemoryObj
-from kvtier.observability.stats import Stats, TierCounter, tier_counter
+from kvtier.observability.stats import Counter, Stats, TierCounter, tier_counter
+from kvtier.storage.serde import CorruptObject, NewerFormat
 from kvtier.storage.wire import Allocate
+from kvtier.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,27 @@ class LowerTier(Protocol):
     def close(self) -> None:
         """Finish queued writes (bounded wait), then release everything."""
         ...
+
+
+def count_refused(stats: Stats, tier: str, what: str, exc: CorruptObject) -> None:
+    """Count and log an object tier ``tier`` read and refuses (a miss, which the tier
+    then deletes); ``what`` names it in the log (a path, a key).
+
+    A corrupt object is logged once per object. One in a newer kvtier's format
+    (``NewerFormat``) is logged once per tier and cause: during a rolling upgrade every
+    chunk a newer engine stored is one. Deleting it lets this kvtier store the chunk in
+    a format both read, so engines of the two versions still share it."""
+    if isinstance(exc, NewerFormat):
+        stats.inc(tier_counter(tier, TierCounter.NEWER_FORMAT))
+        warn_once(
+            logger,
+            f"kvtier {tier} tier: chunks stored by a newer kvtier ({exc}) are misses here, "
+            "deleted so that this kvtier stores them again; upgrade it to read them",
+        )
+        return
+    stats.inc(tier_counter(tier, TierCounter.CORRUPT))
+    stats.inc(Counter.CORRUPT_CHUNKS)
+    warn_once(logger, f"kvtier {tier} tier: {what} is corrupt ({exc}): deleted, a miss")
 
 
 class BatchQueue(Generic[T]):

@@ -32,7 +32,9 @@ into the page cache on x86 (4K aliasing of loads behind stores).
 NOTE: nothing here is ever unpickled. A reader validates every field before it trusts
 any of them, and anything wrong — bad magic, unknown version, a header whose checksum or
 CBOR is wrong or that is not the expected map, a key other than the one asked for, a length or checksum mismatch —
-raises ``CorruptObject``, which the tiers turn into a counted, logged miss.
+raises ``CorruptObject``, which the tiers turn into a counted, logged miss. What a newer
+kvtier may write (a format version above ``VERSION``, a layout or codec not known here)
+raises its subclass ``NewerFormat``: a miss too, counted apart and logged once per cause.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from kvtier.storage.blob_store import Buffer
 from kvtier.storage.serde import (
     CorruptObject,
     NaiveSerde,
+    NewerFormat,
     NotAKVChunk,
     Serde,
     make_serde,
@@ -97,6 +100,7 @@ __all__ = [
     "ChunkBuffers",
     "CorruptObject",
     "Header",
+    "NewerFormat",
     "checksum_holds",
     "checksum_of",
     "decode",
@@ -255,6 +259,8 @@ def read_prefix(prefix: Buffer) -> tuple[int, int]:
     magic, version, length, header_checksum = PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptObject(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version > VERSION:
+        raise NewerFormat(f"format version {version}; this kvtier reads up to {VERSION}")
     if version != VERSION:
         raise CorruptObject(f"unknown format version {version} (this kvtier reads {VERSION})")
     if not 0 < length <= MAX_HEADER_BYTES:
@@ -281,7 +287,7 @@ def parse_header(data: Buffer, expected_key: str, header_checksum: int) -> Heade
     if key != expected_key:
         raise CorruptObject(f"holds key {key!r}, not the one asked for")
     if layout not in LAYOUTS:
-        raise CorruptObject(f"unknown chunk layout {layout!r}")
+        raise NewerFormat(f"chunk layout {layout!r}, unknown to this kvtier")
     if dtype not in DTYPES:
         raise CorruptObject(f"unknown dtype {dtype!r}")
     if not (
@@ -365,7 +371,7 @@ def decode_into(
         try:
             serde = make_serde(header.codec)
         except ValueError:
-            raise CorruptObject(f"unknown codec {header.codec!r}") from None
+            raise NewerFormat(f"codec {header.codec!r}, unknown to this kvtier") from None
     serde.decode(memoryview(payload), header.codec_params, out.tensor)
     out.checksum = header.checksum if serde.lossless else checksum_of(tensor_bytes(out.tensor))
     out.verified = True

@@ -1,5 +1,6 @@
 """Helpers shared by the tier tests: chunk keys, chunk buffers with known bytes, a
-check that a buffer holds exactly what was stored, a disk tier and its counters, a
+check that a buffer holds exactly what was stored, an object in a newer kvtier's format,
+a disk tier and its counters, a
 storage manager on a remote configured as an operator would (``remote_manager``), and
 an in-memory remote store that misbehaves on command (``FlakyStore``)."""
 
@@ -18,7 +19,7 @@ from kvtier.storage.blob_store import StoreUnavailable, Throttled, WriteRefused,
 from kvtier.storage.disk import FileTier
 from kvtier.storage.manager import StorageManager
 from kvtier.storage.serde import NaiveSerde, tensor_bytes
-from kvtier.storage.wire import checksum_of
+from kvtier.storage.wire import PREFIX, VERSION, checksum_of
 
 CHUNK_SHAPE = (2, 3, 16, 64)  # [K/V, layers, tokens, heads * head_size]
 
@@ -59,6 +60,13 @@ def same_bytes(a: MemoryObj, b: MemoryObj) -> bool:
         and a.dtype == b.dtype
         and bytes(tensor_bytes(a.tensor)) == bytes(tensor_bytes(b.tensor))
     )
+
+
+def in_a_newer_format(blob: bytes) -> bytes:
+    """``blob`` (a wire-format object) as a kvtier of the next format version would write
+    it: a version this kvtier does not read."""
+    magic, _, *rest = PREFIX.unpack_from(blob)
+    return PREFIX.pack(magic, VERSION + 1, *rest) + blob[PREFIX.size :]
 
 
 def remote_manager(
