@@ -278,11 +278,20 @@ def _last_reply_len(replies: bytes) -> int:
     return last
 
 
-def test_bad_fields_are_an_error_reply_on_a_connection_that_stays_open(server):
-    bad = frame(Op.PUT, {"names": ["a"], "sizes": [3]}, b"12")  # sizes do not add up
+@pytest.mark.parametrize(
+    ("sizes", "reason"),
+    [
+        ([3], "add up"),
+        # CBOR carries it, and Python cannot format an int of more than 4300 digits
+        ([1 << 20000], "list of 1 integers"),
+    ],
+    ids=["not-adding-up", "huge"],
+)
+def test_bad_fields_are_an_error_reply_on_a_connection_that_stays_open(server, sizes, reason):
+    bad = frame(Op.PUT, {"names": ["a"], "sizes": sizes}, b"12")
     replies = raw_exchange(server.port, HELLO + bad + frame(Op.PING, {}))
     assert replies.count(protocol.MAGIC) == 3  # HELLO, the error, then the PING's answer
-    assert "add up" in error_of(replies[protocol.PREFIX_SIZE + _hello_len(replies) :])
+    assert reason in error_of(replies[protocol.PREFIX_SIZE + _hello_len(replies) :])
 
 
 def _hello_len(replies: bytes) -> int:
