@@ -87,6 +87,14 @@ def test_models_do_not_see_each_other(server, pool):
     b.close()
 
 
+def test_a_model_name_too_long_for_a_namespace_is_refused_naming_model_name(server):
+    """A vLLM engine's model name is its --model as given: a deep local path, or one in
+    another script, can be longer percent-encoded than a namespace may be."""
+    with pytest.raises(ValueError, match=r"model_name: .* at most 256 characters .* not 600"):
+        remote_manager(server.url, namespace="é" * 100)  # %C3%A9 each
+    remote_manager(server.url, namespace="é" * 42).close()  # 252 characters: it fits
+
+
 def test_lm_and_kvtier_urls_are_accepted_and_parsed():
     for url in ("kvtier://127.0.0.1:65432", "lm://localhost:65432", "KVTIER://[::1]:7000"):
         assert load_config({"remote_url": url}, env={}).remote_url == url
