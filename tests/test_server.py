@@ -455,12 +455,25 @@ def test_a_server_writes_through_to_redis_and_a_fresh_one_reads_it(pool):
             raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
             wait_until(lambda: redis.client().exists(raw_key))  # an engine's own Redis key
             writer.close()
+            spaces = {ns: first.client(ns) for ns in ("a", "a:b")}  # clients of their own
+            spaces["a"].put_many([("b:x", [b"a's"])])
+            spaces["a:b"].put_many([("x", [b"a:b's"])])
+            wait_until(lambda: len(redis.client().keys("kvtier:[a!]*")) == 2)
+            for client in spaces.values():
+                client.close()
         with KVTierServerProcess(*remote) as second:  # empty memory, same Redis
             reader = remote_manager(second.url)
             assert reader.lookup_prefix([key(1), key(2)]) == 2
             got = reader.get_many([key(1), key(2)])
             assert same_bytes(got[0], objs[1]) and same_bytes(got[1], objs[2])
             reader.close()
+            spaces = {ns: second.client(ns) for ns in ("a", "a:b")}
+            assert spaces["a:b"].get_many(["x", "b:x"]) == [b"a:b's", None]
+            assert spaces["a"].get_many(["x", "b:x"]) == [None, b"a's"]
+            spaces["a"].clear()  # namespace a's blobs only
+            assert spaces["a:b"].exists_many(["x"]) == [True]
+            for client in spaces.values():
+                client.close()
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
