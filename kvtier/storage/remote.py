@@ -90,7 +90,7 @@ class RemoteRequest:
 def space_of(model: str) -> str:
     """The ``space`` of a model's remotes: its name percent-encoded (a ``kvtier serve``
     namespace, a Redis key prefix, an S3 prefix)."""
-    return quote(model, safe="-_.")
+    return quote(model.encode("utf-8", "surrogateescape"), safe="-_.")
 
 
 _SPACE = re.compile(r"[A-Za-z0-9_.~%-]+")  # the characters ``space_of`` leaves
