@@ -31,7 +31,13 @@ class KeyFormatError(ValueError):
 
 
 def _enc(text: str) -> str:
-    return quote(text, safe="-_.:+")
+    # surrogateescape: a path Python read as bytes that are not UTF-8 (vLLM's --model from
+    # argv) holds lone surrogates; its own bytes are encoded, as ``_dec`` gives them back
+    return quote(text.encode("utf-8", "surrogateescape"), safe="-_.:+")
+
+
+def _dec(text: str) -> str:
+    return unquote(text, errors="surrogateescape")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +97,16 @@ class CacheKey:
             for extra in parts[6:]:
                 if "=" in extra:
                     name, value = extra.split("=", 1)
-                    tags.append((unquote(name), unquote(value)))
+                    tags.append((_dec(name), _dec(value)))
                 elif extra.startswith("L") and layer is None and not tags:
                     layer = int(extra[1:])
                 else:
                     raise ValueError(f"unexpected field {extra!r}")
             return cls(
-                model_name=unquote(model),
+                model_name=_dec(model),
                 world_size=int(world),
                 rank=int(rank),
-                kv_dtype=unquote(dtype),
+                kv_dtype=_dec(dtype),
                 chunk_hash=bytes.fromhex(hash_hex),
                 layer=layer,
                 tags=tuple(tags),

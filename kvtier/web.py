@@ -8,6 +8,13 @@ import os
 
 from aiohttp import web
 
+# How long a connection may stay open without a request in progress: before its first
+# request (or while its headers trickle in) and between requests. aiohttp's own default
+# is an hour, which lets anyone who reaches the port hold a file descriptor of the
+# process per connection for that long (a kvtier serve shares them with its cache port
+# and its disk). Above the 60 s a load balancer commonly keeps an idle connection.
+IDLE_CONNECTION_S = 75.0
+
 
 async def start_app(
     app: web.Application,
@@ -21,7 +28,8 @@ async def start_app(
     Returns the runner: its ``addresses`` say where it listens, and ``cleanup()`` stops
     it, letting requests in flight finish for up to ``shutdown_timeout_s``. No access
     log: each server logs what it wants itself. ``handler_cancellation``: a handler is
-    cancelled when its client disconnects.
+    cancelled when its client disconnects. A connection without a request in progress
+    for ``IDLE_CONNECTION_S`` is closed.
 
     Raises:
         OSError: the address cannot be bound (the message names it).
@@ -31,6 +39,7 @@ async def start_app(
         access_log=None,
         shutdown_timeout=shutdown_timeout_s,
         handler_cancellation=handler_cancellation,
+        keepalive_timeout=IDLE_CONNECTION_S,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)

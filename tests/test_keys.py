@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.keys import CacheKey, KeyFormatError, geometry_tag
+from kvtier.storage.remote import space_of
 
 
 def test_string_form_is_stable_and_readable():
@@ -22,6 +23,18 @@ def test_geometry_tag_is_readable_and_parses_back():
     key = CacheKey("m", 1, 0, "bfloat16", b"\x01", tags=(geometry_tag(61, 1, 576),))
     assert key.to_string() == "kvtier1@m@1@0@bfloat16@01@kv_geometry=61x1x576"
     assert CacheKey.from_string(key.to_string()) == key
+
+
+def test_a_model_path_that_is_not_utf8_names_chunks_of_its_own():
+    """Python reads a path's bytes that are not UTF-8 (vLLM's --model from argv) as lone
+    surrogates, which UTF-8 cannot encode: the path's own bytes name its chunks."""
+    model = b"/models/caf\xe9".decode("utf-8", "surrogateescape")
+    key = CacheKey(model, 1, 0, "bfloat16", b"\x01")
+    assert key.to_string() == "kvtier1@%2Fmodels%2Fcaf%E9@1@0@bfloat16@01"
+    assert CacheKey.from_string(key.to_string()) == key
+    assert space_of(model) == "%2Fmodels%2Fcaf%E9"
+    utf8 = CacheKey("/models/café", 1, 0, "bfloat16", b"\x01")
+    assert utf8.to_string() == "kvtier1@%2Fmodels%2Fcaf%C3%A9@1@0@bfloat16@01"
 
 
 names = st.text(min_size=1, max_size=40)

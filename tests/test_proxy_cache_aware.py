@@ -168,10 +168,12 @@ def test_requests_the_engine_will_refuse_are_passed_on_unscored(engines, proxy):
         ("/v1/completions", {**completion(SYSTEM), "model": {"name": "m"}}),
         ("/v1/chat/completions", {**chat, "model": "m", "chat_template_kwargs": "x"}),
         ("/v1/chat/completions", {**chat, "model": ["m"], "chat_template_kwargs": [1]}),
+        # JSON may escape a lone surrogate, which no UTF-8 (nor CBOR) can encode
+        ("/v1/completions", completion(SYSTEM, cache_salt="\ud800")),
     ]:
         status, _, answer = post(server.url, path, body)
         assert status == 200, (body, answer)
-    assert len(a.completions()) + len(b.completions()) == 4
+    assert len(a.completions()) + len(b.completions()) == 5
     assert metric(server.url, "kvtier_proxy_requests_total", endpoint=CHAT, status="200") == 2
 
 

@@ -87,6 +87,14 @@ def test_models_do_not_see_each_other(server, pool):
     b.close()
 
 
+def test_a_model_name_too_long_for_a_namespace_is_refused_naming_model_name(server):
+    """A vLLM engine's model name is its --model as given: a deep local path, or one in
+    another script, can be longer percent-encoded than a namespace may be."""
+    with pytest.raises(ValueError, match=r"model_name: .* at most 256 characters .* not 600"):
+        remote_manager(server.url, namespace="é" * 100)  # %C3%A9 each
+    remote_manager(server.url, namespace="é" * 42).close()  # 252 characters: it fits
+
+
 def test_lm_and_kvtier_urls_are_accepted_and_parsed():
     for url in ("kvtier://127.0.0.1:65432", "lm://localhost:65432", "KVTIER://[::1]:7000"):
         assert load_config({"remote_url": url}, env={}).remote_url == url
@@ -278,11 +286,20 @@ def _last_reply_len(replies: bytes) -> int:
     return last
 
 
-def test_bad_fields_are_an_error_reply_on_a_connection_that_stays_open(server):
-    bad = frame(Op.PUT, {"names": ["a"], "sizes": [3]}, b"12")  # sizes do not add up
+@pytest.mark.parametrize(
+    ("sizes", "reason"),
+    [
+        ([3], "add up"),
+        # CBOR carries it, and Python cannot format an int of more than 4300 digits
+        ([1 << 20000], "list of 1 integers"),
+    ],
+    ids=["not-adding-up", "huge"],
+)
+def test_bad_fields_are_an_error_reply_on_a_connection_that_stays_open(server, sizes, reason):
+    bad = frame(Op.PUT, {"names": ["a"], "sizes": sizes}, b"12")
     replies = raw_exchange(server.port, HELLO + bad + frame(Op.PING, {}))
     assert replies.count(protocol.MAGIC) == 3  # HELLO, the error, then the PING's answer
-    assert "add up" in error_of(replies[protocol.PREFIX_SIZE + _hello_len(replies) :])
+    assert reason in error_of(replies[protocol.PREFIX_SIZE + _hello_len(replies) :])
 
 
 def _hello_len(replies: bytes) -> int:
@@ -438,12 +455,25 @@ def test_a_server_writes_through_to_redis_and_a_fresh_one_reads_it(pool):
             raw_key = f"kvtier:org%2Fmodel-a:{key(1).to_string()}"
             wait_until(lambda: redis.client().exists(raw_key))  # an engine's own Redis key
             writer.close()
+            spaces = {ns: first.client(ns) for ns in ("a", "a:b")}  # clients of their own
+            spaces["a"].put_many([("b:x", [b"a's"])])
+            spaces["a:b"].put_many([("x", [b"a:b's"])])
+            wait_until(lambda: len(redis.client().keys("kvtier:[a!]*")) == 2)
+            for client in spaces.values():
+                client.close()
         with KVTierServerProcess(*remote) as second:  # empty memory, same Redis
             reader = remote_manager(second.url)
             assert reader.lookup_prefix([key(1), key(2)]) == 2
             got = reader.get_many([key(1), key(2)])
             assert same_bytes(got[0], objs[1]) and same_bytes(got[1], objs[2])
             reader.close()
+            spaces = {ns: second.client(ns) for ns in ("a", "a:b")}
+            assert spaces["a:b"].get_many(["x", "b:x"]) == [b"a:b's", None]
+            assert spaces["a"].get_many(["x", "b:x"]) == [None, b"a's"]
+            spaces["a"].clear()  # namespace a's blobs only
+            assert spaces["a:b"].exists_many(["x"]) == [True]
+            for client in spaces.values():
+                client.close()
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import urllib.request
 import pytest
 from support.kvtier_server import KVTierServerProcess, free_port
 
+from kvtier import web
 from kvtier.chunker import Chunker, MultiModalSpan, RequestExtras
 from kvtier.cli import main
 from kvtier.commands.status import render
@@ -268,6 +270,35 @@ def test_the_hooks_run_off_the_event_loop():
     reply, loop_thread = asyncio.run(serve_one_lookup())
     assert reply == {"cached_tokens": 2}
     assert ran_on and loop_thread not in ran_on
+
+
+def test_a_connection_without_a_request_is_closed_after_the_idle_timeout(monkeypatch):
+    """Anyone who reaches the admin port could otherwise hold one of the server's file
+    descriptors per connection for aiohttp's hour: its cache port and its disk share
+    them."""
+    monkeypatch.setattr(web, "IDLE_CONNECTION_S", 0.5)
+    hooks = AdminHooks(snapshot=dict, tiers=dict, clear=len, lookup=dict, token=None)
+
+    def closed_within(port: int, sent: bytes, seconds: float) -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=seconds) as sock:
+            sock.sendall(sent)
+            try:
+                return sock.recv(1) == b""
+            except TimeoutError:
+                return False
+
+    async def idle_connections():
+        admin = AdminServer(hooks)
+        await admin.start("127.0.0.1", 0)
+        try:
+            return await asyncio.gather(  # silent, and with its headers half sent
+                asyncio.to_thread(closed_within, admin.port, b"", 5.0),
+                asyncio.to_thread(closed_within, admin.port, b"GET /stats HTTP/1.1\r\n", 5.0),
+            )
+        finally:
+            await admin.close()
+
+    assert asyncio.run(idle_connections()) == [True, True]
 
 
 def test_metrics_are_typed_as_docs_server_md_names_them():

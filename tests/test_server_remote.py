@@ -11,6 +11,7 @@ from support.tiers import FlakyStore, wait_until
 
 from kvtier.observability.stats import Stats
 from kvtier.server.cache import RemoteBlobs
+from kvtier.storage.remote import space_of, space_of_namespace
 
 RECONNECT_MAX_S = 0.2
 
@@ -136,3 +137,14 @@ def test_a_remote_that_goes_down_while_idle_is_seen_without_a_request():
     wait_until(lambda: not remote.is_up, timeout=5.0)
     store.released.set()
     remote.close(1.0)
+
+
+def test_each_namespace_keeps_a_prefix_of_its_own_in_the_remote():
+    """Redis keys are ``kvtier:<space>:<name>``: a namespace ``a:b`` kept as it is would
+    read as namespace ``a`` (and its name ``x`` as ``b:x``)."""
+    engine = space_of("org/Llama-3.1 8B:é")
+    assert space_of_namespace(engine) == engine  # engines behind a server and on the remote
+    namespaces = ["a", "a:b", "a%3Ab", "!a%3Ab", "a/b", "a*b", "é", "e\u0301", "~"]
+    spaces = [space_of_namespace(ns) for ns in namespaces]
+    assert len(set(spaces)) == len(namespaces)
+    assert not any(c in s for s in spaces for c in ":/*\x00")

@@ -414,13 +414,16 @@ def _recv(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+HUGE = 1 << 20000  # CBOR carries it; Python cannot format an int of more than 4300 digits
 BAD_REFERENCES = [
     (Op.PUT, {"names": ["a"], "sizes": [10], "shm": [SEGMENT - 5]}, "out of range"),
     (Op.PUT, {"names": ["a"], "sizes": [10], "shm": [-1]}, "out of range"),
     (Op.PUT, {"names": ["a"], "sizes": [10], "shm": ["0"]}, "out of range"),
     (Op.PUT, {"names": ["a", "b"], "sizes": [1, 1], "shm": [0]}, "list of 2 offsets"),
     (Op.PUT, {"names": ["a"], "sizes": [1 << 40], "shm": [0]}, "out of range"),
+    (Op.PUT, {"names": ["a"], "sizes": [10], "shm": [HUGE]}, "out of range"),
     (Op.GET, {"names": ["a"], "shm": [0, SEGMENT + 1]}, "region out of range"),
+    (Op.GET, {"names": ["a"], "shm": [HUGE, 1]}, "region out of range"),
     (Op.GET, {"names": ["a"], "shm": [SEGMENT, 1]}, "region out of range"),
     (Op.GET, {"names": ["a"], "shm": {"offset": 0}}, "region out of range"),
 ]
@@ -467,6 +470,7 @@ def test_puts_into_memory_out_of_order_are_rejected_counted_and_harmless(server)
         ({"names": ["other"], "sizes": [10], "pool": "commit"}, b"", "other than those reserved"),
         ({**blob, "pool": "commit"}, b"", "without a reservation"),  # the bad one dropped it
         ({**blob, "pool": "send"}, b"", "'reserve' or 'commit'"),
+        ({**blob, "pool": HUGE}, b"", "'reserve' or 'commit'"),
         ({**blob, "pool": "reserve"}, b"0123456789", "no payload"),
     ]
     segment, offer = shm.create_segment(SEGMENT)
@@ -485,7 +489,7 @@ def test_puts_into_memory_out_of_order_are_rejected_counted_and_harmless(server)
         assert "pool" not in read_reply(sock)
         sock.sendall(frame(Op.PUT, {**blob, "pool": "reserve"}))
         assert "needs shared memory" in read_reply(sock)["error"]
-    assert stats(server)["rejects_bad_shm_ref"] - before == 6
+    assert stats(server)["rejects_bad_shm_ref"] - before == 7
     other = client(server, "fuzz")
     assert other.get_many(["in-place", "other"]) == [None, None], "nothing stored"
     other.close()
@@ -518,14 +522,15 @@ def test_a_put_memory_has_no_room_for_goes_by_the_segment_or_inline(tmp_path):
 
 
 def test_a_malformed_offer_is_refused_and_the_client_stays_on_tcp(server):
-    for offer in ({"name": "../../etc/passwd", "size": SEGMENT, "nonce": bytes(16)}, "x", {}):
+    huge = {"name": f"kvtier-1-{'0' * 32}", "size": HUGE, "nonce": bytes(16)}
+    for offer in ({"name": "../../etc/passwd", "size": SEGMENT, "nonce": bytes(16)}, huge, "x", {}):
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             sock.sendall(frame(Op.HELLO, {"namespace": "fuzz", "shm": offer}))
             reply = read_reply(sock)
             assert reply["shm"] is False and reply["shm_error"].startswith("malformed")
             sock.sendall(frame(Op.EXISTS, {"names": ["a"]}))
             assert read_reply(sock)["present"] == [False]
-    assert stats(server)["shm_refused_malformed"] >= 3
+    assert stats(server)["shm_refused_malformed"] >= 4
 
 
 # -- cleanup ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtier.proxy.instances import Instance, Pool, instance_address, normalize_url
-from kvtier.proxy.prompts import TokenCache, are_token_ids, tokenize_body
+from kvtier.proxy.prompts import TokenCache, are_token_ids, encodable, tokenize_body
 from kvtier.routing.block_hashes import VLLM_HASH_ALGOS, RequestKeys, VllmBlockHasher
 from kvtier.routing.events import BlockStored, State, Subscriber, parse_endpoint
 from kvtier.routing.index import DEFAULT_MAX_BLOCKS, BlockIndex
@@ -328,13 +328,13 @@ class CacheAwareRouter:
         started = time.perf_counter()
         names = [i.url for i in self.scored.instances]
         block_size = self.block_size
-        if tokens is None or not block_size:
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        if tokens is None or not block_size or not encodable(salt or ""):
             decision = Decision({n: Match() for n in names})
         else:
             model = body.get("model")
             known = isinstance(model, str) and model in self.lora_paths
             lora = (model, self.lora_paths[model]) if known else None
-            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             keys = self.hasher.block_keys(tokens, block_size, RequestKeys(salt, lora))
             usable = [n for n in names if self.stream_state(n) == State.CONNECTED]
             matches = self.scorer.matches(keys, names, usable)

@@ -73,6 +73,17 @@ def are_token_ids(values: list) -> bool:
     return all(type(v) is int and 0 <= v < 1 << 63 for v in values)
 
 
+def encodable(text: str) -> bool:
+    """Whether UTF-8 can encode ``text``: JSON can escape a lone surrogate, which no
+    engine can hash (a request with one in a field that enters its hashes is scored on
+    nothing)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _text_only(message: Any) -> bool:
     if not isinstance(message, dict):
         return False

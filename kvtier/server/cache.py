@@ -58,7 +58,7 @@ from kvtier.server.shm import open_arena
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer, Throttled, WriteRefused
 from kvtier.storage.health import Health, fault_reason
-from kvtier.storage.remote import RemoteRequest
+from kvtier.storage.remote import RemoteRequest, space_of_namespace
 from kvtier.storage.schemes import redact_url
 from kvtier.storage.serde import make_serde
 from kvtier.storage.tier import BatchQueue
@@ -267,7 +267,7 @@ class RemoteBlobs:
 
 def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
     """The remote of ``config.remote_url`` behind a server: for each client namespace, the
-    store an engine of that namespace would open itself.
+    store an engine of that namespace would open itself (``space_of_namespace``).
 
     Raises:
         ValueError: the URL's scheme cannot sit behind a server, or the URL is malformed
@@ -289,7 +289,9 @@ def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
     except ValueError as exc:  # a URL no retry can mend: refused now, not "down" forever
         raise ValueError(f"--remote-url: {exc}") from None
     return RemoteBlobs(
-        lambda namespace: open_store(RemoteRequest(url, config, serde, stats, namespace)),
+        lambda namespace: open_store(
+            RemoteRequest(url, config, serde, stats, space_of_namespace(namespace))
+        ),
         describe=redact_url(url),
         stats=stats,
         timeout_s=config.remote_timeout_ms / 1000,

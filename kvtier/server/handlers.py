@@ -156,7 +156,9 @@ class RequestHandlers:
         if step == "reserve":
             return Reply({"pool": session.reserve(self.cache, names, sizes)})
         if step != "commit":
-            raise shm.ShmRefError(f"'pool' must be 'reserve' or 'commit', not {step!r}")
+            raise shm.ShmRefError(
+                f"'pool' must be 'reserve' or 'commit', not {protocol.shown(step)}"
+            )
         count, stored = session.commit(self.cache, names, sizes)
         self.stats.inc("bytes_shm_in", sum(sizes))
         return self._stored(count, stored)

@@ -30,7 +30,7 @@ from kvtier.config.node_address import MIN_SEGMENT_BYTES
 from kvtier.machine import check_host_memory
 from kvtier.memory import MemoryObj
 from kvtier.storage.blob_store import Buffer
-from kvtier.storage.node_protocol import ProtocolError
+from kvtier.storage.node_protocol import ProtocolError, is_int, shown
 from kvtier.storage.node_shm import (
     ARENA_PATTERN,
     NAME_PATTERN,
@@ -54,7 +54,7 @@ def offer_of(value: object) -> ShmOffer:
     name, size, nonce = value["name"], value["size"], value["nonce"]
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise ProtocolError("'shm.name' must be kvtier-<pid>-<32 hex digits>")
-    if type(size) is not int or size < MIN_SEGMENT_BYTES:
+    if not is_int(size, MIN_SEGMENT_BYTES):
         raise ProtocolError(f"'shm.size' must be an integer >= {MIN_SEGMENT_BYTES}")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise ProtocolError(f"'shm.nonce' must be {NONCE_BYTES} bytes")
@@ -160,9 +160,9 @@ def extents_of(
         raise ShmRefError(f"'shm' must be a list of {len(sizes)} offsets")
     out = []
     for offset, size in zip(value, sizes, strict=True):
-        if type(offset) is not int or offset < 0 or offset + size > segment.size:
+        if not is_int(offset) or offset + size > segment.size:
             raise ShmRefError(
-                f"shm reference out of range: offset {offset!r} size {size} "
+                f"shm reference out of range: offset {shown(offset)} size {size} "
                 f"(segment of {segment.size} bytes)"
             )
         out.append((offset, size))
@@ -181,10 +181,12 @@ def region_of(value: object, segment: SegmentFile | None) -> tuple[int, int]:
     if (
         not isinstance(value, list)
         or len(value) != 2
-        or not all(type(v) is int and v >= 0 for v in value)
+        or not all(is_int(v) for v in value)
         or value[0] + value[1] > segment.size
     ):
-        raise ShmRefError(f"shm region out of range: {value!r} (segment of {segment.size} bytes)")
+        raise ShmRefError(
+            f"shm region out of range: {shown(value)} (segment of {segment.size} bytes)"
+        )
     return value[0], value[1]
 
 

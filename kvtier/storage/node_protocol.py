@@ -93,6 +93,9 @@ DEFAULT_IDLE_TIMEOUT_S = 600.0  # a connection that sends nothing this long is c
 REPLY = 0x1
 MAX_NAME_CHARS = 1024
 MAX_NAMESPACE_CHARS = 256
+# NOTE: CBOR carries integers of any size, and Python cannot even format one of more than
+# 4300 digits: every size, offset and count a frame gives is checked against this first.
+MAX_INT = (1 << 63) - 1
 
 
 class Op(enum.IntEnum):
@@ -235,15 +238,26 @@ def sizes_of(
     """
     sizes = header.get("sizes")
     low = -1 if absent_ok else 0
-    if (
-        not isinstance(sizes, list)
-        or len(sizes) != count
-        or not all(type(s) is int and s >= low for s in sizes)
-    ):
+    if not isinstance(sizes, list) or len(sizes) != count or not all(is_int(s, low) for s in sizes):
         raise ProtocolError(f"'sizes' must be a list of {count} integers >= {low}")
     if payload_len is not None and sum(s for s in sizes if s > 0) != payload_len:
         raise ProtocolError(f"'sizes' add up to {sum(sizes)}, the payload has {payload_len} bytes")
     return sizes
+
+
+def is_int(value: Any, low: int = 0) -> bool:
+    """Whether ``value`` is an int in ``[low, MAX_INT]`` (a bool is not one)."""
+    return type(value) is int and low <= value <= MAX_INT
+
+
+def shown(value: Any) -> str:
+    """What a client sent, as an error message shows it: its repr, cut to 80 characters,
+    or its type where Python cannot write it (an int of more than 4300 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def split_payload(payload: bytes | memoryview, sizes: Sequence[int]) -> list[memoryview | None]:

@@ -511,8 +511,19 @@ def _slices(items: Sequence[T], limit: int | None) -> list[tuple[int, Sequence[T
 
 def open_store(request: RemoteRequest) -> KVTierStore:
     """The blob store of a ``kvtier://`` (or ``lm://``) ``remote_url``: one server may
-    write through to another."""
+    write through to another.
+
+    Raises:
+        ValueError: a bad URL, or a model name too long for a namespace (naming the key).
+    """
     address = parse_server_address(request.url)
+    if not protocol.valid_namespace(request.space):
+        raise ValueError(
+            f"model_name: a kvtier:// remote_url takes a model name of at most "
+            f"{protocol.MAX_NAMESPACE_CHARS} characters once percent-encoded (the server's "
+            f"namespace), not {len(request.space)} ({request.space[:60]}...); set "
+            "model_name to a shorter name for this model"
+        )
     return KVTierStore(
         address.host,
         address.port,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -89,7 +90,24 @@ class RemoteRequest:
 def space_of(model: str) -> str:
     """The ``space`` of a model's remotes: its name percent-encoded (a ``kvtier serve``
     namespace, a Redis key prefix, an S3 prefix)."""
-    return quote(model, safe="-_.")
+    return quote(model.encode("utf-8", "surrogateescape"), safe="-_.")
+
+
+_SPACE = re.compile(r"[A-Za-z0-9_.~%-]+")  # the characters ``space_of`` leaves
+
+
+def space_of_namespace(namespace: str) -> str:
+    """The ``space`` of a ``kvtier serve`` client's namespace in the remote behind the
+    server: the namespace as it is when an engine could have declared it (``space_of``'s
+    characters only), so that engines behind the server and engines on the remote share
+    objects; any other, from a client of another kind, percent-encoded after a ``!``
+    (which no engine's space holds).
+
+    NOTE: every space must be a key prefix of its own: Redis keys ``kvtier:<space>:<name>``
+    would read namespace ``a:b`` and name ``x`` as namespace ``a`` and name ``b:x``, and
+    clearing ``a`` would clear ``a:b``.
+    """
+    return namespace if _SPACE.fullmatch(namespace) else "!" + quote(namespace, safe="")
 
 
 # ``open_remote`` of a scheme's module: the tier of ``request.url``. Raises ValueError for a
