@@ -8,7 +8,7 @@ size of the client's connection pool, so every worker keeps its connection alive
 
 What the store leaves to the layer above (``RemoteTier``): retries of a failed request
 (botocore makes one attempt), health, integrity (the wire format checksums every payload,
-so botocore's own CRC pass is turned off) and asynchrony.
+so botocore's own CRC pass is turned off: see ``s3_client``) and asynchrony.
 
 A throttled request (``SlowDown``, ``Throttling``, ``RequestLimitExceeded``, HTTP 429, a
 HEAD's bare 503: back-pressure from a store that answers) is the one the store retries itself,
@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-import boto3
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
@@ -45,13 +43,13 @@ from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage import s3_errors
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
+from kvtier.storage.s3_client import make_client
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["S3Store", "open_remote"]
 
-_ADDRESSING_STYLES = (None, "auto", "path", "virtual")
 # Everything the client stack raises for a failed request: botocore's own errors (which
 # wrap most urllib3 and socket errors), the few urllib3 errors it lets through, and OSError.
 _CLIENT_ERRORS = (BotoCoreError, ClientError, HTTPError, OSError)
@@ -117,10 +115,6 @@ class S3Store:
             multipart_threshold=multipart_threshold,
             multipart_part_size=multipart_part_size,
         )
-        if addressing_style not in _ADDRESSING_STYLES:
-            raise ValueError(
-                f"addressing_style must be one of {_ADDRESSING_STYLES}, got {addressing_style!r}"
-            )
         if throttle_retries < 0 or throttle_backoff_s < 0:
             raise ValueError(
                 "throttle_retries and throttle_backoff_s must not be negative, got "
@@ -138,35 +132,17 @@ class S3Store:
         self.list_page_size = 1000
         self.delete_batch_size = _MAX_DELETE_KEYS
 
-        options: dict[str, Any] = dict(
-            connect_timeout=timeout_s,
-            read_timeout=timeout_s,
-            # One attempt: a failed request is RemoteTier's to judge (an outage costs one
-            # timeout, not several); the store retries a throttled one itself (_send).
-            retries={"total_max_attempts": 1, "mode": "standard"},
-            max_pool_connections=max_concurrency,
-            # botocore's validator rejects memoryview bodies, which the rest of it sends as
-            # they are; validating would cost a copy of every payload. The store builds
-            # every other parameter itself.
-            parameter_validation=False,
-            s3={"addressing_style": addressing_style} if addressing_style else None,
-        )
-        if "request_checksum_calculation" in Config.OPTION_DEFAULTS:
-            # botocore >= 1.36 CRCs every body by default: a second pass over each blob
-            # that the wire format's checksum makes redundant, and trailing aws-chunked
-            # checksums that several S3-compatible servers reject.
-            options.update(
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            )
         try:
-            session = boto3.session.Session(
-                aws_access_key_id=access_key_id,
-                aws_secret_access_key=secret_access_key,
-                aws_session_token=session_token,
-                region_name=region,
+            self._client = make_client(
+                endpoint_url=endpoint_url,
+                region=region,
+                access_key_id=access_key_id,
+                secret_access_key=secret_access_key,
+                session_token=session_token,
+                timeout_s=timeout_s,
+                max_pool_connections=max_concurrency,
+                addressing_style=addressing_style,
             )
-            self._client = session.client("s3", endpoint_url=endpoint_url, config=Config(**options))
         except BotoCoreError as exc:  # e.g. a profile named in the environment is missing
             raise ValueError(f"cannot configure the s3 client for {url!r}: {exc}") from exc
         self.endpoint = self._client.meta.endpoint_url

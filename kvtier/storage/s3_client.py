@@ -1,0 +1,70 @@
+"""The boto3 client an S3 store talks through: one attempt per request, a connection per
+worker thread, the endpoint's addressing style, and no checksum pass of botocore's own.
+
+The store (``s3_store``) retries and judges failures itself and checksums every payload
+in the wire format, so the client is configured to make one attempt, send bodies as they
+are (memoryviews, unvalidated) and compute checksums only where S3 requires one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+__all__ = ["ADDRESSING_STYLES", "make_client"]
+
+ADDRESSING_STYLES = ("auto", "path", "virtual")
+
+
+def make_client(
+    *,
+    endpoint_url: str | None,
+    region: str | None,
+    access_key_id: str | None,
+    secret_access_key: str | None,
+    session_token: str | None,
+    timeout_s: float,
+    max_pool_connections: int,
+    addressing_style: str | None,
+) -> Any:
+    """A boto3 S3 client (see ``S3Store`` for the arguments).
+
+    Raises:
+        ValueError: ``addressing_style`` is not one of ``ADDRESSING_STYLES``.
+        BotoCoreError: boto3 cannot configure the client (e.g. a profile named in the
+            environment is missing).
+    """
+    if addressing_style is not None and addressing_style not in ADDRESSING_STYLES:
+        raise ValueError(
+            f"addressing_style must be one of {ADDRESSING_STYLES} or None, got {addressing_style!r}"
+        )
+    options: dict[str, Any] = dict(
+        connect_timeout=timeout_s,
+        read_timeout=timeout_s,
+        # One attempt: a failed request is RemoteTier's to judge (an outage costs one
+        # timeout, not several); the store retries a throttled one itself.
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        max_pool_connections=max_pool_connections,
+        # botocore's validator rejects memoryview bodies, which the rest of it sends as
+        # they are; validating would cost a copy of every payload. The store builds
+        # every other parameter itself.
+        parameter_validation=False,
+        s3={"addressing_style": addressing_style} if addressing_style else None,
+    )
+    if "request_checksum_calculation" in Config.OPTION_DEFAULTS:
+        # botocore >= 1.36 CRCs every body by default: a second pass over each blob
+        # that the wire format's checksum makes redundant, and trailing aws-chunked
+        # checksums that several S3-compatible servers reject.
+        options.update(
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+    session = boto3.session.Session(
+        aws_access_key_id=access_key_id,
+        aws_secret_access_key=secret_access_key,
+        aws_session_token=session_token,
+        region_name=region,
+    )
+    return session.client("s3", endpoint_url=endpoint_url, config=Config(**options))
