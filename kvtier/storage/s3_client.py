@@ -4,10 +4,17 @@ worker thread, the endpoint's addressing style, and no checksum pass of botocore
 The store (``s3_store``) retries and judges failures itself and checksums every payload
 in the wire format, so the client is configured to make one attempt, send bodies as they
 are (memoryviews, unvalidated) and compute checksums only where S3 requires one.
+
+NOTE: S3 requires a checksum of a DeleteObjects request. botocore >= 1.36 sends a CRC32
+where it used to send Content-MD5, and S3-compatible stores (older MinIO releases, OVH,
+CubeFS, Dell PowerScale among them) refuse a DeleteObjects without Content-MD5
+(``MissingContentMD5``); the client sends Content-MD5, which every store accepts.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from typing import Any
 
 import boto3
@@ -53,7 +60,8 @@ def make_client(
         parameter_validation=False,
         s3={"addressing_style": addressing_style} if addressing_style else None,
     )
-    if "request_checksum_calculation" in Config.OPTION_DEFAULTS:
+    flexible_checksums = "request_checksum_calculation" in Config.OPTION_DEFAULTS
+    if flexible_checksums:
         # botocore >= 1.36 CRCs every body by default: a second pass over each blob
         # that the wire format's checksum makes redundant, and trailing aws-chunked
         # checksums that several S3-compatible servers reject.
@@ -67,4 +75,20 @@ def make_client(
         aws_session_token=session_token,
         region_name=region,
     )
-    return session.client("s3", endpoint_url=endpoint_url, config=Config(**options))
+    client = session.client("s3", endpoint_url=endpoint_url, config=Config(**options))
+    if flexible_checksums:
+        # after botocore's own before-call handlers, which may still rewrite the body
+        client.meta.events.register("before-call.s3.DeleteObjects", _content_md5)
+    return client
+
+
+def _content_md5(params: dict[str, Any], **_: Any) -> None:
+    """Give a DeleteObjects request (botocore's request dict) a Content-MD5 header in
+    place of the CRC32 botocore would add; S3 Express directory buckets, which take no
+    MD5, keep the CRC32."""
+    context = params["context"]
+    if context.get("endpoint_properties", {}).get("backend") == "S3Express":
+        return
+    digest = hashlib.md5(params["body"], usedforsecurity=False).digest()
+    params["headers"]["Content-MD5"] = base64.b64encode(digest).decode("ascii")
+    context.pop("checksum", None)  # what botocore would add: the CRC32 and its algorithm

@@ -15,6 +15,8 @@ AWS environment (see ``isolate_aws_environment`` for the test process itself).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import signal
 import socket
@@ -30,7 +32,13 @@ from botocore.config import Config
 
 from support.redis_server import free_port  # one loopback-port picker for every test server
 
-__all__ = ["ErrorAnswers", "S3Server", "free_port", "isolate_aws_environment"]
+__all__ = [
+    "ErrorAnswers",
+    "RequireContentMD5",
+    "S3Server",
+    "free_port",
+    "isolate_aws_environment",
+]
 
 # Variables through which boto3 would pick up the developer's account, profile or endpoint.
 _AWS_ENVIRONMENT = (
@@ -260,3 +268,38 @@ class ErrorAnswers:
     def remove(self, client: Any, *operations: str) -> None:
         for operation in operations:
             client.meta.events.unregister(f"before-send.s3.{operation}", self)
+
+
+def _error_answer(request: Any, status: int, code: str | None, message: str) -> AWSResponse:
+    """An S3 error answer to ``request``: a bare status when ``code`` is None (a HEAD's)."""
+    body = "" if code is None else f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
+    return AWSResponse(request.url, status, {}, _Body(body.encode()))
+
+
+class RequireContentMD5:
+    """A ``before-send`` hook of a store's client that takes a DeleteObjects request the
+    way MinIO, OVH or CubeFS did before they accepted botocore's CRC32: without a
+    Content-MD5 header it is answered ``400 MissingContentMD5``, with a wrong one
+    ``400 BadDigest``; with the right one it goes on to the server. ``seen`` counts the
+    DeleteObjects requests.
+
+        RequireContentMD5().install(store._client)
+    """
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, request: Any, **_: Any) -> AWSResponse | None:
+        self.seen += 1
+        given = request.headers.get("Content-MD5")
+        if given is None:
+            return _error_answer(request, 400, "MissingContentMD5", "Missing required header")
+        if isinstance(given, bytes):
+            given = given.decode()
+        digest = hashlib.md5(request.body, usedforsecurity=False).digest()
+        if given != base64.b64encode(digest).decode():
+            return _error_answer(request, 400, "BadDigest", "Content-MD5 does not match")
+        return None
+
+    def install(self, client: Any) -> None:
+        client.meta.events.register("before-send.s3.DeleteObjects", self)
