@@ -17,8 +17,9 @@ from support.s3_server import ErrorAnswers, S3Server, free_port, isolate_aws_env
 
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.keys import CacheKey
+from kvtier.storage import s3_parts
 from kvtier.storage.blob_store import BlobStore, StoreUnavailable, Throttled, WriteRefused
-from kvtier.storage.s3_store import S3Store, _pieces
+from kvtier.storage.s3_store import S3Store
 
 pytestmark = pytest.mark.s3
 
@@ -243,12 +244,12 @@ def test_multipart_round_trip(make_store, server, bucket, part_sizes):
 
 def test_pieces_slice_without_copies():
     a, b = memoryview(bytes(range(10))), memoryview(bytes(range(10, 15)))
-    pieces = _pieces([a, b], 4)
+    pieces = s3_parts.pieces([a, b], 4)
     assert [bytes(p) for p in pieces] == [bytes(range(i, min(i + 4, 15))) for i in (0, 4, 8, 12)]
     # Pieces inside one buffer are views of it; only the one spanning both is a copy.
     assert [isinstance(p, memoryview) for p in pieces] == [True, True, False, True]
     assert pieces[0].obj is a.obj
-    assert _pieces([memoryview(b"")], 4) == []
+    assert s3_parts.pieces([memoryview(b"")], 4) == []
 
 
 def test_failed_multipart_upload_is_aborted(make_store, server, bucket):

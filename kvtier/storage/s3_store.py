@@ -44,6 +44,7 @@ from kvtier.storage import s3_errors
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.storage.s3_client import make_client
+from kvtier.storage.s3_parts import byte_view, joined, part_size_for, pieces
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,9 +54,8 @@ __all__ = ["S3Store", "open_remote"]
 # Everything the client stack raises for a failed request: botocore's own errors (which
 # wrap most urllib3 and socket errors), the few urllib3 errors it lets through, and OSError.
 _CLIENT_ERRORS = (BotoCoreError, ClientError, HTTPError, OSError)
-# S3 limits: DeleteObjects takes at most 1000 keys; an upload has at most 10000 parts.
+# S3 limit: DeleteObjects takes at most 1000 keys.
 _MAX_DELETE_KEYS = 1000
-_MAX_PARTS = 10_000
 
 
 class S3Store:
@@ -165,7 +165,7 @@ class S3Store:
         """
         self._check_open()
         # The last blob of a name wins, as it would if they were put one after another.
-        blobs = {self._key(name): [_byte_view(part) for part in parts] for name, parts in items}
+        blobs = {self._key(name): [byte_view(part) for part in parts] for name, parts in items}
         small, large = [], []
         for key, views in blobs.items():
             size = sum(view.nbytes for view in views)
@@ -263,7 +263,7 @@ class S3Store:
     def _put_object(self, key: str, views: list[memoryview]) -> None:
         # Joined here, in the worker, so a batch holds at most one joined copy per worker.
         try:
-            self._send(self._client.put_object, Bucket=self.bucket, Key=key, Body=_joined(views))
+            self._send(self._client.put_object, Bucket=self.bucket, Key=key, Body=joined(views))
         except _CLIENT_ERRORS as exc:
             raise self._failure("put_object", key, exc) from exc
 
@@ -314,8 +314,7 @@ class S3Store:
         return len(keys)
 
     def _put_multipart(self, key: str, views: list[memoryview], size: int) -> None:
-        # S3 allows 10000 parts; a larger blob gets larger parts rather than failing.
-        part_size = max(self.multipart_part_size, -(-size // _MAX_PARTS))
+        part_size = part_size_for(size, self.multipart_part_size)
         try:
             upload_id = self._send(
                 self._client.create_multipart_upload, Bucket=self.bucket, Key=key
@@ -325,7 +324,7 @@ class S3Store:
         try:
             uploads = [
                 (self._upload_part, key, upload_id, number, body)
-                for number, body in enumerate(_pieces(views, part_size), start=1)
+                for number, body in enumerate(pieces(views, part_size), start=1)
             ]
             parts = self._run_all(uploads)
             self._send(
@@ -476,41 +475,3 @@ def _cancel_and_wait(futures: Sequence[Future] | set[Future]) -> None:
     for future in futures:
         future.cancel()
     wait(futures)
-
-
-def _byte_view(part: Buffer) -> memoryview:
-    """``part`` as a flat byte view (no copy unless it is not contiguous)."""
-    view = memoryview(part)
-    if not view.c_contiguous:
-        return memoryview(view.tobytes())
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _joined(views: list[memoryview]) -> bytes | memoryview:
-    # botocore sends a bytes-like body as is, but a file-like one in 16 KiB reads with an
-    # Expect: 100-continue round trip; joining a blob below the multipart threshold is the
-    # cheaper of the two.
-    return views[0] if len(views) == 1 else b"".join(views)
-
-
-def _pieces(views: list[memoryview], piece_size: int) -> list[bytes | memoryview]:
-    """The concatenation of ``views`` cut into ``piece_size`` pieces (the last shorter).
-
-    A piece inside one view is a slice of it (no copy); a piece spanning views is joined.
-    """
-    pieces: list[bytes | memoryview] = []
-    pending: list[memoryview] = []  # the current piece's slices
-    pending_size = 0
-    for view in views:
-        offset = 0
-        while offset < view.nbytes:
-            take = min(piece_size - pending_size, view.nbytes - offset)
-            pending.append(view[offset : offset + take])
-            pending_size += take
-            offset += take
-            if pending_size == piece_size:
-                pieces.append(_joined(pending))
-                pending, pending_size = [], 0
-    if pending:
-        pieces.append(_joined(pending))
-    return pieces
