@@ -3,6 +3,7 @@ client (moto's server, with stand-ins where a store or a policy answers differen
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -10,8 +11,15 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
-from support.s3_server import RequireContentMD5, S3Server, isolate_aws_environment
+from support.s3_server import (
+    ErrorAnswers,
+    ListingDenied,
+    RequireContentMD5,
+    S3Server,
+    isolate_aws_environment,
+)
 
+from kvtier.storage.blob_store import StoreUnavailable, WriteDenied
 from kvtier.storage.s3_store import S3Store
 
 pytestmark = pytest.mark.s3
@@ -56,3 +64,81 @@ def test_deletes_carry_content_md5(make_store):
     assert store.clear() == 3
     assert require_md5.seen == 2
     assert store.exists_many(["n0", "n2", "n4"]) == [False, False, False]
+
+
+# -- a policy without s3:ListBucket ------------------------------------------------------
+
+
+def test_without_list_permission_absent_objects_are_misses(server, make_store, caplog):
+    """S3 answers 403, not 404, for an absent object to a client that may not list the
+    bucket: the ping finds that out, warns once, and a 403 then reads as absent."""
+    store = make_store()
+    store.put_many([("here", [b"v"])])
+    denied = ListingDenied(server)
+    denied.install(store._client)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.s3_listing"):
+        store.ping()  # HeadBucket: 403, then the listing: AccessDenied
+        store.ping()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "s3:ListBucket" in warnings[0], warnings
+    assert store.listing.denied
+    assert store.exists_many(["here", "absent"]) == [True, False]
+    assert store.get_many(["here", "absent"]) == [b"v", None]
+    store.put_many([("new", [b"w"])])
+    assert store.delete_many(["new", "absent"]) == 1
+    with pytest.raises(WriteDenied, match="s3:ListBucket"):
+        store.clear()  # it lists; the store still reads and writes
+    denied.remove(store._client)
+    store.ping()  # the policy now grants listing: a 403 is a failure again
+    assert not store.listing.denied
+
+
+def test_a_403_is_a_failure_while_listing_is_allowed(server, make_store):
+    store = make_store()
+    store.ping()
+    denied = ListingDenied(server)
+    denied.install(store._client)  # a policy changed since the ping
+    with pytest.raises(StoreUnavailable, match=r"head_object of 'p/kvtier/absent'.*403"):
+        store.exists_many(["absent"])
+    with pytest.raises(StoreUnavailable, match=r"get_object of 'p/kvtier/absent'.*AccessDen"):
+        store.get_many(["absent"])
+
+
+def test_a_refused_read_before_any_ping_learns_the_policy(server, make_store, caplog):
+    """A store opened after the ping (a kvtier serve opens one per namespace) learns the
+    policy at its first refused read: a 403 is then a miss, or, where the listing is
+    allowed (a policy denying s3:GetObject), a failure."""
+    no_list, no_get = make_store(), make_store()
+    ListingDenied(server).install(no_list._client)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.s3_listing"):
+        assert no_list.exists_many(["absent", "absent-too"]) == [False, False]
+        assert no_list.get_many(["absent"]) == [None]
+    assert no_list.listing.denied
+    assert sum("s3:ListBucket" in r.getMessage() for r in caplog.records) == 1
+    ErrorAnswers(403, None).install(no_get._client, "HeadObject")
+    with pytest.raises(StoreUnavailable, match=r"head_object of 'p/kvtier/absent'.*403"):
+        no_get.exists_many(["absent"])
+    assert no_get.listing.denied is False
+
+
+def test_list_permission_on_the_prefix_only(server, make_store, caplog):
+    """A policy granting s3:ListBucket on kvtier's prefix only (an s3:prefix condition):
+    HeadBucket is refused, the listing of the prefix is not, and absent objects are 404s."""
+    store = make_store()
+    ListingDenied(server, listable_prefix="p/").install(store._client)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.s3_listing"):
+        store.ping()
+    assert not store.listing.denied and not caplog.records
+    assert store.exists_many(["absent"]) == [False]
+    store.put_many([("here", [b"v"])])
+    assert store.clear() == 1
+
+
+@pytest.mark.parametrize("code", ["InvalidAccessKeyId", "SignatureDoesNotMatch"])
+def test_refused_credentials_are_not_a_policy_without_listing(make_store, code):
+    store = make_store()
+    ErrorAnswers(403, None).install(store._client, "HeadBucket")
+    ErrorAnswers(403, code).install(store._client, "ListObjectsV2")
+    with pytest.raises(StoreUnavailable, match=rf"list_objects_v2.*{code}.*s3_access_key_id"):
+        store.ping()
+    assert not store.listing.denied

@@ -355,7 +355,7 @@ def test_missing_credentials_are_unavailable(server, bucket, make_store):
 def test_missing_or_refused_credentials_name_their_keys(server, bucket, make_store, status, code):
     unsigned = S3Store(f"s3://{bucket}", endpoint_url=server.endpoint_url, region="us-east-1")
     refused = make_store()
-    ErrorAnswers(status, code).install(refused._client, "GetObject", "HeadBucket")
+    ErrorAnswers(status, code).install(refused._client, "GetObject", "HeadBucket", "ListObjectsV2")
     try:
         for call in (lambda: unsigned.get_many(["k"]), lambda: refused.get_many(["k"])):
             with pytest.raises(StoreUnavailable, match="s3_access_key_id and s3_secret_acc"):

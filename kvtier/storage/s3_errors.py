@@ -6,6 +6,11 @@ botocore raises every error answer as a ``ClientError`` carrying S3's error code
 (``NoSuchKey``, ``SlowDown``) or, for a HEAD request, whose answer has no body, the bare
 HTTP status as the code (``"404"``).
 
+NOTE: S3 answers a read of an absent object with 403 (``AccessDenied``; a HEAD: a bare
+``403``), not 404, to a client whose policy does not let it list the bucket
+(``s3:ListBucket``): for such a client (the store finds out by listing) that answer is
+an absent object (``is_absent``).
+
 NOTE: a throttled HEAD is a bare 503: S3 throttles with ``503 Slow Down``, and its code
 goes with the body HEAD has not. A bare 503 is therefore read as throttling; a GET or PUT
 answered 503 carries its code (``SlowDown``, or ``ServiceUnavailable``: a failure).
@@ -18,6 +23,10 @@ from botocore.exceptions import ClientError, NoCredentialsError, PartialCredenti
 # Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
 NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
 NO_BUCKET = frozenset({"NoSuchBucket", "NotFound", "404"})
+ACCESS_DENIED = "AccessDenied"
+FORBIDDEN = 403
+# A read refused for want of permission (HEAD answers the bare status, GET a code).
+_DENIED = frozenset({ACCESS_DENIED, str(FORBIDDEN)})
 # Error codes (and the HTTP status) of a write the store refuses for want of room.
 _NO_ROOM = frozenset(
     {
@@ -50,16 +59,14 @@ _SLOW_DOWN = 503  # AWS's status for SlowDown; alone (a HEAD's answer), read as 
 _BAD_CREDENTIALS = frozenset(
     {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
 )
-_FORBIDDEN = 403
 _CREDENTIALS_HINT = (
     " (check s3_access_key_id and s3_secret_access_key, or boto3's credential chain when "
     "they are null)"
 )
-# S3 answers 403, not 404, for an absent object to a client not allowed to list the bucket.
 _FORBIDDEN_HINT = (
     " (check s3_access_key_id and s3_secret_access_key, and that their policy allows "
-    "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the bucket: without "
-    "s3:ListBucket, S3 answers 403 for every chunk not stored yet)"
+    "s3:GetObject, s3:PutObject and s3:DeleteObject on the objects, and s3:ListBucket on "
+    "the bucket or its prefix)"
 )
 # The store's calls that write (the multipart ones, and deletes); an operation is named
 # by its call, with what it is about after a space (``upload_part 3``).
@@ -82,6 +89,18 @@ def error_code(exc: ClientError) -> str:
 def http_status(exc: ClientError) -> int | None:
     """The HTTP status of the answer."""
     return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def is_denied(exc: ClientError) -> bool:
+    """Whether the store refused the request for want of permission (403)."""
+    return error_code(exc) in _DENIED
+
+
+def is_absent(exc: ClientError, listing_denied: bool) -> bool:
+    """Whether the answer to a read of one object (GET, HEAD) means it is absent: S3's
+    "no such key" or, to a client that may not list the bucket (``listing_denied``),
+    "access denied"."""
+    return error_code(exc) in NOT_FOUND or (listing_denied and is_denied(exc))
 
 
 def is_out_of_room(exc: ClientError) -> bool:
@@ -115,4 +134,4 @@ def credentials_hint(exc: BaseException) -> str:
         return ""
     if error_code(exc) in _BAD_CREDENTIALS:
         return _CREDENTIALS_HINT
-    return _FORBIDDEN_HINT if http_status(exc) == _FORBIDDEN else ""
+    return _FORBIDDEN_HINT if http_status(exc) == FORBIDDEN else ""

@@ -21,6 +21,11 @@ NOTE: a HEAD request cannot tell a missing object from a missing bucket (both ar
 404), so on a deleted bucket ``exists_many`` answers False and ``delete_many`` 0; ``ping``,
 ``get_many``, ``put_many`` and ``clear`` report the missing bucket as ``StoreUnavailable``.
 
+NOTE: to a client whose policy does not let it list the bucket (no ``s3:ListBucket``), S3
+answers 403, not 404, for an absent object. ``ping`` (a HeadBucket refused, then a listing
+of the prefix refused) or the first read refused finds that out, warns once, and lookups
+and loads then read a 403 as absent; ``clear``, which lists, raises ``WriteDenied``.
+
 A write refused for room (a quota, a full backend: ``QuotaExceeded``, MinIO's
 ``XMinioStorageFull``, HTTP 507, an object over the size limit) raises ``WriteRefused``:
 the bucket still reads.
@@ -44,6 +49,7 @@ from kvtier.storage import s3_errors
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.storage.s3_client import make_client
+from kvtier.storage.s3_listing import ListPermission
 from kvtier.storage.s3_parts import byte_view, joined, part_size_for, pieces
 
 logger = logging.getLogger(__name__)
@@ -146,6 +152,13 @@ class S3Store:
         except BotoCoreError as exc:  # e.g. a profile named in the environment is missing
             raise ValueError(f"cannot configure the s3 client for {url!r}: {exc}") from exc
         self.endpoint = self._client.meta.endpoint_url
+        self.listing = ListPermission(
+            f"s3 bucket {self.bucket!r} at {self.endpoint}, prefix {self.key_prefix!r}",
+            lambda: self._send(
+                self._client.list_objects_v2, Bucket=self.bucket, Prefix=self.key_prefix, MaxKeys=1
+            ),
+            _CLIENT_ERRORS,
+        )
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kvtier-s3")
         self._closed = False
         self._close_lock = threading.Lock()
@@ -220,7 +233,13 @@ class S3Store:
                     **after,
                 )
             except _CLIENT_ERRORS as exc:
-                raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
+                failure = self._failure("list_objects_v2", self.key_prefix, exc)
+                if self.listing.denied and isinstance(exc, ClientError):
+                    cause = f"s3 {s3_errors.error_code(exc)}"
+                    raise WriteDenied(
+                        f"{failure}; clear lists, which needs s3:ListBucket", cause
+                    ) from exc
+                raise failure from exc
             keys = [obj["Key"] for obj in page.get("Contents", [])]
             for i in range(0, len(keys), self.delete_batch_size):
                 deleted += self._delete_objects(keys[i : i + self.delete_batch_size])
@@ -229,21 +248,44 @@ class S3Store:
             start_after = keys[-1]
 
     def ping(self) -> None:
-        """Return if the bucket answers (HeadBucket), else raise StoreUnavailable."""
+        """Return if the bucket answers, else raise StoreUnavailable.
+
+        Asks HeadBucket; one refused (403, which is also S3's answer to a client not
+        allowed to list the bucket) is asked again as a listing of this store's prefix,
+        which learns whether the client may list it (see the NOTE on s3:ListBucket).
+        """
         self._check_open()
         try:
             self._send(self._client.head_bucket, Bucket=self.bucket)
         except ClientError as exc:
             if s3_errors.is_throttled(exc):  # past the retries: the bucket answers
                 return
-            if s3_errors.error_code(exc) in s3_errors.NO_BUCKET:
-                raise StoreUnavailable(
-                    f"s3 bucket {self.bucket!r} does not exist at {self.endpoint} "
-                    "(kvtier does not create buckets)"
-                ) from exc
-            raise self._failure("head_bucket", None, exc) from exc
+            self._check_bucket_exists(exc)
+            if s3_errors.error_code(exc) != str(s3_errors.FORBIDDEN):
+                raise self._failure("head_bucket", None, exc) from exc
+            self._ping_by_listing()
+            return
         except _CLIENT_ERRORS as exc:
             raise self._failure("head_bucket", None, exc) from exc
+        self.listing.denied = False
+
+    def _ping_by_listing(self) -> None:
+        try:
+            self.listing.learn()
+        except ClientError as exc:
+            if s3_errors.is_throttled(exc):
+                return
+            self._check_bucket_exists(exc)
+            raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
+        except _CLIENT_ERRORS as exc:
+            raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
+
+    def _check_bucket_exists(self, exc: ClientError) -> None:
+        if s3_errors.error_code(exc) in s3_errors.NO_BUCKET:
+            raise StoreUnavailable(
+                f"s3 bucket {self.bucket!r} does not exist at {self.endpoint} "
+                "(kvtier does not create buckets)"
+            ) from exc
 
     def close(self) -> None:
         """Stop the worker threads and close the connections; idempotent.
@@ -276,7 +318,7 @@ class S3Store:
             finally:
                 body.close()  # NOTE: a half-read body must not go back to the pool
         except ClientError as exc:
-            if s3_errors.error_code(exc) in s3_errors.NOT_FOUND:
+            if self.listing.is_absent(exc):
                 return None
             raise self._failure("get_object", key, exc) from exc
         except _CLIENT_ERRORS as exc:
@@ -287,7 +329,7 @@ class S3Store:
             self._send(self._client.head_object, Bucket=self.bucket, Key=key)
             return True
         except ClientError as exc:
-            if s3_errors.error_code(exc) in s3_errors.NOT_FOUND:
+            if self.listing.is_absent(exc):
                 return False
             raise self._failure("head_object", key, exc) from exc
         except _CLIENT_ERRORS as exc:

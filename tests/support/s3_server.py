@@ -25,15 +25,18 @@ import sys
 import tempfile
 import time
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import boto3
 from botocore.awsrequest import AWSResponse
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from support.redis_server import free_port  # one loopback-port picker for every test server
 
 __all__ = [
     "ErrorAnswers",
+    "ListingDenied",
     "RequireContentMD5",
     "S3Server",
     "free_port",
@@ -303,3 +306,59 @@ class RequireContentMD5:
 
     def install(self, client: Any) -> None:
         client.meta.events.register("before-send.s3.DeleteObjects", self)
+
+
+class ListingDenied:
+    """A ``before-send`` hook of a store's client that answers as S3 answers a client
+    whose policy grants ``s3:GetObject``, ``s3:PutObject`` and ``s3:DeleteObject`` but not
+    ``s3:ListBucket``, or grants that on ``listable_prefix`` only (a policy's
+    ``s3:prefix`` condition): HeadBucket a bare 403; a ListObjectsV2 outside the listable
+    prefix 403 ``AccessDenied``; a HEAD of an absent object outside it a bare 403 and a
+    GET of one 403 ``AccessDenied``. Everything the policy allows goes on to the server.
+    ``denied`` counts the requests it answered.
+
+        ListingDenied(server).install(store._client)
+    """
+
+    def __init__(self, server: S3Server, listable_prefix: str | None = None) -> None:
+        self.listable_prefix = listable_prefix
+        self.denied = 0
+        self._client = server.client()
+
+    def __call__(self, request: Any, event_name: str, **_: Any) -> AWSResponse | None:
+        operation = event_name.rpartition(".")[2]
+        url = urlsplit(request.url)  # path style: /bucket/key
+        bucket, _, key = url.path.lstrip("/").partition("/")
+        if operation == "ListObjectsV2":
+            prefix = parse_qs(url.query).get("prefix", [""])[0]
+            if not self._listable(prefix):
+                return self._deny(request, "AccessDenied")
+        elif operation == "HeadBucket":
+            return self._deny(request, None)
+        elif operation in ("HeadObject", "GetObject"):
+            key = unquote(key)
+            if not self._listable(key) and not self._exists(bucket, key):
+                return self._deny(request, "AccessDenied" if operation == "GetObject" else None)
+        return None
+
+    def install(self, client: Any) -> None:
+        client.meta.events.register("before-send.s3", self)
+
+    def remove(self, client: Any) -> None:
+        client.meta.events.unregister("before-send.s3", self)
+
+    def _listable(self, key_or_prefix: str) -> bool:
+        return self.listable_prefix is not None and key_or_prefix.startswith(self.listable_prefix)
+
+    def _exists(self, bucket: str, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "404":
+                return False
+            raise
+        return True
+
+    def _deny(self, request: Any, code: str | None) -> AWSResponse:
+        self.denied += 1
+        return _error_answer(request, 403, code, "Access Denied")
