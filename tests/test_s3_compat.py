@@ -19,8 +19,13 @@ from support.s3_server import (
     isolate_aws_environment,
 )
 
+from kvtier.config import load_config
+from kvtier.observability.stats import Stats
+from kvtier.storage import s3_store
 from kvtier.storage.blob_store import StoreUnavailable, WriteDenied
+from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.s3_store import S3Store
+from kvtier.storage.serde import NaiveSerde
 
 pytestmark = pytest.mark.s3
 
@@ -51,6 +56,37 @@ def make_store(server):
     yield make
     for store in stores:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("style", "endpoint", "url"),
+    [
+        (None, "http://minio.internal:9000", "http://minio.internal:9000/kvtier-cache/p/"),
+        ("path", "https://s3.example.com/base", "https://s3.example.com/base/kvtier-cache/p/"),
+        ("virtual", "http://oss.internal", "http://kvtier-cache.oss.internal/p/"),
+        ("auto", None, "https://kvtier-cache.s3.eu-west-1.amazonaws.com/p/"),
+    ],
+)
+def test_addressing_style_and_endpoint_from_the_config(style, endpoint, url):
+    config = load_config(
+        {
+            "remote_url": "s3://kvtier-cache/p",
+            "s3_endpoint_url": endpoint,
+            "s3_addressing_style": style,
+            "s3_region": "eu-west-1",
+            "s3_access_key_id": "k",
+            "s3_secret_access_key": "s",
+        },
+        env={},
+    )
+    store = s3_store.open_store(
+        RemoteRequest(config.remote_url, config, NaiveSerde(), Stats(), "m")
+    )
+    absent = ErrorAnswers(404, None)  # answered here, the endpoint is never reached
+    absent.install(store._client, "HeadObject")
+    assert store.exists_many(["k"]) == [False]
+    store.close()
+    assert absent.urls == [url + "kvtier/m/k"]
 
 
 def test_deletes_carry_content_md5(make_store):

@@ -497,6 +497,7 @@ def open_store(request: RemoteRequest) -> S3Store:
         access_key_id=config.s3_access_key_id,
         secret_access_key=config.s3_secret_access_key,
         max_concurrency=config.remote_max_concurrency,
+        addressing_style=config.s3_addressing_style,
         # a throttled read's retries must end before the tier stops waiting for it
         throttle_backoff_s=min(0.5, config.remote_timeout_ms / 1000 / 2),
     )

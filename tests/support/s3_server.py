@@ -238,7 +238,8 @@ class _Body:
 class ErrorAnswers:
     """A ``before-send`` hook of a store's client that answers requests with an S3 error
     (HTTP ``status``, error ``code``) in place of the server: every request, or the first
-    ``times`` of them (then the server answers). ``attempts`` counts the requests it saw.
+    ``times`` of them (then the server answers). ``attempts`` counts the requests it saw,
+    ``urls`` lists those it answered.
     ``code=None`` answers the bare status with no body, as S3 answers a HEAD request.
 
         answers = ErrorAnswers(503, "SlowDown")
@@ -256,11 +257,13 @@ class ErrorAnswers:
         )
         self.times = times
         self.attempts = 0
+        self.urls: list[str] = []  # of the requests it answered
 
     def __call__(self, request: Any, **_: Any) -> AWSResponse | None:
         self.attempts += 1
         if 0 <= self.times < self.attempts:
             return None
+        self.urls.append(request.url)
         return AWSResponse(request.url, self.status, {}, _Body(self.body))
 
     def install(self, client: Any, *operations: str) -> None:
