@@ -134,21 +134,22 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         "remote_tls_ca_file",
         str,
         None,
-        "rediss://: CA bundle that verifies the server.",
+        "rediss:// and an https s3_endpoint_url: CA bundle that verifies the server "
+        "(null: the system's; for S3, boto3's, which AWS_CA_BUNDLE may name).",
         nullable=True,
     ),
     KeySpec(
         "remote_tls_cert_file",
         str,
         None,
-        "rediss://: client certificate (mutual TLS).",
+        "rediss:// and an https s3_endpoint_url: client certificate (mutual TLS).",
         nullable=True,
     ),
     KeySpec(
         "remote_tls_key_file",
         str,
         None,
-        "rediss://: client private key (mutual TLS).",
+        "rediss:// and an https s3_endpoint_url: client private key (mutual TLS).",
         nullable=True,
     ),
     KeySpec(

@@ -1,5 +1,6 @@
 """The boto3 client an S3 store talks through: one attempt per request, a connection per
-worker thread, the endpoint's addressing style, and no checksum pass of botocore's own.
+worker thread, the endpoint's addressing style and TLS files, and no checksum pass of
+botocore's own.
 
 The store (``s3_store``) retries and judges failures itself and checksums every payload
 in the wire format, so the client is configured to make one attempt, send bodies as they
@@ -35,6 +36,9 @@ def make_client(
     timeout_s: float,
     max_pool_connections: int,
     addressing_style: str | None,
+    ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
 ) -> Any:
     """A boto3 S3 client (see ``S3Store`` for the arguments).
 
@@ -59,6 +63,7 @@ def make_client(
         # every other parameter itself.
         parameter_validation=False,
         s3={"addressing_style": addressing_style} if addressing_style else None,
+        client_cert=cert_file if key_file is None else (cert_file, key_file),
     )
     flexible_checksums = "request_checksum_calculation" in Config.OPTION_DEFAULTS
     if flexible_checksums:
@@ -75,7 +80,9 @@ def make_client(
         aws_session_token=session_token,
         region_name=region,
     )
-    client = session.client("s3", endpoint_url=endpoint_url, config=Config(**options))
+    client = session.client(
+        "s3", endpoint_url=endpoint_url, config=Config(**options), verify=ca_file
+    )
     if flexible_checksums:
         # after botocore's own before-call handlers, which may still rewrite the body
         client.meta.events.register("before-call.s3.DeleteObjects", _content_md5)

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
+from kvtier.config.redis_url import check_tls_files
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage import s3_errors
 from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
@@ -80,12 +81,17 @@ class S3Store:
         multipart_threshold: blobs of at least this many bytes go as a multipart upload.
         multipart_part_size: bytes per uploaded part (S3 requires at least 5 MiB).
         addressing_style: ``"path"``, ``"virtual"`` or ``"auto"`` (None: botocore's).
+        ca_file: CA bundle that verifies an https endpoint (None: boto3's, which
+            ``AWS_CA_BUNDLE`` may name).
+        cert_file, key_file: client certificate and its key, for an endpoint that asks
+            for one (mutual TLS); the key may be in ``cert_file``.
         throttle_retries: retries of a throttled request before it fails (``Throttled``).
         throttle_backoff_s: the longest those retries of one request sleep in all; keep
             it below the tier's wait (``remote_timeout_ms``), or a throttled read times out.
 
     Raises:
-        ValueError: a bad URL (naming ``remote_url``) or argument. The constructor does
+        ValueError: a bad URL (naming ``remote_url``), TLS file (naming its
+            ``remote_tls_*`` key) or argument. The constructor does
             not contact the endpoint (an unreachable one shows first in ``ping``); only
             boto3's default credential chain, when used, may ask an instance metadata
             service for a role's credentials.
@@ -111,6 +117,9 @@ class S3Store:
         multipart_threshold: int = 64 * 2**20,
         multipart_part_size: int = 16 * 2**20,
         addressing_style: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
         throttle_retries: int = 3,
         throttle_backoff_s: float = 0.5,
     ):
@@ -128,6 +137,7 @@ class S3Store:
             )
         if (access_key_id is None) != (secret_access_key is None):
             raise ValueError("access_key_id and secret_access_key must be given together")
+        check_tls_files(ca_file, cert_file, key_file)
         self.key_prefix = self.prefix + namespace
         self.multipart_threshold = multipart_threshold
         self.multipart_part_size = multipart_part_size
@@ -148,6 +158,9 @@ class S3Store:
                 timeout_s=timeout_s,
                 max_pool_connections=max_concurrency,
                 addressing_style=addressing_style,
+                ca_file=ca_file,
+                cert_file=cert_file,
+                key_file=key_file,
             )
         except BotoCoreError as exc:  # e.g. a profile named in the environment is missing
             raise ValueError(f"cannot configure the s3 client for {url!r}: {exc}") from exc
@@ -488,6 +501,9 @@ def open_store(request: RemoteRequest) -> S3Store:
     """The blob store of an ``s3://`` ``remote_url`` (a ``kvtier serve`` writes through
     it), under the prefix ``kvtier/<space>/``."""
     config = request.config
+    # The remote_tls_* keys verify an endpoint of one's own (AWS's certificates are public;
+    # the keys may be there for a kvtier serve's rediss:// peer discovery).
+    own_endpoint = config.s3_endpoint_url is not None
     return S3Store(
         request.url,
         timeout_s=max(config.remote_timeout_ms / 1000, 1.0),
@@ -498,6 +514,9 @@ def open_store(request: RemoteRequest) -> S3Store:
         secret_access_key=config.s3_secret_access_key,
         max_concurrency=config.remote_max_concurrency,
         addressing_style=config.s3_addressing_style,
+        ca_file=config.remote_tls_ca_file if own_endpoint else None,
+        cert_file=config.remote_tls_cert_file if own_endpoint else None,
+        key_file=config.remote_tls_key_file if own_endpoint else None,
         # a throttled read's retries must end before the tier stops waiting for it
         throttle_backoff_s=min(0.5, config.remote_timeout_ms / 1000 / 2),
     )
