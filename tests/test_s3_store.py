@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import logging
 import socket
 import threading
 import time
@@ -581,6 +582,24 @@ def test_concurrent_callers(make_store):
         t.join(timeout=60)
     assert not errors, errors[0]
     assert len(kvtier_threads()) <= 4
+
+
+def test_every_connection_goes_back_to_the_pool(make_store, bucket, caplog):
+    """Every worker's request in flight and, meanwhile, requests on callers' threads (a
+    ping, a multipart upload's create and complete): each connection is kept for the
+    next request, not closed with urllib3's "Connection pool is full" warning."""
+    store = make_store(max_concurrency=2)
+    store.put_many([("k", [b"v"])])
+    in_flight = 2 + 3  # the workers', and a ping and two writers' multipart calls
+    with caplog.at_level(logging.WARNING, logger="urllib3"):
+        bodies = [
+            store._client.get_object(Bucket=bucket, Key="kvtier/k")["Body"]
+            for _ in range(in_flight)
+        ]  # each holds its connection until read
+        for body in bodies:
+            assert body.read() == b"v"
+            body.close()
+    assert not [r.getMessage() for r in caplog.records if "pool is full" in r.getMessage()]
 
 
 def test_close_stops_worker_threads_and_is_idempotent(make_store):

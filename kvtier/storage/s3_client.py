@@ -24,6 +24,8 @@ from botocore.config import Config
 __all__ = ["ADDRESSING_STYLES", "make_client"]
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
+# Connections kept beside the workers' for requests made on callers' threads.
+_CALLER_CONNECTIONS = 8
 
 
 def make_client(
@@ -34,13 +36,14 @@ def make_client(
     secret_access_key: str | None,
     session_token: str | None,
     timeout_s: float,
-    max_pool_connections: int,
+    workers: int,
     addressing_style: str | None,
     ca_file: str | None = None,
     cert_file: str | None = None,
     key_file: str | None = None,
 ) -> Any:
-    """A boto3 S3 client (see ``S3Store`` for the arguments).
+    """A boto3 S3 client (see ``S3Store`` for the arguments) for a store whose requests
+    run on ``workers`` threads of its own, and a few on its callers' threads.
 
     Raises:
         ValueError: ``addressing_style`` is not one of ``ADDRESSING_STYLES``.
@@ -57,7 +60,10 @@ def make_client(
         # One attempt: a failed request is RemoteTier's to judge (an outage costs one
         # timeout, not several); the store retries a throttled one itself.
         retries={"total_max_attempts": 1, "mode": "standard"},
-        max_pool_connections=max_pool_connections,
+        # A connection kept for each worker, and for the requests made on callers' threads
+        # meanwhile (a ping, clear's listing, a multipart upload's create and complete):
+        # urllib3 closes one that finds the pool full, warning each time.
+        max_pool_connections=workers + _CALLER_CONNECTIONS,
         # botocore's validator rejects memoryview bodies, which the rest of it sends as
         # they are; validating would cost a copy of every payload. The store builds
         # every other parameter itself.

@@ -3,8 +3,8 @@
 ``S3Store`` is a thin ``BlobStore`` (see ``blob_store``) over boto3's low-level client. The
 object key of a name is ``<prefix from the URL>/`` + ``namespace`` + ``name``, so several
 models and deployments share one bucket. Batched calls fan out, one request per name, on a
-bounded thread pool the store owns (S3 has no multi-get), and the pool's size is also the
-size of the client's connection pool, so every worker keeps its connection alive.
+bounded thread pool the store owns (S3 has no multi-get); the client's connection pool
+keeps a connection alive for every worker, and for requests made on callers' threads.
 
 What the store leaves to the layer above (``RemoteTier``): retries of a failed request
 (botocore makes one attempt), health, integrity (the wire format checksums every payload,
@@ -156,7 +156,7 @@ class S3Store:
                 secret_access_key=secret_access_key,
                 session_token=session_token,
                 timeout_s=timeout_s,
-                max_pool_connections=max_concurrency,
+                workers=max_concurrency,
                 addressing_style=addressing_style,
                 ca_file=ca_file,
                 cert_file=cert_file,
