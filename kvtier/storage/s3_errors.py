@@ -1,6 +1,7 @@
 """What an S3 error answer means to the S3 store: an absent object or bucket, a write
 refused for want of room or of permission, a throttled request, or else a failure (with a
-hint naming the credential keys where the credentials are missing or refused).
+hint naming the credential keys where the credentials are missing or refused); and the
+``StoreUnavailable`` that reports it (``failure``).
 
 botocore raises every error answer as a ``ClientError`` carrying S3's error code
 (``NoSuchKey``, ``SlowDown``) or, for a HEAD request, whose answer has no body, the bare
@@ -19,6 +20,8 @@ answered 503 carries its code (``SlowDown``, or ``ServiceUnavailable``: a failur
 from __future__ import annotations
 
 from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+from kvtier.storage.blob_store import StoreUnavailable, Throttled, WriteDenied, WriteRefused
 
 # Error codes that mean "no such object" (HEAD answers a bare status, GET a code).
 NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
@@ -135,3 +138,27 @@ def credentials_hint(exc: BaseException) -> str:
     if error_code(exc) in _BAD_CREDENTIALS:
         return _CREDENTIALS_HINT
     return _FORBIDDEN_HINT if http_status(exc) == FORBIDDEN else ""
+
+
+def failure(
+    store: str, operation: str, key: str | None, exc: BaseException, throttle_retries: int
+) -> StoreUnavailable:
+    """The StoreUnavailable for ``exc``, the failure of ``operation`` (on ``key``) in
+    ``store`` (its bucket and endpoint): a ``WriteRefused`` where the store refused for
+    want of room, a ``WriteDenied`` for want of permission, ``Throttled`` where it still
+    throttled after ``throttle_retries`` retries."""
+    where = f"{store}: {operation}" + (f" of {key!r}" if key is not None else "")
+    if not isinstance(exc, ClientError):
+        return StoreUnavailable(
+            f"{where} failed: {type(exc).__name__}: {exc}{credentials_hint(exc)}"
+        )
+    code, status = error_code(exc), http_status(exc)
+    message = exc.response.get("Error", {}).get("Message") or ""
+    error = f"{code} (HTTP {status}) {message}".rstrip()
+    if is_out_of_room(exc):
+        return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
+    if is_write_denied(exc, operation):
+        return WriteDenied(f"{where} denied: {error}", f"s3 {code}")
+    if is_throttled(exc):
+        return Throttled(f"{where} throttled after {throttle_retries} retries: {error}")
+    return StoreUnavailable(f"{where} failed: {error}{credentials_hint(exc)}")

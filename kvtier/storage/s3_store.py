@@ -47,7 +47,7 @@ from urllib3.exceptions import HTTPError
 from kvtier.config.redis_url import check_tls_files
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage import s3_errors
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteDenied
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
 from kvtier.storage.s3_client import make_client
 from kvtier.storage.s3_listing import ListPermission
@@ -475,26 +475,8 @@ class S3Store:
         return fn(*args)
 
     def _failure(self, operation: str, key: str | None, exc: BaseException) -> StoreUnavailable:
-        """The StoreUnavailable for ``exc``: which bucket, endpoint, operation and error
-        (a ``WriteRefused`` where the store refused for want of room, ``Throttled`` where
-        it throttled)."""
-        target = f" of {key!r}" if key is not None else ""
-        if not isinstance(exc, ClientError):
-            error = f"{type(exc).__name__}: {exc}{s3_errors.credentials_hint(exc)}"
-            return StoreUnavailable(
-                f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
-            )
-        code, status = s3_errors.error_code(exc), s3_errors.http_status(exc)
-        message = exc.response.get("Error", {}).get("Message") or ""
-        error = f"{code} (HTTP {status}) {message}".rstrip()
-        where = f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target}"
-        if s3_errors.is_out_of_room(exc):
-            return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
-        if s3_errors.is_write_denied(exc, operation):
-            return WriteDenied(f"{where} denied: {error}", f"s3 {code}")
-        if s3_errors.is_throttled(exc):
-            return Throttled(f"{where} throttled after {self.throttle_retries} retries: {error}")
-        return StoreUnavailable(f"{where} failed: {error}{s3_errors.credentials_hint(exc)}")
+        store = f"s3 bucket {self.bucket!r} at {self.endpoint}"
+        return s3_errors.failure(store, operation, key, exc, self.throttle_retries)
 
 
 def open_store(request: RemoteRequest) -> S3Store:
