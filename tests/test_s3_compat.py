@@ -106,6 +106,19 @@ def test_deletes_carry_content_md5(make_store):
     assert store.exists_many(["n0", "n2", "n4"]) == [False, False, False]
 
 
+def test_a_store_without_multi_object_delete(make_store):
+    """Stores without DeleteObjects (Google Cloud Storage's XML API until 2026, Riak CS,
+    MEGA S4) answer it NotImplemented: deletes go one DeleteObject each from then on."""
+    store = make_store()
+    no_bulk = ErrorAnswers(501, "NotImplemented", "A header or query you provided requested")
+    no_bulk.install(store._client, "DeleteObjects")
+    store.put_many([(f"n{i}", [b"v"]) for i in range(5)])
+    assert store.delete_many(["n0", "n1", "absent"]) == 2
+    assert store.clear() == 3
+    assert no_bulk.attempts == 1
+    assert store.exists_many(["n0", "n2", "n4"]) == [False, False, False]
+
+
 # -- a policy without s3:ListBucket ------------------------------------------------------
 
 

@@ -57,6 +57,7 @@ _THROTTLED = frozenset(
     }
 )
 _TOO_MANY_REQUESTS = 429
+_NOT_IMPLEMENTED = 501
 _SLOW_DOWN = 503  # AWS's status for SlowDown; alone (a HEAD's answer), read as throttling
 # Error codes of a request whose credentials are refused (besides any HTTP 403 Forbidden).
 _BAD_CREDENTIALS = frozenset(
@@ -79,6 +80,7 @@ _WRITES = frozenset(
         "create_multipart_upload",
         "upload_part",
         "complete_multipart_upload",
+        "delete_object",
         "delete_objects",
     }
 )
@@ -104,6 +106,12 @@ def is_absent(exc: ClientError, listing_denied: bool) -> bool:
     "no such key" or, to a client that may not list the bucket (``listing_denied``),
     "access denied"."""
     return error_code(exc) in NOT_FOUND or (listing_denied and is_denied(exc))
+
+
+def is_not_implemented(exc: ClientError) -> bool:
+    """Whether the store does not implement the request (an S3-compatible store without
+    an operation of S3's, e.g. multi-object delete)."""
+    return error_code(exc) == "NotImplemented" or http_status(exc) == _NOT_IMPLEMENTED
 
 
 def is_out_of_room(exc: ClientError) -> bool:

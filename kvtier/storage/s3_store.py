@@ -90,11 +90,10 @@ class S3Store:
             it below the tier's wait (``remote_timeout_ms``), or a throttled read times out.
 
     Raises:
-        ValueError: a bad URL (naming ``remote_url``), TLS file (naming its
-            ``remote_tls_*`` key) or argument. The constructor does
-            not contact the endpoint (an unreachable one shows first in ``ping``); only
-            boto3's default credential chain, when used, may ask an instance metadata
-            service for a role's credentials.
+        ValueError: a bad URL (naming ``remote_url``), TLS file (naming its ``remote_tls_*``
+            key) or argument. The constructor does not contact the endpoint (an unreachable
+            one shows first in ``ping``); only boto3's default credential chain, when used,
+            may ask an instance metadata service for a role's credentials.
 
     Every call raises ``StoreUnavailable`` when the store fails (see ``blob_store``),
     including after ``close``.
@@ -147,6 +146,7 @@ class S3Store:
         # Keys per ListObjectsV2 page and per DeleteObjects: S3's maxima, smaller in tests.
         self.list_page_size = 1000
         self.delete_batch_size = _MAX_DELETE_KEYS
+        self.bulk_delete = True  # False once the store answered a DeleteObjects NotImplemented
 
         try:
             self._client = make_client(
@@ -222,10 +222,7 @@ class S3Store:
         self._check_open()
         keys = list(dict.fromkeys(self._key(name) for name in names))
         present = self._run_all([(self._head_object, key) for key in keys])
-        keys = [key for key, is_present in zip(keys, present, strict=True) if is_present]
-        size = self.delete_batch_size
-        batches = [keys[i : i + size] for i in range(0, len(keys), size)]
-        return sum(self._run_all([(self._delete_objects, batch) for batch in batches]))
+        return self._delete_keys([key for key, here in zip(keys, present, strict=True) if here])
 
     def clear(self) -> int:
         """Delete every object under this store's ``prefix + namespace``; returns how many.
@@ -254,8 +251,7 @@ class S3Store:
                     ) from exc
                 raise failure from exc
             keys = [obj["Key"] for obj in page.get("Contents", [])]
-            for i in range(0, len(keys), self.delete_batch_size):
-                deleted += self._delete_objects(keys[i : i + self.delete_batch_size])
+            deleted += self._delete_keys(keys)
             if not keys or not page.get("IsTruncated"):
                 return deleted
             start_after = keys[-1]
@@ -348,7 +344,28 @@ class S3Store:
         except _CLIENT_ERRORS as exc:
             raise self._failure("head_object", key, exc) from exc
 
-    def _delete_objects(self, keys: list[str]) -> int:
+    def _delete_keys(self, keys: list[str]) -> int:
+        """Delete ``keys`` concurrently: DeleteObjects batches, or one DeleteObject each
+        where the store has no multi-object delete (it answers ``NotImplemented``)."""
+        if self.bulk_delete:
+            size = self.delete_batch_size
+            batches = [
+                (self._delete_objects, keys[i : i + size]) for i in range(0, len(keys), size)
+            ]
+            if None not in (deleted := self._run_all(batches)):
+                return sum(deleted)
+            self.bulk_delete = False
+        self._run_all([(self._delete_object, key) for key in keys])
+        return len(keys)
+
+    def _delete_object(self, key: str) -> None:
+        try:
+            self._send(self._client.delete_object, Bucket=self.bucket, Key=key)
+        except _CLIENT_ERRORS as exc:
+            raise self._failure("delete_object", key, exc) from exc
+
+    def _delete_objects(self, keys: list[str]) -> int | None:
+        """How many of ``keys`` one DeleteObjects deleted; None where the store has none."""
         try:
             response = self._send(
                 self._client.delete_objects,
@@ -356,6 +373,8 @@ class S3Store:
                 Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
             )
         except _CLIENT_ERRORS as exc:
+            if isinstance(exc, ClientError) and s3_errors.is_not_implemented(exc):
+                return None
             operation = f"delete_objects ({len(keys)} keys from {keys[0]!r})"
             raise self._failure(operation, None, exc) from exc
         # A 200 answer may still carry per-key failures (e.g. AccessDenied on one key).
