@@ -582,7 +582,8 @@ def test_the_registry_covers_exactly_the_declared_schemes():
 
 
 def test_a_missing_client_library_names_its_pip_extra(monkeypatch):
-    monkeypatch.delitem(sys.modules, "kvtier.storage.s3_store")
+    for module in [name for name in sys.modules if name.startswith("kvtier.storage.s3_")]:
+        monkeypatch.delitem(sys.modules, module)  # imported again, and boto3 with them
     monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now fails
     with pytest.raises(ValueError, match=r"\(boto3\): pip install 'kvtier\[s3\]'"):
         schemes.load_module("s3://bucket/prefix")
