@@ -24,7 +24,7 @@ from support.s3_server import (
 from kvtier.config import load_config
 from kvtier.observability.stats import Stats
 from kvtier.storage import s3_store
-from kvtier.storage.blob_store import StoreUnavailable, WriteDenied
+from kvtier.storage.blob_store import StoreUnavailable, Throttled, WriteDenied
 from kvtier.storage.remote import RemoteRequest
 from kvtier.storage.s3_store import S3Store
 from kvtier.storage.serde import NaiveSerde
@@ -142,6 +142,11 @@ def test_without_list_permission_absent_objects_are_misses(server, make_store, c
     with pytest.raises(WriteDenied, match="s3:ListBucket"):
         store.clear()  # it lists; the store still reads and writes
     denied.remove(store._client)
+    slow_down = ErrorAnswers(503, "SlowDown")
+    slow_down.install(store._client, "ListObjectsV2")
+    with pytest.raises(Throttled):
+        store.clear()  # a refusal for want of ListBucket is only an AccessDenied
+    slow_down.remove(store._client, "ListObjectsV2")
     store.ping()  # the policy now grants listing: a 403 is a failure again
     assert not store.listing.denied
 

@@ -72,6 +72,10 @@ class ListPermission:
             return
         self.denied = False
 
+    def is_denied_listing(self, exc: ClientError) -> bool:
+        """Whether ``exc``, the answer to a listing, is the refusal ``denied`` records."""
+        return bool(self.denied) and s3_errors.is_denied(exc)
+
     def is_absent(self, exc: ClientError) -> bool:
         """Whether the error answer to a read of one object means it is absent. A 403
         while ``denied`` is not known yet learns it first (a failure to learn leaves

@@ -244,11 +244,10 @@ class S3Store:
                 )
             except _CLIENT_ERRORS as exc:
                 failure = self._failure("list_objects_v2", self.key_prefix, exc)
-                if self.listing.denied and isinstance(exc, ClientError):
+                if isinstance(exc, ClientError) and self.listing.is_denied_listing(exc):
                     cause = f"s3 {s3_errors.error_code(exc)}"
-                    raise WriteDenied(
-                        f"{failure}; clear lists, which needs s3:ListBucket", cause
-                    ) from exc
+                    message = f"{failure}; clear lists, which needs s3:ListBucket"
+                    raise WriteDenied(message, cause) from exc
                 raise failure from exc
             keys = [obj["Key"] for obj in page.get("Contents", [])]
             deleted += self._delete_keys(keys)
