@@ -11,7 +11,7 @@ import time
 
 import pytest
 from support.redis_server import REDIS_MISSING, RedisServer, redis_available
-from support.s3_server import ErrorAnswers, S3Server, isolate_aws_environment
+from support.s3_server import ErrorAnswers, ListingDenied, S3Server, isolate_aws_environment
 from support.tiers import (
     check_remote_down,
     fill,
@@ -456,6 +456,30 @@ def test_s3_denied_puts_are_failed_stores_not_an_outage(s3, pool, caplog):
 
 
 @pytest.mark.s3
+def test_s3_policy_without_list_permission_serves_with_a_warning(s3, pool, caplog):
+    """Credentials that may not list the bucket: S3 answers 403 for a chunk not stored
+    yet. The tier starts up (one warning naming s3:ListBucket), such a chunk is a miss,
+    stored chunks are found and loaded, and nothing counts as a failure."""
+    stats = Stats()
+    manager = remote_manager("s3://kvtier-cache/no-list", stats, **s3_settings(s3))
+    remote = manager.lower[0]
+    ListingDenied(s3).install(remote.store._client)
+    with caplog.at_level(logging.WARNING):
+        assert remote.check_at_start()  # as the tier starts: the ping learns the policy
+        objs = store_chunks(manager, pool, [1, 2])
+        manager.cpu.clear()
+        assert manager.lookup_prefix([key(1), key(2), key(3)]) == 2
+        got = manager.get_many([key(1), key(3)])
+    assert same_bytes(got[0], objs[1]) and got[1] is None
+    got[0].ref_down()
+    assert remote.is_up
+    assert stats.get(tier_counter("s3", TierCounter.ERRORS)) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "s3:ListBucket" in m] == messages and len(messages) == 1
+    manager.close()
+
+
+@pytest.mark.s3
 @pytest.mark.parametrize(
     ("status", "code"),
     [(503, "SlowDown"), (503, "RequestLimitExceeded"), (400, "Throttling"), (429, "")],
@@ -558,7 +582,8 @@ def test_the_registry_covers_exactly_the_declared_schemes():
 
 
 def test_a_missing_client_library_names_its_pip_extra(monkeypatch):
-    monkeypatch.delitem(sys.modules, "kvtier.storage.s3_store")
+    for module in [name for name in sys.modules if name.startswith("kvtier.storage.s3_")]:
+        monkeypatch.delitem(sys.modules, module)  # imported again, and boto3 with them
     monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now fails
     with pytest.raises(ValueError, match=r"\(boto3\): pip install 'kvtier\[s3\]'"):
         schemes.load_module("s3://bucket/prefix")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import logging
 import socket
 import threading
 import time
@@ -17,8 +18,9 @@ from support.s3_server import ErrorAnswers, S3Server, free_port, isolate_aws_env
 
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.keys import CacheKey
+from kvtier.storage import s3_parts
 from kvtier.storage.blob_store import BlobStore, StoreUnavailable, Throttled, WriteRefused
-from kvtier.storage.s3_store import S3Store, _pieces
+from kvtier.storage.s3_store import S3Store
 
 pytestmark = pytest.mark.s3
 
@@ -243,12 +245,12 @@ def test_multipart_round_trip(make_store, server, bucket, part_sizes):
 
 def test_pieces_slice_without_copies():
     a, b = memoryview(bytes(range(10))), memoryview(bytes(range(10, 15)))
-    pieces = _pieces([a, b], 4)
+    pieces = s3_parts.pieces([a, b], 4)
     assert [bytes(p) for p in pieces] == [bytes(range(i, min(i + 4, 15))) for i in (0, 4, 8, 12)]
     # Pieces inside one buffer are views of it; only the one spanning both is a copy.
     assert [isinstance(p, memoryview) for p in pieces] == [True, True, False, True]
     assert pieces[0].obj is a.obj
-    assert _pieces([memoryview(b"")], 4) == []
+    assert s3_parts.pieces([memoryview(b"")], 4) == []
 
 
 def test_failed_multipart_upload_is_aborted(make_store, server, bucket):
@@ -354,7 +356,7 @@ def test_missing_credentials_are_unavailable(server, bucket, make_store):
 def test_missing_or_refused_credentials_name_their_keys(server, bucket, make_store, status, code):
     unsigned = S3Store(f"s3://{bucket}", endpoint_url=server.endpoint_url, region="us-east-1")
     refused = make_store()
-    ErrorAnswers(status, code).install(refused._client, "GetObject", "HeadBucket")
+    ErrorAnswers(status, code).install(refused._client, "GetObject", "HeadBucket", "ListObjectsV2")
     try:
         for call in (lambda: unsigned.get_many(["k"]), lambda: refused.get_many(["k"])):
             with pytest.raises(StoreUnavailable, match="s3_access_key_id and s3_secret_acc"):
@@ -580,6 +582,24 @@ def test_concurrent_callers(make_store):
         t.join(timeout=60)
     assert not errors, errors[0]
     assert len(kvtier_threads()) <= 4
+
+
+def test_every_connection_goes_back_to_the_pool(make_store, bucket, caplog):
+    """Every worker's request in flight and, meanwhile, requests on callers' threads (a
+    ping, a multipart upload's create and complete): each connection is kept for the
+    next request, not closed with urllib3's "Connection pool is full" warning."""
+    store = make_store(max_concurrency=2)
+    store.put_many([("k", [b"v"])])
+    in_flight = 2 + 3  # the workers', and a ping and two writers' multipart calls
+    with caplog.at_level(logging.WARNING, logger="urllib3"):
+        bodies = [
+            store._client.get_object(Bucket=bucket, Key="kvtier/k")["Body"]
+            for _ in range(in_flight)
+        ]  # each holds its connection until read
+        for body in bodies:
+            assert body.read() == b"v"
+            body.close()
+    assert not [r.getMessage() for r in caplog.records if "pool is full" in r.getMessage()]
 
 
 def test_close_stops_worker_threads_and_is_idempotent(make_store):

@@ -150,9 +150,10 @@ def _parse_db(text: str, bad: Callable[[str], ValueError]) -> int:
 
 
 def check_tls_files(ca_file: str | None, cert_file: str | None, key_file: str | None) -> None:
-    """Load the ``rediss://`` TLS files once, as a connection would, so that one that is
-    missing, unreadable, not PEM, or a key that does not match its certificate is an
-    error at start naming its config key, not an outage at every connection.
+    """Load the TLS files (of ``rediss://``, of an https S3 endpoint) once, as a connection
+    would, so that one that is missing, unreadable, not PEM, or a key that does not match
+    its certificate is an error at start naming its config key, not an outage at every
+    connection.
 
     Raises:
         ValueError: naming ``remote_tls_ca_file``, ``remote_tls_cert_file`` or

@@ -9,6 +9,7 @@ module that opens it, and a test holds the two to the same schemes.
 from __future__ import annotations
 
 import math
+from urllib.parse import urlsplit
 
 from kvtier.config.keys import KeySpec, empty_as
 
@@ -35,6 +36,32 @@ def is_remote_url(url: str) -> bool:
     """Whether ``url`` has one of ``REMOTE_SCHEMES`` (its rest is checked when it is
     opened)."""
     return url_scheme(url) in REMOTE_SCHEMES
+
+
+def check_s3_endpoint_url(url: str) -> None:
+    """Return if ``url`` is ``http(s)://host[:port][/path]``, as boto3 takes an endpoint.
+
+    Raises:
+        ValueError: naming ``s3_endpoint_url`` and the accepted form.
+    """
+    parts = urlsplit(url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # not a number, or out of range
+        port_ok = False
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or not port_ok
+        or "@" in parts.netloc
+        or parts.query
+        or parts.fragment
+        or url != url.strip()
+    ):
+        raise ValueError(
+            f"s3_endpoint_url must be http://host[:port][/path] or https://..., without "
+            f"credentials (those go in s3_access_key_id and s3_secret_access_key), got {redact_url(url)!r}"
+        )
 
 
 def redact_url(url: str) -> str:
@@ -107,21 +134,22 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         "remote_tls_ca_file",
         str,
         None,
-        "rediss://: CA bundle that verifies the server.",
+        "rediss:// and an https s3_endpoint_url: CA bundle that verifies the server "
+        "(null: the system's; for S3, boto3's, which AWS_CA_BUNDLE may name).",
         nullable=True,
     ),
     KeySpec(
         "remote_tls_cert_file",
         str,
         None,
-        "rediss://: client certificate (mutual TLS).",
+        "rediss:// and an https s3_endpoint_url: client certificate (mutual TLS).",
         nullable=True,
     ),
     KeySpec(
         "remote_tls_key_file",
         str,
         None,
-        "rediss://: client private key (mutual TLS).",
+        "rediss:// and an https s3_endpoint_url: client private key (mutual TLS).",
         nullable=True,
     ),
     KeySpec(
@@ -157,7 +185,22 @@ REMOTE_ACCESS: tuple[KeySpec, ...] = (
         "s3_endpoint_url",
         str,
         None,
-        "s3://: endpoint of an S3-compatible store (MinIO, Ceph, ...); null is AWS.",
+        "s3://: endpoint of an S3-compatible store (MinIO, Ceph RGW, R2, ...) as "
+        "http(s)://host[:port][/path]; null is AWS.",
+        normalize=empty_as(None),
+        parse=check_s3_endpoint_url,
+        nullable=True,
+    ),
+    KeySpec(
+        "s3_addressing_style",
+        str,
+        None,
+        "s3://: how requests name the bucket: path (endpoint/bucket/key: MinIO, Ceph RGW "
+        "without a DNS name), virtual (bucket.endpoint/key: Alibaba OSS, stores that "
+        "refuse path style) or auto; null: botocore's choice (path with s3_endpoint_url, "
+        "virtual on AWS).",
+        choices=("auto", "path", "virtual"),
+        normalize=empty_as(None),
         nullable=True,
     ),
     KeySpec(

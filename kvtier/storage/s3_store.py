@@ -3,12 +3,12 @@
 ``S3Store`` is a thin ``BlobStore`` (see ``blob_store``) over boto3's low-level client. The
 object key of a name is ``<prefix from the URL>/`` + ``namespace`` + ``name``, so several
 models and deployments share one bucket. Batched calls fan out, one request per name, on a
-bounded thread pool the store owns (S3 has no multi-get), and the pool's size is also the
-size of the client's connection pool, so every worker keeps its connection alive.
+bounded thread pool the store owns (S3 has no multi-get); the client's connection pool
+keeps a connection alive for every worker, and for requests made on callers' threads.
 
 What the store leaves to the layer above (``RemoteTier``): retries of a failed request
 (botocore makes one attempt), health, integrity (the wire format checksums every payload,
-so botocore's own CRC pass is turned off) and asynchrony.
+so botocore's own CRC pass is turned off: see ``s3_client``) and asynchrony.
 
 A throttled request (``SlowDown``, ``Throttling``, ``RequestLimitExceeded``, HTTP 429, a
 HEAD's bare 503: back-pressure from a store that answers) is the one the store retries itself,
@@ -20,6 +20,11 @@ no outage: the store answers. A throttled ``ping`` returns (the bucket answered)
 NOTE: a HEAD request cannot tell a missing object from a missing bucket (both are a bare
 404), so on a deleted bucket ``exists_many`` answers False and ``delete_many`` 0; ``ping``,
 ``get_many``, ``put_many`` and ``clear`` report the missing bucket as ``StoreUnavailable``.
+
+NOTE: to a client whose policy does not let it list the bucket (no ``s3:ListBucket``), S3
+answers 403, not 404, for an absent object. ``ping`` (a HeadBucket refused, then a listing
+of the prefix refused) or the first read refused finds that out, warns once, and lookups
+and loads then read a 403 as absent; ``clear``, which lists, raises ``WriteDenied``.
 
 A write refused for room (a quota, a full backend: ``QuotaExceeded``, MinIO's
 ``XMinioStorageFull``, HTTP 507, an object over the size limit) raises ``WriteRefused``:
@@ -36,28 +41,28 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-import boto3
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
+from kvtier.config.redis_url import check_tls_files
 from kvtier.config.remote_urls import parse_s3_url
 from kvtier.storage import s3_errors
-from kvtier.storage.blob_store import Buffer, StoreUnavailable, Throttled, WriteDenied, WriteRefused
+from kvtier.storage.blob_store import Buffer, StoreUnavailable, WriteDenied
 from kvtier.storage.remote import RemoteRequest, RemoteTier, open_blob_tier
+from kvtier.storage.s3_client import make_client
+from kvtier.storage.s3_listing import ListPermission
+from kvtier.storage.s3_parts import byte_view, joined, part_size_for, pieces
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["S3Store", "open_remote"]
 
-_ADDRESSING_STYLES = (None, "auto", "path", "virtual")
 # Everything the client stack raises for a failed request: botocore's own errors (which
 # wrap most urllib3 and socket errors), the few urllib3 errors it lets through, and OSError.
 _CLIENT_ERRORS = (BotoCoreError, ClientError, HTTPError, OSError)
-# S3 limits: DeleteObjects takes at most 1000 keys; an upload has at most 10000 parts.
+# S3 limit: DeleteObjects takes at most 1000 keys.
 _MAX_DELETE_KEYS = 1000
-_MAX_PARTS = 10_000
 
 
 class S3Store:
@@ -76,15 +81,19 @@ class S3Store:
         multipart_threshold: blobs of at least this many bytes go as a multipart upload.
         multipart_part_size: bytes per uploaded part (S3 requires at least 5 MiB).
         addressing_style: ``"path"``, ``"virtual"`` or ``"auto"`` (None: botocore's).
+        ca_file: CA bundle that verifies an https endpoint (None: boto3's, which
+            ``AWS_CA_BUNDLE`` may name).
+        cert_file, key_file: client certificate and its key, for an endpoint that asks
+            for one (mutual TLS); the key may be in ``cert_file``.
         throttle_retries: retries of a throttled request before it fails (``Throttled``).
         throttle_backoff_s: the longest those retries of one request sleep in all; keep
             it below the tier's wait (``remote_timeout_ms``), or a throttled read times out.
 
     Raises:
-        ValueError: a bad URL (naming ``remote_url``) or argument. The constructor does
-            not contact the endpoint (an unreachable one shows first in ``ping``); only
-            boto3's default credential chain, when used, may ask an instance metadata
-            service for a role's credentials.
+        ValueError: a bad URL (naming ``remote_url``), TLS file (naming its ``remote_tls_*``
+            key) or argument. The constructor does not contact the endpoint (an unreachable
+            one shows first in ``ping``); only boto3's default credential chain, when used,
+            may ask an instance metadata service for a role's credentials.
 
     Every call raises ``StoreUnavailable`` when the store fails (see ``blob_store``),
     including after ``close``.
@@ -107,6 +116,9 @@ class S3Store:
         multipart_threshold: int = 64 * 2**20,
         multipart_part_size: int = 16 * 2**20,
         addressing_style: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
         throttle_retries: int = 3,
         throttle_backoff_s: float = 0.5,
     ):
@@ -117,10 +129,6 @@ class S3Store:
             multipart_threshold=multipart_threshold,
             multipart_part_size=multipart_part_size,
         )
-        if addressing_style not in _ADDRESSING_STYLES:
-            raise ValueError(
-                f"addressing_style must be one of {_ADDRESSING_STYLES}, got {addressing_style!r}"
-            )
         if throttle_retries < 0 or throttle_backoff_s < 0:
             raise ValueError(
                 "throttle_retries and throttle_backoff_s must not be negative, got "
@@ -128,6 +136,7 @@ class S3Store:
             )
         if (access_key_id is None) != (secret_access_key is None):
             raise ValueError("access_key_id and secret_access_key must be given together")
+        check_tls_files(ca_file, cert_file, key_file)
         self.key_prefix = self.prefix + namespace
         self.multipart_threshold = multipart_threshold
         self.multipart_part_size = multipart_part_size
@@ -137,39 +146,32 @@ class S3Store:
         # Keys per ListObjectsV2 page and per DeleteObjects: S3's maxima, smaller in tests.
         self.list_page_size = 1000
         self.delete_batch_size = _MAX_DELETE_KEYS
+        self.bulk_delete = True  # False once the store answered a DeleteObjects NotImplemented
 
-        options: dict[str, Any] = dict(
-            connect_timeout=timeout_s,
-            read_timeout=timeout_s,
-            # One attempt: a failed request is RemoteTier's to judge (an outage costs one
-            # timeout, not several); the store retries a throttled one itself (_send).
-            retries={"total_max_attempts": 1, "mode": "standard"},
-            max_pool_connections=max_concurrency,
-            # botocore's validator rejects memoryview bodies, which the rest of it sends as
-            # they are; validating would cost a copy of every payload. The store builds
-            # every other parameter itself.
-            parameter_validation=False,
-            s3={"addressing_style": addressing_style} if addressing_style else None,
-        )
-        if "request_checksum_calculation" in Config.OPTION_DEFAULTS:
-            # botocore >= 1.36 CRCs every body by default: a second pass over each blob
-            # that the wire format's checksum makes redundant, and trailing aws-chunked
-            # checksums that several S3-compatible servers reject.
-            options.update(
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            )
         try:
-            session = boto3.session.Session(
-                aws_access_key_id=access_key_id,
-                aws_secret_access_key=secret_access_key,
-                aws_session_token=session_token,
-                region_name=region,
+            self._client = make_client(
+                endpoint_url=endpoint_url,
+                region=region,
+                access_key_id=access_key_id,
+                secret_access_key=secret_access_key,
+                session_token=session_token,
+                timeout_s=timeout_s,
+                workers=max_concurrency,
+                addressing_style=addressing_style,
+                ca_file=ca_file,
+                cert_file=cert_file,
+                key_file=key_file,
             )
-            self._client = session.client("s3", endpoint_url=endpoint_url, config=Config(**options))
         except BotoCoreError as exc:  # e.g. a profile named in the environment is missing
             raise ValueError(f"cannot configure the s3 client for {url!r}: {exc}") from exc
         self.endpoint = self._client.meta.endpoint_url
+        self.listing = ListPermission(
+            f"s3 bucket {self.bucket!r} at {self.endpoint}, prefix {self.key_prefix!r}",
+            lambda: self._send(
+                self._client.list_objects_v2, Bucket=self.bucket, Prefix=self.key_prefix, MaxKeys=1
+            ),
+            _CLIENT_ERRORS,
+        )
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kvtier-s3")
         self._closed = False
         self._close_lock = threading.Lock()
@@ -189,7 +191,7 @@ class S3Store:
         """
         self._check_open()
         # The last blob of a name wins, as it would if they were put one after another.
-        blobs = {self._key(name): [_byte_view(part) for part in parts] for name, parts in items}
+        blobs = {self._key(name): [byte_view(part) for part in parts] for name, parts in items}
         small, large = [], []
         for key, views in blobs.items():
             size = sum(view.nbytes for view in views)
@@ -220,10 +222,7 @@ class S3Store:
         self._check_open()
         keys = list(dict.fromkeys(self._key(name) for name in names))
         present = self._run_all([(self._head_object, key) for key in keys])
-        keys = [key for key, is_present in zip(keys, present, strict=True) if is_present]
-        size = self.delete_batch_size
-        batches = [keys[i : i + size] for i in range(0, len(keys), size)]
-        return sum(self._run_all([(self._delete_objects, batch) for batch in batches]))
+        return self._delete_keys([key for key, here in zip(keys, present, strict=True) if here])
 
     def clear(self) -> int:
         """Delete every object under this store's ``prefix + namespace``; returns how many.
@@ -244,30 +243,57 @@ class S3Store:
                     **after,
                 )
             except _CLIENT_ERRORS as exc:
-                raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
+                failure = self._failure("list_objects_v2", self.key_prefix, exc)
+                if isinstance(exc, ClientError) and self.listing.is_denied_listing(exc):
+                    cause = f"s3 {s3_errors.error_code(exc)}"
+                    message = f"{failure}; clear lists, which needs s3:ListBucket"
+                    raise WriteDenied(message, cause) from exc
+                raise failure from exc
             keys = [obj["Key"] for obj in page.get("Contents", [])]
-            for i in range(0, len(keys), self.delete_batch_size):
-                deleted += self._delete_objects(keys[i : i + self.delete_batch_size])
+            deleted += self._delete_keys(keys)
             if not keys or not page.get("IsTruncated"):
                 return deleted
             start_after = keys[-1]
 
     def ping(self) -> None:
-        """Return if the bucket answers (HeadBucket), else raise StoreUnavailable."""
+        """Return if the bucket answers, else raise StoreUnavailable.
+
+        Asks HeadBucket; one refused (403, which is also S3's answer to a client not
+        allowed to list the bucket) is asked again as a listing of this store's prefix,
+        which learns whether the client may list it (see the NOTE on s3:ListBucket).
+        """
         self._check_open()
         try:
             self._send(self._client.head_bucket, Bucket=self.bucket)
         except ClientError as exc:
             if s3_errors.is_throttled(exc):  # past the retries: the bucket answers
                 return
-            if s3_errors.error_code(exc) in s3_errors.NO_BUCKET:
-                raise StoreUnavailable(
-                    f"s3 bucket {self.bucket!r} does not exist at {self.endpoint} "
-                    "(kvtier does not create buckets)"
-                ) from exc
-            raise self._failure("head_bucket", None, exc) from exc
+            self._check_bucket_exists(exc)
+            if s3_errors.error_code(exc) != str(s3_errors.FORBIDDEN):
+                raise self._failure("head_bucket", None, exc) from exc
+            self._ping_by_listing()
+            return
         except _CLIENT_ERRORS as exc:
             raise self._failure("head_bucket", None, exc) from exc
+        self.listing.denied = False
+
+    def _ping_by_listing(self) -> None:
+        try:
+            self.listing.learn()
+        except ClientError as exc:
+            if s3_errors.is_throttled(exc):
+                return
+            self._check_bucket_exists(exc)
+            raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
+        except _CLIENT_ERRORS as exc:
+            raise self._failure("list_objects_v2", self.key_prefix, exc) from exc
+
+    def _check_bucket_exists(self, exc: ClientError) -> None:
+        if s3_errors.error_code(exc) in s3_errors.NO_BUCKET:
+            raise StoreUnavailable(
+                f"s3 bucket {self.bucket!r} does not exist at {self.endpoint} "
+                "(kvtier does not create buckets)"
+            ) from exc
 
     def close(self) -> None:
         """Stop the worker threads and close the connections; idempotent.
@@ -287,7 +313,7 @@ class S3Store:
     def _put_object(self, key: str, views: list[memoryview]) -> None:
         # Joined here, in the worker, so a batch holds at most one joined copy per worker.
         try:
-            self._send(self._client.put_object, Bucket=self.bucket, Key=key, Body=_joined(views))
+            self._send(self._client.put_object, Bucket=self.bucket, Key=key, Body=joined(views))
         except _CLIENT_ERRORS as exc:
             raise self._failure("put_object", key, exc) from exc
 
@@ -300,7 +326,7 @@ class S3Store:
             finally:
                 body.close()  # NOTE: a half-read body must not go back to the pool
         except ClientError as exc:
-            if s3_errors.error_code(exc) in s3_errors.NOT_FOUND:
+            if self.listing.is_absent(exc):
                 return None
             raise self._failure("get_object", key, exc) from exc
         except _CLIENT_ERRORS as exc:
@@ -311,13 +337,34 @@ class S3Store:
             self._send(self._client.head_object, Bucket=self.bucket, Key=key)
             return True
         except ClientError as exc:
-            if s3_errors.error_code(exc) in s3_errors.NOT_FOUND:
+            if self.listing.is_absent(exc):
                 return False
             raise self._failure("head_object", key, exc) from exc
         except _CLIENT_ERRORS as exc:
             raise self._failure("head_object", key, exc) from exc
 
-    def _delete_objects(self, keys: list[str]) -> int:
+    def _delete_keys(self, keys: list[str]) -> int:
+        """Delete ``keys`` concurrently: DeleteObjects batches, or one DeleteObject each
+        where the store has no multi-object delete (it answers ``NotImplemented``)."""
+        if self.bulk_delete:
+            size = self.delete_batch_size
+            batches = [
+                (self._delete_objects, keys[i : i + size]) for i in range(0, len(keys), size)
+            ]
+            if None not in (deleted := self._run_all(batches)):
+                return sum(deleted)
+            self.bulk_delete = False
+        self._run_all([(self._delete_object, key) for key in keys])
+        return len(keys)
+
+    def _delete_object(self, key: str) -> None:
+        try:
+            self._send(self._client.delete_object, Bucket=self.bucket, Key=key)
+        except _CLIENT_ERRORS as exc:
+            raise self._failure("delete_object", key, exc) from exc
+
+    def _delete_objects(self, keys: list[str]) -> int | None:
+        """How many of ``keys`` one DeleteObjects deleted; None where the store has none."""
         try:
             response = self._send(
                 self._client.delete_objects,
@@ -325,6 +372,8 @@ class S3Store:
                 Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
             )
         except _CLIENT_ERRORS as exc:
+            if isinstance(exc, ClientError) and s3_errors.is_not_implemented(exc):
+                return None
             operation = f"delete_objects ({len(keys)} keys from {keys[0]!r})"
             raise self._failure(operation, None, exc) from exc
         # A 200 answer may still carry per-key failures (e.g. AccessDenied on one key).
@@ -338,8 +387,7 @@ class S3Store:
         return len(keys)
 
     def _put_multipart(self, key: str, views: list[memoryview], size: int) -> None:
-        # S3 allows 10000 parts; a larger blob gets larger parts rather than failing.
-        part_size = max(self.multipart_part_size, -(-size // _MAX_PARTS))
+        part_size = part_size_for(size, self.multipart_part_size)
         try:
             upload_id = self._send(
                 self._client.create_multipart_upload, Bucket=self.bucket, Key=key
@@ -349,7 +397,7 @@ class S3Store:
         try:
             uploads = [
                 (self._upload_part, key, upload_id, number, body)
-                for number, body in enumerate(_pieces(views, part_size), start=1)
+                for number, body in enumerate(pieces(views, part_size), start=1)
             ]
             parts = self._run_all(uploads)
             self._send(
@@ -445,32 +493,17 @@ class S3Store:
         return fn(*args)
 
     def _failure(self, operation: str, key: str | None, exc: BaseException) -> StoreUnavailable:
-        """The StoreUnavailable for ``exc``: which bucket, endpoint, operation and error
-        (a ``WriteRefused`` where the store refused for want of room, ``Throttled`` where
-        it throttled)."""
-        target = f" of {key!r}" if key is not None else ""
-        if not isinstance(exc, ClientError):
-            error = f"{type(exc).__name__}: {exc}{s3_errors.credentials_hint(exc)}"
-            return StoreUnavailable(
-                f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target} failed: {error}"
-            )
-        code, status = s3_errors.error_code(exc), s3_errors.http_status(exc)
-        message = exc.response.get("Error", {}).get("Message") or ""
-        error = f"{code} (HTTP {status}) {message}".rstrip()
-        where = f"s3 bucket {self.bucket!r} at {self.endpoint}: {operation}{target}"
-        if s3_errors.is_out_of_room(exc):
-            return WriteRefused(f"{where} refused: {error}", f"s3 {code or status}")
-        if s3_errors.is_write_denied(exc, operation):
-            return WriteDenied(f"{where} denied: {error}", f"s3 {code}")
-        if s3_errors.is_throttled(exc):
-            return Throttled(f"{where} throttled after {self.throttle_retries} retries: {error}")
-        return StoreUnavailable(f"{where} failed: {error}{s3_errors.credentials_hint(exc)}")
+        store = f"s3 bucket {self.bucket!r} at {self.endpoint}"
+        return s3_errors.failure(store, operation, key, exc, self.throttle_retries)
 
 
 def open_store(request: RemoteRequest) -> S3Store:
     """The blob store of an ``s3://`` ``remote_url`` (a ``kvtier serve`` writes through
     it), under the prefix ``kvtier/<space>/``."""
     config = request.config
+    # The remote_tls_* keys verify an endpoint of one's own (AWS's certificates are public;
+    # the keys may be there for a kvtier serve's rediss:// peer discovery).
+    own_endpoint = config.s3_endpoint_url is not None
     return S3Store(
         request.url,
         timeout_s=max(config.remote_timeout_ms / 1000, 1.0),
@@ -480,6 +513,10 @@ def open_store(request: RemoteRequest) -> S3Store:
         access_key_id=config.s3_access_key_id,
         secret_access_key=config.s3_secret_access_key,
         max_concurrency=config.remote_max_concurrency,
+        addressing_style=config.s3_addressing_style,
+        ca_file=config.remote_tls_ca_file if own_endpoint else None,
+        cert_file=config.remote_tls_cert_file if own_endpoint else None,
+        key_file=config.remote_tls_key_file if own_endpoint else None,
         # a throttled read's retries must end before the tier stops waiting for it
         throttle_backoff_s=min(0.5, config.remote_timeout_ms / 1000 / 2),
     )
@@ -500,41 +537,3 @@ def _cancel_and_wait(futures: Sequence[Future] | set[Future]) -> None:
     for future in futures:
         future.cancel()
     wait(futures)
-
-
-def _byte_view(part: Buffer) -> memoryview:
-    """``part`` as a flat byte view (no copy unless it is not contiguous)."""
-    view = memoryview(part)
-    if not view.c_contiguous:
-        return memoryview(view.tobytes())
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _joined(views: list[memoryview]) -> bytes | memoryview:
-    # botocore sends a bytes-like body as is, but a file-like one in 16 KiB reads with an
-    # Expect: 100-continue round trip; joining a blob below the multipart threshold is the
-    # cheaper of the two.
-    return views[0] if len(views) == 1 else b"".join(views)
-
-
-def _pieces(views: list[memoryview], piece_size: int) -> list[bytes | memoryview]:
-    """The concatenation of ``views`` cut into ``piece_size`` pieces (the last shorter).
-
-    A piece inside one view is a slice of it (no copy); a piece spanning views is joined.
-    """
-    pieces: list[bytes | memoryview] = []
-    pending: list[memoryview] = []  # the current piece's slices
-    pending_size = 0
-    for view in views:
-        offset = 0
-        while offset < view.nbytes:
-            take = min(piece_size - pending_size, view.nbytes - offset)
-            pending.append(view[offset : offset + take])
-            pending_size += take
-            offset += take
-            if pending_size == piece_size:
-                pieces.append(_joined(pending))
-                pending, pending_size = [], 0
-    if pending:
-        pieces.append(_joined(pending))
-    return pieces

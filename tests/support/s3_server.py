@@ -15,22 +15,35 @@ AWS environment (see ``isolate_aws_environment`` for the test process itself).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import boto3
 from botocore.awsrequest import AWSResponse
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
-from support.redis_server import free_port  # one loopback-port picker for every test server
+# one loopback-port picker and one throwaway CA for every test server
+from support.redis_server import TlsFiles, free_port
 
-__all__ = ["ErrorAnswers", "S3Server", "free_port", "isolate_aws_environment"]
+__all__ = [
+    "ErrorAnswers",
+    "ListingDenied",
+    "RequireContentMD5",
+    "S3Server",
+    "free_port",
+    "isolate_aws_environment",
+]
 
 # Variables through which boto3 would pick up the developer's account, profile or endpoint.
 _AWS_ENVIRONMENT = (
@@ -64,6 +77,28 @@ def isolate_aws_environment(monkeypatch: Any) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
+# moto's server over TLS (argv: port, certificate, key, and the CA that signs the client
+# certificates it demands, or ""): what ``python -m moto.server -c cert -k key`` runs,
+# with an SSL context that can also ask for client certificates.
+_TLS_SERVER = """
+import ssl, sys
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication, MotoRequestHandler, create_backend_app,
+)
+port, cert_file, key_file, client_ca = int(sys.argv[1]), *sys.argv[2:5]
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(cert_file, key_file)
+if client_ca:
+    context.load_verify_locations(client_ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+run_simple(
+    "127.0.0.1", port, DomainDispatcherApplication(create_backend_app), threaded=True,
+    ssl_context=context, request_handler=MotoRequestHandler,
+)
+"""
+
+
 class S3Server:
     """moto's S3 server as a child process on ``127.0.0.1:port``.
 
@@ -73,6 +108,9 @@ class S3Server:
             ``client`` and ``store_kwargs`` use (moto accepts any).
         min_part_size: smallest non-last multipart part moto accepts (S3: 5 MiB), so that
             multipart uploads can be tested with small parts.
+        tls: serve HTTPS only, with this certificate (``make_tls_files``); None: HTTP.
+        client_certs: with ``tls``, accept only clients that present a certificate the
+            same CA signed (mutual TLS).
         ready_timeout_s: how long ``start`` waits for the server to answer.
 
     The server starts on construction; ``stop``/``close`` kill it, ``start`` restarts it.
@@ -91,6 +129,8 @@ class S3Server:
         secret_access_key: str = "kvtier-test-secret",
         region: str = "us-east-1",
         min_part_size: int = 1024,
+        tls: TlsFiles | None = None,
+        client_certs: bool = False,
         ready_timeout_s: float = 20.0,
     ):
         self.port = port or free_port()
@@ -98,6 +138,8 @@ class S3Server:
         self.secret_access_key = secret_access_key
         self.region = region
         self.min_part_size = min_part_size
+        self.tls = tls
+        self.client_certs = client_certs
         self.ready_timeout_s = ready_timeout_s
         self._process: subprocess.Popen | None = None
         self._admin: Any = None
@@ -112,8 +154,8 @@ class S3Server:
 
     @property
     def endpoint_url(self) -> str:
-        """``http://127.0.0.1:<port>``, the same across restarts."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http://127.0.0.1:<port>`` (``https://`` with TLS), the same across restarts."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -129,8 +171,14 @@ class S3Server:
             # moto derives its in-memory buffer from the part minimum; keep it sane.
             MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(16 * 2**20),
         )
+        if self.tls is None:
+            command = ["-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        else:
+            client_ca = self.tls.ca_file if self.client_certs else ""
+            command = ["-c", _TLS_SERVER, str(self.port), *self._tls_files(), client_ca]
+            environment["MOTO_PORT"] = str(self.port)
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, *command],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -171,7 +219,12 @@ class S3Server:
         ).client(
             "s3",
             endpoint_url=self.endpoint_url,
-            config=Config(retries={"max_attempts": 1, "mode": "standard"}, **config),
+            config=Config(
+                retries={"max_attempts": 1, "mode": "standard"},
+                client_cert=self._tls_files() if self.client_certs else None,
+                **config,
+            ),
+            verify=self.tls.ca_file if self.tls else None,
         )
 
     def create_bucket(self, name: str) -> None:
@@ -196,7 +249,8 @@ class S3Server:
                 raise RuntimeError(f"moto server exited on port {self.port}:\n{self._tail()}")
             try:
                 # Any HTTP answer means the app is up (a bare TCP accept is not enough).
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as raw:
+                    sock = self._tls_context().wrap_socket(raw) if self.tls else raw
                     sock.sendall(b"GET /moto-api/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
                     if sock.recv(16).startswith(b"HTTP/"):
                         return
@@ -208,6 +262,26 @@ class S3Server:
             f"moto server did not answer on port {self.port} within "
             f"{self.ready_timeout_s} s:\n{self._tail()}"
         )
+
+    def tls_kwargs(self) -> dict[str, Any]:
+        """The ``S3Store`` keyword arguments of this server's TLS: its CA, and the client
+        certificate it asks for (the same CA signed it)."""
+        if self.tls is None:
+            return {}
+        cert_file, key_file = self._tls_files() if self.client_certs else (None, None)
+        return dict(ca_file=self.tls.ca_file, cert_file=cert_file, key_file=key_file)
+
+    def _tls_files(self) -> tuple[str, str]:
+        assert self.tls is not None
+        return self.tls.cert_file, self.tls.key_file
+
+    def _tls_context(self) -> ssl.SSLContext:
+        assert self.tls is not None
+        context = ssl.create_default_context(cafile=self.tls.ca_file)
+        context.check_hostname = False  # the certificate names 127.0.0.1 by IP
+        if self.client_certs:
+            context.load_cert_chain(*self._tls_files())
+        return context
 
     def _tail(self, size: int = 4000) -> str:
         self._log.flush()
@@ -227,7 +301,8 @@ class _Body:
 class ErrorAnswers:
     """A ``before-send`` hook of a store's client that answers requests with an S3 error
     (HTTP ``status``, error ``code``) in place of the server: every request, or the first
-    ``times`` of them (then the server answers). ``attempts`` counts the requests it saw.
+    ``times`` of them (then the server answers). ``attempts`` counts the requests it saw,
+    ``urls`` lists those it answered.
     ``code=None`` answers the bare status with no body, as S3 answers a HEAD request.
 
         answers = ErrorAnswers(503, "SlowDown")
@@ -245,11 +320,13 @@ class ErrorAnswers:
         )
         self.times = times
         self.attempts = 0
+        self.urls: list[str] = []  # of the requests it answered
 
     def __call__(self, request: Any, **_: Any) -> AWSResponse | None:
         self.attempts += 1
         if 0 <= self.times < self.attempts:
             return None
+        self.urls.append(request.url)
         return AWSResponse(request.url, self.status, {}, _Body(self.body))
 
     def install(self, client: Any, *operations: str) -> None:
@@ -260,3 +337,94 @@ class ErrorAnswers:
     def remove(self, client: Any, *operations: str) -> None:
         for operation in operations:
             client.meta.events.unregister(f"before-send.s3.{operation}", self)
+
+
+def _error_answer(request: Any, status: int, code: str | None, message: str) -> AWSResponse:
+    """An S3 error answer to ``request``: a bare status when ``code`` is None (a HEAD's)."""
+    body = "" if code is None else f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
+    return AWSResponse(request.url, status, {}, _Body(body.encode()))
+
+
+class RequireContentMD5:
+    """A ``before-send`` hook of a store's client that takes a DeleteObjects request the
+    way MinIO, OVH or CubeFS did before they accepted botocore's CRC32: without a
+    Content-MD5 header it is answered ``400 MissingContentMD5``, with a wrong one
+    ``400 BadDigest``; with the right one it goes on to the server. ``seen`` counts the
+    DeleteObjects requests.
+
+        RequireContentMD5().install(store._client)
+    """
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, request: Any, **_: Any) -> AWSResponse | None:
+        self.seen += 1
+        given = request.headers.get("Content-MD5")
+        if given is None:
+            return _error_answer(request, 400, "MissingContentMD5", "Missing required header")
+        if isinstance(given, bytes):
+            given = given.decode()
+        digest = hashlib.md5(request.body, usedforsecurity=False).digest()
+        if given != base64.b64encode(digest).decode():
+            return _error_answer(request, 400, "BadDigest", "Content-MD5 does not match")
+        return None
+
+    def install(self, client: Any) -> None:
+        client.meta.events.register("before-send.s3.DeleteObjects", self)
+
+
+class ListingDenied:
+    """A ``before-send`` hook of a store's client that answers as S3 answers a client
+    whose policy grants ``s3:GetObject``, ``s3:PutObject`` and ``s3:DeleteObject`` but not
+    ``s3:ListBucket``, or grants that on ``listable_prefix`` only (a policy's
+    ``s3:prefix`` condition): HeadBucket a bare 403; a ListObjectsV2 outside the listable
+    prefix 403 ``AccessDenied``; a HEAD of an absent object outside it a bare 403 and a
+    GET of one 403 ``AccessDenied``. Everything the policy allows goes on to the server.
+    ``denied`` counts the requests it answered.
+
+        ListingDenied(server).install(store._client)
+    """
+
+    def __init__(self, server: S3Server, listable_prefix: str | None = None) -> None:
+        self.listable_prefix = listable_prefix
+        self.denied = 0
+        self._client = server.client()
+
+    def __call__(self, request: Any, event_name: str, **_: Any) -> AWSResponse | None:
+        operation = event_name.rpartition(".")[2]
+        url = urlsplit(request.url)  # path style: /bucket/key
+        bucket, _, key = url.path.lstrip("/").partition("/")
+        if operation == "ListObjectsV2":
+            prefix = parse_qs(url.query).get("prefix", [""])[0]
+            if not self._listable(prefix):
+                return self._deny(request, "AccessDenied")
+        elif operation == "HeadBucket":
+            return self._deny(request, None)
+        elif operation in ("HeadObject", "GetObject"):
+            key = unquote(key)
+            if not self._listable(key) and not self._exists(bucket, key):
+                return self._deny(request, "AccessDenied" if operation == "GetObject" else None)
+        return None
+
+    def install(self, client: Any) -> None:
+        client.meta.events.register("before-send.s3", self)
+
+    def remove(self, client: Any) -> None:
+        client.meta.events.unregister("before-send.s3", self)
+
+    def _listable(self, key_or_prefix: str) -> bool:
+        return self.listable_prefix is not None and key_or_prefix.startswith(self.listable_prefix)
+
+    def _exists(self, bucket: str, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "404":
+                return False
+            raise
+        return True
+
+    def _deny(self, request: Any, code: str | None) -> AWSResponse:
+        self.denied += 1
+        return _error_answer(request, 403, code, "Access Denied")
