@@ -445,8 +445,7 @@ class KVTierStore:
         self._request(Op.PING, {})
 
     def answers(self, op: Op) -> bool:
-        """Whether the server answers ``op``, as its HELLO reply said (before the first
-        connection: the ops every server answers)."""
+        """Whether the server answers ``op``, as its HELLO reply said (else every server's)."""
         return op in self._ops
 
     def call(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
