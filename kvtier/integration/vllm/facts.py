@@ -119,6 +119,34 @@ def latent_replicas(vllm_config: VllmConfig) -> int:
     return parallel.tensor_parallel_size
 
 
+def kv_head_replicas(vllm_config: VllmConfig) -> int:
+    """Ranks in a row that hold the same KV heads when the model has fewer KV heads than
+    tensor-parallel ranks: vLLM's ``QKVParallelLinear`` gives each head to ``tp //
+    kv_heads`` consecutive ranks (rank ``r`` holds head ``r // replicas``, byte for byte)
+    and refuses a ``tp`` that is neither a divisor nor a multiple of the heads. 1 where
+    each rank holds heads of its own, under context parallelism (``latent_replicas``),
+    and where the replication is not one for every layer: layers, or a draft model, of
+    other KV heads or another tensor-parallel size."""
+    tp = latent_replicas(vllm_config)
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is not None and (getattr(speculative, "draft_tensor_parallel_size", tp) or tp) != tp:
+        return 1
+    heads = set()
+    for model in (vllm_config.model_config, draft):
+        if model is None:
+            continue
+        heads.add(int(model.get_total_num_kv_heads()))
+        arch = getattr(model, "model_arch_config", None)
+        layers = getattr(arch, "per_layer_overrides", None) or ()
+        heads.update(
+            int(layer["total_num_kv_heads"]) for layer in layers if "total_num_kv_heads" in layer
+        )
+    if len(heads) != 1 or not 0 < (kv_heads := heads.pop()) < tp or tp % kv_heads:
+        return 1
+    return tp // kv_heads
+
+
 def stores_partial_chunks(config: KVTierConfig, kv_role: str | None) -> bool:
     """Whether a prompt's partial last chunk is stored and looked up: ``save_unfull_chunk``,
     which defaults to on for both sides of disaggregated prefill (as in LMCache), so the
