@@ -307,6 +307,7 @@ def vllm_config(tp, kv_heads, *, dcp=1, pcp=1, layer_heads=(), draft=None):
         (vllm_config(4, 1, draft=(1, 4)), 4),
         (vllm_config(4, 1, draft=(2, 4)), 1),
         (vllm_config(4, 1, draft=(1, 1)), 1),
+        (SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)), 1),
     ],
     ids=[
         "tp2-kv1",
@@ -321,6 +322,7 @@ def vllm_config(tp, kv_heads, *, dcp=1, pcp=1, layer_heads=(), draft=None):
         "draft-alike",
         "draft-other-heads",
         "draft-other-tp",
+        "heads-unknown",
     ],
 )
 def test_tp_ranks_replicate_a_kv_head_only_where_every_layer_gives_it_the_same_ranks(

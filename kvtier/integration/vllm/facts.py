@@ -130,21 +130,27 @@ def kv_head_replicas(vllm_config: VllmConfig) -> int:
     tp = latent_replicas(vllm_config)
     speculative = getattr(vllm_config, "speculative_config", None)
     draft = getattr(speculative, "draft_model_config", None)
-    if draft is not None and (getattr(speculative, "draft_tensor_parallel_size", tp) or tp) != tp:
+    draft_tp = getattr(speculative, "draft_tensor_parallel_size", tp) or tp
+    if tp == 1 or (draft is not None and draft_tp != tp):
         return 1
-    heads = set()
-    for model in (vllm_config.model_config, draft):
-        if model is None:
-            continue
-        heads.add(int(model.get_total_num_kv_heads()))
-        arch = getattr(model, "model_arch_config", None)
-        layers = getattr(arch, "per_layer_overrides", None) or ()
-        heads.update(
-            int(layer["total_num_kv_heads"]) for layer in layers if "total_num_kv_heads" in layer
-        )
+    try:
+        heads = _kv_head_counts(vllm_config.model_config) | _kv_head_counts(draft)
+    except (AttributeError, TypeError, ValueError):  # a model whose heads vLLM cannot say
+        return 1
     if len(heads) != 1 or not 0 < (kv_heads := heads.pop()) < tp or tp % kv_heads:
         return 1
     return tp // kv_heads
+
+
+def _kv_head_counts(model_config: Any) -> set[int]:
+    """The total KV head counts of a model's layers (none for no model)."""
+    if model_config is None:
+        return set()
+    arch = getattr(model_config, "model_arch_config", None)
+    layers = getattr(arch, "per_layer_overrides", None) or ()
+    return {int(model_config.get_total_num_kv_heads())} | {
+        int(layer["total_num_kv_heads"]) for layer in layers if "total_num_kv_heads" in layer
+    }
 
 
 def stores_partial_chunks(config: KVTierConfig, kv_role: str | None) -> bool:
