@@ -45,9 +45,9 @@ class EngineMetadata:
 
     ``world_size`` and ``rank`` name the shard; both are part of every key. Where several
     ranks hold the same shard (each tensor-parallel rank of an MLA engine holds the whole
-    latent cache), ``replicas`` says how many and ``replica`` which one this is: they
-    share keys, replica 0 alone writes the shared tiers, and each keeps its own memory
-    and local disk tiers.
+    latent cache; with fewer KV heads than ranks, vLLM gives each head to several),
+    ``replicas`` says how many and ``replica`` which one this is: they share keys, replica
+    0 alone writes the shared tiers, and each keeps its own memory and local disk tiers.
     """
 
     model_name: str
@@ -76,9 +76,9 @@ class EngineMetadata:
 
     def replicated(self, replicas: int) -> EngineMetadata:
         """This rank's metadata when each run of ``replicas`` consecutive ranks holds the
-        same KV (an MLA engine's tensor-parallel ranks, ``rank = stage * tp + tp_rank``):
-        the shard is the run's (``rank // replicas`` of ``world_size // replicas``), the
-        replica this rank's place in it.
+        same KV (an MLA engine's tensor-parallel ranks, ``rank = stage * tp + tp_rank``, or
+        those vLLM gives one KV head): the shard is the run's (``rank // replicas`` of
+        ``world_size // replicas``), the replica this rank's place in it.
 
         Raises:
             ValueError: ``replicas`` does not divide ``world_size``, or this metadata is

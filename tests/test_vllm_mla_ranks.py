@@ -7,6 +7,11 @@ memory and local disk copies and read the shared tier that rank 0 writes.
 
     ranks (TP=2, PP=2)   0 1 | 2 3        MLA keys   stage 0 of 2 | stage 1 of 2
     remote (fs://)       rank 0 and rank 2 write; ranks 1 and 3 read it
+
+So is a KV head that vLLM gives to several ranks (fewer KV heads than ranks): the ranks
+that hold one head key it alike, keyed by the head, and the first of them writes it.
+
+    ranks (TP=4, 2 KV heads)   0 1 2 3    keys   head 0 of 2 (ranks 0, 1) | head 1 (2, 3)
 """
 
 from __future__ import annotations
@@ -34,19 +39,24 @@ SRC, DST = [9, 2, 14, 5, 11, 0], [3, 12, 7, 1, 15, 6]
 NUM_TOKENS = len(SRC) * BLOCK  # three chunks
 SKIPPED = tier_counter("fs", TierCounter.SKIPPED_REPLICA)
 
-LAYOUT_BACKENDS = {"mla": ("mla", "FLASHMLA"), "mha": ("vllm_hnd", "FLASH_ATTN")}
+# kind -> layout, backend, KV heads a rank, head size
+KINDS = {
+    "mla": ("mla", "FLASHMLA", 1, LATENT),
+    "mha": ("vllm_hnd", "FLASH_ATTN", 2, LATENT // 2),  # heads of its own on every rank
+    "gqa": ("vllm_hnd", "FLASH_ATTN", 1, LATENT // 2),  # one head a rank
+}
 
 
-def make_cache(layout: str) -> PagedKV:
-    """The same random cache on every call: the ranks' replicated latent."""
-    mla = layout == "mla"
+def make_cache(kind: str) -> PagedKV:
+    """The same random cache on every call: the ranks' replicated latent or head."""
+    layout, _, heads, head_size = KINDS[kind]
     paged = PagedKV.empty(
         layout,
         num_layers=LAYERS,
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK,
-        num_heads=1 if mla else 2,
-        head_size=LATENT if mla else LATENT // 2,
+        num_heads=heads,
+        head_size=head_size,
         dtype=torch.bfloat16,
     )
     gen = torch.Generator().manual_seed(0)
@@ -58,11 +68,14 @@ def make_cache(layout: str) -> PagedKV:
 @pytest.fixture
 def engine_ranks(tmp_path: Path) -> Iterator:
     """Builds the registered ranks of one engine (``tp x pp``), sharing a local disk root
-    and an ``fs://`` remote; shuts them down after."""
+    and an ``fs://`` remote; shuts them down after. ``head_replicas``: the ranks in a row
+    vLLM gives one KV head (default: all ``tp``, as at one KV head)."""
     made: list[WorkerSide] = []
 
-    def build(kind: str, tp: int, pp: int = 1, **overrides) -> list[tuple[WorkerSide, PagedKV]]:
-        layout, backend = LAYOUT_BACKENDS[kind]
+    def build(
+        kind: str, tp: int, pp: int = 1, head_replicas: int | None = None, **overrides
+    ) -> list[tuple[WorkerSide, PagedKV]]:
+        _, backend, _, _ = KINDS[kind]
         config = load_config(
             {
                 "chunk_size": CHUNK,
@@ -84,9 +97,10 @@ def engine_ranks(tmp_path: Path) -> Iterator:
                 record_events=True,
                 extensions=[KVEventWorking()],
                 mla_replicas=tp,
+                head_replicas=tp if head_replicas is None else head_replicas,
             )
             made.append(worker)
-            paged = make_cache(layout)
+            paged = make_cache(kind)
             names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
             worker.register_kv_caches(dict(zip(names, paged.tensors, strict=True)), backend)
             ranks.append((worker, paged))
@@ -140,8 +154,11 @@ def test_mla_keys_are_one_per_pipeline_stage(engine_ranks):
     assert disks == {f"rank{r}of4" for r in range(4)}, "each rank keeps its own disk"
 
 
-def test_other_caches_keep_a_key_per_rank(engine_ranks):
-    ranks = engine_ranks("mha", tp=2, pp=2)
+@pytest.mark.parametrize(
+    ("kind", "head_replicas"), [("mha", 2), ("gqa", 1)], ids=["heads-a-rank", "kv-heads-eq-tp"]
+)
+def test_other_caches_keep_a_key_per_rank(engine_ranks, kind, head_replicas):
+    ranks = engine_ranks(kind, tp=2, pp=2, head_replicas=head_replicas)
     keys = [worker.engine.chunker.key(b"\x07" * 16) for worker, _ in ranks]
     assert [(k.world_size, k.rank) for k in keys] == [(4, r) for r in range(4)]
     for worker, _ in ranks:
@@ -150,8 +167,23 @@ def test_other_caches_keep_a_key_per_rank(engine_ranks):
         assert worker.stats.get(SKIPPED) == 0, f"rank {worker.metadata.rank} skipped the remote"
 
 
-def test_rank_1_leaves_the_remote_to_rank_0_and_loads_what_it_wrote(engine_ranks, tmp_path):
-    (rank0, _), (rank1, paged1) = engine_ranks("mla", tp=2)
+REPLICATED = pytest.mark.parametrize("kind", ["mla", "gqa"])
+
+
+def test_a_replicated_kv_head_is_keyed_by_the_head_not_the_rank(engine_ranks):
+    ranks = engine_ranks("gqa", tp=4, pp=2, head_replicas=2)  # 2 KV heads, 8 ranks
+    keys = [worker.engine.chunker.key(b"\x07" * 16) for worker, _ in ranks]
+    assert [(k.world_size, k.rank) for k in keys] == [(4, r // 2) for r in range(8)]
+    assert len(set(keys)) == 4, "ranks holding one head key apart, or other heads alike"
+    assert [w.metadata.worker_rank for w, _ in ranks] == list(range(8))
+    assert [w.metadata.writes_shared_tiers for w, _ in ranks] == [True, False] * 4
+    disks = {w.engine.storage.lower[0].root.name for w, _ in ranks}
+    assert disks == {f"rank{r}of8" for r in range(8)}, "each rank keeps its own disk"
+
+
+@REPLICATED
+def test_rank_1_leaves_the_remote_to_rank_0_and_loads_what_it_wrote(engine_ranks, tmp_path, kind):
+    (rank0, _), (rank1, paged1) = engine_ranks(kind, tp=2)
     hashes = chunk_hashes(rank0)
     assert chunk_hashes(rank1) == hashes
     for worker in (rank0, rank1):
@@ -172,8 +204,9 @@ def test_rank_1_leaves_the_remote_to_rank_0_and_loads_what_it_wrote(engine_ranks
     assert_same_blocks(paged1, DST, SRC, "rank 1 loading rank 0's chunks from the remote")
 
 
-def test_a_rank_that_keeps_nothing_of_its_own_copies_nothing_out(engine_ranks, monkeypatch):
-    (rank0, paged0), (rank1, paged1) = engine_ranks("mla", tp=2, local_cpu=False, local_disk=None)
+@REPLICATED
+def test_a_rank_that_keeps_nothing_of_its_own_copies_nothing_out(engine_ranks, monkeypatch, kind):
+    (rank0, paged0), (rank1, paged1) = engine_ranks(kind, tp=2, local_cpu=False, local_disk=None)
     copies = {0: 0, 1: 0}
     for rank, (worker, _) in enumerate([(rank0, paged0), (rank1, paged1)]):
         io = worker.engine.paged_io
@@ -232,3 +265,67 @@ def test_replicated_metadata_names_the_stage_and_keeps_the_worker_rank():
     assert EngineMetadata("m", 2, 1).replicated(1) == EngineMetadata("m", 2, 1)
     with pytest.raises(ValueError, match="world_size=6"):
         EngineMetadata("m", world_size=6, rank=5).replicated(4)
+
+
+def vllm_config(tp, kv_heads, *, dcp=1, pcp=1, layer_heads=(), draft=None):
+    """A duck-typed vLLM config: ``layer_heads`` per-layer KV head overrides, ``draft`` a
+    draft model's (KV heads, tensor-parallel size)."""
+
+    def model(heads, overrides=None):
+        arch = SimpleNamespace(per_layer_overrides=overrides)
+        return SimpleNamespace(get_total_num_kv_heads=lambda: heads, model_arch_config=arch)
+
+    overrides = [{"total_num_kv_heads": h} for h in layer_heads] or None
+    speculative = None
+    if draft is not None:
+        speculative = SimpleNamespace(
+            draft_model_config=model(draft[0]), draft_tensor_parallel_size=draft[1]
+        )
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
+        ),
+        model_config=model(kv_heads, overrides),
+        speculative_config=speculative,
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "replicas"),
+    [
+        (vllm_config(2, 1), 2),
+        (vllm_config(8, 2), 4),
+        (vllm_config(2, 2), 1),
+        (vllm_config(2, 8), 1),
+        (vllm_config(1, 1), 1),
+        (vllm_config(4, 1, dcp=2), 1),
+        (vllm_config(4, 1, pcp=2), 1),
+        (vllm_config(4, 1, layer_heads=(1, 1)), 4),
+        (vllm_config(4, 1, layer_heads=(1, 4)), 1),
+        (vllm_config(4, 1, draft=(1, 4)), 4),
+        (vllm_config(4, 1, draft=(2, 4)), 1),
+        (vllm_config(4, 1, draft=(1, 1)), 1),
+        (SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)), 1),
+    ],
+    ids=[
+        "tp2-kv1",
+        "tp8-kv2",
+        "kv-eq-tp",
+        "kv-gt-tp",
+        "tp1",
+        "dcp2",
+        "pcp2",
+        "layers-alike",
+        "layers-differ",
+        "draft-alike",
+        "draft-other-heads",
+        "draft-other-tp",
+        "heads-unknown",
+    ],
+)
+def test_tp_ranks_replicate_a_kv_head_only_where_every_layer_gives_it_the_same_ranks(
+    config, replicas
+):
+    assert facts.kv_head_replicas(config) == replicas

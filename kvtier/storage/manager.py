@@ -62,9 +62,9 @@ class StorageManager:
         disk_shard: the local disk tier's subdirectory (``open_lower_tiers``).
         write_shared: write the shared tiers (every lower tier but the local disk), or,
             per key, whether to. False for a replica whose peer writes the same bytes
-            under the same keys (an MLA engine's tensor-parallel rank > 0): its puts skip
-            them (counted as ``<tier>_puts_skipped_replica``), and it reads what the peer
-            wrote.
+            under the same keys (an MLA engine's tensor-parallel rank > 0, or one that
+            holds a KV head a rank before it holds too): its puts skip them (counted as
+            ``<tier>_puts_skipped_replica``), and it reads what the peer wrote.
         shared_disk: where the local disk keeps the chunks this rank shares with
             replicas on its machine (``split_disk``); None: one directory, its own.
     """
@@ -210,7 +210,7 @@ class StorageManager:
     def skip_for_replica(self, key: CacheKey) -> bool:
         """Skip a store of ``key`` that no tier of this rank would keep, as a replica peer
         writes it: no CPU tier (``local_cpu: false``), and every lower tier is one the peer
-        writes (an MLA engine's tensor-parallel rank > 0 whose tiers are all shared).
+        writes (a replica rank, as of an MLA engine's latent, whose tiers are all shared).
         Returns whether it was skipped; each tier then counts the put it left to the peer
         (``<tier>_puts_skipped_replica``), as ``put`` does, and the caller need not copy
         the chunk out of the engine at all."""

@@ -119,6 +119,40 @@ def latent_replicas(vllm_config: VllmConfig) -> int:
     return parallel.tensor_parallel_size
 
 
+def kv_head_replicas(vllm_config: VllmConfig) -> int:
+    """Ranks in a row that hold the same KV heads when the model has fewer KV heads than
+    tensor-parallel ranks: vLLM's ``QKVParallelLinear`` gives each head to ``tp //
+    kv_heads`` consecutive ranks (rank ``r`` holds head ``r // replicas``, byte for byte)
+    and refuses a ``tp`` that is neither a divisor nor a multiple of the heads. 1 where
+    each rank holds heads of its own, under context parallelism (``latent_replicas``),
+    and where the replication is not one for every layer: layers, or a draft model, of
+    other KV heads or another tensor-parallel size."""
+    tp = latent_replicas(vllm_config)
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    draft_tp = getattr(speculative, "draft_tensor_parallel_size", tp) or tp
+    if tp == 1 or (draft is not None and draft_tp != tp):
+        return 1
+    try:
+        heads = _kv_head_counts(vllm_config.model_config) | _kv_head_counts(draft)
+    except (AttributeError, TypeError, ValueError):  # a model whose heads vLLM cannot say
+        return 1
+    if len(heads) != 1 or not 0 < (kv_heads := heads.pop()) < tp or tp % kv_heads:
+        return 1
+    return tp // kv_heads
+
+
+def _kv_head_counts(model_config: Any) -> set[int]:
+    """The total KV head counts of a model's layers (none for no model)."""
+    if model_config is None:
+        return set()
+    arch = getattr(model_config, "model_arch_config", None)
+    layers = getattr(arch, "per_layer_overrides", None) or ()
+    return {int(model_config.get_total_num_kv_heads())} | {
+        int(layer["total_num_kv_heads"]) for layer in layers if "total_num_kv_heads" in layer
+    }
+
+
 def stores_partial_chunks(config: KVTierConfig, kv_role: str | None) -> bool:
     """Whether a prompt's partial last chunk is stored and looked up: ``save_unfull_chunk``,
     which defaults to on for both sides of disaggregated prefill (as in LMCache), so the

@@ -91,6 +91,8 @@ class WorkerSide:
         mla_replicas: ranks in a row (one pipeline stage's tensor-parallel ranks) that
             hold the same KV if the cache turns out to be MLA's latent: they then store
             it under the same keys, once per stage (``EngineMetadata.replicated``).
+        head_replicas: ranks in a row that hold the same KV head if the cache turns out
+            to hold one head a rank (``facts.kv_head_replicas``): they store it so too.
     """
 
     def __init__(
@@ -103,10 +105,12 @@ class WorkerSide:
         wait_stored_s: float = 0.0,
         extensions: Sequence[WorkerExtension] = (),
         mla_replicas: int = 1,
+        head_replicas: int = 1,
         async_scheduling: bool = False,
     ):
         self.config = config
         self.mla_replicas = mla_replicas
+        self.head_replicas = head_replicas
         self.async_scheduling = async_scheduling
         self.extensions = list(extensions)
         self.metadata = metadata
@@ -151,6 +155,7 @@ class WorkerSide:
             wait_stored_s=config.producer_store_timeout_ms / 1000 if producer else 0.0,
             extensions=worker_extensions(config, vllm_config),
             mla_replicas=facts.latent_replicas(vllm_config),
+            head_replicas=facts.kv_head_replicas(vllm_config),
             async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
         )
         side._vllm_config = vllm_config
@@ -172,7 +177,7 @@ class WorkerSide:
         incompatible engines never mix. The KV geometry (layers x KV heads x head size)
         joins every key too, and a layout copied in whole blocks (not token-major) adds
         its block size. An MLA cache is keyed per pipeline stage, not per rank
-        (``mla_replicas``).
+        (``mla_replicas``); a KV head replicated across ranks per head (``head_replicas``).
         """
         block_size = None
         if self._vllm_config is not None:
@@ -189,6 +194,8 @@ class WorkerSide:
         if paged.layout.name == "mla":
             # NOTE: every tensor-parallel rank holds the whole latent, byte for byte
             self.metadata = self.metadata.replicated(self.mla_replicas)
+        elif paged.num_heads == 1:  # keyed by the head it holds, not by the rank
+            self.metadata = self.metadata.replicated(self.head_replicas)
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_size = paged.block_size
         use_tuning_dir(self.config.tuning_dir)  # this worker process's kernel tuning files
