@@ -587,3 +587,18 @@ def test_info_reads_bare_suffixed_numbers_as_vllm_serve_does(capsys):
     assert "max_local_cpu_size=4.29497e+10 (GiB, kvtier's CPU pool) is more than" in (
         capsys.readouterr().err
     )
+
+
+def test_info_reads_the_config_file_the_engine_reads(capsys, tmp_path):
+    given, named = tmp_path / "given.yaml", tmp_path / "named.yaml"
+    given.write_text("chunk_size: 128\ncache_policy: LFU\n")
+    named.write_text("chunk_size: 512\n")
+    transfer = _transfer({"config_file": str(named)})
+    assert main(["info", "--json", "--config", str(given), "--kv-transfer-config", transfer]) == 0
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert (config["chunk_size"]["value"], config["cache_policy"]["value"]) == (512, "LRU")
+    assert (
+        main(["info", "--json", "--config", str(given), "--kv-transfer-config", _transfer({})]) == 0
+    )
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert (config["chunk_size"]["value"], config["cache_policy"]["value"]) == (128, "LFU")

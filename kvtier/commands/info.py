@@ -39,7 +39,11 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file (default: KVTIER_CONFIG_FILE)")
+    parser.add_argument(
+        "--config",
+        help="YAML config file (default: KVTIER_CONFIG_FILE); as that variable, it comes "
+        "after a config_file in --kv-transfer-config's kv_connector_extra_config",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
         "--kv-transfer-config",
@@ -59,6 +63,12 @@ def _extra_config(kv_transfer_config: str | None, problems: list[str]) -> dict[s
     if kv_transfer_config is None:
         return None
     return kv_transfer.kvtier_extra_config(kv_transfer.parse(kv_transfer_config), problems)
+
+
+def _config_file(given: str | None, extra: dict[str, object] | None) -> str | None:
+    """The ``--config`` file to read: it stands where ``KVTIER_CONFIG_FILE`` does, so a
+    ``config_file`` in the extra config goes before it, as in the engine (None: that one)."""
+    return given if extra is None or extra.get("config_file") is None else None
 
 
 def _disk_problem(local_disk: str | None) -> str | None:
@@ -90,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         problems: list[str] = []  # the connector's and kvtier's, reported together
         extra = _extra_config(args.kv_transfer_config, problems)
         try:
-            config = load_config(overrides=extra, config_file=args.config)
+            config = load_config(overrides=extra, config_file=_config_file(args.config, extra))
         except ConfigError as exc:
             raise ConfigError(problems + exc.problems) from None
         problems += [p for p in (_disk_problem(config.local_disk), _pool_problem(config)) if p]
