@@ -141,7 +141,8 @@ def vllm_problems(entry: dict[str, Any], where: str, own: tuple[str, ...] = ()) 
                 hint = suggest(name, fields)
                 problems.append(f"{where}{name!r} is not a field of vLLM's KVTransferConfig{hint}")
             else:
-                problems.append(f"{where}{name}: {error['msg']} (vLLM's KVTransferConfig)")
+                field = f"{name}: " if name else ""  # a check of several fields has none
+                problems.append(f"{where}{field}{error['msg']} (vLLM's KVTransferConfig)")
         return problems
     except (TypeError, ValueError) as exc:
         return [f"{where}{exc} (vLLM's KVTransferConfig)"]
