@@ -70,6 +70,10 @@ def test_config_file_choice_order(tmp_path: Path) -> None:
     assert load_config(overrides, config_file=from_argument, env=env).chunk_size == 1
     assert load_config(overrides, env=env).chunk_size == 2
     assert load_config(env=env).chunk_size == 3
+    # An empty or null config_file in the overrides names no file, as an empty variable.
+    assert load_config({"config_file": ""}, env=env).chunk_size == 3
+    assert load_config({"config_file": None}, env=env).chunk_size == 3
+    assert load_config({"config_file": ""}, env={}).chunk_size == 256
 
 
 def test_config_file_of_wrong_type_in_overrides() -> None:

@@ -68,7 +68,7 @@ def _extra_config(kv_transfer_config: str | None, problems: list[str]) -> dict[s
 def _config_file(given: str | None, extra: dict[str, object] | None) -> str | None:
     """The ``--config`` file to read: it stands where ``KVTIER_CONFIG_FILE`` does, so a
     ``config_file`` in the extra config goes before it, as in the engine (None: that one)."""
-    return given if extra is None or extra.get("config_file") is None else None
+    return given if extra is None or extra.get("config_file") in (None, "") else None
 
 
 def _disk_problem(local_disk: str | None) -> str | None:

@@ -71,11 +71,11 @@ def resolve_config_file(
 ) -> ConfigFile | None:
     """The YAML file to read: ``config_file``, else ``from_overrides`` (the overrides'
     ``config_file``), else ``$KVTIER_CONFIG_FILE``, else ``$LMCACHE_CONFIG_FILE``; None
-    for none. When kvtier is given a file of its own, LMCACHE_CONFIG_FILE is ignored with
+    for none. An empty ``from_overrides`` or variable is none, as null is. When kvtier is given a file of its own, LMCACHE_CONFIG_FILE is ignored with
     one warning."""
     if config_file is not None:
         chosen, given_as = os.fspath(config_file), "the config_file argument"
-    elif from_overrides is not None:
+    elif from_overrides is not None and from_overrides != "":
         if not isinstance(from_overrides, str | os.PathLike):
             problems.append(
                 f"{CONFIG_FILE_KEY}: {from_overrides!r} from override is not allowed; "
