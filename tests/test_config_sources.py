@@ -268,6 +268,17 @@ def test_reserved_and_foreign_env_vars_are_not_keys() -> None:
     assert load_config(env=env) == KVTierConfig()
 
 
+def test_a_bad_log_level_is_a_problem_of_the_config() -> None:
+    # the connector's first hook in vLLM's engine core loads the config: a bad level is
+    # reported there once, with the other problems, not by every worker afterwards
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"KVTIER_LOG_LEVEL": "loud", "KVTIER_CHUNK_SISE": "16"})
+    problems = excinfo.value.problems
+    assert len(problems) == 2
+    assert "KVTIER_LOG_LEVEL='loud': not a log level" in problems[0]
+    assert load_config(env={"KVTIER_LOG_LEVEL": " Warning "}) == KVTierConfig()
+
+
 @given(st.integers(min_value=1, max_value=1 << 20))
 def test_env_int_round_trips(chunk_size: int) -> None:
     assert load_config(env={"KVTIER_CHUNK_SIZE": str(chunk_size)}).chunk_size == chunk_size
