@@ -81,10 +81,13 @@ def _disk_problem(local_disk: str | None) -> str | None:
 
 
 def _pool_problem(config: KVTierConfig) -> str | None:
-    """Why no engine on this machine could allocate ``config``'s CPU pool (it is larger
-    than the machine's memory, e.g. a size given in bytes), or None."""
+    """Why no engine on this machine could allocate the CPU pool ``config`` sets (it is
+    larger than the machine's memory, e.g. a size given in bytes), or None; the default
+    pool is left to the engine, so that ``kvtier info`` runs on any machine."""
     memory = host_memory()
-    if memory is None or config.max_local_cpu_bytes <= memory[1]:
+    if memory is None or config.source_of("max_local_cpu_size") == "default":
+        return None
+    if config.max_local_cpu_bytes <= memory[1]:
         return None
     return (
         f"max_local_cpu_size={config.max_local_cpu_size:g} (GiB, kvtier's CPU pool) is more "
