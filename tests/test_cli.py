@@ -522,3 +522,83 @@ def test_a_tuning_dir_that_is_a_file_is_said_to_be_one(capsys, tmp_path, monkeyp
     monkeypatch.setenv("KVTIER_TUNING_DIR", str(a_file))
     assert main([command]) == 0
     assert f"{a_file}  [KVTIER_TUNING_DIR]  (not a directory)" in capsys.readouterr().out
+
+
+def test_info_checks_kvtier_inside_a_multi_connector(capsys):
+    # docs/disaggregated.md's MultiConnector config
+    entry = json.loads(_transfer({"chunk_size": 256}))
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [entry, {"kv_connector": "NixlConnector", "kv_role": "kv_both"}]
+        },
+    }
+    assert main(["info", "--json", "--kv-transfer-config", json.dumps(multi)]) == 0
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert config["chunk_size"]["value"] == 256
+
+    entry["kv_connector_extra_config"] = {"chunk_sise": 256}
+    assert main(["info", "--kv-transfer-config", json.dumps(multi)]) == 2
+    assert "unknown key 'chunk_sise'" in capsys.readouterr().err
+    del entry["kv_role"]
+    multi["kv_connector_extra_config"]["connectors"] = [
+        multi["kv_connector_extra_config"]["connectors"][1]
+    ]
+    assert main(["info", "--kv-transfer-config", json.dumps(multi)]) == 2
+    assert "no entry of connectors names 'KVTierConnector'" in capsys.readouterr().err
+
+
+def test_info_refuses_the_kv_transfer_config_vllm_refuses(capsys):
+    pytest.importorskip("vllm.config")
+    typo = _transfer({}, kv_connector_extra_conf={"chunk_size": 64})
+    assert main(["info", "--kv-transfer-config", typo]) == 2
+    err = capsys.readouterr().err
+    assert "'kv_connector_extra_conf' is not a field of vLLM's KVTransferConfig" in err
+    assert "did you mean 'kv_connector_extra_config'?" in err
+    assert main(["info", "--kv-transfer-config", _transfer(None)]) == 2
+    assert "kv_connector_extra_config must be a JSON object" in capsys.readouterr().err
+    policy = _transfer({}, kv_load_failure_policy="retry")
+    assert main(["info", "--kv-transfer-config", policy]) == 2
+    assert (
+        "kv_load_failure_policy: Input should be 'recompute' or 'fail'" in capsys.readouterr().err
+    )
+    module = _transfer({}, kv_connector_module_path="kvtier.integration.vllm.scheduler")
+    assert main(["info", "--kv-transfer-config", module]) == 2
+    assert "kv_connector_module_path is 'kvtier.integration.vllm.scheduler'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_info_reads_bare_suffixed_numbers_as_vllm_serve_does(capsys):
+    suffixed = _transfer({"remote_timeout_ms": 0}).replace(
+        '"remote_timeout_ms": 0', '"remote_timeout_ms": 5k'
+    )
+    assert main(["info", "--json", "--kv-transfer-config", suffixed]) == 0
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert config["remote_timeout_ms"]["value"] == 5000
+    binary = suffixed.replace("5k", "1.5K")
+    assert main(["info", "--kv-transfer-config", binary]) == 2
+    assert "did you mean 1.5k?" in capsys.readouterr().err
+    # max_local_cpu_size is in GB: 40G (40 * 2**30) is a pool no machine holds
+    huge = suffixed.replace("5k", '2000, "max_local_cpu_size": 40G')
+    assert main(["info", "--kv-transfer-config", huge]) == 2
+    assert "max_local_cpu_size=4.29497e+10 (GiB, kvtier's CPU pool) is more than" in (
+        capsys.readouterr().err
+    )
+
+
+def test_info_reads_the_config_file_the_engine_reads(capsys, tmp_path):
+    given, named = tmp_path / "given.yaml", tmp_path / "named.yaml"
+    given.write_text("chunk_size: 128\ncache_policy: LFU\n")
+    named.write_text("chunk_size: 512\n")
+    transfer = _transfer({"config_file": str(named)})
+    assert main(["info", "--json", "--config", str(given), "--kv-transfer-config", transfer]) == 0
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert (config["chunk_size"]["value"], config["cache_policy"]["value"]) == (512, "LRU")
+    assert (
+        main(["info", "--json", "--config", str(given), "--kv-transfer-config", _transfer({})]) == 0
+    )
+    config = {row["key"]: row for row in json.loads(capsys.readouterr().out)["config"]}
+    assert (config["chunk_size"]["value"], config["cache_policy"]["value"]) == (128, "LFU")

@@ -229,6 +229,13 @@ def test_accepted_conversions() -> None:
     assert cfg.model_name is None
 
 
+def test_a_bracketed_ipv6_metrics_host_is_the_address_the_endpoint_binds() -> None:
+    # a socket cannot bind "[::1]": the scheduler would refuse it after the model loaded
+    assert load_config({"metrics_host": "[::1]"}, env={}).metrics_host == "::1"
+    assert load_config(env={"KVTIER_METRICS_HOST": "[::]"}).metrics_host == "::"
+    assert load_config({"metrics_host": "::1"}, env={}).metrics_host == "::1"
+
+
 def test_yaml_values_are_strict(tmp_path: Path) -> None:
     path = write(tmp_path, 'chunk_size: "256"\nhash_seed: 1234\n')
     with pytest.raises(ConfigError) as excinfo:

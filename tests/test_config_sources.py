@@ -70,6 +70,10 @@ def test_config_file_choice_order(tmp_path: Path) -> None:
     assert load_config(overrides, config_file=from_argument, env=env).chunk_size == 1
     assert load_config(overrides, env=env).chunk_size == 2
     assert load_config(env=env).chunk_size == 3
+    # An empty or null config_file in the overrides names no file, as an empty variable.
+    assert load_config({"config_file": ""}, env=env).chunk_size == 3
+    assert load_config({"config_file": None}, env=env).chunk_size == 3
+    assert load_config({"config_file": ""}, env={}).chunk_size == 256
 
 
 def test_config_file_of_wrong_type_in_overrides() -> None:
@@ -262,6 +266,17 @@ def test_reserved_and_foreign_env_vars_are_not_keys() -> None:
         "PATH": "/usr/bin",
     }
     assert load_config(env=env) == KVTierConfig()
+
+
+def test_a_bad_log_level_is_a_problem_of_the_config() -> None:
+    # the connector's first hook in vLLM's engine core loads the config: a bad level is
+    # reported there once, with the other problems, not by every worker afterwards
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"KVTIER_LOG_LEVEL": "loud", "KVTIER_CHUNK_SISE": "16"})
+    problems = excinfo.value.problems
+    assert len(problems) == 2
+    assert "KVTIER_LOG_LEVEL='loud': not a log level" in problems[0]
+    assert load_config(env={"KVTIER_LOG_LEVEL": " Warning "}) == KVTierConfig()
 
 
 @given(st.integers(min_value=1, max_value=1 << 20))

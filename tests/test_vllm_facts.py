@@ -492,3 +492,26 @@ def test_window_start_is_where_vllms_kv_cache_managers_free_blocks_up_to():
         skipped = managers.ChunkedLocalAttentionManager.get_num_skipped_tokens(vllm_local, computed)
         assert local(computed) == skipped, f"chunked local attention, {computed} computed"
         assert full(computed) == 0
+
+
+@pytest.mark.parametrize(("kv_layout", "refused"), [("vllm_cpu", True), ("flash_nhd", False)])
+def test_the_connectors_first_hook_refuses_a_chunk_size_its_blocks_cannot_hold(kv_layout, refused):
+    """vLLM's CPU layout is copied in whole blocks: a chunk_size that is not a multiple of
+    the block size stops the engine core at the connector's first hook, before memory
+    profiling and the KV cache, not when the scheduler is built after them."""
+    pytest.importorskip("vllm")
+    from kvtier.integration.vllm.connector import KVTierConnector
+
+    extra = {"chunk_size": 48, "kv_layout": kv_layout}
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=SimpleNamespace(block_size=32),
+        kv_events_config=None,
+    )
+    if not refused:
+        assert KVTierConnector.get_required_kvcache_layout(vllm_config) is None
+        return
+    with pytest.raises(
+        ValueError, match="chunk_size=48 must be a multiple of vLLM's block_size=32"
+    ):
+        KVTierConnector.get_required_kvcache_layout(vllm_config)

@@ -9,12 +9,14 @@ import platform
 import sys
 from pathlib import Path
 
+from kvtier.commands import kv_transfer
 from kvtier.commands.paths import why_not_writable
-from kvtier.config import ConfigError, load_config
+from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.machine import (
     auto_backends,
     devices,
     dist_version,
+    host_memory,
     package_version,
     search_path_note,
     search_path_rows,
@@ -35,12 +37,13 @@ DESCRIPTION = (
     "config error."
 )
 
-KVTIER_MODULE = "kvtier.integration.vllm"  # kv_connector_module_path in vLLM's config
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # what vLLM's KVTransferConfig takes
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file (default: KVTIER_CONFIG_FILE)")
+    parser.add_argument(
+        "--config",
+        help="YAML config file (default: KVTIER_CONFIG_FILE); as that variable, it comes "
+        "after a config_file in --kv-transfer-config's kv_connector_extra_config",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
         "--kv-transfer-config",
@@ -51,38 +54,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _extra_config(kv_transfer_config: str | None, problems: list[str]) -> dict[str, object] | None:
-    """kvtier's part of a vLLM ``--kv-transfer-config`` JSON, checked as vLLM would use it:
-    what does not name kvtier's connector is added to ``problems``.
+    """kvtier's part of a vLLM ``--kv-transfer-config`` JSON, checked as vLLM would use it
+    (``kv_transfer``): what vLLM or kvtier's connector would refuse is added to ``problems``.
 
     Raises:
         ConfigError: the JSON does not parse, or is not an object.
     """
     if kv_transfer_config is None:
         return None
-    try:
-        transfer = json.loads(kv_transfer_config)
-    except ValueError as exc:
-        raise ConfigError([f"--kv-transfer-config is not JSON: {exc}"]) from None
-    if not isinstance(transfer, dict):
-        raise ConfigError(["--kv-transfer-config must be a JSON object"])
-    if transfer.get("kv_connector") != "KVTierConnector":
-        problems.append(
-            f"kv_connector is {transfer.get('kv_connector')!r}; kvtier's is 'KVTierConnector'"
-        )
-    module = str(transfer.get("kv_connector_module_path"))
-    if module != KVTIER_MODULE and not module.startswith(KVTIER_MODULE + "."):
-        problems.append(
-            f"kv_connector_module_path is {transfer.get('kv_connector_module_path')!r}; "
-            f"kvtier's is {KVTIER_MODULE!r}"
-        )
-    role = transfer.get("kv_role")
-    if role not in KV_ROLES:
-        problems.append(f"kv_role is {role!r}; vLLM takes {', '.join(map(repr, KV_ROLES))}")
-    extra = transfer.get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict):
-        problems.append("kv_connector_extra_config must be a JSON object")
-        return {}
-    return extra
+    return kv_transfer.kvtier_extra_config(kv_transfer.parse(kv_transfer_config), problems)
+
+
+def _config_file(given: str | None, extra: dict[str, object] | None) -> str | None:
+    """The ``--config`` file to read: it stands where ``KVTIER_CONFIG_FILE`` does, so a
+    ``config_file`` in the extra config goes before it, as in the engine (None: that one)."""
+    return given if extra is None or extra.get("config_file") in (None, "") else None
 
 
 def _disk_problem(local_disk: str | None) -> str | None:
@@ -94,6 +80,21 @@ def _disk_problem(local_disk: str | None) -> str | None:
     return f"local_disk {local_disk!r}: {reason}" if reason else None
 
 
+def _pool_problem(config: KVTierConfig) -> str | None:
+    """Why no engine on this machine could allocate the CPU pool ``config`` sets (it is
+    larger than the machine's memory, e.g. a size given in bytes), or None; the default
+    pool is left to the engine, so that ``kvtier info`` runs on any machine."""
+    memory = host_memory()
+    if memory is None or config.source_of("max_local_cpu_size") == "default":
+        return None
+    if config.max_local_cpu_bytes <= memory[1]:
+        return None
+    return (
+        f"max_local_cpu_size={config.max_local_cpu_size:g} (GiB, kvtier's CPU pool) is more "
+        f"than this machine's memory ({memory[1] / 2**30:.1f} GiB)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """0, or 2 on a config error."""
     from kvtier_kernels import registry
@@ -102,12 +103,12 @@ def run(args: argparse.Namespace) -> int:
         problems: list[str] = []  # the connector's and kvtier's, reported together
         extra = _extra_config(args.kv_transfer_config, problems)
         try:
-            config = load_config(overrides=extra, config_file=args.config)
+            config = load_config(overrides=extra, config_file=_config_file(args.config, extra))
         except ConfigError as exc:
             raise ConfigError(problems + exc.problems) from None
-        problem = _disk_problem(config.local_disk)
-        if problems or problem is not None:
-            raise ConfigError(problems + ([problem] if problem else []))
+        problems += [p for p in (_disk_problem(config.local_disk), _pool_problem(config)) if p]
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

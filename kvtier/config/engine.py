@@ -166,6 +166,7 @@ METRICS: tuple[KeySpec, ...] = (
         "127.0.0.1",
         "Address the metrics endpoint binds to (0.0.0.0 to let a remote Prometheus scrape).",
         check=lambda v: v != "",
-        allowed="a host name or IP address",
+        allowed="a host name or IP address ([::1] is ::1)",
+        normalize=lambda v: v[1:-1] if isinstance(v, str) and v[:1] + v[-1:] == "[]" else v,
     ),
 )

@@ -25,7 +25,7 @@ from kvtier.config.lmcache import (
     is_lmcache_feature_key,
     lmcache_aliases,
 )
-from kvtier.logs import LOG_LEVEL_ENV_VAR
+from kvtier.logs import LOG_LEVEL_ENV_VAR, env_log_level
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
 # LMCache's own variable naming its YAML file; read when kvtier is given no file.
 LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
 # KVTIER_* variables that are not config keys; load_config leaves their values to their
-# readers. KVTIER_LOG_LEVEL is ``kvtier.logs``' (checked as each process sets its logging
-# up). KVTIER_TUNING_DIR is the kernels' own variable, read by
+# readers. KVTIER_LOG_LEVEL is ``kvtier.logs``' (read as each process sets its logging up,
+# and checked with the keys, so that the first config hook an engine gives kvtier reports
+# a bad level once). KVTIER_TUNING_DIR is the kernels' own variable, read by
 # ``kvtier_kernels.tuning.lookup`` alone; the ``tuning_dir`` key (extra config or YAML)
 # goes before it on the search path.
 RESERVED_ENV_VARS = frozenset({CONFIG_FILE_ENV_VAR, LOG_LEVEL_ENV_VAR, "KVTIER_TUNING_DIR"})
@@ -71,11 +72,11 @@ def resolve_config_file(
 ) -> ConfigFile | None:
     """The YAML file to read: ``config_file``, else ``from_overrides`` (the overrides'
     ``config_file``), else ``$KVTIER_CONFIG_FILE``, else ``$LMCACHE_CONFIG_FILE``; None
-    for none. When kvtier is given a file of its own, LMCACHE_CONFIG_FILE is ignored with
+    for none. An empty ``from_overrides`` or variable is none, as null is. When kvtier is given a file of its own, LMCACHE_CONFIG_FILE is ignored with
     one warning."""
     if config_file is not None:
         chosen, given_as = os.fspath(config_file), "the config_file argument"
-    elif from_overrides is not None:
+    elif from_overrides is not None and from_overrides != "":
         if not isinstance(from_overrides, str | os.PathLike):
             problems.append(
                 f"{CONFIG_FILE_KEY}: {from_overrides!r} from override is not allowed; "
@@ -173,9 +174,14 @@ def read_mapping(
 
 
 def read_env(env: Mapping[str, str], keys: Mapping[str, KeySpec], problems: list[str]) -> Settings:
-    """Validate the ``KVTIER_*`` variables of ``env`` against ``keys``."""
+    """Validate the ``KVTIER_*`` variables of ``env`` against ``keys``, and
+    ``KVTIER_LOG_LEVEL``."""
     env_vars = {spec.env_var: spec.name for spec in keys.values()}
     settings: Settings = {}
+    try:
+        env_log_level(env)
+    except ValueError as exc:
+        problems.append(str(exc))
     for var in sorted(env):
         if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV_VARS:
             continue

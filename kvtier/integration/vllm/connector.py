@@ -50,6 +50,7 @@ if "kv_cache_config" not in inspect.signature(KVConnectorBase_V1.__init__).param
     )
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.integration.vllm import facts
 from kvtier.integration.vllm.common import StepPlan
 from kvtier.integration.vllm.extensions import check_extensions
 from kvtier.integration.vllm.scheduler import SchedulerSide
@@ -250,7 +251,10 @@ class KVTierConnector(KVConnectorBase_V1):
         # NOTE: the first hook vLLM calls in the engine core on every backend (before memory
         # profiling and the KV cache): a config mistake is reported here once, not by each
         # worker after profiling. kvtier reads any layout, so it asks for none.
-        check_extensions(kvtier_config_from_vllm(vllm_config), vllm_config)
+        config = kvtier_config_from_vllm(vllm_config)
+        check_extensions(config, vllm_config)
+        whole_blocks = not facts.token_major_layout(config)
+        facts.check_chunk_size(config.chunk_size, vllm_config.cache_config.block_size, whole_blocks)
         return None
 
     def shutdown(self) -> None:

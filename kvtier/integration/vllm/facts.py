@@ -199,6 +199,22 @@ def token_major_layout(config: KVTierConfig) -> bool:
     return not current_platform.is_cpu()
 
 
+def check_chunk_size(chunk_size: int, block_size: int | None, whole_blocks: bool) -> None:
+    """Refuse a ``chunk_size`` an engine whose KV layout is copied in ``whole_blocks`` of
+    ``block_size`` tokens (``token_major_layout`` False) cannot store: one that is not a
+    multiple of the block size. Checked at the connector's first hook in the engine core,
+    before memory profiling and the KV cache, and by the scheduler side it builds.
+
+    Raises:
+        ValueError: naming chunk_size and vLLM's block_size.
+    """
+    if whole_blocks and block_size and chunk_size % block_size:
+        raise ValueError(
+            f"chunk_size={chunk_size} must be a multiple of vLLM's block_size="
+            f"{block_size}: this engine's KV layout can only be copied in whole blocks"
+        )
+
+
 def window_start(kv_cache_config: Any) -> Callable[[int], int]:
     """``num_computed_tokens -> first token vLLM keeps for a request``: its KV cache
     manager frees the blocks wholly before that token as the request runs (sliding-window

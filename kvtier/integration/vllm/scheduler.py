@@ -102,11 +102,7 @@ class SchedulerSide:
         # kv_consumer with pd_wait_ms: req_id -> when to stop waiting for a producer
         self.pd_wait_s = config.pd_wait_ms / 1000 if can_load and not can_save else 0.0
         self._wait_until: dict[str, float] = {}
-        if whole_blocks and config.chunk_size % block_size:
-            raise ValueError(
-                f"chunk_size={config.chunk_size} must be a multiple of vLLM's block_size="
-                f"{block_size}: this engine's KV layout can only be copied in whole blocks"
-            )
+        facts.check_chunk_size(config.chunk_size, block_size, whole_blocks)
         if max_model_len is not None and config.chunk_size > max_model_len and not partial:
             logger.warning(
                 "kvtier: chunk_size=%d is longer than vLLM's max_model_len=%d: no sequence "
