@@ -189,53 +189,58 @@ def test_a_worker_loads_the_window_of_a_prompt_whose_first_chunks_are_gone(tmp_p
         fill_random_(tensor, gen)
     endpoint = endpoint_for(f"t-{uuid.uuid4().hex[:8]}", 0, base_dir=str(tmp_path))
     worker = WorkerSide(config, EngineMetadata("test-model"), endpoint)
-    worker.register_kv_caches({f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN")
-    client = RpcClient([endpoint], 2.0)
-    lookup = RankLookup(client)
-    side = SchedulerSide(
-        config,
-        lookup,
-        block_size=SMALL_BLOCK,
-        window_start=sliding(WINDOW),
-        held=lookup.held,
-    )
-    tokens = list(range(500, 541))
     try:
-        a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_prompt_tokens=41)
-        blocks_a = list(range(1, 12))
-        side.get_num_new_matched_tokens(a, 0)
-        side.update_state_after_alloc(a, blocks_a, 0)
-        step = FakeSchedulerOutput(
-            scheduled_new_reqs=[FakeNewRequest("a", (blocks_a,), 0)], num_scheduled_tokens={"a": 41}
+        worker.register_kv_caches(
+            {f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN"
         )
-        worker.start_load(side.build_plan(step))
-        worker.wait_for_save()
-        side.request_finished(a)
-        for h in chunk_hashes(tokens, SMALL_CHUNK)[:3]:
-            assert worker.engine.storage.remove(worker.engine.chunker.key(h))
-
-        b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_prompt_tokens=41)
-        matched, _ = side.get_num_new_matched_tokens(b, 0)
-        assert matched == 40, f"c3 and c4 hold the window of token 40; vLLM offered {matched}"
-        blocks_b = [NULL_BLOCK_ID] * 7 + [12, 13, 14, 15]  # window_start(40) = 31
-        null_before = [bits(layer[:, NULL_BLOCK_ID]) for layer in layer_views(paged)]
-        side.update_state_after_alloc(b, blocks_b, matched)
-        step = FakeSchedulerOutput(
-            scheduled_new_reqs=[FakeNewRequest("b", (blocks_b,), matched)],
-            num_scheduled_tokens={"b": 1},
-        )
-        worker.start_load(side.build_plan(step))
-        worker.wait_for_save()
-        assert worker.take_load_errors() == set()
-        for layer, null in zip(layer_views(paged), null_before, strict=True):
-            assert torch.equal(bits(layer[:, NULL_BLOCK_ID]), null), "the load wrote the null block"
-            for p in range(28, 40):
-                loaded = layer[:, blocks_b[p // SMALL_BLOCK], p % SMALL_BLOCK]
-                stored = layer[:, blocks_a[p // SMALL_BLOCK], p % SMALL_BLOCK]
-                assert torch.equal(bits(loaded), bits(stored)), f"token {p} differs from a's KV"
+        with RpcClient([endpoint], 2.0) as client:
+            lookup = RankLookup(client)
+            side = SchedulerSide(
+                config,
+                lookup,
+                block_size=SMALL_BLOCK,
+                window_start=sliding(WINDOW),
+                held=lookup.held,
+            )
+            load_after_dropping_the_first_chunks(worker, side, paged)
     finally:
-        client.close()
         worker.shutdown()
+
+
+def load_after_dropping_the_first_chunks(worker: WorkerSide, side: SchedulerSide, paged: PagedKV):
+    tokens = list(range(500, 541))
+    a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_prompt_tokens=41)
+    blocks_a = list(range(1, 12))
+    side.get_num_new_matched_tokens(a, 0)
+    side.update_state_after_alloc(a, blocks_a, 0)
+    step = FakeSchedulerOutput(
+        scheduled_new_reqs=[FakeNewRequest("a", (blocks_a,), 0)], num_scheduled_tokens={"a": 41}
+    )
+    worker.start_load(side.build_plan(step))
+    worker.wait_for_save()
+    side.request_finished(a)
+    for h in chunk_hashes(tokens, SMALL_CHUNK)[:3]:
+        assert worker.engine.storage.remove(worker.engine.chunker.key(h))
+
+    b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_prompt_tokens=41)
+    matched, _ = side.get_num_new_matched_tokens(b, 0)
+    assert matched == 40, f"c3 and c4 hold the window of token 40; vLLM offered {matched}"
+    blocks_b = [NULL_BLOCK_ID] * 7 + [12, 13, 14, 15]  # window_start(40) = 31
+    null_before = [bits(layer[:, NULL_BLOCK_ID]) for layer in layer_views(paged)]
+    side.update_state_after_alloc(b, blocks_b, matched)
+    step = FakeSchedulerOutput(
+        scheduled_new_reqs=[FakeNewRequest("b", (blocks_b,), matched)],
+        num_scheduled_tokens={"b": 1},
+    )
+    worker.start_load(side.build_plan(step))
+    worker.wait_for_save()
+    assert worker.take_load_errors() == set()
+    for layer, null in zip(layer_views(paged), null_before, strict=True):
+        assert torch.equal(bits(layer[:, NULL_BLOCK_ID]), null), "the load wrote the null block"
+        for p in range(28, 40):
+            loaded = layer[:, blocks_b[p // SMALL_BLOCK], p % SMALL_BLOCK]
+            stored = layer[:, blocks_a[p // SMALL_BLOCK], p % SMALL_BLOCK]
+            assert torch.equal(bits(loaded), bits(stored)), f"token {p} differs from a's KV"
 
 
 def layer_views(paged: PagedKV) -> list[torch.Tensor]:
