@@ -366,6 +366,13 @@ class CacheEngine:
         chunker = self._require_chunker()
         return self._held_prefix([chunker.key(h) for h in hashes], load_from)
 
+    def held_chunks(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Whether some tier holds each chunk of a chain of chunk hashes, wherever a gap
+        lies (vLLM's scheduler, for a model that attends to a window only). Prefetches
+        nothing, counts nothing."""
+        chunker = self._require_chunker()
+        return self.storage.contains_many([chunker.key(h) for h in hashes])
+
     def _held_prefix(self, keys: list[CacheKey], load_from: int = 0) -> int:
         """How many of ``keys`` some tier holds, prefetching what one load from chunk
         ``load_from`` can take (from the start when the caller knows no prefix)."""

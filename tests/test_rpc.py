@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from kvtier.integration.vllm.rpc import RpcClient, RpcServer, endpoint_for, runtime_dir
+from kvtier.integration.vllm.rpc import (
+    RankLookup,
+    RpcClient,
+    RpcServer,
+    endpoint_for,
+    runtime_dir,
+)
 
 TIMEOUT = 2.0  # generous where the call is expected to succeed
 SHORT = 0.3  # where the call is expected to time out
@@ -255,3 +261,21 @@ def test_binary_payloads_round_trip(tmp_path: Path, servers):
     assert replies is not None
     assert replies[0]["hits"] == hashes[::2]
     assert all(type(h) is bytes for h in replies[0]["hits"])
+
+
+@pytest.mark.parametrize(
+    ("rank_1", "expected"),
+    [
+        ([True, False, False, True], [True, False, False, True]),
+        ([True, True], [False] * 4),  # an answer of other length holds nothing
+        (None, [False] * 4),  # the rank fails
+    ],
+)
+def test_a_chunk_is_held_where_every_rank_holds_it(tmp_path: Path, servers, rank_1, expected):
+    endpoints = [endpoint_for("eng", rank, str(tmp_path)) for rank in range(2)]
+    _serve(servers, endpoints[0], {"held": lambda args: {"held": [True, True, False, True]}})
+    answer = _boom if rank_1 is None else (lambda args: {"held": rank_1, "max_load_chunks": 3})
+    _serve(servers, endpoints[1], {"held": answer})
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    with RpcClient(endpoints, TIMEOUT) as client:
+        assert RankLookup(client).held(hashes) == expected

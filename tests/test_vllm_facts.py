@@ -461,8 +461,9 @@ def test_ranks_are_numbered_as_vllm_lays_them_out(monkeypatch, tp, pp, pcp, dcp)
 
 
 def test_window_start_is_where_vllms_kv_cache_managers_free_blocks_up_to():
-    """vLLM's own specs and managers: a sliding window and chunked local attention free
-    a request's blocks before ``get_num_skipped_tokens``; a window vLLM runs as full
+    """vLLM's own specs and managers: a sliding window (and the tokens it retains past
+    it) and chunked local attention free a request's blocks before
+    ``get_num_skipped_tokens``; a window vLLM runs as full
     attention (its hybrid manager off, as with a connector) frees none."""
     interface = pytest.importorskip("vllm.v1.kv_cache_interface")
     managers = pytest.importorskip("vllm.v1.core.single_type_kv_cache_manager")
@@ -473,6 +474,9 @@ def test_window_start_is_where_vllms_kv_cache_managers_free_blocks_up_to():
         return interface.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[group])
 
     sliding = window_start(config(interface.SlidingWindowSpec(sliding_window=100, **shape)))
+    retaining = window_start(
+        config(interface.SlidingWindowSpec(sliding_window=100, extra_retained_tokens=5, **shape))
+    )
     local = window_start(
         config(interface.ChunkedLocalAttentionSpec(attention_chunk_size=128, **shape))
     )
@@ -484,11 +488,14 @@ def test_window_start_is_where_vllms_kv_cache_managers_free_blocks_up_to():
     assert mixed is not None
     uniform = window_start(config(mixed))
     vllm_sliding = SimpleNamespace(sliding_window=100, extra_retained_tokens=0)
+    vllm_retaining = SimpleNamespace(sliding_window=100, extra_retained_tokens=5)
     vllm_local = SimpleNamespace(attention_chunk_size=128)
-    for computed in (0, 99, 100, 101, 127, 128, 1000):
+    for computed in (0, 99, 100, 101, 104, 105, 106, 127, 128, 1000):
         skipped = managers.SlidingWindowManager.get_num_skipped_tokens(vllm_sliding, computed)
         assert sliding(computed) == skipped, f"sliding window, {computed} tokens computed"
         assert uniform(computed) == skipped, f"windows of other shapes, {computed} computed"
+        skipped = managers.SlidingWindowManager.get_num_skipped_tokens(vllm_retaining, computed)
+        assert retaining(computed) == skipped, f"extra retained tokens, {computed} computed"
         skipped = managers.ChunkedLocalAttentionManager.get_num_skipped_tokens(vllm_local, computed)
         assert local(computed) == skipped, f"chunked local attention, {computed} computed"
         assert full(computed) == 0

@@ -4,12 +4,18 @@ through kvtier computes exactly the KV of an engine without a connector.
 
 The model is bf16 with small random weights (near-tied logits): token equality between
 differently scheduled computations would be fragile there, the KV comparison is not.
+
+A sliding-window Mistral (float32, window 64) checks hits beyond the first window: a
+600-token prompt whose first 384 tokens vLLM's own cache held when kvtier stored it (so
+kvtier lacks their chunks) is served from kvtier alone, resuming at token 576 from the
+chunk of its window, [512, 576).
 """
 
 from __future__ import annotations
 
 import pytest
 from support.engines import expected_loaded, prompts_of, run_support_script
+from support.models import make_tiny_mistral
 
 from kvtier.demo_vllm import build_llama
 
@@ -31,6 +37,13 @@ def kv_identity(tmp_path_factory):
         "block_size": BLOCK,
         "chunk_size": CHUNK,
         "dtype": "bfloat16",
+        "window": {
+            "model": str(make_tiny_mistral(tmp / "mistral-window64", sliding_window=64)),
+            "prompt": prompts_of([600], seed=5)[0],
+            "shared": 400,
+            "block_size": BLOCK,
+            "chunk_size": CHUNK,
+        },
     }
     return prompts, run_support_script("vllm_kv_identity.py", config, tmp / "result.json")
 
@@ -57,3 +70,14 @@ def test_storing_leaves_the_engines_kv_as_without_a_connector(kv_identity):
     for length, mismatch in zip(LENGTHS, result["connector_vs_plain_mismatch"], strict=True):
         assert mismatch is None, f"{length}-token prompt: KV differs at (layer, block) {mismatch}"
     assert result["tokens"]["cold"] == result["tokens"]["plain"]
+
+
+def test_a_sliding_window_hit_loads_its_window_bit_identical(kv_identity):
+    """vLLM holds tokens from window_start(576) = 513 on, blocks 16 and 17: kvtier loads
+    them from c8 alone (c0..c4 it never stored), as a cold prefill computed them, and the
+    request generates what one that vLLM's own prefix cache resumes at 576 does."""
+    _, result = kv_identity
+    window = result["window"]
+    assert (window["loaded"], window["loaded_blocks"]) == (576, [16, 17]), window
+    assert window["loaded_vs_stored"] is None and window["loaded_vs_cold"] is None, window
+    assert window["alike_cached"] == 576 and window["tokens_equal"], window

@@ -1,12 +1,14 @@
-"""Tiny random-weight Llama checkpoints for real-engine tests (nothing is downloaded).
+"""Tiny random-weight checkpoints for real-engine tests (nothing is downloaded).
 
 ``make_tiny_llama(path, ...)`` writes a ``transformers`` Llama with random weights (fixed
-seed) as safetensors plus its ``config.json`` (``kvtier.demo_vllm.build_llama``); vLLM
-loads it with ``skip_tokenizer_init=True`` and prompts given as token ids.
+seed) as safetensors plus its ``config.json`` (``kvtier.demo_vllm.build_llama``);
+``make_tiny_mistral`` a sliding-window Mistral. vLLM loads them with
+``skip_tokenizer_init=True`` and prompts given as token ids.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kvtier.demo_vllm import build_llama
@@ -41,6 +43,40 @@ def make_tiny_llama(
         seed=seed,
         weight_std=0.08,
     )
+
+
+def make_tiny_mistral(path: str | Path, *, sliding_window: int, seed: int = 0) -> Path:
+    """Write a random-weight Mistral whose every layer attends to the last
+    ``sliding_window`` tokens (vLLM runs it as one sliding-window KV cache group) to
+    ``path``, once; weights as ``make_tiny_llama``'s."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        sliding_window=sliding_window,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(path)
+    return path
 
 
 # A chat template that is plain text: each message's role and content, then the prompt

@@ -6,6 +6,10 @@ blocks ``KVProbe`` reads back (per layer, per block digests).
 2. One bit of one loaded block is flipped in the engine: the probe must see it there.
 3. An engine without any connector serves the same batch cold: its KV must equal the
    kvtier engine's cold KV, block for block (storing never touches the KV it reads).
+4. With ``window`` (a sliding-window model): a prompt whose first chunks kvtier never
+   stored (vLLM's own hit covered them) is served from kvtier alone: only the chunks of
+   its window are loaded, bit-identical to a cold run's blocks there, and it generates
+   the tokens of a run that vLLM's own prefix cache resumes at the same token.
 
 Usage: python vllm_kv_identity.py CONFIG_JSON OUT_JSON
 """
@@ -59,9 +63,11 @@ def main() -> None:
     plain = generate(llm, prompts)
     plain_kv = [probe.digests(p) for p in prompts]
     shutdown(llm)
+    window = window_hit(config["window"]) if "window" in config else None
     with open(out_path, "w") as f:
         json.dump(
             {
+                "window": window,
                 "loaded": [r.num_cached_tokens for r in warm],
                 "loaded_mismatch": loaded_mismatch,
                 "flipped": [flipped, [layer, flipped_block]],
@@ -77,6 +83,63 @@ def main() -> None:
             },
             f,
         )
+
+
+def window_hit(config: dict) -> dict:
+    """Case 4: ``config`` names a sliding-window model, its block and chunk sizes, the
+    prompt, and how many of its first tokens (``shared``) kvtier is to lack."""
+    import uuid
+
+    from kvtier.integration.vllm.kv_probe import KVProbe
+    from kvtier.integration.vllm.rpc import RpcClient, endpoint_for
+    from support.engines import generate, make_llm, shutdown
+
+    prompt, block = config["prompt"], config["block_size"]
+    engine_id = f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    kvtier = {"chunk_size": config["chunk_size"]}
+    llm = make_llm(config["model"], block_size=block, kvtier=kvtier, engine_id=engine_id)
+    probe = KVProbe(llm)
+
+    def clear_kvtier() -> None:
+        with RpcClient([endpoint_for(f"{engine_id}-dp0", 0)], timeout=10.0) as client:
+            assert client.call_all("clear") is not None
+
+    generate(llm, [prompt[: config["shared"]]], max_tokens=1)
+    clear_kvtier()
+    generate(llm, [prompt], max_tokens=1)  # vLLM's own hit: kvtier stores what follows
+    stored = probe.digests(prompt)
+    assert llm.reset_prefix_cache()
+    # One new token: the window's blocks are still the request's when it finishes.
+    loaded = generate(llm, [prompt], max_tokens=1)[0].num_cached_tokens
+    warm, warm_blocks = probe.digests(prompt), probe.block_ids(prompt)
+    window = [b for b in range(loaded // block) if warm_blocks[b] != 0]
+    assert llm.reset_prefix_cache()
+    warm_tokens = generate(llm, [prompt])[0].token_ids
+    clear_kvtier()
+    assert llm.reset_prefix_cache()
+    generate(llm, [prompt], max_tokens=1)
+    cold = probe.digests(prompt)
+    alike = generate(llm, [prompt])[0]  # vLLM's own prefix cache resumes it
+    shutdown(llm)
+
+    def mismatch(a, b) -> tuple[int, int] | None:
+        layers = range(len(a.per_layer))
+        differ = (
+            (layer, i)
+            for layer in layers
+            for i in window
+            if a.per_layer[layer][i] != b.per_layer[layer][i]
+        )
+        return next(differ, None)
+
+    return {
+        "loaded": loaded,
+        "loaded_blocks": window,
+        "loaded_vs_stored": mismatch(warm, stored),
+        "loaded_vs_cold": mismatch(warm, cold),
+        "alike_cached": alike.num_cached_tokens,
+        "tokens_equal": warm_tokens == alike.token_ids,
+    }
 
 
 def _uint8():

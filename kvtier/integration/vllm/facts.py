@@ -218,18 +218,17 @@ def check_chunk_size(chunk_size: int, block_size: int | None, whole_blocks: bool
 def window_start(kv_cache_config: Any) -> Callable[[int], int]:
     """``num_computed_tokens -> first token vLLM keeps for a request``: its KV cache
     manager frees the blocks wholly before that token as the request runs (sliding-window
-    and chunked-local attention groups) and puts its null block in their place. 0 with
-    full attention, and where no config is known.
-
-    It is an upper bound: vLLM may keep a few more tokens (``extra_retained_tokens`` for
-    speculative decoding), never fewer."""
+    and chunked-local attention groups) and puts its null block in their place, and gives
+    a request that starts at ``num_computed_tokens`` (a prefix hit) blocks from there on
+    only. 0 with full attention, and where no config is known. A sliding window's keeps
+    its ``extra_retained_tokens`` more (multi-token prediction re-reads them)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     spec = getattr(groups[0], "kv_cache_spec", None) if len(groups) == 1 else None
     if specs := getattr(spec, "kv_cache_specs", None):  # layers of one kind, other shapes
         spec = next(iter(specs.values()))
     kinds = {cls.__name__ for cls in type(spec).__mro__}
     if "SlidingWindowSpec" in kinds:
-        window = int(spec.sliding_window)
+        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         return lambda computed: max(0, computed - window + 1)
     if "ChunkedLocalAttentionSpec" in kinds:
         span = int(spec.attention_chunk_size)

@@ -14,7 +14,8 @@ One ``RequestTracker`` per request::
   ``num_tokens - 1`` when the whole sequence hit (vLLM must compute the last token to
   sample the next one), and to the chunks one load can stage (``max_load_chunks``).
 * ``saved_upto``: tokens ``[0, saved_upto)`` are in kvtier (hit or stored by this
-  request). Each step, chunks that became complete (their KV was computed in this step or
+  request), or lie before the window of a model that attends to one, whose hit needs
+  only the window's chunks (``SchedulerSide._window_hit``). Each step, chunks that became complete (their KV was computed in this step or
   earlier) are sent to the workers to store; with ``save_unfull_chunk`` the partial last
   chunk of the prompt too; with ``save_decode_cache`` chunks of generated tokens too.
   A load that fails lowers it to the chunk of its first failed block: vLLM recomputes

@@ -373,7 +373,7 @@ class RpcClient:
 
 class RankLookup:
     """The scheduler's lookup over every worker rank: how many leading chunk hashes all
-    ranks hold (0 when any rank is late or fails).
+    ranks hold (0 when any rank is late or fails); ``held``: which ones.
 
     Each reply also says how many chunks one load can stage on that rank (the CPU pool's
     size over a chunk's, ``CacheEngine.max_load_chunks``); ``max_load_chunks`` is the
@@ -387,10 +387,25 @@ class RankLookup:
     def __call__(self, hashes: list[bytes], load_from: int = 0) -> int:
         """How many leading ``hashes`` every rank holds; each rank prefetches what a load
         from chunk ``load_from`` (vLLM's own prefix, in chunks) can take."""
-        replies = self.client.call_all("lookup", hashes=hashes, load_from=load_from)
+        replies = self._call("lookup", hashes=hashes, load_from=load_from)
         if replies is None:
             return 0
+        return min(int(r.get("hits", 0)) for r in replies)
+
+    def held(self, hashes: list[bytes]) -> list[bool]:
+        """Whether every rank holds each of ``hashes`` (none when any rank is late or
+        fails); nothing is prefetched."""
+        replies = self._call("held", hashes=hashes)
+        if replies is None:
+            return [False] * len(hashes)
+        held = [list(r.get("held", ())) for r in replies]
+        return [all(len(h) == len(hashes) and h[i] for h in held) for i in range(len(hashes))]
+
+    def _call(self, op: str, **args: Any) -> list[dict] | None:
+        replies = self.client.call_all(op, **args)
+        if replies is None:
+            return None
         bounds = [int(r["max_load_chunks"]) for r in replies if "max_load_chunks" in r]
         if len(bounds) == len(replies):
             self.max_load_chunks = min(bounds)
-        return min(int(r.get("hits", 0)) for r in replies)
+        return replies

@@ -63,11 +63,15 @@ class SchedulerSide:
         max_model_len: vLLM's longest sequence (None: unknown); a ``chunk_size`` longer
             than it is warned about, as no whole chunk ever fills.
         max_load_chunks: how many chunks one load can stage on every rank (None: not
-            known); a hit is loaded up to that many chunks past vLLM's own.
+            known); a hit is loaded up to that many chunks past vLLM's own (with
+            ``held``: that many chunks of its window).
         window_start: ``num_computed_tokens -> token`` before which vLLM may have freed a
             request's blocks (``facts.window_start``: a sliding window's); a chunk that
             starts before it is not stored, as its first blocks may hold another
             request's KV or the null block's.
+        held: ``hashes -> whether every rank holds each``; given, and with a
+            ``window_start``, a hit needs only the chunks of the window before its end
+            (``_window_hit``), not every chunk from the first.
         extensions: optional features, called from each hook.
     """
 
@@ -84,6 +88,7 @@ class SchedulerSide:
         max_model_len: int | None = None,
         max_load_chunks: Callable[[], int | None] = lambda: None,
         window_start: Callable[[int], int] = lambda computed: 0,
+        held: Callable[[list[bytes]], list[bool]] | None = None,
         extensions: Sequence[SchedulerExtension] = (),
     ):
         self.config = config
@@ -93,6 +98,7 @@ class SchedulerSide:
         self.lookup = lookup
         self.max_load_chunks = max_load_chunks
         self.window_start = window_start
+        self.held = held if window_start(1 << 40) > 0 else None
         self.can_load = can_load
         self.can_save = can_save
         self.block_size = block_size
@@ -116,7 +122,8 @@ class SchedulerSide:
                 "kvtier: chunk_size=%d is not below this model's attention window plus a "
                 "block of %d tokens: vLLM frees a request's blocks behind its window as it "
                 "runs, so a chunk whose first block is freed before the step that completes "
-                "it is not stored, and later prompts hit only up to it (lower chunk_size)",
+                "it is not stored, and a later prompt hits only where the chunks of its "
+                "window are stored (lower chunk_size)",
                 config.chunk_size,
                 block_size,
             )
@@ -215,7 +222,10 @@ class SchedulerSide:
         hashes = self._hashes(request).upto(tokens, held_end, partial=self.save_partial)
         if self._bounds(0, hashes, held_end) <= num_computed_tokens:
             return 0, False  # nothing kvtier could hold goes past vLLM's own hit
-        hits = self.lookup(hashes, num_computed_tokens // self.chunk_size)
+        if self.held is None:
+            first, hits, load_end = self._leading_hit(hashes, num_computed_tokens, num_tokens)
+        else:
+            first, hits, load_end = self._window_hit(hashes, num_computed_tokens, num_tokens)
         if self.pd_wait_s and self._wait_for_producer(request.request_id, hits < len(hashes)):
             return None, False
         hit_tokens = self._bounds(0, hashes[:hits], held_end)
@@ -224,19 +234,61 @@ class SchedulerSide:
             self.lookup_requests += 1
             self.lookup_tokens += num_tokens
             self.lookup_hit_tokens += max(hit_tokens - num_computed_tokens, 0)
-        if hits:
-            self._on_chunks(request, 0, hashes[:hits], hit_tokens)
-        load_end = min(hit_tokens, num_tokens - 1)
-        if (most := self.max_load_chunks()) is not None:  # a longer load fails partway
-            load_end = min(
-                load_end, (num_computed_tokens // self.chunk_size + most) * self.chunk_size
-            )
-        if self.whole_blocks:
-            load_end = load_end // self.block_size * self.block_size
-        if load_end - num_computed_tokens < max(self.config.min_retrieve_tokens, 1):
+        if hits > first:
+            self._on_chunks(request, first, hashes[first:hits], hit_tokens)
+        if load_end - num_computed_tokens < self._least_load:
             return 0, False  # nothing new, or too little to be worth a load
         self._hits[request.request_id] = (num_computed_tokens, load_end, hit_tokens)
         return load_end - num_computed_tokens, self.config.enable_async_loading
+
+    @property
+    def _least_load(self) -> int:
+        return max(self.config.min_retrieve_tokens, 1)
+
+    def _load_end(self, hits: int, num_tokens: int) -> int:
+        """Where a load of a sequence's first ``hits`` chunks ends: never at its last
+        token (vLLM computes it to sample the next), at a block boundary when only whole
+        blocks are copied."""
+        load_end = min(hits * self.chunk_size, self._held_end(num_tokens), num_tokens - 1)
+        return load_end // self.block_size * self.block_size if self.whole_blocks else load_end
+
+    def _leading_hit(
+        self, hashes: list[bytes], vllm_cached: int, num_tokens: int
+    ) -> tuple[int, int, int]:
+        """``(0, hits, load_end)``: the leading chunks every rank holds, loaded up to the
+        chunks one load can stage past vLLM's own hit."""
+        cs = self.chunk_size
+        hits = self.lookup(hashes, vllm_cached // cs)
+        load_end = self._load_end(hits, num_tokens)
+        if (most := self.max_load_chunks()) is not None:  # a longer load fails partway
+            load_end = min(load_end, (vllm_cached // cs + most) * cs)
+        return 0, hits, load_end
+
+    def _window_hit(
+        self, hashes: list[bytes], vllm_cached: int, num_tokens: int
+    ) -> tuple[int, int, int]:
+        """``(first, hits, load_end)`` for a model that attends to a window: vLLM gives a
+        request that resumes at ``load_end`` blocks only from ``window_start(load_end)``
+        on (the null block before them, see ``skip_null_blocks``), so a hit of ``hits``
+        chunks needs only chunks ``[first, hits)``: those of its window past vLLM's own
+        hit. The longest such hit every rank holds (counted, announced), and the longest
+        whose window one load can stage (loaded; its chunks are prefetched)."""
+        held, most = self.held(hashes), self.max_load_chunks()
+        cs, bs, found = self.chunk_size, self.block_size, None
+        for hits in range(len(hashes), 0, -1):
+            load_end = self._load_end(hits, num_tokens)
+            if load_end <= vllm_cached:
+                break
+            first = max(vllm_cached, self.window_start(load_end) // bs * bs) // cs
+            end = -(-load_end // cs)  # chunks the load reads: [first, end)
+            if first >= end or not all(held[first:hits]):
+                continue  # NOTE: a hit that needs no chunk (a chunked-local boundary) is none
+            found = found or (first, hits)
+            if load_end - vllm_cached >= self._least_load and (most is None or end - first <= most):
+                if self.lookup(hashes[first:end], 0) < end - first:
+                    break  # evicted since the first question: no load
+                return *found, load_end
+        return *(found or (0, 0)), vllm_cached
 
     def _wait_for_producer(self, req_id: str, missing: bool) -> bool:
         """Whether to look again later: chunks are ``missing`` and the request's

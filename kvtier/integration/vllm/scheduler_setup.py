@@ -51,6 +51,7 @@ def scheduler_side(
         max_model_len=vllm_config.model_config.max_model_len,
         max_load_chunks=lambda: lookup.max_load_chunks,
         window_start=facts.window_start(kv_cache_config),
+        held=lookup.held,
         extensions=scheduler_extensions(config, vllm_config, client),
     )
     side.clients.append(client)

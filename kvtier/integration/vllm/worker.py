@@ -230,6 +230,7 @@ class WorkerSide:
                 self.endpoint,
                 {
                     "lookup": self._serve_lookup,
+                    "held": self._serve_held,
                     "clear": self._serve_clear,
                     "stats": lambda args: self.stats.snapshot(),
                     "metrics": lambda args: self._require_engine().metrics(omit=self._uncounted()),
@@ -256,6 +257,13 @@ class WorkerSide:
         engine = self._require_engine()
         return {
             "hits": engine.lookup_hashes(args["hashes"], int(args.get("load_from", 0))),
+            "max_load_chunks": engine.max_load_chunks,
+        }
+
+    def _serve_held(self, args: dict) -> dict:
+        engine = self._require_engine()
+        return {
+            "held": engine.held_chunks(args["hashes"]),
             "max_load_chunks": engine.max_load_chunks,
         }
 
