@@ -130,3 +130,20 @@ def test_the_report_of_a_gpu_results_file(tmp_path):
     assert "| engine | store (GPU pages → pinned CPU tier, default config) | 6.50 |" in report
     assert "| wall_us_per_call | — | — | 20.0 | GPU kernel time per call" in report
     assert "cpu.json" not in report  # this device's files alone
+
+
+def test_rows_of_an_earlier_step_in_the_same_second_are_not_counted_again(tmp_path, monkeypatch):
+    """A step's rows are those it wrote: a row an earlier step dated in the second this step
+    started in is not this step's, and a step that wrote none measured nothing."""
+    monkeypatch.setattr(gpu_bench, "_now", lambda: "2030-01-01T00:00:00+00:00")
+    run = _run(tmp_path)
+    writes = _rows_file(run.results_dir).replace("now = datetime", "_ = datetime")
+    writes = writes.replace("date=now", "date='2030-01-01T00:00:00+00:00'")
+    steps = [
+        gpu_bench.Step("first", "writes a row", ("-c", writes), budget=20.0),
+        gpu_bench.Step("second", "writes none", ("-c", ""), budget=20.0),
+    ]
+    with run.log:
+        first, second = (run.run_step(step, reserve=0) for step in steps)
+    assert (first.status, first.rows) == ("passed", 1)
+    assert (second.status, second.rows) == ("no rows", 0)
