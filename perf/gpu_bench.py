@@ -235,16 +235,27 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
-def rows_since(files: list[Path], since: str) -> int:
-    """Rows in ``files`` dated ``since`` (ISO UTC, seconds) or later."""
-    count = 0
+def row_stamps(files: list[Path]) -> set[tuple[str, str, str, str]]:
+    """Every row in ``files`` as (file, benchmark, metric, date): a step's rows are the
+    stamps present after it that were not before it (a row dated in the second an earlier
+    step ended in is that step's, not a later one's)."""
+    stamps = set()
     for path in files:
         try:
             rows = json.loads(path.read_text()).get("results", [])
         except (OSError, ValueError, AttributeError):
             continue
-        count += sum(1 for r in rows if isinstance(r, dict) and str(r.get("date", "")) >= since)
-    return count
+        stamps.update(
+            (
+                path.name,
+                str(r.get("benchmark", "")),
+                str(r.get("metric", "")),
+                str(r.get("date", "")),
+            )
+            for r in rows
+            if isinstance(r, dict)
+        )
+    return stamps
 
 
 def _now() -> str:
@@ -301,11 +312,11 @@ class Run:
         say(self.log, f"\n=== gpu-bench step {step.name}: {step.what} (budget {budget:.0f} s)")
         if step is REPORT:
             return self.finish(self._report(result, budget))
-        since = _now()
+        before = row_stamps(self.device_files())
         result.command = self.command(step)
         code, timed_out, seconds, tail = run_bounded(result.command, budget, self.env, self.log)
         result.exit_code, result.seconds, result.tail = code, round(seconds, 1), tail
-        result.rows = rows_since(self.device_files(), since) if step.saves else 0
+        result.rows = len(row_stamps(self.device_files()) - before) if step.saves else 0
         result.status = "timed out" if timed_out else ("passed" if code == 0 else "failed")
         if timed_out:
             result.note = f"interrupted after {budget:.0f} s; rows measured until then are kept"

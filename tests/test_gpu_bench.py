@@ -130,3 +130,57 @@ def test_the_report_of_a_gpu_results_file(tmp_path):
     assert "| engine | store (GPU pages → pinned CPU tier, default config) | 6.50 |" in report
     assert "| wall_us_per_call | — | — | 20.0 | GPU kernel time per call" in report
     assert "cpu.json" not in report  # this device's files alone
+
+
+def test_rows_of_an_earlier_step_in_the_same_second_are_not_counted_again(tmp_path, monkeypatch):
+    """A step's rows are those it wrote: a row an earlier step dated in the second this step
+    started in is not this step's, and a step that wrote none measured nothing."""
+    monkeypatch.setattr(gpu_bench, "_now", lambda: "2030-01-01T00:00:00+00:00")
+    run = _run(tmp_path)
+    writes = _rows_file(run.results_dir).replace("now = datetime", "_ = datetime")
+    writes = writes.replace("date=now", "date='2030-01-01T00:00:00+00:00'")
+    steps = [
+        gpu_bench.Step("first", "writes a row", ("-c", writes), budget=20.0),
+        gpu_bench.Step("second", "writes none", ("-c", ""), budget=20.0),
+    ]
+    with run.log:
+        first, second = (run.run_step(step, reserve=0) for step in steps)
+    assert (first.status, first.rows) == ("passed", 1)
+    assert (second.status, second.rows) == ("no rows", 0)
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["save", "scratch"])
+def test_a_run_with_a_gpu_saves_its_rows_under_the_devices_name(tmp_path, monkeypatch, scratch):
+    """``main`` on a machine that has a GPU (stand-in steps): the benchmarks are asked to
+    save (not with ``--scratch``), and the output folder gets the device's results files
+    as ``docs/performance.md`` lists them, with the summary and the log."""
+    from perf.benchmarks import machine_info
+
+    results = tmp_path / "results"
+    (results / "scratch").mkdir(parents=True)
+    monkeypatch.setattr(gpu_bench, "RESULTS_DIR", results)
+    monkeypatch.setattr(gpu_bench, "missing_gpu", lambda: None)
+    monkeypatch.setattr(machine_info, "describe_machine", lambda date: {"device": "NVIDIA H200"})
+    to = results / "scratch" if scratch else results
+    rows = _rows_file(to).replace("fake-gpu.json", "nvidia-h200.json")
+    saves = "import sys; assert ('--save-results' in sys.argv) == {save!r}, sys.argv\n"
+    saves = saves.format(save=not scratch)
+    monkeypatch.setattr(gpu_bench, "STEPS", (
+        gpu_bench.Step("tests", "no rows to save", ("-c", ""), 20, saves=False, parallel=True),
+        gpu_bench.Step("kernels", "one row", ("-c", saves + rows), 20),
+        gpu_bench.Step("launch", "one row", ("-c", saves + rows.replace(".json", "-launch.json")), 20),
+    ))  # fmt: skip
+    monkeypatch.setattr(gpu_bench, "REPORT", gpu_bench.Step("report", "none", ("-c", ""), 20))
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--wheels", str(tmp_path / "none")] + ["--scratch"] * scratch
+    assert gpu_bench.main(args) == 0
+    summary = json.loads((out / "gpu-bench.json").read_text())
+    assert summary["results_files"] == ["nvidia-h200.json", "nvidia-h200-launch.json"]
+    assert [(s["name"], s["status"], s["rows"]) for s in summary["steps"][:3]] == [
+        ("tests", "passed", 0),
+        ("kernels", "passed", 1),
+        ("launch", "passed", 1),
+    ]
+    assert {"gpu-bench.log", "nvidia-h200.json", "nvidia-h200-launch.json"} <= {
+        p.name for p in out.iterdir()
+    }
