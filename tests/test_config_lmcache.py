@@ -192,3 +192,73 @@ def test_lmcache_tables_are_disjoint_and_cover_aliases() -> None:
         "max_local_cache_size": "max_local_cpu_size",
         "blend_recompute_ratio": "blend_recompute_ratios",
     }
+
+
+def test_lmcache_variables_set_the_keys_lmcache_shares() -> None:
+    env = {
+        "LMCACHE_CHUNK_SIZE": "512",
+        "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "20",
+        "LMCACHE_REMOTE_URL": '"redis://localhost:6379"',
+        "LMCACHE_ENABLE_BLENDING": "1",
+        "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.2",
+    }
+    cfg = load_config(env=env)
+    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size) == (512, False, 20.0)
+    assert cfg.remote_url == "redis://localhost:6379"
+    assert cfg.enable_blending is True and cfg.blend_recompute_ratios == "0.2"
+    assert cfg.source_of("chunk_size") == "env var LMCACHE_CHUNK_SIZE"
+
+
+def test_lmcache_variables_beat_the_file_and_lose_to_kvtiers(tmp_path: Path) -> None:
+    path = write(tmp_path, "chunk_size: 64\nmax_local_cpu_size: 1\n", "lmcache.yaml")
+    env = {
+        "LMCACHE_CONFIG_FILE": str(path),
+        "LMCACHE_CHUNK_SIZE": "512",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
+        "KVTIER_MAX_LOCAL_CPU_SIZE": "3",
+    }
+    cfg = load_config(env=env)
+    assert (cfg.chunk_size, cfg.max_local_cpu_size) == (512, 3.0)
+    cfg = load_config(overrides={"chunk_size": 16}, env=env)
+    assert cfg.chunk_size == 16
+
+
+def test_lmcache_variables_of_other_keys_follow_the_lmcache_rules(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    env = {
+        "LMCACHE_PY_ENABLE_GC": "True",
+        "LMCACHE_ENABLE_PD": "False",
+        "LMCACHE_MP_PORT": "5555",
+        "LMCACHE_HASH_SEED": "not an LMCache key",
+        "LMCACHE_LOG_LEVEL": "DEBUG",
+    }
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(env=env)
+    assert cfg.hash_seed == CONFIG_KEYS["hash_seed"].default
+    assert cfg.ignored_lmcache_keys == ("py_enable_gc",)
+    assert len(caplog.records) == 1
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"LMCACHE_ENABLE_PD": "true"})
+    assert_one_problem_mentions(
+        excinfo.value, "'enable_pd' is not supported", "env var LMCACHE_ENABLE_PD", "kv_role"
+    )
+
+
+@pytest.mark.parametrize("text", ["yes", "on", "no", ""])
+def test_an_lmcache_boolean_variable_lmcache_would_read_otherwise_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"LMCACHE_LOCAL_CPU": text})
+    assert_one_problem_mentions(excinfo.value, "LMCACHE_LOCAL_CPU", "true/1 or false/0")
+
+
+def test_an_lmcache_key_set_by_two_variables_is_an_error() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={"LMCACHE_MAX_LOCAL_CPU_SIZE": "2", "LMCACHE_MAX_LOCAL_CACHE_SIZE": "3"})
+    assert_one_problem_mentions(
+        excinfo.value,
+        "max_local_cpu_size",
+        "LMCACHE_MAX_LOCAL_CACHE_SIZE",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE",
+    )
