@@ -262,3 +262,17 @@ def test_an_lmcache_key_set_by_two_variables_is_an_error() -> None:
         "LMCACHE_MAX_LOCAL_CACHE_SIZE",
         "LMCACHE_MAX_LOCAL_CPU_SIZE",
     )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://my-bucket.s3.us-east-1.amazonaws.com",
+        "s3://kv.s3.eu-west-1.amazonaws.com/prefix",
+        "s3://fakefile--use1-az4--x-s3.s3express-use1-az4.us-east-1.amazonaws.com",
+    ],
+)
+def test_lmcaches_s3_endpoint_url_is_refused_not_read_as_a_bucket(url: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"remote_url": url}, env={})
+    assert_one_problem_mentions(excinfo.value, "AWS endpoint host", "s3_region", "s3://")

@@ -24,16 +24,27 @@ S3_URL_FORM = "s3://bucket[/prefix]"
 # with a letter or digit (no "..", not an IP address; checked separately).
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
+# LMCache's S3 form names the bucket's AWS endpoint host: s3://BUCKET.s3.REGION.amazonaws.com
+# (or an s3express one); kvtier's names the bucket alone, and the region is s3_region.
+_AWS_ENDPOINT_HOST = re.compile(r"(?P<bucket>[^.]+?)\.s3(?:express)?[.-].*amazonaws\.com")
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``(bucket, prefix)`` of ``s3://bucket[/prefix]``; the prefix is ``""`` or ends in ``/``.
 
     Raises:
-        ValueError: naming ``remote_url`` and the accepted form.
+        ValueError: naming ``remote_url`` and the accepted form; also for LMCache's form,
+            whose host is the bucket's AWS endpoint (``s3://b.s3.us-east-1.amazonaws.com``),
+            so that it is not read as a bucket of that name.
     """
     parts = urlsplit(url)
     bucket = parts.netloc
+    if host := _AWS_ENDPOINT_HOST.fullmatch(bucket):
+        raise ValueError(
+            f"remote_url {url!r} names an AWS endpoint host (LMCache's "
+            f"s3://BUCKET.s3.REGION.amazonaws.com), not a bucket; write it as "
+            f"s3://{host['bucket']}[/prefix] and give the region as s3_region"
+        )
     if (
         parts.scheme != "s3"
         or parts.query
