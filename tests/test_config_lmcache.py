@@ -275,4 +275,13 @@ def test_an_lmcache_key_set_by_two_variables_is_an_error() -> None:
 def test_lmcaches_s3_endpoint_url_is_refused_not_read_as_a_bucket(url: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"remote_url": url}, env={})
-    assert_one_problem_mentions(excinfo.value, "AWS endpoint host", "s3_region", "s3://")
+    assert_one_problem_mentions(excinfo.value, "S3 endpoint host", "s3_region", "s3://")
+
+
+def test_lmcaches_s3_url_of_another_service_names_the_endpoint_to_give() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"remote_url": "s3://kv-cache.t3.storage.dev"}, env={})
+    assert_one_problem_mentions(
+        excinfo.value, "s3://kv-cache[/prefix]", "s3_endpoint_url: https://t3.storage.dev"
+    )
+    assert load_config(overrides={"remote_url": "s3://logs.example.com"}, env={}).remote_url

@@ -24,9 +24,16 @@ S3_URL_FORM = "s3://bucket[/prefix]"
 # with a letter or digit (no "..", not an IP address; checked separately).
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
-# LMCache's S3 form names the bucket's AWS endpoint host: s3://BUCKET.s3.REGION.amazonaws.com
-# (or an s3express one); kvtier's names the bucket alone, and the region is s3_region.
+# LMCache's S3 form names the bucket's virtual-host endpoint, s3://BUCKET.ENDPOINT
+# (s3://b.s3.us-east-1.amazonaws.com, s3://b.t3.storage.dev); kvtier's names the bucket
+# alone, with the region in s3_region and another store's endpoint in s3_endpoint_url. A
+# bucket name may hold dots, so only the hosts of known S3 services are told apart.
 _AWS_ENDPOINT_HOST = re.compile(r"(?P<bucket>[^.]+?)\.s3(?:express)?[.-].*amazonaws\.com")
+_S3_SERVICE_HOST = re.compile(
+    r"(?P<bucket>[^.]+)\.(?P<endpoint>(?:[^.]+\.)*(?:t3\.storage\.dev|storage\.googleapis\.com"
+    r"|r2\.cloudflarestorage\.com|digitaloceanspaces\.com|wasabisys\.com|backblazeb2\.com"
+    r"|aliyuncs\.com|myqcloud\.com))"
+)
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -34,16 +41,20 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
     Raises:
         ValueError: naming ``remote_url`` and the accepted form; also for LMCache's form,
-            whose host is the bucket's AWS endpoint (``s3://b.s3.us-east-1.amazonaws.com``),
-            so that it is not read as a bucket of that name.
+            whose host is the bucket's endpoint at AWS or another known S3 service
+            (``s3://b.s3.us-east-1.amazonaws.com``), so that it is not read as a bucket of
+            that name.
     """
     parts = urlsplit(url)
     bucket = parts.netloc
     if host := _AWS_ENDPOINT_HOST.fullmatch(bucket):
+        instead = "give the region as s3_region"
+    elif host := _S3_SERVICE_HOST.fullmatch(bucket):
+        instead = f"give the endpoint as s3_endpoint_url: https://{host['endpoint']}"
+    if host:
         raise ValueError(
-            f"remote_url {url!r} names an AWS endpoint host (LMCache's "
-            f"s3://BUCKET.s3.REGION.amazonaws.com), not a bucket; write it as "
-            f"s3://{host['bucket']}[/prefix] and give the region as s3_region"
+            f"remote_url {url!r} names an S3 endpoint host (LMCache's s3://BUCKET.ENDPOINT), "
+            f"not a bucket; write it as s3://{host['bucket']}[/prefix] and {instead}"
         )
     if (
         parts.scheme != "s3"
