@@ -90,6 +90,7 @@ def test_ignored_keys_from_several_sources_warn_once(
         ("external_lookup_client", "mooncakestore://x", "external lookup"),
         ("blend_separator", "<sep>", "CacheBlend"),
         ("mp_port", 1234, "multi-process"),
+        ("local_device", "file://local_disk/", "local_disk: PATH"),
     ],
 )
 def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, feature: str) -> None:
@@ -153,6 +154,8 @@ def test_lmcache_disk_and_timeout_knobs_are_ignored() -> None:
         ("nixl_enable_gc", True),
         ("nixl_buffer_device", None),
         ("extra_config", {}),
+        ("local_device", "cpu"),
+        ("pipelined_backend", False),
     ],
 )
 def test_switched_off_lmcache_keys_are_accepted(key: str, value: object) -> None:
