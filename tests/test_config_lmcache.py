@@ -288,3 +288,19 @@ def test_lmcaches_s3_url_of_another_service_names_the_endpoint_to_give() -> None
         excinfo.value, "s3://kv-cache[/prefix]", "s3_endpoint_url: https://t3.storage.dev"
     )
     assert load_config(overrides={"remote_url": "s3://logs.example.com"}, env={}).remote_url
+
+
+@pytest.mark.parametrize(
+    ("url", "backend"),
+    [
+        ("mooncakestore://127.0.0.1:50051", "Mooncake Store"),
+        ("infinistore://127.0.0.1:12345?device=mlx5_0", "InfiniStore"),
+        ("redis-sentinel://user:hunter2@s1:26379,s2:26379/mymaster", "Redis Sentinel"),
+        ("blackhole://", "blackhole"),
+    ],
+)
+def test_lmcaches_other_remote_backends_are_named_in_the_error(url: str, backend: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"remote_url": url}, env={})
+    assert_one_problem_mentions(excinfo.value, "remote_url", f"LMCache's {backend}", "redis, ")
+    assert "hunter2" not in str(excinfo.value)

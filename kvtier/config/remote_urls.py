@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from kvtier.config.node_address import SCHEMES as SERVER_SCHEMES
 from kvtier.config.node_address import parse_server_address
 from kvtier.config.redis_url import parse_url
-from kvtier.config.remote import redact_url, url_scheme
+from kvtier.config.remote import REMOTE_SCHEMES, is_remote_url, redact_url, url_scheme
 
 S3_URL_FORM = "s3://bucket[/prefix]"
 # S3's naming rules: 3-63 of lowercase letters, digits, dots and hyphens, starting and ending
@@ -86,6 +86,24 @@ def parse_fs_url(url: str) -> str:
     return parts.path
 
 
+# LMCache's remote backends kvtier does not have: scheme -> the backend, named in the error.
+LMCACHE_REMOTE_BACKENDS: dict[str, str] = {
+    "redis-sentinel": "Redis Sentinel",
+    "mooncakestore": "Mooncake Store",
+    "infinistore": "InfiniStore",
+    "blackhole": "blackhole (a remote that stores nothing)",
+    "audit": "audit",
+    "mock": "mock",
+    "external": "external connector",
+}
+
+
+def is_remote_or_lmcache_url(url: str) -> bool:
+    """Whether ``url`` has a scheme of kvtier's or of an LMCache backend (whose error
+    :func:`check_remote_url` gives)."""
+    return is_remote_url(url) or url_scheme(url) in LMCACHE_REMOTE_BACKENDS
+
+
 def check_remote_url(url: str) -> None:
     """Return if ``url`` has the form of its scheme (whether its store answers is seen
     when it is opened); a scheme kvtier does not know is the key's ``check``.
@@ -94,6 +112,12 @@ def check_remote_url(url: str) -> None:
         ValueError: naming ``remote_url``, what is wrong and the accepted form.
     """
     scheme = url_scheme(url)
+    if scheme in LMCACHE_REMOTE_BACKENDS:
+        raise ValueError(
+            f"remote_url {redact_url(url)!r} is LMCache's {LMCACHE_REMOTE_BACKENDS[scheme]} "
+            f"backend, which kvtier does not have; its remote schemes are "
+            f"{', '.join(REMOTE_SCHEMES)} (lm:// is kvtier serve)"
+        )
     if scheme == "s3":
         parse_s3_url(url)
     elif scheme == "fs":
