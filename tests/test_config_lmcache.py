@@ -91,6 +91,7 @@ def test_ignored_keys_from_several_sources_warn_once(
         ("blend_separator", "<sep>", "CacheBlend"),
         ("mp_port", 1234, "multi-process"),
         ("local_device", "file://local_disk/", "local_disk: PATH"),
+        ("pd_retrieve_locations", ["PDBackend"], "PD disaggregation"),
     ],
 )
 def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, feature: str) -> None:
@@ -236,6 +237,7 @@ def test_lmcache_variables_of_other_keys_follow_the_lmcache_rules(
         "LMCACHE_MP_PORT": "5555",
         "LMCACHE_HASH_SEED": "not an LMCache key",
         "LMCACHE_LOG_LEVEL": "DEBUG",
+        "LMCACHE_PD_WAIT_MS": "5000",  # kvtier's key, not LMCache's: left alone
     }
     with caplog.at_level(logging.WARNING, logger="kvtier.config"):
         cfg = load_config(env=env)

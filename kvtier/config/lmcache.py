@@ -152,7 +152,11 @@ LMCACHE_UNSUPPORTED_KEYS: dict[str, tuple[str, Any]] = {
 }
 
 # Key-name prefixes of whole unsupported LMCache feature families: prefix -> feature.
-LMCACHE_UNSUPPORTED_PREFIXES: dict[str, str] = {"nixl_": "NIXL transfer"}
+# A kvtier key is never one of them (pd_wait_ms is kvtier's own).
+LMCACHE_UNSUPPORTED_PREFIXES: dict[str, str] = {
+    "nixl_": "NIXL transfer",
+    "pd_": "PD disaggregation",
+}
 
 # LMCache features kvtier will gain as real keys: key -> (feature, LMCache's default).
 # Same rule as LMCACHE_UNSUPPORTED_KEYS, but the error says "not supported yet".

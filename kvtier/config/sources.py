@@ -237,8 +237,10 @@ def read_lmcache_env(
             settings[key] = (value, label)
         elif name in LMCACHE_NO_EFFECT_KEYS:
             ignored.add(name)
-        elif is_lmcache_feature_key(name) and (
-            problem := check_lmcache_feature_key(name, _env_literal(text), label)
+        elif (
+            name not in keys
+            and is_lmcache_feature_key(name)
+            and (problem := check_lmcache_feature_key(name, _env_literal(text), label))
         ):
             problems.append(problem)
     return settings
