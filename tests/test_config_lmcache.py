@@ -103,6 +103,12 @@ def test_enabled_unsupported_lmcache_key_is_an_error(key: str, value: object, fe
     assert "not supported yet" not in excinfo.value.problems[0]
 
 
+def test_lmcache_p2p_keys_point_to_kvtier_serves_peers() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(overrides={"enable_p2p": True}, env={})
+    assert_one_problem_mentions(excinfo.value, "kvtier serve", "--peer", "server.md")
+
+
 def test_lmcache_pd_keys_point_to_kvtiers_roles() -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(overrides={"enable_pd": True}, env={})

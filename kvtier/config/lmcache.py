@@ -186,6 +186,11 @@ def is_lmcache_feature_key(name: str) -> bool:
 LMCACHE_FEATURE_INSTEAD = {
     "PD disaggregation": "kvtier's is vLLM's kv_role 'kv_producer' / 'kv_consumer' with one "
     "shared remote_url, see docs/disaggregated.md",
+    "P2P cache sharing": "kvtier's is kvtier serve with peers (--peer, or server_peers), "
+    "see docs/server.md",
+    "the LMCache controller": "kvtier serve's admin API and kvtier status give lookups and "
+    "stats, see docs/server.md",
+    "GPUDirect Storage": "kvtier's disk tier is local_disk, with local_disk_o_direct",
     "LMCache v0's local_device": "LMCache v1 ignores it too; a file:// device is kvtier's "
     "local_disk: PATH, and the CPU tier is local_cpu",
 }
