@@ -8,7 +8,8 @@ differently scheduled computations would be fragile there, the KV comparison is 
 A sliding-window Mistral (float32, window 64) checks hits beyond the first window: a
 600-token prompt whose first 384 tokens vLLM's own cache held when kvtier stored it (so
 kvtier lacks their chunks) is served from kvtier alone, resuming at token 576 from the
-chunk of its window, [512, 576).
+chunk of its window, [512, 576). And a hit past vLLM's own needs no chunk inside it: with
+vLLM holding a prompt's first 160 tokens and kvtier's first chunk evicted, the rest loads.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def test_storing_leaves_the_engines_kv_as_without_a_connector(kv_identity):
     for length, mismatch in zip(LENGTHS, result["connector_vs_plain_mismatch"], strict=True):
         assert mismatch is None, f"{length}-token prompt: KV differs at (layer, block) {mismatch}"
     assert result["tokens"]["cold"] == result["tokens"]["plain"]
+
+
+def test_a_hit_past_vllms_own_needs_no_chunk_inside_it(kv_identity):
+    """vLLM holds the 700-token prompt's first 160 tokens; kvtier lost c0: it loads
+    [160, 640) (c2 from token 160, c3..c9), as the cold prefill computed it."""
+    _, result = kv_identity
+    assert result["local"] == {"cached": 640, "mismatch": None}, result["local"]
 
 
 def test_a_sliding_window_hit_loads_its_window_bit_identical(kv_identity):

@@ -10,6 +10,9 @@ blocks ``KVProbe`` reads back (per layer, per block digests).
    stored (vLLM's own hit covered them) is served from kvtier alone: only the chunks of
    its window are loaded, bit-identical to a cold run's blocks there, and it generates
    the tokens of a run that vLLM's own prefix cache resumes at the same token.
+5. vLLM's own cache holds a prompt's first 160 tokens (inside its third chunk) while kvtier
+   lost its first chunk from every tier: kvtier loads the rest of the third chunk and the
+   chunks after it, bit-identical to the cold prefill.
 
 Usage: python vllm_kv_identity.py CONFIG_JSON OUT_JSON
 """
@@ -57,6 +60,7 @@ def main() -> None:
     raw[5] ^= 0x01
     flipped = first_mismatch(warm_kv[0], probe.digests(prompts[0]), num_blocks=2)
     raw[5] ^= 0x01
+    local = local_hit(llm, probe, prompts[0], cold_kv[0], block)
     shutdown(llm)
 
     llm, probe = run(None)
@@ -68,6 +72,7 @@ def main() -> None:
         json.dump(
             {
                 "window": window,
+                "local": local,
                 "loaded": [r.num_cached_tokens for r in warm],
                 "loaded_mismatch": loaded_mismatch,
                 "flipped": [flipped, [layer, flipped_block]],
@@ -83,6 +88,29 @@ def main() -> None:
             },
             f,
         )
+
+
+def local_hit(llm, probe, prompt: list[int], cold, block: int) -> dict:
+    """Case 5 in the engine of case 1, whose kvtier holds every whole chunk of ``prompt``
+    (``cold``: its cold prefill's digests)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from support.engines import generate
+
+    own = 160
+    assert llm.reset_prefix_cache()
+    generate(llm, [prompt[:own]], max_tokens=1)  # vLLM's own cache: its first 5 blocks
+    engine = get_kv_transfer_group()._worker.engine
+    assert engine.storage.remove(engine.chunk_keys(prompt)[0]), "chunk 0 was not stored"
+    cached = generate(llm, [prompt], max_tokens=1)[0].num_cached_tokens
+    warm = probe.digests(prompt)
+    differ = (
+        (layer, i)
+        for layer in range(len(cold.per_layer))
+        for i in range(own // block, cached // block)  # the loaded blocks
+        if cold.per_layer[layer][i] != warm.per_layer[layer][i]
+    )
+    return {"cached": cached, "mismatch": next(differ, None)}
 
 
 def window_hit(config: dict) -> dict:

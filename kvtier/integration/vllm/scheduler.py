@@ -229,6 +229,8 @@ class SchedulerSide:
         if self.pd_wait_s and self._wait_for_producer(request.request_id, hits < len(hashes)):
             return None, False
         hit_tokens = self._bounds(0, hashes[:hits], held_end)
+        # Stored again: the prompt from chunk 0 when a chunk before vLLM's hit is missing.
+        stored = 0 if self.held is None and first > 0 else hit_tokens
         if request.request_id not in self._looked_up:
             self._looked_up.add(request.request_id)
             self.lookup_requests += 1
@@ -238,7 +240,7 @@ class SchedulerSide:
             self._on_chunks(request, first, hashes[first:hits], hit_tokens)
         if load_end - num_computed_tokens < self._least_load:
             return 0, False  # nothing new, or too little to be worth a load
-        self._hits[request.request_id] = (num_computed_tokens, load_end, hit_tokens)
+        self._hits[request.request_id] = (num_computed_tokens, load_end, stored)
         return load_end - num_computed_tokens, self.config.enable_async_loading
 
     @property
@@ -255,14 +257,22 @@ class SchedulerSide:
     def _leading_hit(
         self, hashes: list[bytes], vllm_cached: int, num_tokens: int
     ) -> tuple[int, int, int]:
-        """``(0, hits, load_end)``: the leading chunks every rank holds, loaded up to the
-        chunks one load can stage past vLLM's own hit."""
+        """``(first, hits, load_end)``: the chunks every rank holds from chunk ``first``
+        (0: the leading ones), loaded up to the chunks one load can stage past vLLM's own
+        hit. A load reads only the chunks from the one holding vLLM's hit's end, so where
+        a rank lacks a chunk wholly inside vLLM's own hit (evicted, never stored), the hit
+        is the chunks it holds from that one on (``first``)."""
         cs = self.chunk_size
-        hits = self.lookup(hashes, vllm_cached // cs)
+        first = vllm_cached // cs
+        hits = self.lookup(hashes, first)
+        if hits >= first:
+            first = 0
+        else:  # the leading chunks end inside vLLM's own hit
+            hits = first + self.lookup(hashes[first:], 0)
         load_end = self._load_end(hits, num_tokens)
         if (most := self.max_load_chunks()) is not None:  # a longer load fails partway
             load_end = min(load_end, (vllm_cached // cs + most) * cs)
-        return 0, hits, load_end
+        return first, hits, load_end
 
     def _window_hit(
         self, hashes: list[bytes], vllm_cached: int, num_tokens: int
