@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import functools
 import logging
 import os
@@ -325,7 +324,7 @@ class FileTier:
         try:
             written = self._write_file(file_name, parts)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in files.NO_SPACE:
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                 warn_once(logger, f"kvtier {self.name} tier: {self.root} is full; stores skipped")
             else:
