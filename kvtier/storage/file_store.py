@@ -30,6 +30,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -106,6 +107,7 @@ class FileStore:
 
     def _scan(self) -> None:
         """Rebuild the index from the files present, oldest first (start-up)."""
+        started = time.monotonic()
         found, directories = scan_tree(self.dir)
         with self._lock:
             self._directories |= {os.path.relpath(d, self.dir) for d in directories}
@@ -113,11 +115,12 @@ class FileStore:
             self._index.add(name, size)
         if found:
             logger.info(
-                "%s: %d files (%.1f MiB) found in %s",
+                "%s: %d files (%.1f MiB) found in %s in %.1f s",
                 self.describe,
                 len(found),
                 self._index.used / 2**20,
                 self.dir,
+                time.monotonic() - started,
             )
         with self._lock:
             self._evict(self._index.make_room(0) or [])
