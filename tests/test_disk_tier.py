@@ -237,12 +237,17 @@ def test_restart_enforces_a_smaller_capacity(tmp_path, pool):
     second.close()
 
 
-def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool):
+def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool, caplog):
     stats = Stats()
     tier = make_tier(tmp_path, stats, capacity_bytes=1000)
-    put_all(tier, pool, [1])
-    assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 1
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+        put_all(tier, pool, [1, 2])
+    assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 2
     assert chunk_files(tmp_path) == []
+    # A bound that can hold no chunk at all is said once, not left to a counter.
+    [warning] = caplog.records
+    assert "larger than the whole bound" in warning.message
+    assert "max_local_disk_size" in warning.message
     tier.close()
 
 

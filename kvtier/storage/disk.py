@@ -334,6 +334,12 @@ class FileTier:
             return False
         if not written:  # larger than the whole bound
             self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
+            warn_once(
+                logger,
+                f"kvtier {self.name} tier: a chunk file of {size} bytes is larger than the "
+                f"whole bound on {self.root} ({self.capacity_bytes} bytes); such stores are "
+                "skipped (raise max_local_disk_size or lower chunk_size)",
+            )
             return False
         if self.events is not None and key.layer is None:
             with self._lock:
