@@ -237,12 +237,17 @@ def test_restart_enforces_a_smaller_capacity(tmp_path, pool):
     second.close()
 
 
-def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool):
+def test_chunk_larger_than_the_disk_is_skipped(tmp_path, pool, caplog):
     stats = Stats()
     tier = make_tier(tmp_path, stats, capacity_bytes=1000)
-    put_all(tier, pool, [1])
-    assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 1
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+        put_all(tier, pool, [1, 2])
+    assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 2
     assert chunk_files(tmp_path) == []
+    # A bound that can hold no chunk at all is said once, not left to a counter.
+    [warning] = caplog.records
+    assert "larger than the whole bound" in warning.message
+    assert "max_local_disk_size" in warning.message
     tier.close()
 
 
@@ -534,22 +539,49 @@ def small_tmpfs(path: Path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_full_disk_skips_stores_and_keeps_serving(tmp_path, pool, caplog):
+def test_a_disk_smaller_than_the_bound_evicts_when_full(tmp_path, pool, caplog):
     stats = Stats()
     with small_tmpfs(tmp_path / "small", "64k") as root:
-        # The tier believes it has 1 GiB; the filesystem runs out after a few chunks.
+        # The tier believes it has 1 GiB; the filesystem runs out after a few chunks. A
+        # full filesystem evicts the oldest files as a full bound does: new chunks are
+        # stored, none dropped.
         tier = make_tier(root, stats)
         with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
-            put_all(tier, pool, range(20))
-        stored = int(counter(stats, TierCounter.PUT_CHUNKS))
-        assert 0 < stored < 20
-        assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 20 - stored
+            objs = put_all(tier, pool, range(20))
+        assert counter(stats, TierCounter.PUT_CHUNKS) == 20
+        assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 0
+        assert counter(stats, TierCounter.EVICTIONS) > 0
+        assert not caplog.records and not list(root.rglob("*.tmp"))
+        present = tier.contains_many([key(i) for i in range(20)])
+        assert present[-1] and not present[0]
+        assert tier.used_bytes == sum(p.stat().st_size for p in chunk_files(root))
+        assert len(tier) == sum(present)
+        [got] = tier.get_many([key(19)], pool.allocate)
+        assert same_bytes(got, objs[19])
+        tier.close()
+
+
+def test_a_disk_full_of_other_files_skips_stores(tmp_path, pool, caplog):
+    stats = Stats()
+    with small_tmpfs(tmp_path / "small", "64k") as root:
+        tier = make_tier(root, stats)
+        with contextlib.suppress(OSError), open(root / "ballast", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        # The tier holds no file whose eviction would make room: the stores are dropped.
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage.disk"):
+            put_all(tier, pool, range(5))
+        assert counter(stats, TierCounter.PUT_CHUNKS) == 0
+        assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 5
         assert sum("full" in r.message for r in caplog.records) == 1  # logged once
         assert not list(root.rglob("*.tmp"))
-        present = tier.contains_many([key(i) for i in range(20)])
-        assert sum(present) == stored
-        got = tier.get_many([key(i) for i, p in enumerate(present) if p], pool.allocate)
-        assert all(g is not None for g in got)
+        assert tier.used_bytes == 0 and len(tier) == 0
+        # Once there is room again, stores go through and are served.
+        (root / "ballast").unlink()
+        objs = put_all(tier, pool, [0])
+        [got] = tier.get_many([key(0)], pool.allocate)
+        assert same_bytes(got, objs[0])
         tier.close()
 
 

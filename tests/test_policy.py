@@ -100,3 +100,14 @@ def test_an_unbounded_index_never_evicts():
     assert index.used == (1 << 40) + (1 << 50)
     index.clear()
     assert len(index) == 0 and index.used == 0 and index.first() is None
+
+
+def test_shedding_drops_a_size_and_a_count_in_policy_order_but_keeps_one_name():
+    index = SizedIndex(100, "LRU")
+    for name, size in [("a", 10), ("b", 30), ("c", 20), ("d", 40)]:
+        index.add(name, size)
+    # the oldest ("a") is the one written: it stays; "b" alone frees the 25 bytes asked
+    assert index.shed(25, keep="a") == ["b"]
+    assert index.shed(1, keep="a", at_least=2) == ["c", "d"]
+    assert index.names() == ["a"] and index.used == 10
+    assert index.shed(50, keep="a") == []  # nothing else to drop

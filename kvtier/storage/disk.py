@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import functools
 import logging
 import os
@@ -325,7 +324,7 @@ class FileTier:
         try:
             written = self._write_file(file_name, parts)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in files.NO_SPACE:
                 self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
                 warn_once(logger, f"kvtier {self.name} tier: {self.root} is full; stores skipped")
             else:
@@ -335,6 +334,12 @@ class FileTier:
             return False
         if not written:  # larger than the whole bound
             self.stats.inc(tier_counter(self.name, TierCounter.DROPPED_NO_SPACE))
+            warn_once(
+                logger,
+                f"kvtier {self.name} tier: a chunk file of {size} bytes is larger than the "
+                f"whole bound on {self.root} ({self.capacity_bytes} bytes); such stores are "
+                "skipped (raise max_local_disk_size or lower chunk_size)",
+            )
             return False
         if self.events is not None and key.layer is None:
             with self._lock:

@@ -30,11 +30,19 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.storage.blob_store import Buffer
-from kvtier.storage.files import SUFFIX, probe_writable, scan_tree, sharded_path, write_whole
+from kvtier.storage.files import (
+    NO_SPACE,
+    SUFFIX,
+    probe_writable,
+    scan_tree,
+    sharded_path,
+    write_whole,
+)
 from kvtier.storage.policy import SizedIndex
 from kvtier.warn import warn_once
 
@@ -99,6 +107,7 @@ class FileStore:
 
     def _scan(self) -> None:
         """Rebuild the index from the files present, oldest first (start-up)."""
+        started = time.monotonic()
         found, directories = scan_tree(self.dir)
         with self._lock:
             self._directories |= {os.path.relpath(d, self.dir) for d in directories}
@@ -106,11 +115,12 @@ class FileStore:
             self._index.add(name, size)
         if found:
             logger.info(
-                "%s: %d files (%.1f MiB) found in %s",
+                "%s: %d files (%.1f MiB) found in %s in %.1f s",
                 self.describe,
                 len(found),
                 self._index.used / 2**20,
                 self.dir,
+                time.monotonic() - started,
             )
         with self._lock:
             self._evict(self._index.make_room(0) or [])
@@ -187,13 +197,16 @@ class FileStore:
     def write(self, name: str, parts: Sequence[Buffer]) -> bool:
         """Write ``parts`` as the file of ``name`` (in place of any file there), evicting
         in policy order to stay within the bound. False (nothing written, nothing
-        evicted) when the file would be larger than the whole bound.
+        evicted) when the file would be larger than the whole bound. A bounded store
+        whose filesystem is full (``ENOSPC``, ``EDQUOT``) evicts its file's size in
+        policy order and writes it again, once: a disk smaller than the bound keeps
+        taking new files as a full bound does.
 
         Raises:
             OSError: it cannot be written (its room in the index is given back).
         """
+        size = sum(len(p) for p in parts)
         if self.bounded:
-            size = sum(len(p) for p in parts)
             with self._lock:
                 victims = self._index.reserve(name, size)
                 if victims is None:
@@ -201,7 +214,12 @@ class FileStore:
                 self._evict(victims)
         path = self.path(name)
         try:
-            refused = write_whole(Path(path), parts, o_direct=self.o_direct)
+            try:
+                refused = write_whole(Path(path), parts, o_direct=self.o_direct)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE or not self._shed(name, size):
+                    raise
+                refused = write_whole(Path(path), parts, o_direct=self.o_direct)
         except OSError:
             self.forget(name)
             raise
@@ -216,6 +234,18 @@ class FileStore:
                 "using buffered I/O",
             )
         return True
+
+    def _shed(self, name: str, size: int) -> bool:
+        """The filesystem is full before the bound is reached (it is smaller than the
+        bound, or other files fill it): evict files in policy order to free ``size``
+        bytes for ``name``'s, and three inodes (its file and two shard directories);
+        whether any was evicted (then the write is tried again)."""
+        if not self.bounded:
+            return False
+        with self._lock:
+            victims = self._index.shed(size, keep=name, at_least=3)
+            self._evict(victims)
+        return bool(victims)
 
     def _made_directories(self, path: str) -> None:
         """Note the directories of ``path``, a file just written, below ``dir`` (the

@@ -35,6 +35,7 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_SECONDS = 3600.0
 DIRECT_ALIGN = 4096
 IOV_MAX = 1024  # buffers per writev / preadv call (Linux's limit)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full filesystem (bytes or inodes) or quota
 
 T = TypeVar("T")
 

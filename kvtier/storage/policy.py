@@ -218,6 +218,21 @@ class SizedIndex:
             self.drop(name)
         return victims
 
+    def shed(self, size: int, keep: Hashable, *, at_least: int = 1) -> list[Hashable]:
+        """Drop entries other than ``keep`` in policy order until they add up to ``size``
+        bytes or more and number ``at_least`` or more (fewer when the others are fewer);
+        the names dropped (the caller deletes what they name)."""
+        victims, freed = [], 0
+        for name in self._policy.candidates():
+            if freed >= size and len(victims) >= at_least:
+                break
+            if name != keep:
+                victims.append(name)
+                freed += self._sizes[name]
+        for name in victims:
+            self.drop(name)
+        return victims
+
     def reserve(self, name: Hashable, size: int) -> list[Hashable] | None:
         """Index ``name`` of ``size`` bytes, making room for it first (its own old entry
         counts as room); the names evicted, or None when it can never fit (then the
