@@ -343,10 +343,12 @@ class CacheEngine:
     def max_load_chunks(self) -> int:
         """Whole chunks one load can stage at once: what the CPU pool holds of them.
 
-        NOTE: a load holds every chunk it fetches in the CPU pool (lower tiers' chunks are
-        read into it) until the last one is written into the engine, so a load of more
-        chunks than this fails partway, every time. The pool is shared (other loads,
-        stores in flight), so this bounds a load; it does not promise one.
+        NOTE: a two-phase load (``begin_retrieve``) holds every chunk it fetches in the
+        CPU pool (lower tiers' chunks are read into it) until the last one is written into
+        the engine, so one of more chunks than this fails partway, every time, or at its
+        first chunk when the pool holds the run's tail (``retrieve`` loads a longer run
+        in rounds of this many). The pool is shared (other loads, stores in flight), so
+        this bounds a load; it does not promise one.
         """
         paged_io, _ = self._require_bound()
         return self.storage.cpu.fitting(

@@ -197,7 +197,10 @@ class RetrieveTransfer:
     asked ends the run: it is rejected (``CheckedChunks.accept``) and never written into
     the engine. A chunk a lower tier returned was verified by that tier as it was read.
 
-    ``scatter_now``: scatter each chunk as soon as it is accepted (``scatter`` is a no-op).
+    ``scatter_now``: scatter each chunk as soon as it is accepted (``scatter`` is a no-op);
+    a run longer than the CPU pool stages at once then comes in rounds, each released once
+    written. Without it every chunk is held until ``close``: the caller asks for no more
+    than the pool holds (``CacheEngine.max_load_chunks``).
     """
 
     def __init__(
@@ -212,10 +215,10 @@ class RetrieveTransfer:
         self.paged_io = paged_io
         self._scattered = scatter_now
         self._held: list[tuple[Chunk, MemoryObj]] = []
+        self._released = (0, 0, 0)  # chunks, tokens, bytes of the rounds already released
         started = time.perf_counter()
         try:
-            with paged_io.loading() if scatter_now else contextlib.nullcontext():
-                self._accept(chunks, slot_mapping)
+            self._accept(chunks, slot_mapping)
         except BaseException:
             self._release_held()
             raise
@@ -228,16 +231,58 @@ class RetrieveTransfer:
         slots = _checked_slots(slot_mapping, end)
         self._slots = paged_io.device_slots(slots[:end])  # checked and moved once, for every copy
         usable = True
-        for group in self._groups(chunks):
-            objs = self.checked.get_many([chunk.key for chunk in group])
-            for i, (chunk, obj) in enumerate(zip(group, objs, strict=True)):
-                try:
-                    usable = self._take(chunk, obj, usable)
-                except BaseException:
-                    for later in objs[i + 1 :]:  # fetched, never looked at
-                        if later is not None:
-                            later.ref_down()
-                    raise
+        for i, part in enumerate(self._rounds(chunks)):
+            if i:
+                self._release_round()
+            with paged_io.loading() if self._scattered else contextlib.nullcontext():
+                for group in self._groups(part):
+                    usable = self._take_group(group, usable)
+            if not usable:
+                return
+
+    def _rounds(self, chunks: Sequence[Chunk]) -> list[Sequence[Chunk]]:
+        """The chunks in rounds of what the CPU pool stages at once, with ``scatter_now``
+        (each round is written into the engine and released before the next is fetched);
+        else, or when they fit, all in one.
+
+        NOTE: a load holds every chunk it fetches in the pool, those the CPU tier holds
+        included, so a run longer than the pool holds would leave no room to read the
+        lower tiers' part into it: with the pool holding the prompt's later chunks, the
+        load would find not even its first chunk.
+        """
+        if not chunks:
+            return [chunks]
+        shape = self.paged_io.chunk_shape(chunks[0].num_tokens)
+        most = max(self.checked.storage.cpu.fitting(shape, self.paged_io.dtype), 1)
+        if not self._scattered or len(chunks) <= most:
+            return [chunks]
+        return [chunks[start : start + most] for start in range(0, len(chunks), most)]
+
+    def _take_group(self, group: Sequence[Chunk], usable: bool) -> bool:
+        """Fetch ``group`` and take its chunks in order; whether the run goes on."""
+        objs = self.checked.get_many([chunk.key for chunk in group])
+        for i, (chunk, obj) in enumerate(zip(group, objs, strict=True)):
+            try:
+                usable = self._take(chunk, obj, usable)
+            except BaseException:
+                for later in objs[i + 1 :]:  # fetched, never looked at
+                    if later is not None:
+                        later.ref_down()
+                raise
+        return usable
+
+    def _release_round(self) -> None:
+        """Release the chunks of the rounds scattered so far, once their copies are done."""
+        self.paged_io.loads_done()
+        chunks, tokens, nbytes = self._released
+        self._released = (
+            chunks + len(self._held),
+            tokens + sum(chunk.num_tokens for chunk, _ in self._held),
+            nbytes + sum(obj.data_nbytes for _, obj in self._held),
+        )
+        held, self._held = self._held, []
+        for _, obj in held:
+            obj.ref_down()
 
     def _groups(self, chunks: Sequence[Chunk]) -> list[Sequence[Chunk]]:
         """The chunks in the order they are fetched: a first chunk the CPU tier holds
@@ -273,7 +318,8 @@ class RetrieveTransfer:
 
     @property
     def num_chunks(self) -> int:
-        return len(self._held)
+        """Chunks of the run: held, or (in rounds) already written and released."""
+        return self._released[0] + len(self._held)
 
     def scatter(self, layer: int | None = None) -> None:
         """Write one layer (or every layer) of the held chunks into the engine."""
@@ -297,8 +343,9 @@ class RetrieveTransfer:
         """Release the held chunks and count the load (idempotent)."""
         if self._held is None:
             return
-        loaded = sum(obj.data_nbytes for _, obj in self._held)
-        hit_tokens = sum(chunk.num_tokens for chunk, _ in self._held)
+        _, hit_tokens, loaded = self._released
+        loaded += sum(obj.data_nbytes for _, obj in self._held)
+        hit_tokens += sum(chunk.num_tokens for chunk, _ in self._held)
         self._release_held()
         s = self.checked.storage.stats
         s.inc(Counter.RETRIEVE_REQUESTS)

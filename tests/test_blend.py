@@ -71,6 +71,21 @@ def test_segment_store_round_trip() -> None:
         storage.close()
 
 
+@pytest.mark.parametrize(("capacity", "fits"), [(1024, False), (1280, True)])
+def test_a_segment_fits_when_its_kv_and_positions_fit_together(capacity, fits) -> None:
+    """A segment's KV (960 bytes, 1024 aligned) alone fits a pool of 1024 bytes, but
+    ``put`` holds its positions (40 bytes, 256 aligned) too: such a segment never fits."""
+    config = KVTierConfig(max_local_cpu_size=capacity / 2**30)
+    storage = StorageManager(config, Stats(), pin_memory=False, namespace="m")
+    try:
+        store = SegmentStore(storage, CacheKey("m", 1, 0, "float32", b""))
+        kv, positions = torch.randn(2, 3, 5, 8), torch.arange(5)
+        assert store.fits(tuple(kv.shape), kv.dtype) is fits
+        assert store.put(b"h" * 32, kv, positions) is fits
+    finally:
+        storage.close()
+
+
 # -- models ----------------------------------------------------------------------------
 
 

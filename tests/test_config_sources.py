@@ -261,7 +261,7 @@ def test_reserved_and_foreign_env_vars_are_not_keys() -> None:
     env = {
         "KVTIER_LOG_LEVEL": "debug",
         "KVTIER_CONFIG_FILE": "",
-        "LMCACHE_CHUNK_SIZE": "16",  # LMCache's env vars are not read
+        "LMCACHE_LOG_LEVEL": "debug",  # LMCache's variables that are not its keys
         "kvtier_chunk_size": "16",  # names are case-sensitive
         "PATH": "/usr/bin",
     }

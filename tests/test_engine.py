@@ -461,3 +461,34 @@ def spy(fn, calls: list):
         return fn(*args, **kwargs)
 
     return recorded
+
+
+def test_a_hit_larger_than_the_cpu_pool_is_loaded_in_rounds(tmp_path):
+    """The disk holds a prompt of 8 chunks, the CPU pool room for 3, and it holds the
+    prompt's last 3 (stored last): a retrieve loads the whole prompt in rounds of what
+    the pool holds, bit-exact, and counts one load of all of it."""
+    chunk_bytes = 2 * 3 * 8 * 16 * 2
+    engine = make_engine(
+        max_local_cpu_size=3 * chunk_bytes / 2**30,
+        local_disk=str(tmp_path),
+        max_local_disk_size=0.01,
+    )
+    tokens, src = torch.arange(64), torch.arange(64)
+    reference = kv_at(engine, src)
+    for start, end in [(0, 24), (24, 48), (48, 64)]:
+        mask = torch.arange(end) >= start
+        assert engine.store(tokens[:end], mask, slot_mapping=src[:end]).stored_chunks
+        assert engine.flush(10)  # the disk writes let go of the pool's buffers
+    for t in engine.paged_io.paged.tensors:
+        t.zero_()
+    dst = torch.arange(100, 164)
+    assert engine.lookup(tokens) == 64
+    assert engine.retrieve(tokens, slot_mapping=dst) == 64
+    assert_kv_equal(engine, dst, reference, "loaded in rounds")
+    assert (engine.stats.get(Counter.RETRIEVE_REQUESTS), engine.stats.get(Counter.HIT_TOKENS)) == (
+        1,
+        64,
+    )
+    pool = engine.storage.cpu.pool
+    assert pool.used_bytes() == len(engine.storage.cpu) * chunk_bytes
+    engine.close()

@@ -96,9 +96,11 @@ class SegmentStore:
         return self.storage.lookup_prefix(keys, prefetch=True) == 2
 
     def fits(self, kv_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        """Whether a segment's KV of ``kv_shape`` fits in the whole CPU pool at all (one
-        that does not is never stored)."""
-        return self.storage.cpu.fits(kv_shape, dtype)
+        """Whether a segment's KV of ``kv_shape`` ``[2, L, n, Hkv * D]`` and its positions
+        fit in the whole CPU pool together, as ``put`` holds both (one that does not is
+        never stored)."""
+        positions = ((kv_shape[2],), torch.int64)
+        return self.storage.cpu.fit_together([(kv_shape, dtype), positions])
 
     def put(self, segment_hash: bytes, kv: torch.Tensor, positions: torch.Tensor) -> bool:
         """Store a segment's KV ``[2, L, n, Hkv * D]`` and its positions ``[n]``; False when

@@ -32,7 +32,8 @@ DESCRIPTION = (
     "Triton, numpy and vLLM; the devices torch sees; the kernel backends available, each "
     "op's backends and what kernel_backend auto picks for it; the tuning files searched "
     "and in effect; Triton's kernel cache; and every config key in effect, with where its "
-    "value came from (--config, KVTIER_* variables, defaults). With --kv-transfer-config, "
+    "value came from (--config, KVTIER_* and LMCACHE_* variables, defaults). With "
+    "--kv-transfer-config, "
     "check vLLM's JSON as the engine would take it before starting one. Exit 0, or 2 on a "
     "config error."
 )

@@ -15,7 +15,8 @@ so a new key is one new ``KeySpec`` in its group.
 ``load_config`` merges four sources (``sources``), highest precedence first::
 
     overrides      a mapping, e.g. vLLM's ``kv_transfer_config.kv_connector_extra_config``
-    environment    ``KVTIER_<KEY>`` variables (``KVTIER_CHUNK_SIZE=512``)
+    environment    ``KVTIER_<KEY>`` variables (``KVTIER_CHUNK_SIZE=512``), then LMCache's
+                   ``LMCACHE_<KEY>`` variables of the keys LMCache shares
     YAML file      ``config_file`` argument, else ``overrides["config_file"]``,
                    else ``$KVTIER_CONFIG_FILE``, else LMCache's ``$LMCACHE_CONFIG_FILE``
     defaults       the ``KeySpec`` defaults
@@ -45,6 +46,7 @@ from kvtier.config.sources import (
     CONFIG_FILE_KEY,
     Settings,
     read_env,
+    read_lmcache_env,
     read_mapping,
     read_yaml_file,
     resolve_config_file,
@@ -138,9 +140,10 @@ class KVTierConfig:
         return {name: getattr(self, name) for name in CONFIG_KEYS}
 
     def source_of(self, key: str) -> str:
-        """Where ``key``'s value came from: ``default``, ``override``, ``env var KVTIER_X``,
-        ``file PATH`` or ``LMCACHE_CONFIG_FILE file PATH`` (with ``(as lmcache_name)`` when
-        set under an LMCache alias), or ``argument`` for a value given to the constructor.
+        """Where ``key``'s value came from: ``default``, ``override``, ``env var KVTIER_X``
+        or ``env var LMCACHE_X``, ``file PATH`` or ``LMCACHE_CONFIG_FILE file PATH`` (with
+        ``(as lmcache_name)`` when set under an LMCache alias), or ``argument`` for a value
+        given to the constructor.
         Raises KeyError for unknown keys.
         """
         spec = CONFIG_KEYS[key]
@@ -198,8 +201,9 @@ def load_config(
             ``$KVTIER_CONFIG_FILE`` and ``$LMCACHE_CONFIG_FILE`` (read only when none of
             kvtier's is given; one warning says so when it is ignored). An LMCache YAML
             config is accepted.
-        env: environment to read ``KVTIER_*`` and ``LMCACHE_CONFIG_FILE`` from; defaults
-            to ``os.environ``.
+        env: environment to read ``KVTIER_*``, ``LMCACHE_CONFIG_FILE`` and LMCache's
+            ``LMCACHE_<KEY>`` variables from (a ``KVTIER_<KEY>`` beats an
+            ``LMCACHE_<KEY>``, which beats the file); defaults to ``os.environ``.
 
     Returns:
         The config; ``cfg.sources`` records where each value came from.
@@ -222,6 +226,7 @@ def load_config(
     if file is not None:
         file_data = read_yaml_file(file, problems)
         layers.append(read_mapping(file_data, file.origin, CONFIG_KEYS, problems, ignored))
+    layers.append(read_lmcache_env(env, CONFIG_KEYS, problems, ignored))
     layers.append(read_env(env, CONFIG_KEYS, problems))
     layers.append(read_mapping(override_data, "override", CONFIG_KEYS, problems, ignored))
     if problems:

@@ -67,6 +67,8 @@ LMCACHE_NO_EFFECT_KEYS: frozenset[str] = frozenset(
         "hit_miss_ratio",
         "script_allowed_imports",
         "app_id",
+        # LMCache v0's, still in LMCache's examples; LMCache v1 ignores it too.
+        "pipelined_backend",
     }
 )
 
@@ -144,10 +146,17 @@ LMCACHE_UNSUPPORTED_KEYS: dict[str, tuple[str, Any]] = {
     "max_hidden_state_cpu_size": ("hidden-state caching", 2.0),
     "hidden_state_layers": ("hidden-state caching", None),
     "hidden_states_retrieve_mode": ("hidden-state caching", "prefix_strict"),
+    # LMCache v0's device of its one cache, still in LMCache's examples, ignored by LMCache
+    # v1: "cpu" is kvtier's default CPU tier; any other device is refused, not dropped.
+    "local_device": ("LMCache v0's local_device", "cpu"),
 }
 
 # Key-name prefixes of whole unsupported LMCache feature families: prefix -> feature.
-LMCACHE_UNSUPPORTED_PREFIXES: dict[str, str] = {"nixl_": "NIXL transfer"}
+# A kvtier key is never one of them (pd_wait_ms is kvtier's own).
+LMCACHE_UNSUPPORTED_PREFIXES: dict[str, str] = {
+    "nixl_": "NIXL transfer",
+    "pd_": "PD disaggregation",
+}
 
 # LMCache features kvtier will gain as real keys: key -> (feature, LMCache's default).
 # Same rule as LMCACHE_UNSUPPORTED_KEYS, but the error says "not supported yet".
@@ -177,6 +186,13 @@ def is_lmcache_feature_key(name: str) -> bool:
 LMCACHE_FEATURE_INSTEAD = {
     "PD disaggregation": "kvtier's is vLLM's kv_role 'kv_producer' / 'kv_consumer' with one "
     "shared remote_url, see docs/disaggregated.md",
+    "P2P cache sharing": "kvtier's is kvtier serve with peers (--peer, or server_peers), "
+    "see docs/server.md",
+    "the LMCache controller": "kvtier serve's admin API and kvtier status give lookups and "
+    "stats, see docs/server.md",
+    "GPUDirect Storage": "kvtier's disk tier is local_disk, with local_disk_o_direct",
+    "LMCache v0's local_device": "LMCache v1 ignores it too; a file:// device is kvtier's "
+    "local_disk: PATH, and the CPU tier is local_cpu",
 }
 
 

@@ -1,6 +1,7 @@
 """The sources of a configuration, each read into validated settings for ``load_config``:
 which YAML file to read (:func:`resolve_config_file`), the file itself, a mapping of
-kvtier and LMCache keys (overrides, or a file's contents) and the ``KVTIER_*`` variables.
+kvtier and LMCache keys (overrides, or a file's contents), the ``KVTIER_*`` variables and
+LMCache's ``LMCACHE_*`` variables.
 
 Every reader collects its problems in the caller's list instead of raising, so that
 ``load_config`` reports the problems of all sources together.
@@ -33,6 +34,8 @@ CONFIG_FILE_KEY = "config_file"
 CONFIG_FILE_ENV_VAR = "KVTIER_CONFIG_FILE"
 # LMCache's own variable naming its YAML file; read when kvtier is given no file.
 LMCACHE_CONFIG_FILE_ENV_VAR = "LMCACHE_CONFIG_FILE"
+# The prefix of LMCache's variables: LMCACHE_<KEY> sets LMCache's key <key>.
+LMCACHE_ENV_PREFIX = "LMCACHE_"
 # KVTIER_* variables that are not config keys; load_config leaves their values to their
 # readers. KVTIER_LOG_LEVEL is ``kvtier.logs``' (read as each process sets its logging up,
 # and checked with the keys, so that the first config hook an engine gives kvtier reports
@@ -194,6 +197,77 @@ def read_env(env: Mapping[str, str], keys: Mapping[str, KeySpec], problems: list
         value = coerce(keys[key], env[var], origin=label, problems=problems, from_env=True)
         settings[key] = (value, label)
     return settings
+
+
+def read_lmcache_env(
+    env: Mapping[str, str], keys: Mapping[str, KeySpec], problems: list[str], ignored: set[str]
+) -> Settings:
+    """Validate LMCache's ``LMCACHE_<KEY>`` variables of ``env``, as LMCache reads them.
+
+    A variable of an LMCache key that a kvtier key shares (``lmcache_names``) sets that
+    key; one of a no-effect LMCache key is added to ``ignored``; one of an LMCache feature
+    kvtier lacks is accepted only while it leaves the feature off. A value in matching
+    quotes is read without them, and a boolean is ``true``/``1`` or ``false``/``0`` (any
+    case), the spellings LMCache tells apart. Variables that are not LMCache config keys
+    (``LMCACHE_CONFIG_FILE``, ``LMCACHE_LOG_LEVEL``...) are left to their readers.
+    """
+    lmcache_keys = {lm: spec.name for spec in keys.values() for lm in spec.lmcache_names}
+    settings: Settings = {}
+    given_as: dict[str, str] = {}  # kvtier key -> the variable that set it
+    for var in sorted(env):
+        name = var[len(LMCACHE_ENV_PREFIX) :].lower()
+        if not var.startswith(LMCACHE_ENV_PREFIX) or var != LMCACHE_ENV_PREFIX + name.upper():
+            continue
+        label, text = f"env var {var}", _unquoted(env[var])
+        key = lmcache_keys.get(name)
+        if key is not None:
+            if key in given_as:
+                problems.append(f"{key} is set twice, by {given_as[key]} and by {var}")
+                continue
+            given_as[key] = var
+            spec = keys[key]
+            if spec.kind is bool and text.strip().lower() not in _LMCACHE_BOOLS:
+                problems.append(
+                    f"{var}: {text!r} is not allowed; expected true/1 or false/0 "
+                    "(LMCache reads any other value as false)"
+                )
+                continue
+            label += "" if name == key else f" (as {name})"
+            value = coerce(spec, text, origin=label, problems=problems, from_env=True)
+            settings[key] = (value, label)
+        elif name in LMCACHE_NO_EFFECT_KEYS:
+            ignored.add(name)
+        elif (
+            name not in keys
+            and is_lmcache_feature_key(name)
+            and (problem := check_lmcache_feature_key(name, _env_literal(text), label))
+        ):
+            problems.append(problem)
+    return settings
+
+
+# The boolean spellings of LMCache's variables: true/1 are true, and it reads any other
+# value as false, so kvtier accepts only these two for false.
+_LMCACHE_BOOLS = frozenset({"true", "1", "false", "0"})
+
+
+def _unquoted(text: str) -> str:
+    """``text`` without one pair of matching outer quotes, as LMCache reads a variable."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _env_literal(text: str) -> Any:
+    """A variable's text as the YAML value it spells (``false``, ``0``, ``5555``), so that
+    a feature switched off in a variable reads as off; the text itself when it spells no
+    YAML scalar."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, str | int | float | bool) or value is None else text
 
 
 # Spellings of a key that belong to other inputs: its environment variable, or a prefix.

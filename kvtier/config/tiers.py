@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from kvtier.config.keys import KeySpec, empty_as
-from kvtier.config.remote import REMOTE_SCHEMES, is_remote_url, redact_url
-from kvtier.config.remote_urls import check_remote_url
+from kvtier.config.remote import REMOTE_SCHEMES, redact_url
+from kvtier.config.remote_urls import check_remote_url, is_remote_or_lmcache_url
 
 
 def strip_file_scheme(path: str) -> str:
@@ -138,7 +138,7 @@ LOWER_TIERS: tuple[KeySpec, ...] = (
         "valkey-cluster://), unix:///path/redis.sock, s3://bucket/prefix, fs:///mnt/shared "
         "(a shared filesystem) or kvtier://host:port (`kvtier serve`; also lm://); null: off.",
         normalize=empty_as(None),
-        check=is_remote_url,
+        check=is_remote_or_lmcache_url,
         allowed="a URL with scheme " + ", ".join(REMOTE_SCHEMES) + " (empty: null)",
         parse=check_remote_url,
         nullable=True,

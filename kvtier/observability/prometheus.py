@@ -110,7 +110,7 @@ HELP = {
     "blend_failed_blocks": "CacheBlend: vLLM blocks of failed blends, reported as failed loads.",
     "blend_failed_segment_stores": "CacheBlend: segment stores that failed with an error.",
     "blend_skipped_too_large_segments": (
-        "CacheBlend: segments not stored because their KV is larger than the whole CPU pool."
+        "CacheBlend: segments not stored because their KV and positions outsize the whole CPU pool."
     ),
     "blend_skipped_no_memory_segments": (
         "CacheBlend: segments not stored because the CPU pool had no room (after evicting)."

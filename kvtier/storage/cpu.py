@@ -100,6 +100,12 @@ class LocalCPUTier:
         """Whether a buffer of ``shape`` and ``dtype`` fits in the whole pool at all."""
         return self.fitting(shape, dtype) > 0
 
+    def fit_together(self, buffers: Sequence[tuple[Sequence[int], torch.dtype]]) -> bool:
+        """Whether buffers of these shapes and dtypes fit in the whole pool at once (the
+        parts of one object, allocated while holding one another)."""
+        nbytes = (self._aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in buffers)
+        return sum(nbytes) <= self.pool.capacity
+
     def fitting(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """How many buffers of ``shape`` and ``dtype`` the whole pool holds at once."""
         return self.pool.capacity // self._aligned(math.prod(shape) * dtype.itemsize)
