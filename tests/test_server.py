@@ -5,6 +5,7 @@ stopped with SIGTERM, fed malformed frames, and watched through its admin API.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import struct
@@ -375,6 +376,8 @@ def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
         stalled.sendall(HELLO + frame(Op.PING, {})[:10])  # half a frame, then nothing
         idle = holder.client()
         idle.ping()  # then nothing: a pooled connection may idle (up to --idle-timeout)
+        other = holder.client()
+        other.ping()  # the silent connection holds no slot: this one takes the last
         wait_until(lambda: holder.server.clients == 3)
         late = holder.client()
         with pytest.raises(StoreUnavailable):
@@ -386,9 +389,40 @@ def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
         assert holder.server.stats.get("rejects_timeout") == 2
         for sock in (silent, stalled):
             sock.close()
-        for client in (idle, late):
+        for client in (idle, other, late):
             client.close()
     finally:
+        holder.close()
+
+
+def test_connections_without_a_hello_never_keep_a_client_out():
+    """A slot is taken by a HELLO: sockets that never send one, and clients that dial in
+    a loop and are refused theirs (no token), leave room for one that says it at once."""
+    holder = InProcessServer(max_clients=4)
+    stop = threading.Event()
+
+    def refused_in_a_loop() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):  # closed to make room for another
+                raw_exchange(holder.port, frame(Op.HELLO, {"namespace": "a/b"}))
+
+    loops = [threading.Thread(target=refused_in_a_loop) for _ in range(2)]
+    silent = [socket.create_connection(("127.0.0.1", holder.port)) for _ in range(5)]
+    try:
+        wait_until(lambda: holder.server.stats.get("rejects_crowded_out") == 1, timeout=5)
+        for thread in loops:
+            thread.start()
+        for _ in range(20):  # a new connection each time
+            client = holder.client()
+            client.ping()
+            client.close()
+    finally:
+        stop.set()
+        for thread in loops:
+            if thread.is_alive():
+                thread.join(10)
+        for sock in silent:
+            sock.close()
         holder.close()
 
 
