@@ -531,6 +531,7 @@ class BlobCache:
             self.peers.close()
         if self.remote is not None:
             self.remote.close(timeout)
+        self.shapes.close()
         self.memory.close()
         if self.arena is not None:
             self.arena.close()
