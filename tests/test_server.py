@@ -33,6 +33,7 @@ from kvtier.config import load_config
 from kvtier.config.node_address import parse_server_url
 from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.server.cache import BlobCache
+from kvtier.server.leases import Leases
 from kvtier.server.server import KVTierServer
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import schemes
@@ -424,6 +425,44 @@ def test_connections_without_a_hello_never_keep_a_client_out():
         for sock in silent:
             sock.close()
         holder.close()
+
+
+def test_a_lease_past_its_time_lets_go_without_another_request():
+    """Blobs leased and never released (a client stuck, idling on its connection) are
+    let go of once the lease expires, so a PUT finds room again."""
+    holder = InProcessServer(leases=Leases(ttl_s=0.1))
+    try:
+        client = holder.client()
+        client.put_many([("a", [b"1" * 1000])])
+        leases = holder.server.leases
+        leases.grant(holder.cache.lease("in-process", ["a"]))
+        assert len(leases) == 1
+        wait_until(lambda: len(leases) == 0, timeout=5)
+        client.close()
+    finally:
+        holder.close()
+
+
+def test_a_lease_is_let_go_of_when_its_connection_ends():
+    holder = InProcessServer(leases=Leases(ttl_s=600), plane=Plane())
+    try:
+        client = holder.client()
+        client.put_many([("a", [b"1" * 1000])])
+        assert client.call(Op.LEASE, {"names": ["a"]})["sizes"] == [1000]
+        assert len(holder.server.leases) == 1
+        client.close()
+        wait_until(lambda: len(holder.server.leases) == 0, timeout=5)
+    finally:
+        holder.close()
+
+
+class Plane:
+    """What a LEASE asks of a NIXL plane."""
+
+    name, epoch = "fake", 0
+
+    def wake(self) -> None:
+        pass
 
 
 def test_a_reason_to_reject_is_logged_once_and_counted_every_time(caplog):

@@ -71,6 +71,7 @@ from kvtier.storage.node_protocol import Frame, Op, ProtocolError, TooManyNames
 logger = logging.getLogger(__name__)
 
 FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame (or a HELLO) may take to arrive
+LEASE_SWEEP_S = 1.0  # how often leases past their time are let go of
 MAX_HELLO_HEADER_BYTES = 64 << 10  # a token, a namespace and a shared-memory offer
 # The counters of requests, bytes, gets and puts (docs/server.md): exported from the start,
 # at 0 until something happens.
@@ -183,6 +184,8 @@ class KVTierServer:
         self.port = self._listeners[0].getsockname()[1]
         loop = asyncio.get_running_loop()
         self._accepting = [loop.create_task(self._accept(sock)) for sock in self._listeners]
+        if self.leases is not None:
+            self._accepting.append(loop.create_task(self._expire_leases()))
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, let requests being executed finish (up to ``grace_s``), close
@@ -199,6 +202,15 @@ class KVTierServer:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=grace_s)
         self._pool.shutdown(wait=True)
+
+    async def _expire_leases(self) -> None:
+        """Let go of leases past their time, whether or not a request comes: a client
+        that leases blobs and never releases them pins their memory (where a PUT finds
+        no room) for ``ttl_s`` and ``LEASE_SWEEP_S`` at most."""
+        assert self.leases is not None
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_S)
+            self.leases.expire()
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
