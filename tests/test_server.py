@@ -5,6 +5,7 @@ stopped with SIGTERM, fed malformed frames, and watched through its admin API.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import struct
@@ -32,6 +33,7 @@ from kvtier.config import load_config
 from kvtier.config.node_address import parse_server_url
 from kvtier.observability.stats import Stats, TierCounter, tier_counter
 from kvtier.server.cache import BlobCache
+from kvtier.server.leases import Leases
 from kvtier.server.server import KVTierServer
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage import schemes
@@ -375,6 +377,8 @@ def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
         stalled.sendall(HELLO + frame(Op.PING, {})[:10])  # half a frame, then nothing
         idle = holder.client()
         idle.ping()  # then nothing: a pooled connection may idle (up to --idle-timeout)
+        other = holder.client()
+        other.ping()  # the silent connection holds no slot: this one takes the last
         wait_until(lambda: holder.server.clients == 3)
         late = holder.client()
         with pytest.raises(StoreUnavailable):
@@ -386,10 +390,79 @@ def test_a_client_that_stalls_loses_its_slot_but_an_idle_one_keeps_it():
         assert holder.server.stats.get("rejects_timeout") == 2
         for sock in (silent, stalled):
             sock.close()
-        for client in (idle, late):
+        for client in (idle, other, late):
             client.close()
     finally:
         holder.close()
+
+
+def test_connections_without_a_hello_never_keep_a_client_out():
+    """A slot is taken by a HELLO: sockets that never send one, and clients that dial in
+    a loop and are refused theirs (no token), leave room for one that says it at once."""
+    holder = InProcessServer(max_clients=4)
+    stop = threading.Event()
+
+    def refused_in_a_loop() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):  # closed to make room for another
+                raw_exchange(holder.port, frame(Op.HELLO, {"namespace": "a/b"}))
+
+    loops = [threading.Thread(target=refused_in_a_loop) for _ in range(2)]
+    silent = [socket.create_connection(("127.0.0.1", holder.port)) for _ in range(5)]
+    try:
+        wait_until(lambda: holder.server.stats.get("rejects_crowded_out") == 1, timeout=5)
+        for thread in loops:
+            thread.start()
+        for _ in range(20):  # a new connection each time
+            client = holder.client()
+            client.ping()
+            client.close()
+    finally:
+        stop.set()
+        for thread in loops:
+            if thread.is_alive():
+                thread.join(10)
+        for sock in silent:
+            sock.close()
+        holder.close()
+
+
+def test_a_lease_past_its_time_lets_go_without_another_request():
+    """Blobs leased and never released (a client stuck, idling on its connection) are
+    let go of once the lease expires, so a PUT finds room again."""
+    holder = InProcessServer(leases=Leases(ttl_s=0.1))
+    try:
+        client = holder.client()
+        client.put_many([("a", [b"1" * 1000])])
+        leases = holder.server.leases
+        leases.grant(holder.cache.lease("in-process", ["a"]))
+        assert len(leases) == 1
+        wait_until(lambda: len(leases) == 0, timeout=5)
+        client.close()
+    finally:
+        holder.close()
+
+
+def test_a_lease_is_let_go_of_when_its_connection_ends():
+    holder = InProcessServer(leases=Leases(ttl_s=600), plane=Plane())
+    try:
+        client = holder.client()
+        client.put_many([("a", [b"1" * 1000])])
+        assert client.call(Op.LEASE, {"names": ["a"]})["sizes"] == [1000]
+        assert len(holder.server.leases) == 1
+        client.close()
+        wait_until(lambda: len(holder.server.leases) == 0, timeout=5)
+    finally:
+        holder.close()
+
+
+class Plane:
+    """What a LEASE asks of a NIXL plane."""
+
+    name, epoch = "fake", 0
+
+    def wake(self) -> None:
+        pass
 
 
 def test_a_reason_to_reject_is_logged_once_and_counted_every_time(caplog):

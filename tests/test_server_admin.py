@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from kvtier.cli import main
 from kvtier.commands.status import render
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
+from kvtier.server import lookup as lookup_module
 from kvtier.server.admin import MAX_BODY_BYTES, AdminHooks, AdminServer
+from kvtier.server.lookup import KeyShapes
 
 MODEL = "org/Llama-3 8B"  # a name that needs percent-encoding
 CHUNK = 16
@@ -142,6 +145,26 @@ def test_a_restarted_server_answers_lookups_for_its_disk(server):
     server.kill()
     server.start()  # empty memory, same disk (its index and the learnt key shapes)
     assert lookup(server, {"model": MODEL, "tokens": TOKENS})[1]["cached_tokens"] == len(TOKENS)
+
+
+def test_key_shapes_of_many_namespaces_stay_bounded_and_cheap_to_save(tmp_path, monkeypatch):
+    """A client touching namespace after namespace: the shapes of those stored into
+    longest ago are forgotten past ``MAX_SHAPES``, and the file is not rewritten whole
+    for each new one (written at most every ``SAVE_INTERVAL_S``, and at close)."""
+    monkeypatch.setattr(lookup_module, "MAX_SHAPES", 50)
+    writes = []
+    replace = os.replace
+    monkeypatch.setattr(lookup_module.os, "replace", lambda *a: writes.append(replace(*a)))
+    shapes = KeyShapes(tmp_path)
+    key = CacheKey("m", 1, 0, "bfloat16", b"\x01")
+    for i in range(200):
+        shapes.learn(f"ns-{i}", CacheKey(f"m{i}", 1, 0, "bfloat16", b"\x01").to_string())
+        shapes.learn("kept", key.to_string())  # stored into all along
+    assert len(shapes.namespaces()) == 50
+    assert {"kept", "ns-199"} <= set(shapes.namespaces()) and "ns-0" not in shapes.namespaces()
+    assert len(writes) <= 3
+    shapes.close()
+    assert set(KeyShapes(tmp_path).namespaces()) == set(shapes.namespaces())
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from support.tiers import FlakyStore, wait_until
 
 from kvtier.observability.stats import Stats
 from kvtier.server.cache import RemoteBlobs
+from kvtier.server.stores import MAX_OPEN_STORES, OpenStores
 from kvtier.storage.remote import space_of, space_of_namespace
 
 RECONNECT_MAX_S = 0.2
@@ -148,3 +149,51 @@ def test_each_namespace_keeps_a_prefix_of_its_own_in_the_remote():
     spaces = [space_of_namespace(ns) for ns in namespaces]
     assert len(set(spaces)) == len(namespaces)
     assert not any(c in s for s in spaces for c in ":/*\x00")
+
+
+class Closing:
+    """A store that only notes its closing."""
+
+    def __init__(self, namespace: str):
+        self.namespace, self.closed = namespace, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_server_keeps_a_bounded_number_of_remote_stores_open():
+    """One store per namespace holds a client of the remote and its connections: past
+    the bound the one used longest ago is closed (once no call uses it), and opened
+    again when its namespace is next asked for."""
+    opened: list[Closing] = []
+    stores = OpenStores(lambda ns: opened.append(Closing(ns)) or opened[-1], capacity=2)
+    with stores.using("a") as a:
+        for i in range(10):
+            with stores.using(f"ns-{i}"):
+                pass
+        assert not a.closed  # in use
+    assert a.closed and len(stores) == 2
+    assert sum(not s.closed for s in opened) == 2
+    with stores.using("a") as again:
+        assert again is not a and stores.namespaces()[0] == "a"
+    stores.close()
+    assert all(s.closed for s in opened)
+
+
+def test_a_client_naming_many_namespaces_leaves_few_remote_stores_open():
+    stats, opened = Stats(), []
+    remote = RemoteBlobs(
+        lambda namespace: opened.append(FlakyStore()) or opened[-1],
+        describe="flaky://test",
+        stats=stats,
+        timeout_s=1.0,
+        reconnect_max_s=RECONNECT_MAX_S,
+        queue_capacity=8,
+    )
+    try:
+        for i in range(3 * MAX_OPEN_STORES):
+            assert remote.exists_many(f"model-{i}", ["a"]) == [False]
+        assert len(opened) == 3 * MAX_OPEN_STORES
+        assert sum(not store.released.is_set() for store in opened) <= MAX_OPEN_STORES
+    finally:
+        remote.close(1.0)

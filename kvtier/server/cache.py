@@ -55,6 +55,7 @@ from kvtier.server.blobs import (
 from kvtier.server.lookup import KeyShapes
 from kvtier.server.peers import Peers
 from kvtier.server.shm import open_arena
+from kvtier.server.stores import OpenStores
 from kvtier.storage import schemes
 from kvtier.storage.blob_store import BlobStore, Buffer, Throttled, WriteRefused
 from kvtier.storage.health import Health, fault_reason
@@ -74,9 +75,9 @@ HEALTH_INTERVAL_S = 5.0  # how often a server pings a remote that is up
 
 
 class RemoteBlobs:
-    """The remote behind the server: one ``BlobStore`` per client namespace, each call
-    bounded by a timeout, with the tiers' health policy (``kvtier.storage.health``) and a
-    write-through queue (``kvtier.storage.tier.BatchQueue``, one writer).
+    """The remote behind the server: a ``BlobStore`` per client namespace (a bounded
+    number open: ``kvtier.server.stores``), each call bounded by a timeout, with the
+    tiers' health policy (``kvtier.storage.health``) and a write-through queue (one writer).
 
     Args:
         open_store: the store of a namespace.
@@ -102,7 +103,7 @@ class RemoteBlobs:
         self.describe = describe
         self._stats = stats
         self.timeout_s = timeout_s
-        self._stores: dict[str, BlobStore] = {}
+        self._stores = OpenStores(open_store)
         self._ping_store: BlobStore | None = None  # while no client's namespace is open
         self._lock = threading.Lock()
         self.health = Health(
@@ -124,19 +125,22 @@ class RemoteBlobs:
             dropped_counter="remote_puts_dropped",
         )
 
-    def _store(self, namespace: str) -> BlobStore:
-        with self._lock:
-            store = self._stores.get(namespace)
-            if store is None:
-                store = self._stores[namespace] = self._open_store(namespace)
-            return store
+    def _on(self, namespace: str, method: str, *args: Any) -> Any:
+        """``method(*args)`` of the store of ``namespace``."""
+        with self._stores.using(namespace) as store:
+            return getattr(store, method)(*args)
 
     def _ping(self) -> None:
         """Ping the remote through a store already open, else through one kept for pings
         (opened once: the server pings every few seconds, and opening a store costs a
         client and its connections)."""
+        namespace = self._stores.latest()
+        if namespace is not None:
+            with self._stores.using(namespace) as store:
+                store.ping()
+            return
         with self._lock:
-            store = next(iter(self._stores.values()), self._ping_store)
+            store = self._ping_store
         if store is None:
             opened = self._open_store(PING_NAMESPACE)
             with self._lock:
@@ -191,11 +195,11 @@ class RemoteBlobs:
             return None
 
     def exists_many(self, namespace: str, names: Sequence[str]) -> list[bool]:
-        found = self._call("exists", lambda: self._store(namespace).exists_many(names))
+        found = self._call("exists", self._on, namespace, "exists_many", names)
         return list(found) if found is not None else [False] * len(names)
 
     def get(self, namespace: str, name: str) -> bytes | None:
-        found = self._call("get", lambda: self._store(namespace).get_many([name]))
+        found = self._call("get", self._on, namespace, "get_many", [name])
         return None if found is None else found[0]
 
     def submit_put(self, namespace: str, name: str, data: bytes) -> None:
@@ -210,7 +214,7 @@ class RemoteBlobs:
                 self._stats.inc("remote_puts_dropped")
                 continue
             try:
-                self._store(namespace).put_many([(name, [data])])
+                self._on(namespace, "put_many", [(name, [data])])
             except WriteRefused as exc:  # full, not down: reads go on
                 self._stats.inc("remote_puts_dropped")
                 warn_once(
@@ -240,13 +244,12 @@ class RemoteBlobs:
         )
 
     def delete(self, namespace: str, names: Sequence[str]) -> None:
-        self._call("delete", lambda: self._store(namespace).delete_many(names))
+        self._call("delete", self._on, namespace, "delete_many", names)
 
     def clear(self, namespace: str | None) -> None:
-        with self._lock:
-            spaces = list(self._stores) if namespace is None else [namespace]
+        spaces = self._stores.namespaces() if namespace is None else [namespace]
         for space in spaces:
-            self._call("clear", lambda s=space: self._store(s).clear())
+            self._call("clear", self._on, space, "clear")
 
     @property
     def pending(self) -> int:
@@ -260,9 +263,9 @@ class RemoteBlobs:
         self._stats.inc("remote_puts_dropped", self._writes.close(timeout))
         self.health.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
-        for store in [*self._stores.values(), self._ping_store]:
-            if store is not None:
-                store.close()
+        self._stores.close()
+        if self._ping_store is not None:
+            self._ping_store.close()
 
 
 def open_remote_blobs(config: KVTierConfig, stats: Stats) -> RemoteBlobs:
@@ -531,6 +534,7 @@ class BlobCache:
             self.peers.close()
         if self.remote is not None:
             self.remote.close(timeout)
+        self.shapes.close()
         self.memory.close()
         if self.arena is not None:
             self.arena.close()

@@ -212,6 +212,7 @@ class RequestHandlers:
         objs = self.cache.lease(session.namespace, names)
         held = [obj for obj in objs if obj is not None]
         lease = self.leases.grant(held)
+        session.leases.add(lease)  # let go of when the connection ends
         self.plane.wake()
         self.stats.inc("peer_leases")
         self.stats.inc("peer_leased_blobs", len(held))

@@ -18,9 +18,14 @@ and the prefix held is the run of held chunks from the first. With a disk tier t
 are kept in ``<disk>/kvtier-server-v1/key-shapes.json``, so a restarted server answers
 lookups for what its disk holds before any engine has talked to it.
 
-NOTE: the number of shapes is bounded (``MAX_SHAPES_PER_NAMESPACE``): a client cannot grow
-the server's memory through names; shapes past the bound are not learnt (their chunks
-then look absent to ``/lookup``, never present).
+NOTE: the number of shapes is bounded (``MAX_SHAPES_PER_NAMESPACE``, ``MAX_SHAPES`` in
+all): a client cannot grow the server's memory through names or namespaces. Shapes past
+a namespace's bound are not learnt; past the total, the namespaces stored into longest
+ago are forgotten (their blobs stay; their chunks look absent to ``/lookup``, never
+present, until an engine stores one of theirs again). The file is written at most every
+``SAVE_INTERVAL_S`` (a client touching namespace after namespace would otherwise rewrite
+it whole for each): a shape learnt in the last moments before a crash may be missing
+after the restart, until an engine stores a blob of it again.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +49,8 @@ from kvtier.storage.remote import space_of
 logger = logging.getLogger(__name__)
 
 MAX_SHAPES_PER_NAMESPACE = 1024
+MAX_SHAPES = 1 << 16  # of every namespace together
+SAVE_INTERVAL_S = 1.0
 MAX_LOOKUP_CHUNKS = 1 << 16  # 16M tokens at chunk_size 256
 SHAPES_FILE = "key-shapes.json"
 _SEP = "@"
@@ -70,9 +78,14 @@ class KeyShapes:
     def __init__(self, directory: Path | None = None):
         self._path = None if directory is None else directory / SHAPES_FILE
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # held by the one save under way
+        # namespace -> its shapes, the namespace stored into longest ago first
         self._seen: dict[str, set[str]] = {}
+        self._count = 0  # shapes of every namespace
         # namespace -> group -> layers seen (empty for whole-chunk groups)
         self._groups: dict[str, dict[_Group, int]] = {}
+        self._saved_at = float("-inf")
+        self._saving: threading.Timer | None = None  # a save put off (SAVE_INTERVAL_S)
         if self._path is not None:
             self._load()
 
@@ -99,27 +112,59 @@ class KeyShapes:
         if shape is None:
             return
         with self._lock:
-            seen = self._seen.get(namespace)
+            seen = self._seen.pop(namespace, None)
+            if seen is not None:  # stored into now: the last to be forgotten
+                self._seen[namespace] = seen
             if seen is not None and shape in seen:
                 return
             if seen is not None and len(seen) >= MAX_SHAPES_PER_NAMESPACE:
                 return
             if not self._add(namespace, shape):
                 return
-            snapshot = {ns: sorted(shapes) for ns, shapes in self._seen.items()}
-        self._save(snapshot)
+            if self._path is None or self._saving is not None:
+                return  # nothing to write, or a save to come writes it
+            if time.monotonic() - self._saved_at < SAVE_INTERVAL_S:
+                self._saving = threading.Timer(SAVE_INTERVAL_S, self.save)
+                self._saving.daemon = True
+                self._saving.start()
+                return
+        self.save()
 
     def _add(self, namespace: str, shape: str) -> bool:
         parsed = _parse_shape(shape)
         if parsed is None:
             return False
         group, layer = parsed
+        while self._count >= MAX_SHAPES:  # forget the namespace stored into longest ago
+            oldest = next(iter(self._seen))
+            self._count -= len(self._seen.pop(oldest))
+            del self._groups[oldest]
         self._seen.setdefault(namespace, set()).add(shape)
+        self._count += 1
         groups = self._groups.setdefault(namespace, {})
         groups[group] = max(groups.get(group, 0), 0 if layer is None else layer + 1)
         return True
 
-    def _save(self, snapshot: dict[str, list[str]]) -> None:
+    def _snapshot(self) -> dict[str, list[str]]:
+        return {ns: sorted(shapes) for ns, shapes in self._seen.items()}
+
+    def save(self) -> None:
+        """Write the shapes now (one at a time, each what is known when it begins)."""
+        with self._writing:
+            with self._lock:
+                if self._saving is not None:
+                    self._saving.cancel()
+                    self._saving = None
+                self._saved_at = time.monotonic()
+                snapshot = self._snapshot()
+            self._write(snapshot)
+
+    def close(self) -> None:
+        """Write a save put off now (at shutdown)."""
+        if self._saving is not None:
+            self.save()
+
+    def _write(self, snapshot: dict[str, list[str]]) -> None:
         if self._path is None:
             return
         tmp = self._path.with_name(f".{SHAPES_FILE}.{os.getpid()}.{threading.get_ident()}")

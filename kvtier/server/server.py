@@ -18,7 +18,12 @@ payload), which must arrive within ``frame_timeout_s`` of connecting; after it, 
 connection may idle between frames for ``idle_timeout_s`` (then it is closed, counted
 under ``connections_idle_closed``: the client dials again when it next needs one), but a
 frame once begun must arrive whole within ``frame_timeout_s``. So a client that stalls
-or idles holds its slot among ``max_clients`` for a bounded time. A request whose frame
+or idles holds its slot among ``max_clients`` for a bounded time. A slot is taken by a
+valid HELLO, not by connecting: connections yet to send theirs (or being refused) are at
+most ``max_clients`` too, and a new one closes one refused already, else the one waiting
+longest (counted under ``rejects_crowded_out``), so sockets that never say HELLO, or
+clients without the token dialling in a loop, cannot keep out a client that says it at
+once. A request whose frame
 is well formed but whose fields are wrong (names that are not strings, sizes that do not
 add up, more than ``max_names`` names) is an error reply on a connection that stays open.
 
@@ -66,6 +71,7 @@ from kvtier.storage.node_protocol import Frame, Op, ProtocolError, TooManyNames
 logger = logging.getLogger(__name__)
 
 FRAME_READ_TIMEOUT_S = 60.0  # the most a started frame (or a HELLO) may take to arrive
+LEASE_SWEEP_S = 1.0  # how often leases past their time are let go of
 MAX_HELLO_HEADER_BYTES = 64 << 10  # a token, a namespace and a shared-memory offer
 # The counters of requests, bytes, gets and puts (docs/server.md): exported from the start,
 # at 0 until something happens.
@@ -100,7 +106,8 @@ class KVTierServer:
         stats: the server's counters (shared with the admin API).
         token: the token every client must send in HELLO, or None for none.
         max_frame_bytes: the largest payload accepted in a frame (and sent in a reply).
-        max_clients: connections held at once; more are closed at once (counted).
+        max_clients: connections past their HELLO held at once (the HELLO of one more
+            is answered with an error naming the limit), and connections before it.
         frame_timeout_s: the most a frame may take to arrive once begun, and a new
             connection to send its HELLO.
         idle_timeout_s: the most an authenticated connection may wait between frames
@@ -145,8 +152,9 @@ class KVTierServer:
         self._logged: set[str] = set()  # the reasons of rejects logged already
         self.max_shm_bytes = max_shm_bytes
         self.leases = leases
-        self.clients = 0
-        self._refusing = 0  # connections over max_clients being answered
+        self.clients = 0  # connections past their HELLO
+        # connections yet to send their HELLO, oldest first: whether each was refused
+        self._greeting: dict[asyncio.Task, bool] = {}
         self.shm_clients = 0
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -176,6 +184,8 @@ class KVTierServer:
         self.port = self._listeners[0].getsockname()[1]
         loop = asyncio.get_running_loop()
         self._accepting = [loop.create_task(self._accept(sock)) for sock in self._listeners]
+        if self.leases is not None:
+            self._accepting.append(loop.create_task(self._expire_leases()))
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, let requests being executed finish (up to ``grace_s``), close
@@ -193,6 +203,15 @@ class KVTierServer:
             await asyncio.wait(self._tasks, timeout=grace_s)
         self._pool.shutdown(wait=True)
 
+    async def _expire_leases(self) -> None:
+        """Let go of leases past their time, whether or not a request comes: a client
+        that leases blobs and never releases them pins their memory (where a PUT finds
+        no room) for ``ttl_s`` and ``LEASE_SWEEP_S`` at most."""
+        assert self.leases is not None
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_S)
+            self.leases.expire()
+
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -209,32 +228,23 @@ class KVTierServer:
     # -- one connection ----------------------------------------------------------------
 
     async def _serve_client(self, sock: socket.socket) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._greeting[task] = False
+        if len(self._greeting) > self.max_clients:  # one refused already, else the oldest
+            answered = (waiting for waiting, refused in self._greeting.items() if refused)
+            victim = next(answered, next(iter(self._greeting)))
+            if not self._greeting.pop(victim):
+                self._reject("crowded_out", "a connection sent no HELLO while new ones came")
+            victim.cancel()
         with sock:
-            if self.clients >= self.max_clients:
-                await self._refuse(sock)
-                return
-            self.clients += 1
             try:
                 sockets.tune(sock)
                 await self._converse(sock)
             except ConnectionError:
                 pass
             finally:
-                self.clients -= 1
-
-    async def _refuse(self, sock: socket.socket) -> None:
-        """A connection over ``max_clients``: one error frame naming the limit, so the
-        client's error says why, while fewer refusals than ``max_clients`` are under
-        way; beyond that it is closed bare (a flood holds a bounded number of sockets)."""
-        detail = f"more than {self.max_clients} clients (kvtier serve --max-clients)"
-        if self._refusing >= self.max_clients:
-            self._reject("too_many_clients", detail)
-            return
-        self._refusing += 1
-        try:
-            await self._fail(sock, 0, "too_many_clients", detail)
-        finally:
-            self._refusing -= 1
+                self._greeting.pop(task, None)
 
     async def _converse(self, sock: socket.socket) -> None:
         """Frames and their answers until the client goes away or breaks the protocol."""
@@ -267,6 +277,17 @@ class KVTierServer:
                     except NotAHello as exc:
                         await self._fail(sock, frame.request_id, "unauthenticated", str(exc))
                         return
+                    if self.clients >= self.max_clients:
+                        detail = (
+                            f"more than {self.max_clients} clients (kvtier serve --max-clients)"
+                        )
+                        await self._fail(sock, frame.request_id, "too_many_clients", detail)
+                        return
+                    task = asyncio.current_task()
+                    if task not in self._greeting:  # closed to make room meanwhile
+                        return
+                    del self._greeting[task]
+                    self.clients += 1
                     session = Session(namespace, peer=frame.header.get("peer") is True)
                     reply = {
                         "max_frame": self.max_frame_bytes,
@@ -282,6 +303,7 @@ class KVTierServer:
                 await self._answer(sock, frame, session, blobs)
         finally:
             if session is not None:
+                self.clients -= 1
                 session.end(self.leases)
             if session is not None and session.segment is not None:
                 session.segment.close()
@@ -484,6 +506,9 @@ class KVTierServer:
     async def _fail(self, sock: socket.socket, request_id: int, reason: str, detail: str) -> None:
         """Count a rejected frame, answer it with an error and let the caller close."""
         self._reject(reason, detail)
+        task = asyncio.current_task()
+        if task in self._greeting:  # answered: the first to make room for a new one
+            self._greeting[task] = True
         error = {"error": f"{reason}: {detail}"}
         parts = protocol.encode(Op.PING, request_id, error, flags=protocol.REPLY)
         loop = asyncio.get_running_loop()
