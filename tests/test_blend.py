@@ -24,7 +24,7 @@ from kvtier.chunker import RequestExtras
 from kvtier.config import KVTierConfig
 from kvtier.hashing import ChunkHasher
 from kvtier.keys import CacheKey
-from kvtier.observability.stats import Stats
+from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.manager import StorageManager
 
 pytest.importorskip("transformers")
@@ -82,6 +82,30 @@ def test_a_segment_fits_when_its_kv_and_positions_fit_together(capacity, fits) -
         kv, positions = torch.randn(2, 3, 5, 8), torch.arange(5)
         assert store.fits(tuple(kv.shape), kv.dtype) is fits
         assert store.put(b"h" * 32, kv, positions) is fits
+    finally:
+        storage.close()
+
+
+def test_segment_changed_in_memory_is_a_miss_and_no_longer_held() -> None:
+    """A segment whose KV changed after it was stored (verify_checksums) is a miss, and
+    it leaves the tiers: otherwise every later prompt with that document would be claimed
+    for it and miss it, and it would never be stored again."""
+    stats = Stats()
+    config = KVTierConfig(max_local_cpu_size=0.01, verify_checksums=True)
+    storage = StorageManager(config, stats, pin_memory=False, namespace="m")
+    try:
+        store = SegmentStore(storage, CacheKey("m", 1, 0, "float32", b""))
+        h = segment_hash(ChunkHasher("sha256_cbor", 0), [1, 2, 3, 4, 5])
+        assert store.put(h, torch.randn(2, 3, 5, 8), torch.arange(7, 12))
+        (held,) = storage.get_many([store._key(h, "kv")])
+        held.tensor.add_(1.0)  # the bytes change in memory after the store
+        held.ref_down()
+        assert store.get(h) is None
+        assert stats.get(Counter.CORRUPT_CHUNKS) == 1
+        assert not store.contains(h)  # the next prompt that computes it stores it again
+        kv = torch.randn(2, 3, 5, 8)
+        assert store.put(h, kv, torch.arange(0, 5))
+        assert torch.equal(store.get(h)[0], kv)
     finally:
         storage.close()
 

@@ -82,7 +82,9 @@ class SegmentStore:
 
     def __init__(self, storage: StorageManager, key_template: CacheKey):
         self.storage = storage
-        self.checked = CheckedChunks(storage, verify=storage.config.verify_checksums)
+        self.checked = CheckedChunks(
+            storage, verify=storage.config.verify_checksums, noun="blend segment"
+        )
         self.template = key_template
 
     def _key(self, segment_hash: bytes, part: str) -> CacheKey:
@@ -120,15 +122,22 @@ class SegmentStore:
         return True
 
     def get(self, segment_hash: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A copy of a segment's ``(kv, positions)``, or None when either is missing."""
-        found = self.checked.get_many(
-            [self._key(segment_hash, "kv"), self._key(segment_hash, "pos")]
-        )
+        """A copy of a segment's ``(kv, positions)``, or None when either is missing or
+        changed since it was stored (that one is then removed from the tiers)."""
+        keys = [self._key(segment_hash, "kv"), self._key(segment_hash, "pos")]
+        found = self.checked.get_many(keys)
         try:
             if any(obj is None for obj in found):
                 return None
-            if not all(self.checked.intact(obj) for obj in found):
-                return None  # NOTE: changed in memory after it was stored (verify_checksums)
+            # NOTE: a part whose bytes changed after it was stored (verify_checksums) is
+            # counted and removed, so that the segment is no longer held: stored afresh
+            # by the next prompt that computes it, not claimed and missed by every one
+            accepted = [
+                self.checked.accept(key, obj, obj.shape, obj.dtype)
+                for key, obj in zip(keys, found, strict=True)
+            ]
+            if not all(accepted):
+                return None
             kv, positions = (obj.tensor.clone() for obj in found)
             if kv.dim() != 4 or positions.shape != (kv.shape[2],):
                 return None
