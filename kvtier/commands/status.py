@@ -4,7 +4,7 @@ over its cache protocol (the ``STATS`` request), so it works without the admin p
     $ kvtier status --server 127.0.0.1:65432
     kvtier server 127.0.0.1:65432: ok
       clients connected   2
-      memory              1 234 blobs, 3.10 GiB of 40.00 GiB, 12 evictions
+      memory              1234 blobs, 3.10 GiB of 40.00 GiB, 12 evictions
       ...
 
 ``--json`` prints the raw counters instead (the admin API's ``/stats``). Exit codes: 0
