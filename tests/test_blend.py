@@ -133,6 +133,23 @@ class _Config:
         ({"rope_theta": 1e4, "is_causal": False, "arch": "Qwen2Model"}, "bidirectional"),
         ({"rope_theta": 1e4, "use_bidirectional_attention": True}, "bidirectional"),
         ({"rope_theta": 1e4, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        (
+            {
+                "rope_theta": 1e4,
+                "head_dim": 64,
+                "partial_rotary_factor": 0.3,
+                "arch": "PhiForCausalLM",
+            },
+            r"rotary dims \(19 of head size 64\)",
+        ),
+        (
+            {
+                "rope_theta": 1e4,
+                "rope_parameters": {"rope_theta": 1e4, "rope_dim": 7},
+                "head_dim": 64,
+            },
+            "rotary dims",
+        ),
     ],
 )
 def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:
