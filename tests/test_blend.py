@@ -62,10 +62,10 @@ def test_segment_store_round_trip() -> None:
         kv = torch.randn(2, 3, 5, 8)
         positions = torch.arange(7, 12)
         h = segment_hash(ChunkHasher("sha256_cbor", 0), [1, 2, 3, 4, 5])
-        assert not store.contains(h) and store.get(h) is None
+        assert not store.contains(h) and store.get(h, kv.shape, kv.dtype) is None
         assert store.put(h, kv, positions)
         assert store.contains(h)
-        got_kv, got_positions = store.get(h)
+        got_kv, got_positions = store.get(h, kv.shape, kv.dtype)
         assert torch.equal(got_kv, kv) and torch.equal(got_positions, positions)
     finally:
         storage.close()
@@ -100,12 +100,12 @@ def test_segment_changed_in_memory_is_a_miss_and_no_longer_held() -> None:
         (held,) = storage.get_many([store._key(h, "kv")])
         held.tensor.add_(1.0)  # the bytes change in memory after the store
         held.ref_down()
-        assert store.get(h) is None
+        assert store.get(h, (2, 3, 5, 8), torch.float32) is None
         assert stats.get(Counter.CORRUPT_CHUNKS) == 1
         assert not store.contains(h)  # the next prompt that computes it stores it again
         kv = torch.randn(2, 3, 5, 8)
         assert store.put(h, kv, torch.arange(0, 5))
-        assert torch.equal(store.get(h)[0], kv)
+        assert torch.equal(store.get(h, kv.shape, kv.dtype)[0], kv)
     finally:
         storage.close()
 
@@ -133,6 +133,23 @@ class _Config:
         ({"rope_theta": 1e4, "is_causal": False, "arch": "Qwen2Model"}, "bidirectional"),
         ({"rope_theta": 1e4, "use_bidirectional_attention": True}, "bidirectional"),
         ({"rope_theta": 1e4, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        (
+            {
+                "rope_theta": 1e4,
+                "head_dim": 64,
+                "partial_rotary_factor": 0.3,
+                "arch": "PhiForCausalLM",
+            },
+            r"rotary dims \(19 of head size 64\)",
+        ),
+        (
+            {
+                "rope_theta": 1e4,
+                "rope_parameters": {"rope_theta": 1e4, "rope_dim": 7},
+                "head_dim": 64,
+            },
+            "rotary dims",
+        ),
     ],
 )
 def test_unsupported_models_name_their_class(fields: dict, reason: str) -> None:

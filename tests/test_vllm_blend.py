@@ -21,7 +21,7 @@ from kvtier.config import KVTierConfig
 from kvtier.integration.vllm.common import StepPlan
 from kvtier.integration.vllm.extensions import check_extensions
 from kvtier.keys import CacheKey
-from kvtier.observability.stats import Stats
+from kvtier.observability.stats import Counter, Stats
 from kvtier.storage.manager import StorageManager
 from kvtier_kernels import PagedKV
 from kvtier_kernels.rope import rerotate_reference, rope_inv_freq
@@ -500,5 +500,27 @@ def test_a_segment_larger_than_the_cpu_pool_is_counted_and_warned_once(caplog) -
         assert worker.held([b"s" * 32, b"a" * 32]) == [True, False]
         warned = [r for r in caplog.records if "larger than the whole CPU pool" in r.getMessage()]
         assert len(warned) == 1
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "cpu_and_disk"])
+def test_a_segment_of_another_shape_is_a_miss_and_no_longer_held(tmp_path, disk) -> None:
+    """A stored segment whose KV is not the shape its tokens need here is a miss, counted
+    as a corrupt chunk and removed from every tier: otherwise every later prompt with that
+    document would be claimed for it and miss it, and it would never be stored again."""
+    tiers = {"local_disk": str(tmp_path), "max_local_disk_size": 0.01} if disk else {}
+    worker, storage = _working_worker(**tiers)
+    h = b"w" * 32
+    try:
+        # 4 tokens of 2 layers, but of 16 dims where this model's KV rows have 32
+        assert worker.segments.put(h, torch.randn(2, 2, 4, 16), torch.arange(4))
+        assert storage.flush(10.0) and worker.held([h]) == [True]
+        spec = BlendSpec("r", list(range(1, 10)), [(0, 4, h)], [0, 1, 2])
+        assert worker.run_or_report(spec) == set()
+        counters = worker.stats.snapshot()
+        assert counters["blend_segment_misses"] == 1 and counters["blend_reused_tokens"] == 0
+        assert storage.stats.get(Counter.CORRUPT_CHUNKS) == 1
+        assert worker.held([h]) == [False]  # the next prompt that computes it stores it again
     finally:
         storage.close()

@@ -8,8 +8,8 @@ bidirectional attention (``is_causal: false``), no capped attention logits
 layers), no scaling of the hidden states between a layer's modules (Granite's and
 MiniCPM's multipliers) or of queries by position (``llama_4_scaling``), and a rope type
 whose rotation is a pure function of ``position * inv_freq`` (``default``, ``linear``,
-``llama3``, ``yarn``). Anything else is refused with :class:`UnsupportedModelError` naming
-the model class, never blended wrongly.
+``llama3``, ``yarn``) over an even number of rotary dims. Anything else is refused with
+:class:`UnsupportedModelError` naming the model class, never blended wrongly.
 """
 
 from __future__ import annotations
@@ -102,6 +102,15 @@ def check_blendable(hf_config: Any) -> None:
     elif params.get("rope_type", params.get("type", "default")) not in _ROPE_TYPES:
         rope_type = params.get("rope_type", params.get("type"))
         reasons.append(f"its rope type {rope_type!r} is not one of {', '.join(_ROPE_TYPES)}")
+    else:
+        head_size = _head_size(hf_config)
+        rotary_dim = None if head_size is None else _rotary_dim(hf_config, params, head_size)
+        if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size):
+            # NOTE: vLLM accepts an odd rotary dim; the re-rotation turns pairs of dims
+            reasons.append(
+                f"its rotary dims ({rotary_dim} of head size {head_size}) are not an even "
+                "number in (0, head size], and the blend re-rotates keys by pairs of dims"
+            )
     if reasons:
         raise UnsupportedModelError(
             f"enable_blending: CacheBlend cannot blend model class {name}: "
@@ -136,18 +145,9 @@ def rope_spec(hf_config: Any) -> RopeSpec:
     config says ``rope_is_neox_style: false`` / ``rotary_interleaved`` style."""
     check_blendable(hf_config)
     params = _rope_parameters(hf_config)
-    assert params is not None
-    head_size = getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads
-    )
-    # As vLLM's get_rope: an explicit rope_dim wins over head_size * partial_rotary_factor.
-    rotary_dim = params.get("rope_dim")
-    if not rotary_dim:
-        factor = params.get(
-            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
-        )
-        rotary_dim = head_size * (factor or 1.0)
-    rotary_dim = int(rotary_dim)
+    head_size = _head_size(hf_config)
+    assert params is not None and head_size is not None
+    rotary_dim = _rotary_dim(hf_config, params, head_size)
     inv_freq = rope_inv_freq(rotary_dim, float(params["rope_theta"]))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "linear":
@@ -160,7 +160,29 @@ def rope_spec(hf_config: Any) -> RopeSpec:
         getattr(hf_config, "rotary_interleaved", False)
         or getattr(hf_config, "rope_is_neox_style", True) is False
     )
-    return RopeSpec(int(head_size), rotary_dim, inv_freq.to(torch.float32), neox)
+    return RopeSpec(head_size, rotary_dim, inv_freq.to(torch.float32), neox)
+
+
+def _head_size(hf_config: Any) -> int | None:
+    """Dims per head: ``head_dim``, else ``hidden_size / num_attention_heads``; None when
+    the config gives neither."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    hidden, heads = (getattr(hf_config, n, None) for n in ("hidden_size", "num_attention_heads"))
+    return hidden // heads if hidden and heads else None
+
+
+def _rotary_dim(hf_config: Any, params: dict[str, Any], head_size: int) -> int:
+    """The leading dims of each head that rotate, as vLLM's ``get_rope`` reads them: an
+    explicit ``rope_dim`` wins over ``head_size * partial_rotary_factor``."""
+    rotary_dim = params.get("rope_dim")
+    if not rotary_dim:
+        factor = params.get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
+        )
+        rotary_dim = head_size * (factor or 1.0)
+    return int(rotary_dim)
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

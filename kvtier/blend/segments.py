@@ -83,7 +83,7 @@ class SegmentStore:
     def __init__(self, storage: StorageManager, key_template: CacheKey):
         self.storage = storage
         self.checked = CheckedChunks(
-            storage, verify=storage.config.verify_checksums, noun="blend segment"
+            storage, verify=storage.config.verify_checksums, noun="blend segment", shape_in_key=True
         )
         self.template = key_template
 
@@ -121,26 +121,29 @@ class SegmentStore:
             obj.ref_down()
         return True
 
-    def get(self, segment_hash: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A copy of a segment's ``(kv, positions)``, or None when either is missing or
-        changed since it was stored (that one is then removed from the tiers)."""
+    def get(
+        self, segment_hash: bytes, kv_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A copy of a segment's ``(kv, positions)``, its KV of ``kv_shape``
+        ``[2, L, n, Hkv * D]`` and ``dtype``; None when either is missing, of another
+        shape, or changed since it was stored (that one is then removed from the tiers)."""
         keys = [self._key(segment_hash, "kv"), self._key(segment_hash, "pos")]
+        shapes = [(tuple(kv_shape), dtype), ((kv_shape[2],), torch.int64)]
         found = self.checked.get_many(keys)
         try:
             if any(obj is None for obj in found):
                 return None
-            # NOTE: a part whose bytes changed after it was stored (verify_checksums) is
-            # counted and removed, so that the segment is no longer held: stored afresh
-            # by the next prompt that computes it, not claimed and missed by every one
+            # NOTE: a part of another shape, or whose bytes changed after it was stored
+            # (verify_checksums), is counted and removed, so that the segment is no longer
+            # held: stored afresh by the next prompt that computes it, not claimed and
+            # missed by every one
             accepted = [
-                self.checked.accept(key, obj, obj.shape, obj.dtype)
-                for key, obj in zip(keys, found, strict=True)
+                self.checked.accept(key, obj, *shape)
+                for key, obj, shape in zip(keys, found, shapes, strict=True)
             ]
             if not all(accepted):
                 return None
             kv, positions = (obj.tensor.clone() for obj in found)
-            if kv.dim() != 4 or positions.shape != (kv.shape[2],):
-                return None
             return kv, positions
         finally:
             for obj in found:

@@ -283,12 +283,11 @@ class BlendWorker:
     def held(self, hashes: list[bytes]) -> list[bool]:
         return [self.segments.contains(h) for h in hashes]
 
-    def _placed(self, spec: BlendSpec, width: int) -> list[PlacedSegment]:
+    def _placed(self, spec: BlendSpec, width: int, dtype: torch.dtype) -> list[PlacedSegment]:
         placed = []
         for start, end, h in spec.segments:
-            found = self.segments.get(h)
-            expected = (2, self.model.num_layers, end - start, width)
-            if found is None or tuple(found[0].shape) != expected:
+            found = self.segments.get(h, (2, self.model.num_layers, end - start, width), dtype)
+            if found is None:
                 self.stats.inc("blend_segment_misses")
                 continue  # NOTE: its tokens are computed afresh: still exact
             placed.append(PlacedSegment(found[0], found[1], start))
@@ -324,7 +323,7 @@ class BlendWorker:
         width = model.num_kv_heads * model.head_size
         kv = torch.zeros(2, model.num_layers, num_tokens, width, dtype=paged.dtype)
         reused = torch.zeros(num_tokens, dtype=torch.bool)
-        placed = self._placed(spec, width)
+        placed = self._placed(spec, width, paged.dtype)
         rotate_s = place_segments(kv, reused, placed, self.rope)
         result = blend(model, torch.tensor(spec.token_ids), kv, reused, self.schedule)
         self.tokens.write(slot_mapping(spec.block_ids, paged.block_size, num_tokens), result.kv)

@@ -18,7 +18,7 @@ checksum on its writer threads when the chunk was not sealed (docs/reliability.m
 NOTE: a chunk that fails ``accept`` is a miss: it is counted (``corrupt_chunks``),
 logged once and never handed to the engine. One whose bytes changed is removed from every
 tier; one of another shape or dtype (another model's, under the same name) only from the
-CPU tier.
+CPU tier, unless its key names its shape (``shape_in_key``).
 """
 
 from __future__ import annotations
@@ -48,12 +48,24 @@ class CheckedChunks:
             memory is then not trusted either. Without it only the shape and dtype are
             checked here (the lower tiers verify what they read in any case).
         noun: what a chunk is called in the log (``chunk``, ``page``).
+        shape_in_key: every key names its chunk's whole shape and dtype (CacheBlend's
+            segments: the KV geometry tag, the dtype, and a hash of exactly its tokens),
+            so one of another shape is no other model's but corrupt: removed from every
+            tier, as one whose bytes changed.
     """
 
-    def __init__(self, storage: StorageManager, *, verify: bool, noun: str = "chunk"):
+    def __init__(
+        self,
+        storage: StorageManager,
+        *,
+        verify: bool,
+        noun: str = "chunk",
+        shape_in_key: bool = False,
+    ):
         self.storage = storage
         self.verify = verify
         self.noun = noun
+        self.shape_in_key = shape_in_key
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A buffer for one chunk, or None when memory is exhausted."""
@@ -86,12 +98,13 @@ class CheckedChunks:
         ``dtype``. One that may not is counted, logged and removed from the tiers; the
         caller still releases its reference."""
         if tuple(obj.shape) != tuple(shape) or obj.dtype != dtype:
-            # NOTE: an intact chunk of another KV geometry under this key: another model
-            # of the same name sharing a store, written under keys without the geometry
-            # tag (keys.geometry_tag). It leaves this engine's memory only; the tiers
-            # below keep it for the engine it belongs to.
+            # NOTE: unless the key names the shape, an intact chunk of another KV
+            # geometry under this key: another model of the same name sharing a store,
+            # written under keys without the geometry tag (keys.geometry_tag). It leaves
+            # this engine's memory only; the tiers below keep it for the engine it
+            # belongs to.
             problem = f"shape {tuple(obj.shape)} {obj.dtype}, expected {tuple(shape)} {dtype}"
-            remove = self.storage.cpu.remove
+            remove = self.storage.remove if self.shape_in_key else self.storage.cpu.remove
         elif not self.intact(obj):
             problem = "a checksum mismatch (its bytes changed after it was stored)"
             remove = self.storage.remove
