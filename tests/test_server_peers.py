@@ -33,6 +33,7 @@ from support.tiers import (
 
 from kvtier.observability.stats import Stats
 from kvtier.server.peers import Peers
+from kvtier.server.stores import MAX_OPEN_STORES
 from kvtier.storage import node_protocol as protocol
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.node_connection import recv
@@ -228,6 +229,28 @@ def test_namespaces_asked_once_keep_no_connection_to_the_peer_past_its_idle_time
         finally:
             for client in clients:
                 client.close()
+
+
+def test_a_server_asked_for_many_namespaces_keeps_few_stores_open_to_its_peer():
+    # past the peer's --max-clients, a store per namespace asked would be refused (down)
+    with server("--max-clients", str(MAX_OPEN_STORES + 16)) as a, server(peers=[a]) as b:
+        writer = a.client(namespace="model-0")
+        writer.put_many([("held", [b"v" * 100])])
+        writer.close()
+        for i in range(MAX_OPEN_STORES + 40):
+            client = b.client(namespace=f"model-{i}")
+            try:
+                assert client.exists_many(["0" * 32]) == [False]
+            finally:
+                client.close()
+        assert health(b)["tiers"]["peers"][a.url]["up"]
+        assert stats(a)["clients_connected"] <= MAX_OPEN_STORES + 1
+        assert sockets_of(b.process) <= MAX_OPEN_STORES + 8
+        client = b.client(namespace="model-0")  # its store closed: opened again
+        try:
+            assert client.exists_many(["held"]) == [True]
+        finally:
+            client.close()
 
 
 # -- faults ----------------------------------------------------------------------------

@@ -16,6 +16,11 @@ by ``remote_timeout_ms``. A pulled blob is verified as every object crossing a p
 boundary is (``kvtier.storage.wire``: its header, its key, its payload's checksum)
 before anyone can read it, and kept in the memory tier unless ``--peer-cache off``.
 
+A peer's stores (one per namespace asked of it, each with its connections) are bounded
+as the remote's are (``kvtier.server.stores``): a server asked for many namespaces
+keeps at most ``MAX_OPEN_STORES`` of them open per peer, whose sockets the peer counts
+among its clients.
+
 Each peer has the remote tiers' health policy (``kvtier.storage.health``): a peer that
 fails or times out is down, and skipped (a miss at once), until a background ping
 answers. A peer refusing the token never answers the ping. With NIXL (``--peer-transport
@@ -33,10 +38,11 @@ is a miss.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -50,6 +56,7 @@ from kvtier.observability.stats import Stats
 from kvtier.server.blobs import damaged
 from kvtier.server.discovery import Discovery, peer_url
 from kvtier.server.nixl import Extent, NixlPlane, NixlUnavailable, RemotePool
+from kvtier.server.stores import OpenStores
 from kvtier.storage.blob_store import StoreUnavailable
 from kvtier.storage.cpu import LocalCPUTier
 from kvtier.storage.health import Health, fault_reason
@@ -77,7 +84,7 @@ class Peer:
     host: str
     port: int
     health: Health | None = None
-    stores: dict[str, KVTierStore] = field(default_factory=dict)
+    stores: OpenStores[KVTierStore] = field(init=False)  # set by ``Peers``
     remote: RemotePool | None = None  # its pool, once handshaken
     nixl: bool = True  # False: pulled over TCP (it has no NIXL, or the handshake failed)
     static: bool = True  # False: found by discovery, dropped when no longer registered
@@ -130,7 +137,7 @@ class Peers:
         self.self_url = self_url
         self.discovery: Discovery | None = None  # set by whoever starts it; closed here
         self._token = token
-        self._lock = threading.Lock()  # each peer's stores
+        self._lock = threading.Lock()  # each peer's ``swept_at``
         self._members = threading.Lock()  # updates of the list
         static = [u for u in dict.fromkeys(peer_url(u) for u in urls) if u != self_url]
         self.peers: list[Peer] = [self._new_peer(url) for url in static]
@@ -141,10 +148,11 @@ class Peers:
     def _new_peer(self, url: str, static: bool = True) -> Peer:
         address = parse_server_address(url)
         peer = Peer(url, address.host, address.port, static=static)
+        peer.stores = OpenStores(lambda namespace: self._open_store(peer, namespace))
         peer.health = Health(
             "peer",
             f"kvtier server: peer {peer.url}",
-            lambda: self._store(peer, PING_NAMESPACE).ping(),
+            lambda: self._ping(peer),
             reconnect_max_s=self.reconnect_max_s,
             logger=logger,
             on_reconnect=lambda: self._forget_pool(peer),
@@ -181,38 +189,43 @@ class Peers:
             self._forget_pool(peer)
 
     def _close_peer(self, peer: Peer) -> None:
-        with self._lock:  # from here on no store of it opens
-            peer.closed = True
-            stores, peer.stores = list(peer.stores.values()), {}
+        peer.closed = True  # from here on no store of it opens
         assert peer.health is not None
         peer.health.close()
-        for store in stores:
-            store.close()
+        peer.stores.close()
 
-    def _store(self, peer: Peer, namespace: str) -> KVTierStore:
-        with self._lock:
-            if peer.closed:
-                raise StoreUnavailable(f"peer {peer.url}: no longer a peer")
-            store = peer.stores.get(namespace)
-            if store is None:
-                store = peer.stores[namespace] = KVTierStore(
-                    peer.host,
-                    peer.port,
-                    namespace=namespace,
-                    token=self._token,
-                    timeout_s=self.timeout_s,
-                    max_connections=8,
-                    shm=False,
-                    peer=True,
-                )
-            others = []
+    def _open_store(self, peer: Peer, namespace: str) -> KVTierStore:
+        if peer.closed:
+            raise StoreUnavailable(f"peer {peer.url}: no longer a peer")
+        return KVTierStore(
+            peer.host,
+            peer.port,
+            namespace=namespace,
+            token=self._token,
+            timeout_s=self.timeout_s,
+            max_connections=8,
+            shm=False,
+            peer=True,
+        )
+
+    @contextlib.contextmanager
+    def _store(self, peer: Peer, namespace: str) -> Iterator[KVTierStore]:
+        """The peer's store of ``namespace``, not closed before the block ends."""
+        with peer.stores.using(namespace) as store:
             now = time.monotonic()
-            if now - peer.swept_at >= SWEEP_S:
-                peer.swept_at = now
-                others = [s for name, s in peer.stores.items() if name != namespace]
-        for other in others:  # a namespace asked once must not keep its sockets open
-            other.close_stale()
-        return store
+            with self._lock:
+                sweep = now - peer.swept_at >= SWEEP_S
+                if sweep:
+                    peer.swept_at = now
+            others = peer.stores.stores() if sweep else {}
+            for name, other in others.items():  # a namespace asked once keeps no socket
+                if name != namespace:
+                    other.close_stale()
+            yield store
+
+    def _ping(self, peer: Peer) -> None:
+        with self._store(peer, PING_NAMESPACE) as store:
+            store.ping()
 
     def _forget_pool(self, peer: Peer) -> None:
         """A peer back up may be another process: handshake again before its next READ."""
@@ -254,7 +267,8 @@ class Peers:
         return present
 
     def _exists(self, peer: Peer, namespace: str, names: Sequence[str]) -> list[bool]:
-        return self._store(peer, namespace).exists_many(names)
+        with self._store(peer, namespace) as store:
+            return store.exists_many(names)
 
     # -- pulls -------------------------------------------------------------------------
 
@@ -310,7 +324,8 @@ class Peers:
             return obj
 
         try:
-            found = self._store(peer, namespace).read_many(names, take)
+            with self._store(peer, namespace) as store:
+                found = store.read_many(names, take)
         except BaseException:  # the peer went away mid-reply: let go of what arrived
             for obj in taken:
                 obj.ref_down()
@@ -324,15 +339,21 @@ class Peers:
     def _pull_nixl(
         self, peer: Peer, namespace: str, names: list[str], deadline: float
     ) -> dict[str, MemoryObj]:
+        with self._store(peer, namespace) as store:
+            limit = store.max_names
+            if limit is None or len(names) <= limit:
+                return self._pull_leased(peer, store, namespace, names, deadline)
+            out: dict[str, MemoryObj] = {}
+            for start in range(0, len(names), limit):  # a lease per request the peer takes
+                batch = names[start : start + limit]
+                out |= self._pull_leased(peer, store, namespace, batch, deadline)
+            return out
+
+    def _pull_leased(
+        self, peer: Peer, store: KVTierStore, namespace: str, names: list[str], deadline: float
+    ) -> dict[str, MemoryObj]:
         plane = self.plane
         assert plane is not None
-        store = self._store(peer, namespace)
-        limit = store.max_names
-        if limit is not None and len(names) > limit:  # a lease per request the peer takes
-            out: dict[str, MemoryObj] = {}
-            for start in range(0, len(names), limit):
-                out |= self._pull_nixl(peer, namespace, names[start : start + limit], deadline)
-            return out
         reply = store.call(Op.LEASE, {"names": names})
         if "lease" not in reply:  # the peer has no NIXL
             return self._fall_back(peer, namespace, names, deadline, str(reply.get("reason")))
@@ -426,15 +447,15 @@ class Peers:
         fails is only logged: the next pull finds them again). A peer of an earlier
         kvtier, which takes no reports, is not sent one."""
         try:
-            store = self._store(peer, namespace)
-            if not store.answers(Op.CORRUPT):
-                warn_once(
-                    logger,
-                    f"kvtier server: peer {peer.url} (an earlier kvtier) "
-                    "takes no reports of corrupt blobs: none sent",
-                )
-                return
-            store.call(Op.CORRUPT, {"names": names})
+            with self._store(peer, namespace) as store:
+                if not store.answers(Op.CORRUPT):
+                    warn_once(
+                        logger,
+                        f"kvtier server: peer {peer.url} (an earlier kvtier) "
+                        "takes no reports of corrupt blobs: none sent",
+                    )
+                    return
+                store.call(Op.CORRUPT, {"names": names})
         except StoreUnavailable as exc:
             warn_once(logger, f"kvtier server: peer {peer.url}: corrupt blobs not reported: {exc}")
             return

@@ -1,5 +1,5 @@
-"""``OpenStores``: the remote's stores a server keeps open, one per client namespace,
-at most ``MAX_OPEN_STORES`` at once.
+"""``OpenStores``: the stores a server keeps open, one per client namespace, at most
+``MAX_OPEN_STORES`` at once (its remote's, and each peer's).
 
 Each store holds a client of the remote and its connections (file descriptors): a
 server that opened one for every namespace a client ever named would run out of them.
@@ -13,37 +13,40 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvtier.storage.blob_store import BlobStore
 
 MAX_OPEN_STORES = 64
+S = TypeVar("S", bound=BlobStore)
 
 
 @dataclass(slots=True)
-class _Opened:
-    store: BlobStore
+class _Opened(Generic[S]):
+    store: S
     users: int = 0  # calls using it now
     retired: bool = False  # past the bound: closed once unused
 
 
-class OpenStores:
+class OpenStores(Generic[S]):
     """The store of each namespace, opened on first use; thread-safe.
 
     Args:
-        open_store: the store of a namespace (cheap: a store connects on its first call).
+        open_store: the store of a namespace (cheap: a store connects on its first call);
+            what it raises, ``using`` raises, nothing opened.
         capacity: the most stores kept open once unused.
     """
 
-    def __init__(self, open_store: Callable[[str], BlobStore], capacity: int = MAX_OPEN_STORES):
+    def __init__(self, open_store: Callable[[str], S], capacity: int = MAX_OPEN_STORES):
         self._open_store = open_store
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._open: dict[str, _Opened] = {}  # the one used longest ago first
-        self._retired: list[_Opened] = []  # closed when their last call ends
+        self._open: dict[str, _Opened[S]] = {}  # the one used longest ago first
+        self._retired: list[_Opened[S]] = []  # closed when their last call ends
         self._named: set[str] = set()  # every namespace opened (``clear`` of all)
 
     @contextlib.contextmanager
-    def using(self, namespace: str) -> Iterator[BlobStore]:
+    def using(self, namespace: str) -> Iterator[S]:
         """The store of ``namespace``, not closed before the block ends."""
         with self._lock:
             opened = self._open.pop(namespace, None)
@@ -66,7 +69,7 @@ class OpenStores:
             if done:
                 opened.store.close()
 
-    def _retire(self) -> list[BlobStore]:
+    def _retire(self) -> list[S]:
         """Take the stores used longest ago past ``capacity`` out; those unused to close."""
         idle = []
         while len(self._open) > self.capacity:
@@ -82,6 +85,11 @@ class OpenStores:
         """The namespace whose store was used last, if one is open."""
         with self._lock:
             return next(reversed(self._open), None)
+
+    def stores(self) -> dict[str, S]:
+        """The stores open now, by namespace."""
+        with self._lock:
+            return {name: opened.store for name, opened in self._open.items()}
 
     def namespaces(self) -> list[str]:
         """Every namespace a store was opened for."""
