@@ -220,6 +220,12 @@ class FileStore:
                 if exc.errno not in NO_SPACE or not self._shed(name, size):
                     raise
                 refused = write_whole(Path(path), parts, o_direct=self.o_direct)
+                warn_once(
+                    logger,
+                    f"{self.describe}: {self.root} is full before its bound of "
+                    f"{self.capacity_bytes} bytes; files evicted to make room (a bound no "
+                    "larger than the free space keeps the tier from filling the filesystem)",
+                )
         except OSError:
             self.forget(name)
             raise

@@ -168,7 +168,9 @@ class SmallDisk:
         return cls(path) if done.returncode == 0 else None
 
     def fill(self) -> None:
-        with open(self.ballast, "wb") as f, contextlib.suppress(OSError):
+        """Take whatever space is free (appended to the ballast: the space it holds is
+        never given back meanwhile); a filesystem too full to open it is full already."""
+        with contextlib.suppress(OSError), open(self.ballast, "ab") as f:
             while True:
                 f.write(b"\0" * (1 << 16))
                 f.flush()
