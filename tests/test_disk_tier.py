@@ -550,7 +550,8 @@ def test_a_disk_smaller_than_the_bound_evicts_when_full(tmp_path, pool, caplog):
             objs = put_all(tier, pool, range(20))
         assert counter(stats, TierCounter.PUT_CHUNKS) == 20
         assert counter(stats, TierCounter.DROPPED_NO_SPACE) == 0
-        assert counter(stats, TierCounter.EVICTIONS) > 0
+        evicted = counter(stats, TierCounter.EVICTIONS)
+        assert evicted > 0 and counter(stats, TierCounter.EVICTIONS_NO_SPACE) == evicted
         assert [r.message for r in caplog.records if "is full before its bound" in r.message]
         assert len(caplog.records) == 1 and not list(root.rglob("*.tmp"))  # warned once
         present = tier.contains_many([key(i) for i in range(20)])

@@ -153,6 +153,7 @@ TIER_HELP = {
     TierCounter.THROTTLED: "Lookups and reads the remote throttled (misses; it stays up).",
     TierCounter.RECONNECTS: "Times the tier came back after being down.",
     TierCounter.EVICTIONS: "Objects evicted from the tier to stay under its size.",
+    TierCounter.EVICTIONS_NO_SPACE: "Files evicted because the disk was full before the bound.",
     TierCounter.CORRUPT: "Objects refused by the wire-format checks.",
     TierCounter.NEWER_FORMAT: "Objects of a format a newer kvtier writes (misses, deleted).",
     Histogram.TIER_GET: "Seconds per batched get from the tier.",

@@ -69,6 +69,7 @@ class TierCounter:
     THROTTLED = "throttled"
     RECONNECTS = "reconnects"
     EVICTIONS = "evictions"
+    EVICTIONS_NO_SPACE = "evictions_no_space"
     CORRUPT = "corrupt_rejected"
     NEWER_FORMAT = "newer_format_rejected"
 

@@ -127,6 +127,7 @@ class FileTier:
                 o_direct=o_direct,
                 describe=f"kvtier {name} tier",
                 on_evict=self._evicted,
+                on_full=self._evicted_for_space,
             )
         except OSError as exc:
             raise ValueError(
@@ -158,6 +159,10 @@ class FileTier:
         with self._lock:
             self._record_removed(file_name)
         self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS))
+
+    def _evicted_for_space(self, files: int) -> None:
+        """The store evicted ``files`` because the filesystem was full before its bound."""
+        self.stats.inc(tier_counter(self.name, TierCounter.EVICTIONS_NO_SPACE), files)
 
     # -- reads -----------------------------------------------------------------------
 

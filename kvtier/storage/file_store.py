@@ -61,6 +61,8 @@ class FileStore:
             where the filesystem refuses it.
         describe: how logs name the store (``kvtier disk tier``).
         on_evict: called with each name the store evicts, as it does (under its lock).
+        on_full: called with how many files the store evicted because the filesystem was
+            full before its bound (after ``on_evict`` for each).
 
     Raises:
         OSError: ``root`` cannot be created or written to.
@@ -76,6 +78,7 @@ class FileStore:
         o_direct: bool = False,
         describe: str,
         on_evict: Callable[[str], object] | None = None,
+        on_full: Callable[[int], object] | None = None,
     ):
         self.root = Path(root)
         self.dir = self.root / tree
@@ -84,7 +87,7 @@ class FileStore:
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.describe = describe
         self.evictions = 0
-        self._on_evict = on_evict
+        self._on_evict, self._on_full = on_evict, on_full
         self._index = SizedIndex(capacity_bytes, policy)  # bounded store only
         self._directories: set[str] = set()  # relative to ``dir``: those known to exist
         self._lock = threading.Lock()
@@ -251,6 +254,8 @@ class FileStore:
         with self._lock:
             victims = self._index.shed(size, keep=name, at_least=3)
             self._evict(victims)
+        if victims and self._on_full is not None:
+            self._on_full(len(victims))
         return bool(victims)
 
     def _made_directories(self, path: str) -> None:

@@ -96,7 +96,8 @@ SEEN_BY = {
     "truncate": ("disk_corrupt_rejected",),
     "bitflip": ("disk_corrupt_rejected",),
     "delete": ("disk_get_misses",),
-    "disk_full": ("disk_puts_dropped_no_space",),
+    # a full filesystem makes the tier evict to make room, or drop a store it cannot
+    "disk_full": ("disk_evictions_no_space", "disk_puts_dropped_no_space"),
     "kill_engine": ("disk_lookup_hit_chunks",),  # the restarted engine hits the same disk
 }
 REMOTES = ("redis", "kvtier")
