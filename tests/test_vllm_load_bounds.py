@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 
 import pytest
 import torch
-from support.kv import bits, fill_random_
+from support.kv import bits
 from support.vllm_steps import FakeCachedRequests, FakeNewRequest, FakeSchedulerOutput
+from support.worker_rig import random_paged, serving_worker
 
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
 from kvtier.integration.vllm.common import LoadSpec, SaveSpec, StepPlan
-from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
+from kvtier.integration.vllm.rpc import RankLookup, RpcClient
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.integration.vllm.worker import WorkerSide
 from kvtier_kernels import PagedKV
@@ -183,22 +183,9 @@ def make_pair(tmp_path, mode: str, **overrides):
         },
         env={},
     )
-    paged = PagedKV.empty(
-        "vllm_hnd",
-        num_layers=LAYERS,
-        num_blocks=40,
-        block_size=BLOCK,
-        num_heads=HEADS,
-        head_size=HEAD,
-        dtype=torch.bfloat16,
-    )
-    gen = torch.Generator().manual_seed(0)
-    for tensor in paged.tensors:
-        fill_random_(tensor, gen)
-    endpoint = endpoint_for(f"t-{uuid.uuid4().hex[:8]}", 0, base_dir=str(tmp_path))
-    worker = WorkerSide(config, EngineMetadata("test-model"), endpoint)
+    paged = random_paged(LAYERS, 40, BLOCK, HEADS, HEAD)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    worker.register_kv_caches(dict(zip(names, paged.tensors, strict=True)), "FLASH_ATTN")
+    worker, endpoint = serving_worker(tmp_path, config, paged, names)
     client = RpcClient([endpoint], 2.0)
     lookup = RankLookup(client)
     side = SchedulerSide(

@@ -15,18 +15,17 @@ chunk before it (``test_vllm_scheduler_side.py``).
 
 from __future__ import annotations
 
-import uuid
 from types import SimpleNamespace
 
 import torch
-from support.kv import bits, fill_random_
+from support.kv import bits
 from support.vllm_steps import FakeNewRequest, FakeSchedulerOutput
+from support.worker_rig import random_paged, serving_worker, store_prompt
 
 from kvtier.chunker import Chunker
 from kvtier.config import load_config
-from kvtier.engine import EngineMetadata
 from kvtier.hashing import ChunkHasher
-from kvtier.integration.vllm.rpc import RankLookup, RpcClient, endpoint_for
+from kvtier.integration.vllm.rpc import RankLookup, RpcClient
 from kvtier.integration.vllm.scheduler import SchedulerSide
 from kvtier.integration.vllm.worker import WorkerSide
 from kvtier.keys import CacheKey
@@ -175,24 +174,9 @@ def test_a_worker_loads_past_vllms_hit_after_kvtier_lost_the_first_chunks(tmp_pa
     c2) and gets tokens [20, 40) from c2 (its part past token 20), c3 and c4: a's KV, bit
     for bit; the blocks vLLM holds are never written, and b stores c0 and c1 again."""
     config = load_config({"chunk_size": SMALL_CHUNK, "kernel_backend": "torch"}, env={})
-    paged = PagedKV.empty(
-        "vllm_hnd",
-        num_layers=LAYERS,
-        num_blocks=24,
-        block_size=SMALL_BLOCK,
-        num_heads=2,
-        head_size=8,
-        dtype=torch.bfloat16,
-    )
-    gen = torch.Generator().manual_seed(0)
-    for tensor in paged.tensors:
-        fill_random_(tensor, gen)
-    endpoint = endpoint_for(f"t-{uuid.uuid4().hex[:8]}", 0, base_dir=str(tmp_path))
-    worker = WorkerSide(config, EngineMetadata("test-model"), endpoint)
+    paged = random_paged(LAYERS, 24, SMALL_BLOCK, num_heads=2, head_size=8)
+    worker, endpoint = serving_worker(tmp_path, config, paged)
     try:
-        worker.register_kv_caches(
-            {f"layer.{i}": t for i, t in enumerate(paged.tensors)}, "FLASH_ATTN"
-        )
         with RpcClient([endpoint], 2.0) as client:
             side = SchedulerSide(config, RankLookup(client), block_size=SMALL_BLOCK)
             load_after_dropping_the_first_chunks(worker, side, paged)
@@ -201,17 +185,8 @@ def test_a_worker_loads_past_vllms_hit_after_kvtier_lost_the_first_chunks(tmp_pa
 
 
 def load_after_dropping_the_first_chunks(worker: WorkerSide, side: SchedulerSide, paged: PagedKV):
-    tokens = list(range(500, 541))
-    a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_prompt_tokens=41)
-    blocks_a = list(range(1, 12))
-    side.get_num_new_matched_tokens(a, 0)
-    side.update_state_after_alloc(a, blocks_a, 0)
-    step = FakeSchedulerOutput(
-        scheduled_new_reqs=[FakeNewRequest("a", (blocks_a,), 0)], num_scheduled_tokens={"a": 41}
-    )
-    worker.start_load(side.build_plan(step))
-    worker.wait_for_save()
-    side.request_finished(a)
+    tokens, blocks_a = list(range(500, 541)), list(range(1, 12))
+    store_prompt(worker, side, "a", tokens, blocks_a)
     for h in chunk_hashes(tokens, SMALL_CHUNK)[:2]:
         assert worker.engine.storage.remove(worker.engine.chunker.key(h))
 

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.kv import bits, fill_random_
+from support.kv import bits
+from support.worker_rig import random_paged
 
 from kvtier.config import load_config
 from kvtier.engine import EngineMetadata
@@ -50,19 +51,7 @@ KINDS = {
 def make_cache(kind: str) -> PagedKV:
     """The same random cache on every call: the ranks' replicated latent or head."""
     layout, _, heads, head_size = KINDS[kind]
-    paged = PagedKV.empty(
-        layout,
-        num_layers=LAYERS,
-        num_blocks=NUM_BLOCKS,
-        block_size=BLOCK,
-        num_heads=heads,
-        head_size=head_size,
-        dtype=torch.bfloat16,
-    )
-    gen = torch.Generator().manual_seed(0)
-    for tensor in paged.tensors:
-        fill_random_(tensor, gen)
-    return paged
+    return random_paged(LAYERS, NUM_BLOCKS, BLOCK, heads, head_size, layout)
 
 
 @pytest.fixture
