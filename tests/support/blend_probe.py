@@ -73,7 +73,8 @@ def deviations(_vllm_worker) -> dict[str, list[float]]:
     none = torch.zeros(num_tokens, dtype=torch.bool)
     full = blend(model, tokens, torch.zeros(shape), none, []).kv
     kv, reused = torch.zeros(shape), none.clone()
-    place_segments(kv, reused, worker._placed(spec, shape[3]), None)
+    placed = worker._placed(spec, shape[3], worker.tokens.paged.dtype)
+    place_segments(kv, reused, placed, None)
     plain = blend(model, tokens, kv, reused, [], fixed=reused.clone()).kv
     curve = {str(label): _relative_deviation(kv, full) for label, kv in worker.probe_kv.items()}
     curve["plain"] = _relative_deviation(plain, full)
