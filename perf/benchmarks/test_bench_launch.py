@@ -66,7 +66,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import interleaved_medians
+from conftest import interleaved_medians, median_seconds
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.config import load_config
@@ -289,22 +289,6 @@ def rans_calls(case: dict, backend: str) -> dict[str, Callable[[], object]]:
     }
 
 
-def median_apart(
-    fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None
-) -> float:
-    """Median wall time of ``repeat`` calls of ``fn`` back to back (after two untimed),
-    ``setup`` (untimed) before each."""
-    times = []
-    for i in range(repeat + 2):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def whole_call(op: str) -> str:
     """The call a ``*_before_sync`` / ``*_after_sync`` row times part of (else ``op``)."""
     return op.removesuffix("_before_sync").removesuffix("_after_sync")
@@ -363,8 +347,11 @@ def test_rans_host_us_per_call_with_a_recorder_for_the_device(op: str, shape: st
         if part:
             value, baseline_value = interleaved_medians(fn, whole, repeat=RANS_ROUNDS[shape])
         else:
-            value = median_apart(fn, RANS_ROUNDS[shape])
-            baseline_value = median_apart(whole, RANS_ROUNDS[shape], rans_plans.clear_plans)
+            rounds = RANS_ROUNDS[shape]
+            value = median_seconds(fn, repeat=rounds, warmup=2)
+            baseline_value = median_seconds(
+                whole, repeat=rounds, warmup=2, setup=rans_plans.clear_plans
+            )
         ops = tensor_ops(fn)
         empty = per_call_us(lambda: None)
     assert recorder.calls > 0, "the recorder saw no launch: the row would time nothing"
