@@ -42,7 +42,6 @@ class StoreResult:
     stored_bytes: int = 0
     skipped_existing: int = 0
     skipped_no_memory: int = 0
-    skipped_replica: int = 0  # left to the replica that writes them (never copied out)
     seconds: float = 0.0
 
 
@@ -116,8 +115,7 @@ class StoreTransfer:
                 self.result.skipped_existing += 1
                 self._pinned_existing += storage.pin([chunk.key])
                 continue
-            if storage.skip_for_replica(chunk.key):
-                self.result.skipped_replica += 1
+            if storage.skip_for_replica(chunk.key):  # counted per tier, never copied out
                 continue
             if bool((slots[chunk.start : chunk.end] < 0).any()):
                 break

@@ -19,6 +19,7 @@ from kvtier.integration.vllm.common import (
     SchedulerExtension,
     StepPlan,
     WorkerExtension,
+    held_by_every_rank,
 )
 
 logger = logging.getLogger(__name__)
@@ -159,11 +160,7 @@ def scheduler_extension(
 
     def lookup_segments(hashes: list[bytes]) -> list[bool]:
         """Which segments every worker rank holds (none when a rank fails)."""
-        replies = client.call_all("blend_lookup", hashes=hashes)
-        if replies is None:
-            return [False] * len(hashes)
-        held = [list(reply.get("held", ())) for reply in replies]
-        return [all(len(h) == len(hashes) and h[i] for h in held) for i in range(len(hashes))]
+        return held_by_every_rank(client.call_all("blend_lookup", hashes=hashes), len(hashes))
 
     planner = BlendPlanner(
         config,

@@ -181,3 +181,13 @@ def slot_mapping(
     valid = (positions >= start) & (positions < end) & (block_index < len(block_ids))
     slots = blocks[block_index.clamp(max=len(blocks) - 1)] * block_size + positions % block_size
     return torch.where(valid, slots, torch.full_like(slots, -1))
+
+
+def held_by_every_rank(replies: list[dict] | None, count: int) -> list[bool]:
+    """Per hash of a ``count``-hash question to every rank, whether every reply's
+    ``held`` says it holds it (none when a rank failed, ``replies`` None, or a reply
+    answers another number of hashes)."""
+    if replies is None:
+        return [False] * count
+    held = [list(reply.get("held", ())) for reply in replies]
+    return [all(len(h) == count and h[i] for h in held) for i in range(count)]

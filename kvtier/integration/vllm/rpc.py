@@ -39,6 +39,8 @@ from typing import Any
 import cbor2
 import zmq
 
+from kvtier.integration.vllm.common import held_by_every_rank
+
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -395,11 +397,7 @@ class RankLookup:
     def held(self, hashes: list[bytes]) -> list[bool]:
         """Whether every rank holds each of ``hashes`` (none when any rank is late or
         fails); nothing is prefetched."""
-        replies = self._call("held", hashes=hashes)
-        if replies is None:
-            return [False] * len(hashes)
-        held = [list(r.get("held", ())) for r in replies]
-        return [all(len(h) == len(hashes) and h[i] for h in held) for i in range(len(hashes))]
+        return held_by_every_rank(self._call("held", hashes=hashes), len(hashes))
 
     def _call(self, op: str, **args: Any) -> list[dict] | None:
         replies = self.client.call_all(op, **args)
