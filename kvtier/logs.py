@@ -60,13 +60,12 @@ def show_kvtier_logs() -> None:
     Raises:
         ValueError: ``KVTIER_LOG_LEVEL`` is not a level.
     """
-    level = env_log_level()
+    level = set_kvtier_log_level()
     root = logging.getLogger(KVTIER_LOGGER)
-    if level is not None:
-        root.setLevel(level)
     if root.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("(kvtier) %(levelname)s %(asctime)s %(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO if level is None else level)
+    if level is None:
+        root.setLevel(logging.INFO)
