@@ -223,6 +223,15 @@ def unresolvable(host: str) -> str | None:
     return None
 
 
+def _given(flags: list[tuple[str, bool]]) -> str:
+    """``"--a, --b and --c need"`` of the flags given (``"--a needs"``), "" for none."""
+    given = [flag for flag, set_ in flags if set_]
+    if not given:
+        return ""
+    named = " and ".join([", ".join(given[:-1]), given[-1]] if given[:-1] else given)
+    return f"{named} need{'s' * (len(given) == 1)}"
+
+
 def server_config(args: argparse.Namespace) -> KVTierConfig:
     """The config of ``args``: flags over ``--config`` over ``KVTIER_*`` over defaults.
 
@@ -278,40 +287,31 @@ def server_config(args: argparse.Namespace) -> KVTierConfig:
     ]
     if problems:
         raise ConfigError(problems)
-    for url in peer_urls(args, config):
+    peers, discovery = peer_urls(args, config), discovery_url(args, config)
+    for url in peers:
         try:
             parse_server_address(url)
         except ValueError:
             raise ConfigError(
                 f"--peer / server_peers {url!r}: expected kvtier://host:port"
             ) from None
-    if not peer_urls(args, config) and discovery_url(args, config) is None:
-        given = [
-            flag
-            for flag, set_ in (
-                ("--peer-cache", args.peer_cache is not None),
-                ("--lookup-peers", args.lookup_peers),
-            )
-            if set_
-        ]
-        if given:
-            raise ConfigError(
-                f"{' and '.join(given)} need{'s' * (len(given) == 1)} peers: --peer (or the "
-                "server_peers key) or --peer-discovery (or the server_peer_discovery key)"
-            )
-    if discovery_url(args, config) is None:
-        given = [
-            flag
-            for flag, set_ in (
+    needs_peers = _given(
+        [("--peer-cache", args.peer_cache is not None), ("--lookup-peers", args.lookup_peers)]
+    )
+    if needs_peers and not peers and discovery is None:
+        raise ConfigError(
+            f"{needs_peers} peers: --peer (or the server_peers key) or --peer-discovery (or "
+            "the server_peer_discovery key)"
+        )
+    if discovery is None:
+        if flags := _given(
+            [
                 ("--advertise", args.advertise is not None),
                 ("--peer-group", args.peer_group != DEFAULT_GROUP),
                 ("--peer-discovery-ttl", args.peer_discovery_ttl != DEFAULT_TTL_S),
-            )
-            if set_
-        ]
-        if given:
-            flags = " and ".join([", ".join(given[:-1]), given[-1]] if given[:-1] else given)
-            raise ConfigError(f"{flags} need{'s' * (len(given) == 1)} --peer-discovery")
+            ]
+        ):
+            raise ConfigError(f"{flags} --peer-discovery")
         return config
     try:
         advertised(args.host, args.port, advertise_of(args))
