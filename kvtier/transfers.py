@@ -219,6 +219,7 @@ class RetrieveTransfer:
             self._accept(chunks, slot_mapping)
         except BaseException:
             self._release_held()
+            self._held = None
             raise
         self._busy = time.perf_counter() - started
 
@@ -231,7 +232,7 @@ class RetrieveTransfer:
         usable = True
         for i, part in enumerate(self._rounds(chunks)):
             if i:
-                self._release_round()
+                self._release_held()
             with paged_io.loading() if self._scattered else contextlib.nullcontext():
                 for group in self._groups(part):
                     usable = self._take_group(group, usable)
@@ -269,8 +270,9 @@ class RetrieveTransfer:
                 raise
         return usable
 
-    def _release_round(self) -> None:
-        """Release the chunks of the rounds scattered so far, once their copies are done."""
+    def _release_held(self) -> None:
+        """Release the held chunks, counted in ``_released``, once no copy may still read
+        them (the rounds scattered so far, or the whole run when it closes)."""
         self.paged_io.loads_done()
         chunks, tokens, nbytes = self._released
         self._released = (
@@ -331,20 +333,13 @@ class RetrieveTransfer:
                 self.paged_io.to_engine(part, chunk_slots, layers)
         self._busy += time.perf_counter() - started
 
-    def _release_held(self) -> None:
-        self.paged_io.loads_done()  # no scatter may still read a released buffer
-        for _, obj in self._held:
-            obj.ref_down()
-        self._held = None
-
     def close(self) -> None:
         """Release the held chunks and count the load (idempotent)."""
         if self._held is None:
             return
-        _, hit_tokens, loaded = self._released
-        loaded += sum(obj.data_nbytes for _, obj in self._held)
-        hit_tokens += sum(chunk.num_tokens for chunk, _ in self._held)
         self._release_held()
+        self._held = None
+        _, hit_tokens, loaded = self._released
         s = self.checked.storage.stats
         s.inc(Counter.RETRIEVE_REQUESTS)
         s.inc(Counter.HIT_TOKENS, hit_tokens)
